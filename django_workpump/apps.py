@@ -1,0 +1,15 @@
+from django.apps import AppConfig
+from django.utils.module_loading import autodiscover_modules
+
+
+class WorkPumpConfig(AppConfig):
+    name = "django_workpump"
+    label = "workpump"
+    verbose_name = "Work pump"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django_workpump import conf  # noqa: F401  (connects the setting_changed receiver)
+
+        # Handlers live in <app>/workpump.py, found the way admin.py is.
+        autodiscover_modules("workpump")

@@ -1,0 +1,85 @@
+"""The ``WORKPUMP`` settings dict: documented defaults, merged lazily, reset on change.
+
+Units are part of every key name. Validation lives in ``checks.py`` so a bad value is
+reported by ``manage.py check`` with an id and a hint instead of failing at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+DEFAULTS: dict[str, Any] = {
+    # Leases (§5).
+    "LEASE_SECONDS": 300,  # a claimed row is held this long unless renewed
+    "LEASE_GRACE_SECONDS": 30,  # a handler is cancelled this long before its DB lease ends
+    "MAX_RENEWALS_PER_WORK": 6,  # renewals a dispatch may use; then its lease is let expire
+    # Failure and retry (§6).
+    "MAX_ATTEMPTS": 10,  # claims before a row is parked as dead (per-handler override)
+    "RETRY_BACKOFF_BASE_SECONDS": 30,  # first retry waits this long, then doubles
+    "RETRY_BACKOFF_MAX_SECONDS": 300,  # cap of the retry wait; 0 retries at once
+    # Liveness (§4).
+    "HEARTBEAT_INTERVAL_SECONDS": 10,  # fast cadence
+    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 60,  # cadence while the alive-lock proves liveness
+    "STALE_AFTER_SECONDS": 30,  # a heartbeat older than this is stale (evictable)
+    "DEFINITIVELY_DEAD_AFTER_SECONDS": 300,  # evicted even if its alive-lock is held
+    "STALE_PEER_PROBE_INTERVAL_SECONDS": 5,  # how often to look for stale peers (a read)
+    "LIVENESS_SOURCE_MODE": "advisory_lock_when_available",  # or "heartbeat_table_only"
+    "HEARTBEAT_ENABLED": True,  # kill switch: False lets peers evict this instance
+    # Claiming (§7).
+    "CLAIM_ENABLED": True,  # kill switch
+    "POLLING_INTERVAL_MS": 250,  # tight base wait between polls
+    "POLLING_MAX_INTERVAL_MS": 10_000,  # backoff cap; <= base disables backoff
+    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 5_000,  # relaxed base while NOTIFY works; None = off
+    "ENABLE_SAFETY_NET_POLL": True,  # False + healthy NOTIFY: poll only when woken
+    "MAX_STREAMS_PER_BATCH": 1_000,  # upper bound of rows one claim may return
+    "PARTITION_COUNT": 10_000,  # stream hash space shared out among live instances
+    "CONCURRENCY": 4,  # dispatch threads per instance
+    "CLAIM_PREFETCH": 2,  # rows claimed beyond the free dispatch slots
+    # Lease renewal flusher (§5).
+    "RENEWAL_MAX_BATCH": 200,
+    "RENEWAL_COALESCE_WINDOW_MS": 200,
+    "RENEWAL_IMMEDIATE_FLUSH_AT": 100,
+    "RENEWAL_CAPACITY": 5_000,
+    # Connections (§8).
+    "DATABASE_ALIAS": "default",
+    "LISTEN_DSN": None,  # direct DSN for LISTEN + alive-lock when DATABASE_ALIAS is pooled
+    # Housekeeping and shutdown (§8).
+    "RETENTION_SECONDS": 7 * 24 * 3600,  # processed rows are kept this long, then purged
+    "MAINTENANCE_INTERVAL_SECONDS": 300,
+    "SHUTDOWN_TIMEOUT_SECONDS": 30,
+    "STATUS_INTERVAL_SECONDS": 60,
+    # Producer limits.
+    "MAX_PAYLOAD_BYTES": 1_048_576,  # a larger JSON payload is refused at send/receive/emit
+}
+
+_cache: dict[str, Any] | None = None
+
+
+def get_settings() -> Mapping[str, Any]:
+    """Return ``WORKPUMP`` merged over the defaults (unknown keys are kept for the checks)."""
+    global _cache
+    if _cache is None:
+        from django.conf import settings
+
+        user = getattr(settings, "WORKPUMP", None) or {}
+        merged = dict(DEFAULTS)
+        if isinstance(user, Mapping):
+            merged.update(user)
+        _cache = merged
+    return _cache
+
+
+def setting(name: str) -> Any:
+    """Return one ``WORKPUMP`` value by key."""
+    return get_settings()[name]
+
+
+@receiver(setting_changed)
+def _reset_cache(*, setting: str, **kwargs: Any) -> None:
+    global _cache
+    if setting == "WORKPUMP":
+        _cache = None

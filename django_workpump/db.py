@@ -1,0 +1,230 @@
+"""Typed wrappers around the workpump SQL functions: the only place that runs SQL.
+
+Each wrapper runs one named query of ``sql/queries.sql`` on a Django connection (the
+``WORKPUMP['DATABASE_ALIAS']`` one unless ``using`` says otherwise), so it joins the
+caller's transaction. ``now`` is for tests only: production lets the database clock rule.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import connections
+
+from django_workpump.conf import setting
+from django_workpump.sql import named_queries
+
+
+@dataclass(frozen=True)
+class ClaimedWork:
+    """One row leased to the caller by ``claim_work``."""
+
+    category: str
+    work_id: uuid.UUID
+    topic: str
+    payload: dict[str, Any]
+    stream: str | None
+    attempts: int
+    max_attempts: int
+    lease_expiry: datetime
+    event_id: uuid.UUID | None
+    event_type: str | None
+    priority: int
+    claimed_at: datetime
+    has_more: bool
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What ``complete_work``/``fail_work``/``release_work`` did with one id."""
+
+    work_id: uuid.UUID
+    status: str  # done | retry | dead | released | lost
+    scheduled_for: datetime | None = None
+
+
+def _alias(using: str | None) -> str:
+    return using or setting("DATABASE_ALIAS")
+
+
+def _fetch(name: str, params: dict[str, Any], using: str | None) -> list[tuple[Any, ...]]:
+    with connections[_alias(using)].cursor() as cursor:
+        cursor.execute(named_queries()[name], params)
+        return list(cursor.fetchall())
+
+
+def _scalar(name: str, params: dict[str, Any], using: str | None) -> Any:
+    rows = _fetch(name, params, using)
+    return rows[0][0]
+
+
+def send(
+    *,
+    destination: str,
+    payload_json: str,
+    stream: str | None,
+    priority: int,
+    scheduled_for: datetime | None,
+    max_attempts: int,
+    message_id: uuid.UUID | None,
+    partition_count: int,
+    using: str | None = None,
+) -> uuid.UUID:
+    return _scalar("send", locals() | {"payload": payload_json}, using)  # type: ignore[no-any-return]
+
+
+def receive(
+    *,
+    message_id: uuid.UUID,
+    handler_name: str,
+    payload_json: str,
+    stream: str | None,
+    priority: int,
+    scheduled_for: datetime | None,
+    max_attempts: int,
+    partition_count: int,
+    using: str | None = None,
+) -> bool:
+    return bool(_scalar("receive", locals() | {"payload": payload_json}, using))
+
+
+def emit(
+    *,
+    event_type: str,
+    payload_json: str,
+    stream: str | None,
+    subscribers_json: str,
+    event_id: uuid.UUID | None,
+    priority: int,
+    partition_count: int,
+    using: str | None = None,
+) -> uuid.UUID:
+    params = locals() | {"payload": payload_json, "subscribers": subscribers_json}
+    return _scalar("emit", params, using)  # type: ignore[no-any-return]
+
+
+def claim_work(
+    *,
+    instance_id: uuid.UUID,
+    max_rows: int,
+    lease_seconds: int,
+    partition_count: int,
+    categories: Sequence[str] | None = None,
+    stale_after_seconds: int = 30,
+    definitively_dead_after_seconds: int = 300,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[ClaimedWork]:
+    params = locals() | {"categories": list(categories) if categories else None}
+    return [ClaimedWork(*row) for row in _fetch("claim_work", params, using)]
+
+
+def renew_leases(
+    *,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    lease_seconds: int,
+    instance_id: uuid.UUID | None,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> dict[uuid.UUID, datetime]:
+    """Renew; return ``{id: new lease_expiry}`` for the rows that were renewed."""
+    params = locals() | {"ids": list(ids)}
+    return dict(_fetch("renew_leases", params, using))  # type: ignore[arg-type]
+
+
+def complete_work(
+    *,
+    instance_id: uuid.UUID,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    results: Sequence[str | None] | None = None,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[Outcome]:
+    """Complete; ``results`` are JSON texts (or None), one per id."""
+    params = locals() | {"ids": list(ids), "results": list(results) if results else None}
+    return [Outcome(*row) for row in _fetch("complete_work", params, using)]
+
+
+def fail_work(
+    *,
+    instance_id: uuid.UUID,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    errors: Sequence[str],
+    reasons: Sequence[str] | None = None,
+    retry_base_seconds: int = 30,
+    retry_max_seconds: int = 300,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[Outcome]:
+    params = locals() | {
+        "ids": list(ids),
+        "errors": list(errors),
+        "reasons": list(reasons) if reasons else None,
+    }
+    return [Outcome(*row) for row in _fetch("fail_work", params, using)]
+
+
+def release_work(
+    *,
+    instance_id: uuid.UUID,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[Outcome]:
+    params = locals() | {"ids": list(ids)}
+    return [Outcome(*row) for row in _fetch("release_work", params, using)]
+
+
+def record_heartbeat(
+    *,
+    instance_id: uuid.UUID,
+    service_name: str,
+    host_name: str,
+    process_id: int,
+    metadata_json: str = "{}",
+    stale_after_seconds: int = 30,
+    definitively_dead_after_seconds: int = 300,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> bool:
+    """Beat; False means this instance was evicted and must stop."""
+    params = locals() | {"metadata": metadata_json}
+    return bool(_scalar("record_heartbeat", params, using))
+
+
+def cleanup_stale_instances(
+    *,
+    stale_cutoff: datetime,
+    definitive_dead_cutoff: datetime | None,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[uuid.UUID]:
+    return [row[0] for row in _fetch("cleanup_stale_instances", locals(), using)]
+
+
+def stale_peer_exists(
+    *,
+    instance_id: uuid.UUID,
+    stale_after_seconds: int,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> bool:
+    return bool(_scalar("stale_peer_exists", locals(), using))
+
+
+def deregister_instance(
+    *, instance_id: uuid.UUID, now: datetime | None = None, using: str | None = None
+) -> int:
+    return int(_scalar("deregister_instance", locals(), using))
+
+
+def alive_lock_held(*, instance_id: uuid.UUID, using: str | None = None) -> bool:
+    return bool(_scalar("alive_lock_held", locals(), using))

@@ -1,0 +1,274 @@
+"""The work tables (DESIGN §2).
+
+Rows are written by the SQL functions in ``sql/`` (producers, claim, renew, complete,
+fail), never by forms; these models exist for migrations, the admin and factories.
+
+Every work row carries the same lease columns (``WorkRow``). A row's state is derived
+from them (``pending``, ``scheduled``, ``leased``, ``orphaned``, ``done``, ``dead``):
+see ``states.py``.
+
+``stream_head`` is maintained by triggers and ``complete_work``: it is true for the
+earliest undone row of each ordered stream, and only heads are claimable, which makes
+per-stream FIFO a property of the index the claim scans instead of a per-row check.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Coalesce, Now
+
+
+class WorkRow(models.Model):
+    """Columns shared by the four work tables."""
+
+    seq = models.BigAutoField(primary_key=True)  # monotonic order key
+    stream = models.TextField(null=True, blank=True)  # NULL: a stream of its own
+    partition_number = models.IntegerField()
+    priority = models.SmallIntegerField(db_default=0)  # higher runs first
+    stream_head = models.BooleanField(db_default=True, editable=False)
+    scheduled_for = models.DateTimeField(null=True, blank=True)  # not claimable before
+    created_at = models.DateTimeField(db_default=Now())
+    attempts = models.IntegerField(db_default=0)
+    max_attempts = models.IntegerField(db_default=10)
+    instance_id = models.UUIDField(null=True, blank=True, editable=False)
+    lease_expiry = models.DateTimeField(null=True, blank=True, editable=False)
+    lease_renewals = models.IntegerField(db_default=0, editable=False)
+    claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_error = models.TextField(null=True, blank=True)
+    failure_reason = models.CharField(max_length=40, null=True, blank=True)
+    dead_lettered_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        abstract = True
+
+
+def _lease_pair_check(table: str) -> models.CheckConstraint:
+    both_null = Q(instance_id__isnull=True, lease_expiry__isnull=True)
+    both_set = Q(instance_id__isnull=False, lease_expiry__isnull=False)
+    return models.CheckConstraint(condition=both_null | both_set, name=f"{table}_lease_pair")
+
+
+def _work_indexes(prefix: str, done: str, scope: tuple[str, ...] = ()) -> list[models.Index]:
+    """The partial indexes every work table needs; ``claim.sql`` repeats their predicates.
+
+    Names are ``<prefix>_ready`` etc. (Django caps index names at 30 characters).
+    """
+    undone = Q(**{f"{done}__isnull": True})
+    live_head = undone & Q(dead_lettered_at__isnull=True, stream_head=True)
+    return [
+        # Rows claimable right now: a scan of this index is the claim (priority, then FIFO).
+        models.Index(
+            fields=["-priority", "seq"],
+            name=f"{prefix}_ready",
+            condition=live_head & Q(instance_id__isnull=True, scheduled_for__isnull=True),
+        ),
+        # Rows waiting for a time: a lease to expire or a retry/deferral to fall due.
+        models.Index(
+            Coalesce("lease_expiry", "scheduled_for"),
+            name=f"{prefix}_timer",
+            condition=live_head & (Q(instance_id__isnull=False) | Q(scheduled_for__isnull=False)),
+        ),
+        # Rows held by an instance (eviction, deregistration, admin).
+        models.Index(
+            fields=["instance_id"], name=f"{prefix}_held", condition=Q(instance_id__isnull=False)
+        ),
+        # Undone rows of each ordered stream, in order (head promotion, blocked streams).
+        models.Index(
+            fields=[*scope, "stream", "seq"],
+            name=f"{prefix}_stream",
+            condition=undone & Q(stream__isnull=False),
+        ),
+        # Processed rows by age (retention purge).
+        models.Index(
+            fields=[done], name=f"{prefix}_done", condition=Q(**{f"{done}__isnull": False})
+        ),
+        # Dead rows (admin, status).
+        models.Index(
+            fields=["dead_lettered_at"],
+            name=f"{prefix}_dead",
+            condition=undone & Q(dead_lettered_at__isnull=False),
+        ),
+    ]
+
+
+class Outbox(WorkRow):
+    message_id = models.UUIDField(unique=True)
+    destination = models.TextField()
+    payload = models.JSONField()
+    processed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "workpump_outbox"
+        verbose_name = "outbox message"
+        constraints = [_lease_pair_check("workpump_outbox")]
+        indexes = _work_indexes("wp_outbox", "processed_at")
+
+    def __str__(self) -> str:
+        return f"outbox {self.destination} {self.message_id}"
+
+
+class Inbox(WorkRow):
+    message_id = models.UUIDField(unique=True)
+    handler_name = models.TextField()
+    payload = models.JSONField()
+    processed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "workpump_inbox"
+        verbose_name = "inbox message"
+        constraints = [_lease_pair_check("workpump_inbox")]
+        indexes = _work_indexes("wp_inbox", "processed_at")
+
+    def __str__(self) -> str:
+        return f"inbox {self.handler_name} {self.message_id}"
+
+
+class InboxDedup(models.Model):
+    """Every inbox message id ever received; outlives the purge of processed rows."""
+
+    message_id = models.UUIDField(primary_key=True)
+    first_seen_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "workpump_inbox_dedup"
+        verbose_name = "received message id"
+
+    def __str__(self) -> str:
+        return str(self.message_id)
+
+
+class Event(models.Model):
+    """An emitted event; perspective and receptor rows point at it."""
+
+    seq = models.BigAutoField(primary_key=True)
+    event_id = models.UUIDField(unique=True)
+    event_type = models.TextField()
+    payload = models.JSONField()
+    stream = models.TextField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "workpump_event"
+        indexes = [models.Index(fields=["created_at"], name="wp_event_created")]
+
+    def __str__(self) -> str:
+        return f"event {self.event_type} {self.event_id}"
+
+
+class PerspectiveEvent(WorkRow):
+    event_work_id = models.UUIDField(unique=True)
+    perspective_name = models.TextField()
+    event = models.ForeignKey(
+        Event, to_field="event_id", db_column="event_id", on_delete=models.PROTECT
+    )
+    processed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "workpump_perspective_event"
+        verbose_name = "perspective event"
+        constraints = [
+            _lease_pair_check("workpump_perspective_event"),
+            models.UniqueConstraint(
+                fields=["stream", "perspective_name", "event"],
+                name="workpump_perspective_event_unique",
+                nulls_distinct=False,
+            ),
+        ]
+        indexes = _work_indexes("wp_persp", "processed_at", ("perspective_name",))
+
+    def __str__(self) -> str:
+        return f"perspective {self.perspective_name} {self.event_work_id}"
+
+
+class ReceptorProcessing(WorkRow):
+    # The column is "id" (DESIGN §2); Django reserves that field name for primary keys.
+    work_id = models.UUIDField(unique=True, db_column="id")
+    receptor_name = models.TextField()
+    event = models.ForeignKey(
+        Event, to_field="event_id", db_column="event_id", on_delete=models.PROTECT
+    )
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "workpump_receptor_processing"
+        verbose_name = "receptor processing"
+        verbose_name_plural = "receptor processing"
+        constraints = [
+            _lease_pair_check("workpump_receptor_processing"),
+            models.UniqueConstraint(
+                fields=["event", "receptor_name"], name="workpump_receptor_processing_unique"
+            ),
+        ]
+        indexes = _work_indexes("wp_receptor", "completed_at", ("receptor_name",))
+
+    def __str__(self) -> str:
+        return f"receptor {self.receptor_name} {self.work_id}"
+
+
+class ServiceInstance(models.Model):
+    """One running ``runworkpump`` process, proving it is alive with a heartbeat."""
+
+    instance_id = models.UUIDField(primary_key=True)
+    service_name = models.TextField()
+    host_name = models.TextField()
+    process_id = models.IntegerField()
+    started_at = models.DateTimeField(db_default=Now())
+    last_heartbeat_at = models.DateTimeField(db_default=Now())
+    metadata = models.JSONField(db_default={})
+    # Second half of the alive-lock's two-int advisory key; unique among live rows.
+    alive_lock_key = models.IntegerField(unique=True, editable=False)
+
+    class Meta:
+        db_table = "workpump_service_instance"
+        indexes = [models.Index(fields=["last_heartbeat_at"], name="wp_instance_heartbeat")]
+
+    def __str__(self) -> str:
+        return f"{self.service_name}@{self.host_name}:{self.process_id}"
+
+
+class ActiveStream(models.Model):
+    """Who is working on an ordered stream now (set by claims, cleared on release)."""
+
+    category = models.CharField(max_length=20)
+    scope = models.TextField(blank=True, db_default="")  # perspective or receptor name
+    stream = models.TextField()
+    partition_number = models.IntegerField()
+    owner_instance_id = models.UUIDField(null=True, blank=True)
+    lease_expiry = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    last_activity_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "workpump_active_stream"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["category", "scope", "stream"], name="workpump_active_stream_unique"
+            )
+        ]
+        indexes = [
+            models.Index(
+                fields=["owner_instance_id"],
+                name="wp_active_stream_owner",
+                condition=Q(owner_instance_id__isnull=False),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.category}:{self.scope}:{self.stream}"
+
+
+class Eviction(models.Model):
+    """Tombstone of an evicted instance: its heartbeats are refused from then on."""
+
+    instance_id = models.UUIDField(primary_key=True)
+    evicted_at = models.DateTimeField(db_default=Now())
+    reason = models.TextField()
+
+    class Meta:
+        db_table = "workpump_eviction"
+        indexes = [models.Index(fields=["evicted_at"], name="wp_eviction_at")]
+
+    def __str__(self) -> str:
+        return f"evicted {self.instance_id}"

@@ -1,0 +1,224 @@
+"""Producing work: ``send``, ``receive``, ``emit`` (DESIGN §1).
+
+Each call writes through the Django connection of ``WORKPUMP['DATABASE_ALIAS']`` (or
+``using``), so it commits or rolls back with the caller's transaction. Bad input is
+refused here, before anything is written, with an error that names the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+
+from django_workpump import db
+from django_workpump.conf import setting
+from django_workpump.registry import TOPIC_NOUNS, registry
+
+# Called after commit of produced work, with its category (the in-process pump wakes).
+_on_commit_listeners: list[Callable[[str], None]] = []
+
+
+class InvalidWork(ValueError):
+    """Work that cannot be stored: a payload that is not JSON, a bad stream key, ..."""
+
+
+def add_produced_listener(listener: Callable[[str], None]) -> None:
+    """Call ``listener(category)`` after each commit that produced work of this process."""
+    _on_commit_listeners.append(listener)
+
+
+def remove_produced_listener(listener: Callable[[str], None]) -> None:
+    if listener in _on_commit_listeners:
+        _on_commit_listeners.remove(listener)
+
+
+def _announce(category: str, using: str) -> None:
+    if not _on_commit_listeners:
+        return
+
+    def fire() -> None:
+        for listener in list(_on_commit_listeners):
+            listener(category)
+
+    transaction.on_commit(fire, using=using)
+
+
+def _payload_json(what: str, payload: Any) -> str:
+    if not isinstance(payload, Mapping):
+        raise InvalidWork(
+            f"The payload of {what} must be a dict of JSON values, not {type(payload).__name__}."
+        )
+    try:
+        text = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidWork(
+            f"The payload of {what} is not JSON ({exc}). Pass only dicts, lists, strings, "
+            "numbers, booleans and None; convert dates, UUIDs and Decimals to strings first."
+        ) from exc
+    limit = setting("MAX_PAYLOAD_BYTES")
+    size = len(text.encode())
+    if size > limit:
+        raise InvalidWork(
+            f"The payload of {what} is {size} bytes of JSON, over "
+            f"WORKPUMP['MAX_PAYLOAD_BYTES'] ({limit}). Store large data elsewhere and "
+            "send a reference to it."
+        )
+    return text
+
+
+def _stream_key(what: str, stream: Any) -> str | None:
+    if stream is None:
+        return None
+    if isinstance(stream, bool) or not isinstance(stream, str | int | uuid.UUID):
+        raise InvalidWork(
+            f"The stream of {what} must be a str, int or UUID (or None for no ordering), "
+            f"not {type(stream).__name__}."
+        )
+    key = str(stream)
+    if not key.strip():
+        raise InvalidWork(f"The stream of {what} is empty; pass None for no ordering.")
+    return key
+
+
+def _name(what: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidWork(f"The {what} must be a non-empty string, not {value!r}.")
+    return value
+
+
+def _priority(what: str, priority: Any) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidWork(f"The priority of {what} must be an int, not {priority!r}.")
+    if not -32768 <= priority <= 32767:
+        raise InvalidWork(f"The priority of {what} must be within -32768..32767, not {priority}.")
+    return priority
+
+
+def _max_attempts(category: str, topic: str, max_attempts: int | None) -> int:
+    if max_attempts is None:
+        handler = registry.get(category, topic)
+        max_attempts = handler.max_attempts if handler and handler.max_attempts else None
+    if max_attempts is None:
+        max_attempts = setting("MAX_ATTEMPTS")
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise InvalidWork(
+            f"max_attempts of {TOPIC_NOUNS[category]} {topic!r} must be an int >= 1, "
+            f"not {max_attempts!r}."
+        )
+    return max_attempts
+
+
+def _when(what: str, run_after: datetime | None) -> datetime | None:
+    if run_after is not None and (not isinstance(run_after, datetime) or run_after.tzinfo is None):
+        raise InvalidWork(
+            f"run_after of {what} must be an aware datetime (USE_TZ), not {run_after!r}."
+        )
+    return run_after
+
+
+def send(
+    destination: str,
+    payload: Mapping[str, Any],
+    *,
+    stream: str | int | uuid.UUID | None = None,
+    priority: int = 0,
+    run_after: datetime | None = None,
+    max_attempts: int | None = None,
+    message_id: uuid.UUID | None = None,
+    using: str | None = None,
+) -> uuid.UUID:
+    """Store an outbox message for ``destination`` in the current transaction."""
+    destination = _name("outbox destination", destination)
+    what = f"outbox message to {destination!r}"
+    alias = using or setting("DATABASE_ALIAS")
+    result = db.send(
+        destination=destination,
+        payload_json=_payload_json(what, payload),
+        stream=_stream_key(what, stream),
+        priority=_priority(what, priority),
+        scheduled_for=_when(what, run_after),
+        max_attempts=_max_attempts("outbox", destination, max_attempts),
+        message_id=message_id,
+        partition_count=setting("PARTITION_COUNT"),
+        using=alias,
+    )
+    _announce("outbox", alias)
+    return result
+
+
+def receive(
+    message_id: uuid.UUID | str,
+    handler_name: str,
+    payload: Mapping[str, Any],
+    *,
+    stream: str | int | uuid.UUID | None = None,
+    priority: int = 0,
+    run_after: datetime | None = None,
+    max_attempts: int | None = None,
+    using: str | None = None,
+) -> bool:
+    """Store an inbox message once per ``message_id``; False if it was received before."""
+    handler_name = _name("inbox handler name", handler_name)
+    what = f"inbox message for {handler_name!r}"
+    try:
+        message_uuid = message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(message_id)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidWork(
+            f"The message id of {what} must be a UUID (or its string), not {message_id!r}."
+        ) from exc
+    alias = using or setting("DATABASE_ALIAS")
+    stored = db.receive(
+        message_id=message_uuid,
+        handler_name=handler_name,
+        payload_json=_payload_json(what, payload),
+        stream=_stream_key(what, stream),
+        priority=_priority(what, priority),
+        scheduled_for=_when(what, run_after),
+        max_attempts=_max_attempts("inbox", handler_name, max_attempts),
+        partition_count=setting("PARTITION_COUNT"),
+        using=alias,
+    )
+    if stored:
+        _announce("inbox", alias)
+    return stored
+
+
+def emit(
+    event_type: str,
+    payload: Mapping[str, Any],
+    *,
+    stream: str | int | uuid.UUID | None = None,
+    priority: int = 0,
+    event_id: uuid.UUID | None = None,
+    using: str | None = None,
+) -> uuid.UUID:
+    """Store an event and one work row per perspective and receptor subscribed to it."""
+    event_type = _name("event type", event_type)
+    what = f"event {event_type!r}"
+    subscribers = [
+        {
+            "category": handler.category,
+            "name": handler.topic,
+            "max_attempts": _max_attempts(handler.category, handler.topic, None),
+        }
+        for handler in registry.subscribers(event_type)
+    ]
+    alias = using or setting("DATABASE_ALIAS")
+    result = db.emit(
+        event_type=event_type,
+        payload_json=_payload_json(what, payload),
+        stream=_stream_key(what, stream),
+        subscribers_json=json.dumps(subscribers),
+        event_id=event_id,
+        priority=_priority(what, priority),
+        partition_count=setting("PARTITION_COUNT"),
+        using=alias,
+    )
+    for category in sorted({s["category"] for s in subscribers}):
+        _announce(category, alias)
+    return result

@@ -1,0 +1,28 @@
+"""SQL sources: migrations load ``v<N>/*.sql``; ``db.py`` loads the named queries."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib.resources import files
+
+_NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
+
+
+def read(path: str) -> str:
+    """Return the text of one SQL source, e.g. ``read("v1/claim.sql")``."""
+    return (files(__package__) / path).read_text(encoding="utf-8")
+
+
+@cache
+def named_queries(path: str = "queries.sql") -> dict[str, str]:
+    """Return ``{name: sql}`` for every ``-- name: x`` block of a query file."""
+    text = read(path)
+    parts = _NAME.split(text)
+    # parts = [preamble, name1, body1, name2, body2, ...]
+    queries = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in queries:
+            raise ValueError(f"Query {name!r} is defined twice in {path}.")
+        queries[name] = body.strip().rstrip(";")
+    return queries

@@ -1,0 +1,123 @@
+-- Named queries of db.py: each block runs one workpump.* function (or one read), with
+-- Django's %(name)s placeholders. Functions themselves live in v<N>/*.sql.
+
+-- name: send
+SELECT workpump.send(
+    p_destination => %(destination)s,
+    p_payload => %(payload)s::jsonb,
+    p_stream => %(stream)s,
+    p_priority => %(priority)s,
+    p_scheduled_for => %(scheduled_for)s,
+    p_max_attempts => %(max_attempts)s,
+    p_message_id => %(message_id)s,
+    p_partition_count => %(partition_count)s)
+
+-- name: receive
+SELECT workpump.receive(
+    p_message_id => %(message_id)s,
+    p_handler_name => %(handler_name)s,
+    p_payload => %(payload)s::jsonb,
+    p_stream => %(stream)s,
+    p_priority => %(priority)s,
+    p_scheduled_for => %(scheduled_for)s,
+    p_max_attempts => %(max_attempts)s,
+    p_partition_count => %(partition_count)s)
+
+-- name: emit
+SELECT workpump.emit(
+    p_event_type => %(event_type)s,
+    p_payload => %(payload)s::jsonb,
+    p_stream => %(stream)s,
+    p_subscribers => %(subscribers)s::jsonb,
+    p_event_id => %(event_id)s,
+    p_priority => %(priority)s,
+    p_partition_count => %(partition_count)s)
+
+-- name: claim_work
+SELECT category, work_id, topic, payload, stream, attempts, max_attempts, lease_expiry,
+       event_id, event_type, priority, claimed_at, has_more
+FROM workpump.claim_work(
+    p_instance_id => %(instance_id)s,
+    p_max_rows => %(max_rows)s,
+    p_lease_seconds => %(lease_seconds)s,
+    p_partition_count => %(partition_count)s,
+    p_categories => %(categories)s,
+    p_stale_after_seconds => %(stale_after_seconds)s,
+    p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
+    p_now => %(now)s)
+
+-- name: renew_leases
+SELECT work_id, lease_expiry
+FROM workpump.renew_leases(
+    p_category => %(category)s,
+    p_ids => %(ids)s::uuid[],
+    p_lease_seconds => %(lease_seconds)s,
+    p_instance_id => %(instance_id)s,
+    p_now => %(now)s)
+
+-- name: complete_work
+SELECT work_id, status
+FROM workpump.complete_work(
+    p_instance_id => %(instance_id)s,
+    p_category => %(category)s,
+    p_ids => %(ids)s::uuid[],
+    p_results => %(results)s::jsonb[],
+    p_now => %(now)s)
+
+-- name: fail_work
+SELECT work_id, status, scheduled_for
+FROM workpump.fail_work(
+    p_instance_id => %(instance_id)s,
+    p_category => %(category)s,
+    p_ids => %(ids)s::uuid[],
+    p_errors => %(errors)s::text[],
+    p_reasons => %(reasons)s::text[],
+    p_retry_base_seconds => %(retry_base_seconds)s,
+    p_retry_max_seconds => %(retry_max_seconds)s,
+    p_now => %(now)s)
+
+-- name: release_work
+SELECT work_id, status
+FROM workpump.release_work(
+    p_instance_id => %(instance_id)s,
+    p_category => %(category)s,
+    p_ids => %(ids)s::uuid[],
+    p_now => %(now)s)
+
+-- name: record_heartbeat
+SELECT workpump.record_heartbeat(
+    p_instance_id => %(instance_id)s,
+    p_service_name => %(service_name)s,
+    p_host_name => %(host_name)s,
+    p_process_id => %(process_id)s,
+    p_metadata => %(metadata)s::jsonb,
+    p_stale_after_seconds => %(stale_after_seconds)s,
+    p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
+    p_now => %(now)s)
+
+-- name: cleanup_stale_instances
+SELECT instance_id
+FROM workpump.cleanup_stale_instances(
+    p_stale_cutoff => %(stale_cutoff)s,
+    p_definitive_dead_cutoff => %(definitive_dead_cutoff)s,
+    p_now => %(now)s)
+
+-- name: stale_peer_exists
+SELECT EXISTS (
+    SELECT 1 FROM workpump_service_instance
+    WHERE last_heartbeat_at < coalesce(%(now)s::timestamptz, now())
+                              - make_interval(secs => %(stale_after_seconds)s)
+      AND instance_id <> %(instance_id)s)
+
+-- name: deregister_instance
+SELECT workpump.deregister_instance(p_instance_id => %(instance_id)s, p_now => %(now)s)
+
+-- name: take_alive_lock
+SELECT workpump.take_alive_lock(%(instance_id)s)
+
+-- name: alive_lock_held
+SELECT workpump.alive_lock_held(%(instance_id)s)
+
+-- name: schema_version
+SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE n.nspname = 'workpump' AND p.proname = ANY (%(functions)s)

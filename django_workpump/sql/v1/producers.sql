@@ -1,0 +1,154 @@
+-- Producing work: one call per message, inside the caller's transaction (transactional
+-- outbox). Everything a producer passes is validated here too, so a non-Django producer
+-- gets the same clear errors as django_workpump.send/receive/emit.
+
+CREATE FUNCTION workpump.check_new_work(
+    p_what text, p_topic text, p_payload jsonb, p_priority integer, p_max_attempts integer
+) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_topic IS NULL OR btrim(p_topic) = '' THEN
+        RAISE EXCEPTION 'The % of new work must be a non-empty name.', p_what
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_payload IS NULL OR jsonb_typeof(p_payload) <> 'object' THEN
+        RAISE EXCEPTION 'The payload of % % must be a JSON object, not %.',
+            p_what, quote_literal(p_topic), coalesce(jsonb_typeof(p_payload), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_priority IS NULL OR p_priority NOT BETWEEN -32768 AND 32767 THEN
+        RAISE EXCEPTION 'The priority of % % must be a smallint, not %.',
+            p_what, quote_literal(p_topic), coalesce(p_priority::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_max_attempts IS NULL OR p_max_attempts < 1 THEN
+        RAISE EXCEPTION 'max_attempts of % % must be at least 1, not %.',
+            p_what, quote_literal(p_topic), coalesce(p_max_attempts::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END
+$$;
+
+-- Store an outbox message for p_destination; return its message id.
+CREATE FUNCTION workpump.send(
+    p_destination text,
+    p_payload jsonb,
+    p_stream text DEFAULT NULL,
+    p_priority integer DEFAULT 0,
+    p_scheduled_for timestamptz DEFAULT NULL,
+    p_max_attempts integer DEFAULT 10,
+    p_message_id uuid DEFAULT NULL,
+    p_partition_count integer DEFAULT 10000
+) RETURNS uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_id uuid := coalesce(p_message_id, gen_random_uuid());
+BEGIN
+    PERFORM workpump.check_new_work('outbox destination', p_destination, p_payload,
+                                    p_priority, p_max_attempts);
+    INSERT INTO workpump_outbox (message_id, destination, payload, stream, partition_number,
+                                 priority, scheduled_for, max_attempts)
+    VALUES (v_id, p_destination, p_payload, p_stream,
+            workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
+            p_priority, p_scheduled_for, p_max_attempts);
+    RETURN v_id;
+END
+$$;
+
+-- Store an inbox message once per message id, ever: false (and nothing written) when
+-- the id was received before, even if that row has since been processed and purged.
+CREATE FUNCTION workpump.receive(
+    p_message_id uuid,
+    p_handler_name text,
+    p_payload jsonb,
+    p_stream text DEFAULT NULL,
+    p_priority integer DEFAULT 0,
+    p_scheduled_for timestamptz DEFAULT NULL,
+    p_max_attempts integer DEFAULT 10,
+    p_partition_count integer DEFAULT 10000
+) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_message_id IS NULL THEN
+        RAISE EXCEPTION 'An inbox message needs a message id: it is what deduplicates it.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.check_new_work('inbox handler', p_handler_name, p_payload,
+                                    p_priority, p_max_attempts);
+    -- A concurrent receive of the same id waits here for the first one's transaction.
+    INSERT INTO workpump_inbox_dedup (message_id) VALUES (p_message_id)
+    ON CONFLICT (message_id) DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    INSERT INTO workpump_inbox (message_id, handler_name, payload, stream, partition_number,
+                                priority, scheduled_for, max_attempts)
+    VALUES (p_message_id, p_handler_name, p_payload, p_stream,
+            workpump.partition_of(coalesce(p_stream, p_message_id::text), p_partition_count),
+            p_priority, p_scheduled_for, p_max_attempts);
+    RETURN true;
+END
+$$;
+
+-- Store an event and one work row per subscriber. p_subscribers is a JSON array of
+-- {"category": "perspective_event"|"receptor", "name": ..., "max_attempts": n}.
+-- With no subscribers the event is stored and no work is created.
+CREATE FUNCTION workpump.emit(
+    p_event_type text,
+    p_payload jsonb,
+    p_stream text DEFAULT NULL,
+    p_subscribers jsonb DEFAULT '[]',
+    p_event_id uuid DEFAULT NULL,
+    p_priority integer DEFAULT 0,
+    p_partition_count integer DEFAULT 10000
+) RETURNS uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_id uuid := coalesce(p_event_id, gen_random_uuid());
+    v_partition integer := workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count);
+    v_bad jsonb;
+BEGIN
+    PERFORM workpump.check_new_work('event type', p_event_type, p_payload, p_priority, 1);
+    IF p_subscribers IS NULL OR jsonb_typeof(p_subscribers) <> 'array' THEN
+        RAISE EXCEPTION 'p_subscribers must be a JSON array of {"category", "name", "max_attempts"}.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT s INTO v_bad FROM jsonb_array_elements(p_subscribers) s
+    WHERE s->>'category' IS DISTINCT FROM 'perspective_event'
+      AND s->>'category' IS DISTINCT FROM 'receptor'
+       OR coalesce(btrim(s->>'name'), '') = ''
+       OR coalesce((s->>'max_attempts')::integer, 10) < 1
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'Bad subscriber % of event %: it needs a category (perspective_event or receptor), a name and max_attempts >= 1.',
+            v_bad, quote_literal(p_event_type)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+
+    INSERT INTO workpump_event (event_id, event_type, payload, stream)
+    VALUES (v_id, p_event_type, p_payload, p_stream);
+
+    INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id, stream,
+                                            partition_number, priority, max_attempts)
+    SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
+           coalesce((s->>'max_attempts')::integer, 10)
+    FROM jsonb_array_elements(p_subscribers) s
+    WHERE s->>'category' = 'perspective_event';
+
+    INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, stream,
+                                              partition_number, priority, max_attempts)
+    SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
+           coalesce((s->>'max_attempts')::integer, 10)
+    FROM jsonb_array_elements(p_subscribers) s
+    WHERE s->>'category' = 'receptor';
+    RETURN v_id;
+END
+$$;

@@ -1,0 +1,73 @@
+"""Shared fixtures: SQL helpers on the Django connection, raw psycopg connections."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+from psycopg.rows import dict_row
+
+# A fixed point in time; SQL tests pass it (and offsets of it) as p_now.
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    """T0 plus ``seconds``."""
+    return T0 + timedelta(seconds=seconds)
+
+
+def run_sql(
+    query: str, params: dict[str, Any] | tuple[Any, ...] | None = None
+) -> list[dict[str, Any]]:
+    """Run SQL on Django's connection (inside the test's transaction); rows as dicts."""
+    with connection.cursor() as cursor:
+        cursor.execute(query, params)
+        if cursor.description is None:
+            return []
+        names = [col.name for col in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def scalar(query: str, params: dict[str, Any] | tuple[Any, ...] | None = None) -> Any:
+    rows = run_sql(query, params)
+    assert len(rows) == 1, rows
+    return next(iter(rows[0].values()))
+
+
+@pytest.fixture
+def sql() -> Callable[..., list[dict[str, Any]]]:
+    return run_sql
+
+
+def conninfo() -> str:
+    """A libpq conninfo string for the database Django's connection uses now."""
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    params.pop("prepare_threshold", None)
+    params.pop("server_side_binding", None)
+    return psycopg.conninfo.make_conninfo(**{k: v for k, v in params.items() if v is not None})
+
+
+@pytest.fixture
+def raw_connect() -> Iterator[Callable[..., psycopg.Connection[dict[str, Any]]]]:
+    """Open extra autocommit psycopg connections to the test database (closed after)."""
+    opened: list[psycopg.Connection[dict[str, Any]]] = []
+
+    def connect(**kwargs: Any) -> psycopg.Connection[dict[str, Any]]:
+        conn = psycopg.connect(conninfo(), autocommit=True, row_factory=dict_row, **kwargs)
+        opened.append(conn)
+        return conn
+
+    yield connect
+    for conn in opened:
+        conn.close()
+
+
+def new_id() -> uuid.UUID:
+    return uuid.uuid4()

@@ -1,0 +1,45 @@
+"""Settings of the test suite: PostgreSQL from DATABASE_URL, else an embedded server."""
+
+import environ
+
+from django_workpump.embedded import embedded_database_url
+
+env = environ.Env()
+
+DATABASE_URL = env.str("DATABASE_URL", default="") or embedded_database_url()
+DATABASES = {"default": env.db_url_config(DATABASE_URL)}
+DATABASES["default"]["TEST"] = {"NAME": "test_" + DATABASES["default"]["NAME"]}
+
+SECRET_KEY = "tests-only-not-secret"
+USE_TZ = True
+TIME_ZONE = "UTC"
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.admin",
+    "django_workpump",
+    "tests.app",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+ROOT_URLCONF = "tests.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+WORKPUMP = {}
