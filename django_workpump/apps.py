@@ -9,6 +9,7 @@ class WorkPumpConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        import django_workpump.checks  # noqa: F401  (registers the system checks)
         from django_workpump import conf  # noqa: F401  (connects the setting_changed receiver)
 
         # Handlers live in <app>/workpump.py, found the way admin.py is.

@@ -51,6 +51,7 @@ DEFAULTS: dict[str, Any] = {
     "RETENTION_SECONDS": 7 * 24 * 3600,  # processed rows are kept this long, then purged
     "MAINTENANCE_INTERVAL_SECONDS": 300,
     "SHUTDOWN_TIMEOUT_SECONDS": 30,
+    "MAX_ABANDONED_HANDLERS": 10,  # past this many hung handlers the instance exits
     "STATUS_INTERVAL_SECONDS": 60,
     # Producer limits.
     "MAX_PAYLOAD_BYTES": 1_048_576,  # a larger JSON payload is refused at send/receive/emit

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import connections
+from django.db import ProgrammingError, connections
 
 from django_workpump.conf import setting
 from django_workpump.sql import named_queries
@@ -228,3 +228,78 @@ def deregister_instance(
 
 def alive_lock_held(*, instance_id: uuid.UUID, using: str | None = None) -> bool:
     return bool(_scalar("alive_lock_held", locals(), using))
+
+
+def reap_stale_instances(
+    *, stale_after_seconds: int, definitively_dead_after_seconds: int, using: str | None = None
+) -> list[uuid.UUID]:
+    """Evict stale instances by the database clock; return the evicted ids."""
+    return [row[0] for row in _fetch("reap_stale_instances", locals(), using)]
+
+
+def schema_functions_present(functions: Sequence[str], *, using: str | None = None) -> bool:
+    """Whether every named workpump function exists (the migrations were applied)."""
+    try:
+        return bool(_scalar("schema_functions_present", {"functions": list(functions)}, using))
+    except ProgrammingError:
+        return False
+
+
+def try_maintenance_lock(*, using: str | None = None) -> bool:
+    """Take the session's maintenance lock; False when another instance holds it."""
+    return bool(_scalar("try_maintenance_lock", {}, using))
+
+
+def release_maintenance_lock(*, using: str | None = None) -> bool:
+    return bool(_scalar("release_maintenance_lock", {}, using))
+
+
+def purge_processed(
+    *, category: str, retention_seconds: int, batch: int, using: str | None = None
+) -> int:
+    return int(_scalar("purge_processed", locals(), using))
+
+
+def purge_events(*, retention_seconds: int, batch: int, using: str | None = None) -> int:
+    return int(_scalar("purge_events", locals(), using))
+
+
+def purge_evictions(*, retention_seconds: int, using: str | None = None) -> int:
+    return int(_scalar("purge_evictions", locals(), using))
+
+
+def purge_idle_streams(*, batch: int, using: str | None = None) -> int:
+    return int(_scalar("purge_idle_streams", locals(), using))
+
+
+@dataclass(frozen=True)
+class StuckRow:
+    category: str
+    work_id: uuid.UUID
+    topic: str
+    attempts: int
+    max_attempts: int
+    last_error: str | None
+
+
+def stuck_rows(*, limit: int = 50, using: str | None = None) -> list[StuckRow]:
+    """Undone rows that used at least half their attempts (and more than one)."""
+    return [StuckRow(*row) for row in _fetch("stuck_rows", {"limit": limit}, using)]
+
+
+# -- on the NOTIFY gate's own psycopg connection (not Django's) ------------------------
+
+
+def take_alive_lock(conn: Any, *, instance_id: uuid.UUID) -> bool:
+    """Take this instance's alive-lock on ``conn``'s session; False if not registered/held."""
+    row = conn.execute(named_queries()["take_alive_lock"], {"instance_id": instance_id}).fetchone()
+    return bool(row and row[0])
+
+
+def notify_probe(conn: Any, *, channel: str) -> None:
+    """NOTIFY ``channel`` from ``conn`` (the gate's self-test)."""
+    conn.execute(named_queries()["notify_probe"], {"channel": channel})
+
+
+def keepalive(conn: Any) -> None:
+    conn.execute(named_queries()["keepalive"])

@@ -118,6 +118,58 @@ SELECT workpump.take_alive_lock(%(instance_id)s)
 -- name: alive_lock_held
 SELECT workpump.alive_lock_held(%(instance_id)s)
 
--- name: schema_version
-SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-WHERE n.nspname = 'workpump' AND p.proname = ANY (%(functions)s)
+-- name: reap_stale_instances
+SELECT instance_id
+FROM workpump.cleanup_stale_instances(
+    p_stale_cutoff => now() - make_interval(secs => %(stale_after_seconds)s),
+    p_definitive_dead_cutoff => now() - make_interval(secs => %(definitively_dead_after_seconds)s))
+
+-- name: schema_functions_present
+SELECT count(DISTINCT p.proname) = cardinality(%(functions)s::text[])
+FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE n.nspname = 'workpump' AND p.proname = ANY (%(functions)s::text[])
+
+-- name: notify_probe
+SELECT pg_notify(%(channel)s, 'ping')
+
+-- name: keepalive
+SELECT 1
+
+-- name: try_maintenance_lock
+SELECT workpump.try_maintenance_lock()
+
+-- name: release_maintenance_lock
+SELECT workpump.release_maintenance_lock()
+
+-- name: purge_processed
+SELECT workpump.purge_processed(
+    %(category)s, now() - make_interval(secs => %(retention_seconds)s), %(batch)s)
+
+-- name: purge_events
+SELECT workpump.purge_events(now() - make_interval(secs => %(retention_seconds)s), %(batch)s)
+
+-- name: purge_evictions
+SELECT workpump.purge_evictions(now() - make_interval(secs => %(retention_seconds)s))
+
+-- name: purge_idle_streams
+SELECT workpump.purge_idle_streams(%(batch)s)
+
+-- name: stuck_rows
+SELECT * FROM (
+    SELECT 'outbox' AS category, message_id AS work_id, destination AS topic, attempts, max_attempts, last_error
+    FROM workpump_outbox
+    WHERE processed_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
+    UNION ALL
+    SELECT 'inbox', message_id, handler_name, attempts, max_attempts, last_error
+    FROM workpump_inbox
+    WHERE processed_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
+    UNION ALL
+    SELECT 'perspective_event', event_work_id, perspective_name, attempts, max_attempts, last_error
+    FROM workpump_perspective_event
+    WHERE processed_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
+    UNION ALL
+    SELECT 'receptor', id, receptor_name, attempts, max_attempts, last_error
+    FROM workpump_receptor_processing
+    WHERE completed_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
+) stuck
+LIMIT %(limit)s

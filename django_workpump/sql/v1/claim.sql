@@ -196,6 +196,7 @@ DECLARE
     v_rows workpump.claimed_work[];
     v_count integer;
     v_any_more boolean := false;
+    v_start integer;
 BEGIN
     IF p_instance_id IS NULL THEN
         RAISE EXCEPTION 'claim_work needs p_instance_id.' USING ERRCODE = 'invalid_parameter_value';
@@ -272,9 +273,12 @@ BEGIN
         SELECT p_instance_id
     ) l;
 
-    -- The budget is shared among the categories with work; leftovers go to those that
-    -- filled their share.
+    -- The budget is shared among the categories with work, starting the round at a
+    -- rotating category (a budget smaller than the categories starves none); leftovers
+    -- go to those that filled their share.
     v_left := cardinality(v_with_work);
+    v_start := nextval('workpump.claim_rotation_seq') % v_left;
+    v_with_work := v_with_work[v_start + 1:] || v_with_work[:v_start];
     FOREACH v_category IN ARRAY v_with_work LOOP
         v_quota := ceil(v_remaining::numeric / v_left)::integer;
         v_left := v_left - 1;

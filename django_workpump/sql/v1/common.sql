@@ -5,6 +5,8 @@
 CREATE SCHEMA IF NOT EXISTS workpump;
 
 CREATE SEQUENCE IF NOT EXISTS workpump.alive_lock_key_seq AS integer MINVALUE 1 CYCLE;
+-- Round-robin start of claim_work's category loop, so a small budget starves none.
+CREATE SEQUENCE IF NOT EXISTS workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 CYCLE;
 
 -- Raise unless p_category names one of the four work categories; return it.
 CREATE FUNCTION workpump.check_category(p_category text) RETURNS text
@@ -94,7 +96,8 @@ LANGUAGE sql STABLE PARALLEL SAFE
 RETURN CASE
     WHEN p_done_at IS NOT NULL THEN 'done'
     WHEN p_dead_lettered_at IS NOT NULL THEN 'dead'
-    WHEN p_instance_id IS NOT NULL AND p_lease_expiry >= coalesce(p_now, now()) THEN 'leased'
+    -- the claim takes a row over once lease_expiry <= now: so expired means <=
+    WHEN p_instance_id IS NOT NULL AND p_lease_expiry > coalesce(p_now, now()) THEN 'leased'
     WHEN p_instance_id IS NOT NULL THEN 'orphaned'
     WHEN p_claimed_at IS NOT NULL THEN 'orphaned'  -- holder evicted mid-attempt
     WHEN p_scheduled_for > coalesce(p_now, now()) THEN 'scheduled'

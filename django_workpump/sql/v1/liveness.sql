@@ -140,6 +140,20 @@ BEGIN
 END
 $$;
 
+-- cleanup_stale_instances with a 100 ms lock timeout, restored when this returns (a SET
+-- clause, so the caller's own lock_timeout is untouched either way).
+CREATE FUNCTION workpump.reap_without_waiting(
+    p_stale_cutoff timestamptz,
+    p_definitive_dead_cutoff timestamptz,
+    p_now timestamptz DEFAULT NULL
+) RETURNS SETOF uuid
+LANGUAGE sql
+SET search_path FROM CURRENT
+SET lock_timeout = '100ms'
+AS $$
+    SELECT instance_id FROM workpump.cleanup_stale_instances(p_stale_cutoff, p_definitive_dead_cutoff, p_now);
+$$;
+
 -- Record a heartbeat: upsert the instance row with last_heartbeat_at = now. False, with
 -- nothing written, when the instance was evicted (it must stop claiming and exit). Then,
 -- if another instance looks stale, evict the stale ones without waiting on row locks.
@@ -203,8 +217,7 @@ BEGIN
         BEGIN
             -- a heartbeat never waits on a claim's row locks: give up and let the next
             -- beat or maintenance reap
-            PERFORM set_config('lock_timeout', '100ms', true);
-            PERFORM workpump.cleanup_stale_instances(v_stale_cutoff, v_dead_cutoff, v_now);
+            PERFORM workpump.reap_without_waiting(v_stale_cutoff, v_dead_cutoff, v_now);
         EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
             NULL;
         END;

@@ -154,17 +154,29 @@ DECLARE
 BEGIN
     PERFORM workpump.check_ids('release_leases', p_ids);
     RETURN QUERY EXECUTE format($q$
-        UPDATE %1$I t
-        SET instance_id = NULL, lease_expiry = NULL, lease_renewals = 0,
-            failure_reason = 'operator_released',
-            last_error = format('attempt %%s ended without a reported outcome: lease of instance %%s released by an operator at %%s',
-                                t.attempts, t.instance_id, $3)
-        WHERE t.%2$I = ANY ($1) AND t.%3$I IS NULL AND t.instance_id IS NOT NULL
-          AND ($2 OR t.instance_id NOT IN (SELECT workpump.live_instances($4, $5)))
-        RETURNING t.%2$I$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col)
+        WITH released AS (
+            UPDATE %1$I t
+            SET instance_id = NULL, lease_expiry = NULL, lease_renewals = 0,
+                failure_reason = 'operator_released',
+                last_error = format('attempt %%s ended without a reported outcome: lease of instance %%s released by an operator at %%s',
+                                    t.attempts, t.instance_id, $3)
+            FROM (SELECT o.seq, o.instance_id AS holder FROM %1$I o WHERE o.%2$I = ANY ($1)) old
+            WHERE t.seq = old.seq AND t.%3$I IS NULL AND t.instance_id IS NOT NULL
+              AND ($2 OR t.instance_id NOT IN (SELECT workpump.live_instances($4, $5)))
+            RETURNING t.%2$I AS id, t.stream, %4$s AS scope, old.holder
+        ), streams AS (
+            -- the old holder no longer works on these streams
+            UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
+            FROM released r
+            WHERE s.category = $6 AND s.scope = r.scope AND s.stream = r.stream
+              AND s.owner_instance_id = r.holder
+        )
+        SELECT r.id FROM released r$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
     USING p_ids, coalesce(p_force, false), v_now,
           v_now - make_interval(secs => p_stale_after_seconds),
-          v_now - make_interval(secs => p_definitively_dead_after_seconds);
+          v_now - make_interval(secs => p_definitively_dead_after_seconds), p_category;
     IF FOUND THEN
         PERFORM pg_notify('workpump_' || p_category, p_category);
     END IF;
@@ -183,12 +195,24 @@ DECLARE
 BEGIN
     PERFORM workpump.check_ids('dead_letter', p_ids);
     RETURN QUERY EXECUTE format($q$
-        UPDATE %1$I t
-        SET dead_lettered_at = $2, failure_reason = $3, instance_id = NULL, lease_expiry = NULL,
-            lease_renewals = 0, scheduled_for = NULL
-        WHERE t.%2$I = ANY ($1) AND t.%3$I IS NULL AND t.dead_lettered_at IS NULL
-        RETURNING t.%2$I$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col)
-    USING p_ids, coalesce(p_now, now()), coalesce(p_reason, 'operator');
+        WITH parked AS (
+            UPDATE %1$I t
+            SET dead_lettered_at = $2, failure_reason = $3, instance_id = NULL,
+                lease_expiry = NULL, lease_renewals = 0, scheduled_for = NULL
+            FROM (SELECT o.seq, o.instance_id AS holder FROM %1$I o WHERE o.%2$I = ANY ($1)) old
+            WHERE t.seq = old.seq AND t.%3$I IS NULL AND t.dead_lettered_at IS NULL
+            RETURNING t.%2$I AS id, t.stream, %4$s AS scope, old.holder
+        ), streams AS (
+            -- a parked row's holder no longer works on its stream
+            UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
+            FROM parked p
+            WHERE s.category = $4 AND s.scope = p.scope AND s.stream = p.stream
+              AND s.owner_instance_id = p.holder
+        )
+        SELECT p.id FROM parked p$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
+    USING p_ids, coalesce(p_now, now()), coalesce(p_reason, 'operator'), p_category;
 END
 $$;
 

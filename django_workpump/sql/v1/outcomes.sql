@@ -313,12 +313,20 @@ BEGIN
             SET instance_id = NULL, lease_expiry = NULL, lease_renewals = 0, claimed_at = NULL,
                 attempts = greatest(t.attempts - 1, 0)
             WHERE t.%2$I = ANY ($1) AND t.instance_id = $2 AND t.%3$I IS NULL
-            RETURNING t.%2$I AS id
+            RETURNING t.%2$I AS id, t.stream, %4$s AS scope
+        ), streams AS (
+            -- the caller no longer works on these streams
+            UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
+            FROM released r
+            WHERE s.category = $3 AND s.scope = r.scope AND s.stream = r.stream
+              AND s.owner_instance_id = $2
         )
         SELECT coalesce(array_agg(r.id), '{}') FROM released r$q$,
-        v_meta.tbl, v_meta.key_col, v_meta.done_col)
+        v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
     INTO v_released
-    USING p_ids, p_instance_id;
+    USING p_ids, p_instance_id, p_category;
     IF cardinality(v_released) > 0 THEN
         PERFORM pg_notify('workpump_' || p_category, p_category);
     END IF;

@@ -1,0 +1,207 @@
+"""ClaimWorker: the only caller of ``claim_work`` (DESIGN §7).
+
+It claims at most the free dispatch slots (plus a small prefetch), hands rows to the
+dispatcher, and waits between polls by an adaptive backoff that NOTIFY wakes can cut
+short at any depth.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from django_workpump.clock import Clock, SystemClock
+from django_workpump.db import ClaimedWork
+from django_workpump.pump.coordinator import Coordinator
+
+logger = logging.getLogger("django_workpump.claim")
+
+
+class Gate(Protocol):
+    """What the claimer needs of the NOTIFY gate."""
+
+    @property
+    def available(self) -> bool: ...
+
+
+class DispatchSink(Protocol):
+    def free_slots(self) -> int: ...
+    def submit(self, rows: list[ClaimedWork]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ClaimPolicy:
+    """The claim cadence knobs, in milliseconds as in WORKPUMP."""
+
+    polling_interval_ms: int = 250
+    polling_max_interval_ms: int = 10_000
+    notify_healthy_polling_interval_ms: int | None = 5_000
+    enable_safety_net_poll: bool = True
+    max_rows: int = 1_000
+    prefetch: int = 2
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> ClaimPolicy:
+        return cls(
+            polling_interval_ms=settings["POLLING_INTERVAL_MS"],
+            polling_max_interval_ms=settings["POLLING_MAX_INTERVAL_MS"],
+            notify_healthy_polling_interval_ms=settings["NOTIFY_HEALTHY_POLLING_INTERVAL_MS"],
+            enable_safety_net_poll=settings["ENABLE_SAFETY_NET_POLL"],
+            max_rows=settings["MAX_STREAMS_PER_BATCH"],
+            prefetch=settings["CLAIM_PREFETCH"],
+        )
+
+
+def poll_wait_ms(policy: ClaimPolicy, empty_polls: int, gate_available: bool | None) -> int | None:
+    """Milliseconds to wait before the next poll; None: wait for a wake only.
+
+    ``gate_available`` is None when no NOTIFY gate runs (``--no-listen``).
+    """
+    tight = policy.polling_interval_ms
+    if gate_available is False:
+        return tight  # NOTIFY cannot wake us: poll tightly, never back off
+    if gate_available and not policy.enable_safety_net_poll:
+        return None
+    base = tight
+    relaxed = policy.notify_healthy_polling_interval_ms
+    if gate_available and relaxed is not None and relaxed > base:
+        base = relaxed
+    if policy.polling_max_interval_ms <= base or empty_polls <= 1:
+        return base
+    return min(base << min(empty_polls - 1, 10), policy.polling_max_interval_ms)
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    claimed: int
+    has_more: bool
+    skipped_busy: bool = False
+    error: BaseException | None = None
+
+
+class ClaimWorker:
+    """Poll ``claim_work`` and feed the dispatcher."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        sink: DispatchSink,
+        policy: ClaimPolicy,
+        *,
+        gate: Gate | None = None,
+        clock: Clock | None = None,
+        enabled: bool = True,
+        before_first_claim: Callable[[], Any] | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.sink = sink
+        self.policy = policy
+        self.gate = gate
+        self.clock = clock or SystemClock()
+        self.enabled = enabled
+        self.before_first_claim = before_first_claim
+        self.empty_polls = 0
+        self.polls = 0
+        self.claimed_total = 0
+        self.last_claimed = 0
+        self.startup_catch_up_count = 0
+        self.reconnect_catch_up_count = 0
+        self.wake_requests = 0
+        self._wake = threading.Event()
+        self._last_gate_state: bool | None = None
+        self._gate_lost_at: float | None = None
+        self._stop = threading.Event()
+
+    # -- signals -------------------------------------------------------------------
+    def request_immediate_poll(self) -> None:
+        """Wake the loop now; requests between two polls coalesce into one."""
+        self.wake_requests += 1
+        self._wake.set()
+
+    def on_gate_changed(self, available: bool) -> None:
+        """React to a real availability transition of the NOTIFY gate."""
+        if available == self._last_gate_state:
+            return
+        previous, self._last_gate_state = self._last_gate_state, available
+        if not available:
+            self._gate_lost_at = self.clock.monotonic()
+        elif previous is False:
+            lost_for = self.clock.monotonic() - (self._gate_lost_at or self.clock.monotonic())
+            self.reconnect_catch_up_count += 1
+            logger.info(
+                "NOTIFY gate back after %.0f ms: running a catch-up claim",
+                lost_for * 1000,
+                extra={"action": "reconnect_catch_up"},
+            )
+        self.request_immediate_poll()
+
+    def gate_available(self) -> bool | None:
+        return None if self.gate is None else self.gate.available
+
+    def current_wait_ms(self) -> int | None:
+        return poll_wait_ms(self.policy, self.empty_polls, self.gate_available())
+
+    # -- one pass ------------------------------------------------------------------
+    def run_once(self) -> ClaimResult:
+        """Claim once for the free slots and hand the rows over."""
+        free = self.sink.free_slots()
+        if free <= 0:
+            # Nothing could run now; the dispatcher wakes us when a slot frees.
+            return ClaimResult(claimed=0, has_more=False, skipped_busy=True)
+        max_rows = min(free + self.policy.prefetch, self.policy.max_rows)
+        self.polls += 1
+        try:
+            rows = self.coordinator.claim(max_rows)
+        except Exception as exc:
+            self.empty_polls += 1
+            logger.warning(
+                "claim_work failed: %s", exc, extra={"action": "claim_failed"}, exc_info=True
+            )
+            return ClaimResult(claimed=0, has_more=False, error=exc)
+        if self.polls == 1:
+            self.startup_catch_up_count += 1
+            logger.info(
+                "startup catch-up claim got %d rows",
+                len(rows),
+                extra={"action": "startup_catch_up"},
+            )
+        self.last_claimed = len(rows)
+        if rows:
+            self.empty_polls = 0
+            self.claimed_total += len(rows)
+            self.sink.submit(rows)
+        else:
+            self.empty_polls += 1
+        return ClaimResult(claimed=len(rows), has_more=any(row.has_more for row in rows))
+
+    # -- the loop ------------------------------------------------------------------
+    def run(self) -> None:
+        """Loop until ``stop()``: claim, hand over, wait (or go again in drain mode)."""
+        stop = self._stop
+        if not self.enabled:
+            logger.warning(
+                "claiming is disabled (CLAIM_ENABLED=False)", extra={"action": "claim_disabled"}
+            )
+            stop.wait()
+            return
+        if self.before_first_claim is not None:
+            try:
+                self.before_first_claim()
+            except Exception:
+                logger.exception("initial heartbeat failed", extra={"action": "heartbeat_failed"})
+        while not stop.is_set():
+            self._wake.clear()
+            result = self.run_once()
+            if result.has_more and not stop.is_set() and self.sink.free_slots() > 0:
+                continue  # drain mode: more is waiting and we can take it
+            wait_ms = None if result.skipped_busy else self.current_wait_ms()
+            # One Event serves wake and stop: stop() sets it too.
+            self._wake.wait(None if wait_ms is None else wait_ms / 1000)
+
+    def stop(self) -> None:
+        """Stop the loop (idempotent, safe before start)."""
+        self._stop.set()
+        self._wake.set()

@@ -1,0 +1,163 @@
+"""The runtime's view of the database: one instance's calls to the workpump functions.
+
+Services talk to a ``Coordinator``; production uses ``DatabaseCoordinator`` (``db.py`` on
+the configured Django alias, from whichever thread calls it), tests use fakes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from django.db import close_old_connections, connections
+
+from django_workpump import db
+from django_workpump.conf import get_settings
+from django_workpump.db import ClaimedWork, Outcome
+from django_workpump.registry import CATEGORIES
+
+
+@dataclass(frozen=True)
+class InstanceIdentity:
+    """Who this process is: a fresh id per start."""
+
+    instance_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    service_name: str = "workpump"
+    host_name: str = field(default_factory=socket.gethostname)
+    process_id: int = field(default_factory=os.getpid)
+
+
+class Coordinator(Protocol):
+    identity: InstanceIdentity
+
+    def schema_ready(self) -> bool: ...
+    def claim(self, max_rows: int) -> list[ClaimedWork]: ...
+    def renew(self, category: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Any]: ...
+    def complete(
+        self, category: str, ids: Sequence[uuid.UUID], results: Sequence[str | None]
+    ) -> list[Outcome]: ...
+    def fail(
+        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reasons: Sequence[str]
+    ) -> list[Outcome]: ...
+    def release(self, category: str, ids: Sequence[uuid.UUID]) -> list[Outcome]: ...
+    def heartbeat(self, metadata: Mapping[str, Any]) -> bool: ...
+    def stale_peer_exists(self) -> bool: ...
+    def reap_stale(self) -> list[uuid.UUID]: ...
+    def deregister(self) -> int: ...
+
+
+# Functions the pump calls; the schema gate waits until all of them exist.
+REQUIRED_FUNCTIONS = (
+    "claim_work",
+    "renew_leases",
+    "complete_work",
+    "fail_work",
+    "release_work",
+    "record_heartbeat",
+    "cleanup_stale_instances",
+    "deregister_instance",
+)
+
+
+class DatabaseCoordinator:
+    """``Coordinator`` over ``db.py``, with the WORKPUMP settings of this process."""
+
+    def __init__(self, identity: InstanceIdentity, categories: Sequence[str] | None = None) -> None:
+        self.identity = identity
+        self.settings = dict(get_settings())
+        self.categories = list(categories) if categories else list(CATEGORIES)
+        self.alias: str = self.settings["DATABASE_ALIAS"]
+
+    def _liveness(self) -> dict[str, int]:
+        return {
+            "stale_after_seconds": self.settings["STALE_AFTER_SECONDS"],
+            "definitively_dead_after_seconds": self.settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+        }
+
+    def schema_ready(self) -> bool:
+        return db.schema_functions_present(REQUIRED_FUNCTIONS, using=self.alias)
+
+    def claim(self, max_rows: int) -> list[ClaimedWork]:
+        return db.claim_work(
+            instance_id=self.identity.instance_id,
+            max_rows=max_rows,
+            lease_seconds=self.settings["LEASE_SECONDS"],
+            partition_count=self.settings["PARTITION_COUNT"],
+            categories=self.categories,
+            using=self.alias,
+            **self._liveness(),
+        )
+
+    def renew(self, category: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Any]:
+        return db.renew_leases(
+            category=category,
+            ids=ids,
+            lease_seconds=self.settings["LEASE_SECONDS"],
+            instance_id=self.identity.instance_id,
+            using=self.alias,
+        )
+
+    def complete(
+        self, category: str, ids: Sequence[uuid.UUID], results: Sequence[str | None]
+    ) -> list[Outcome]:
+        return db.complete_work(
+            instance_id=self.identity.instance_id,
+            category=category,
+            ids=ids,
+            results=results if any(r is not None for r in results) else None,
+            using=self.alias,
+        )
+
+    def fail(
+        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reasons: Sequence[str]
+    ) -> list[Outcome]:
+        return db.fail_work(
+            instance_id=self.identity.instance_id,
+            category=category,
+            ids=ids,
+            errors=errors,
+            reasons=reasons,
+            retry_base_seconds=self.settings["RETRY_BACKOFF_BASE_SECONDS"],
+            retry_max_seconds=self.settings["RETRY_BACKOFF_MAX_SECONDS"],
+            using=self.alias,
+        )
+
+    def release(self, category: str, ids: Sequence[uuid.UUID]) -> list[Outcome]:
+        return db.release_work(
+            instance_id=self.identity.instance_id, category=category, ids=ids, using=self.alias
+        )
+
+    def heartbeat(self, metadata: Mapping[str, Any]) -> bool:
+        return db.record_heartbeat(
+            instance_id=self.identity.instance_id,
+            service_name=self.identity.service_name,
+            host_name=self.identity.host_name,
+            process_id=self.identity.process_id,
+            metadata_json=json.dumps(dict(metadata), default=str),
+            using=self.alias,
+            **self._liveness(),
+        )
+
+    def stale_peer_exists(self) -> bool:
+        return db.stale_peer_exists(
+            instance_id=self.identity.instance_id,
+            stale_after_seconds=self.settings["STALE_AFTER_SECONDS"],
+            using=self.alias,
+        )
+
+    def reap_stale(self) -> list[uuid.UUID]:
+        return db.reap_stale_instances(using=self.alias, **self._liveness())
+
+    def deregister(self) -> int:
+        return db.deregister_instance(instance_id=self.identity.instance_id, using=self.alias)
+
+
+def release_thread_connection(alias: str) -> None:
+    """Close this thread's Django connection (a service thread calls it on exit)."""
+    close_old_connections()
+    connections[alias].close()

@@ -1,0 +1,422 @@
+"""Dispatcher: runs claimed rows on ``CONCURRENCY`` threads under a lease each (DESIGN §5, §6).
+
+Outcomes go through two batch flushers to the fenced ``complete_work``/``fail_work``.
+A handler still running at its lease deadline is abandoned: its slot is freed (a
+replacement thread starts), the attempt is failed with reason ``lease_expired``, and
+whatever it reports later is dropped here and would be fenced out by the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import queue
+import threading
+import traceback
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db import close_old_connections, connections, transaction
+
+from django_workpump.clock import Clock, SystemClock
+from django_workpump.db import ClaimedWork
+from django_workpump.pump.coordinator import Coordinator
+from django_workpump.pump.flusher import BatchFlusher
+from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
+from django_workpump.registry import TOPIC_NOUNS, Handler, Registry
+
+logger = logging.getLogger("django_workpump.dispatch")
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a handler receives: one claimed row and its lease."""
+
+    id: uuid.UUID
+    category: str
+    topic: str
+    payload: dict[str, Any]
+    stream: str | None
+    attempts: int
+    max_attempts: int
+    event_id: uuid.UUID | None
+    event_type: str | None
+    priority: int
+    lease_expiry: datetime
+    lease: LeaseHandle
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the lease deadline passed or the pump shuts down: stop early."""
+        return self.lease.cancelled.is_set()
+
+
+class LeaseLost(Exception):
+    """The row's lease was lost before an atomic handler could commit its completion."""
+
+
+@dataclass
+class _Job:
+    row: ClaimedWork
+    handle: LeaseHandle
+    state: str = "queued"  # queued -> running -> finished | abandoned
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class DispatchStats:
+    started: int = 0
+    completed: int = 0
+    failed: int = 0
+    abandoned: int = 0
+    released: int = 0
+    lost_leases: int = 0
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        handlers: Registry,
+        leases: LeaseRegistry,
+        *,
+        concurrency: int = 4,
+        lease_grace_seconds: float = 30,
+        max_renewals: int = 6,
+        abandoned_limit: int = 10,
+        alias: str = "default",
+        clock: Clock | None = None,
+        on_slot_free: Callable[[], Any] | None = None,
+        on_fatal: Callable[[str], Any] | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.handlers = handlers
+        self.leases = leases
+        self.concurrency = concurrency
+        self.lease_grace_seconds = lease_grace_seconds
+        self.max_renewals = max_renewals
+        self.abandoned_limit = abandoned_limit
+        self.alias = alias
+        self.clock = clock or SystemClock()
+        self.on_slot_free = on_slot_free
+        self.on_fatal = on_fatal
+        self.stats = DispatchStats()
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: dict[tuple[str, uuid.UUID], _Job] = {}
+        self._in_flight = 0  # queued + running, not abandoned
+        self._pending_outcomes = 0  # handed to a flusher, not yet written
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._accepting = True
+        self._threads: list[threading.Thread] = []
+        self._thread_ids = itertools.count(1)
+        self._local = threading.local()
+        self.completions: BatchFlusher[tuple[str, uuid.UUID, str | None]] = BatchFlusher(
+            "workpump-completions",
+            self._flush_completions,
+            max_batch=500,
+            coalesce_window=0.01,
+            immediate_flush_at=250,
+            capacity=10_000,
+        )
+        self.failures: BatchFlusher[tuple[str, uuid.UUID, str, str]] = BatchFlusher(
+            "workpump-failures",
+            self._flush_failures,
+            max_batch=100,
+            coalesce_window=0.05,
+            immediate_flush_at=50,
+            capacity=5_000,
+        )
+
+    # -- capacity and intake -------------------------------------------------------
+    def free_slots(self) -> int:
+        with self._lock:
+            return 0 if not self._accepting else max(self.concurrency - self._in_flight, 0)
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    @property
+    def pending_outcomes(self) -> int:
+        with self._lock:
+            return self._pending_outcomes
+
+    def _outcome_queued(self, count: int) -> None:
+        with self._lock:
+            self._pending_outcomes += count
+
+    def submit(self, rows: list[ClaimedWork]) -> None:
+        """Take claimed rows: one lease handle each, queued for the workers."""
+        received_at = self.clock.monotonic()
+        for row in rows:
+            # Local deadline from the DB's own lease length, so clock skew cannot matter.
+            lease_length = (row.lease_expiry - row.claimed_at).total_seconds()
+            deadline = received_at + lease_length - self.lease_grace_seconds
+            handle = LeaseHandle(row.category, row.work_id, deadline, self.max_renewals, self.clock)
+            self.leases.register(handle)
+            job = _Job(row, handle)
+            with self._lock:
+                self._jobs[(row.category, row.work_id)] = job
+                self._in_flight += 1
+            self._queue.put(job)
+
+    # -- workers -------------------------------------------------------------------
+    def start(self) -> None:
+        self.completions.start()
+        self.failures.start()
+        for _ in range(self.concurrency):
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        thread = threading.Thread(
+            target=self._work_loop, name=f"workpump-dispatch-{next(self._thread_ids)}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _work_loop(self) -> None:
+        try:
+            while True:
+                job = self._queue.get()
+                if job is None:
+                    return
+                if not self._run(job):
+                    return  # this thread was abandoned with its job; a replacement took over
+        finally:
+            connections.close_all()
+
+    def _run(self, job: _Job) -> bool:
+        """Run one job; False when the job was abandoned while this thread ran it."""
+        with job.lock:
+            if job.handle.cancelled.is_set():
+                job.state = "finished"
+                start = False
+            else:
+                job.state = "running"
+                start = True
+        if not start:
+            # It waited past its deadline (or shutdown began): it never started.
+            self._release_unstarted(job)
+            return True
+        close_old_connections()
+        self.stats.started += 1
+        handler = self.handlers.get(job.row.category, job.row.topic)
+        outcome: tuple[str, Any]
+        try:
+            if handler is None:
+                noun = TOPIC_NOUNS[job.row.category]
+                outcome = (
+                    "fail",
+                    (f"no handler registered for {noun} {job.row.topic!r}", "no_handler"),
+                )
+            elif handler.atomic:
+                outcome = ("done_committed", self._call_atomic(handler, job))
+            else:
+                outcome = ("done", self._call(handler, job))
+        except LeaseLost as exc:
+            outcome = ("lost", str(exc))
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            outcome = ("fail", (_describe(exc), "handler_error"))
+        finally:
+            close_old_connections()
+        with job.lock:
+            if job.state == "abandoned":
+                logger.warning(
+                    "abandoned %s %s finished late; its outcome is dropped (the row was failed)",
+                    job.row.category,
+                    job.row.work_id,
+                    extra={"action": "late_outcome_dropped"},
+                )
+                return False
+            job.state = "finished"
+        kind, value = outcome
+        if kind == "done":
+            self._outcome_queued(1)
+            self.completions.put((job.row.category, job.row.work_id, value))
+        elif kind == "fail":
+            self._outcome_queued(1)
+            self.failures.put((job.row.category, job.row.work_id, *value))
+        elif kind == "lost":
+            self.stats.lost_leases += 1
+            logger.warning("%s", value, extra={"action": "lease_lost"})
+        else:
+            self.stats.completed += 1  # committed with the handler's own transaction
+        self._finish(job)
+        return True
+
+    def _work_for(self, job: _Job) -> Work:
+        row = job.row
+        return Work(
+            row.work_id,
+            row.category,
+            row.topic,
+            row.payload,
+            row.stream,
+            row.attempts,
+            row.max_attempts,
+            row.event_id,
+            row.event_type,
+            row.priority,
+            row.lease_expiry,
+            job.handle,
+        )
+
+    def _call(self, handler: Handler, job: _Job) -> str | None:
+        work = self._work_for(job)
+        if handler.is_async:
+            loop = getattr(self._local, "loop", None)
+            if loop is None:
+                loop = self._local.loop = asyncio.new_event_loop()
+            result = loop.run_until_complete(handler.func(work))
+        else:
+            result = handler.func(work)
+        return _result_json(result)
+
+    def _call_atomic(self, handler: Handler, job: _Job) -> None:
+        """Run the handler and its fenced completion in one transaction."""
+        with transaction.atomic(using=self.alias):
+            result = self._call(handler, job)
+            outcome = self.coordinator.complete(job.row.category, [job.row.work_id], [result])
+            if not outcome or outcome[0].status != "done":
+                raise LeaseLost(
+                    f"{job.row.category} {job.row.work_id}: lease lost before the atomic "
+                    "handler committed; its transaction was rolled back"
+                )
+
+    def _finish(self, job: _Job) -> None:
+        job.handle.dispose()
+        with self._lock:
+            self._jobs.pop((job.row.category, job.row.work_id), None)
+            self._in_flight -= 1
+            self._idle.notify_all()
+        if self.on_slot_free is not None:
+            self.on_slot_free()
+
+    def _release_unstarted(self, job: _Job) -> None:
+        try:
+            self.coordinator.release(job.row.category, [job.row.work_id])
+            self.stats.released += 1
+        except Exception:
+            logger.exception(
+                "release of an unstarted row failed", extra={"action": "release_failed"}
+            )
+        self._finish(job)
+
+    # -- abandonment ---------------------------------------------------------------
+    def abandon(self, handle: LeaseHandle) -> bool:
+        """Give up on a running handler whose lease deadline passed; free its slot."""
+        job = self._jobs.get((handle.category, handle.work_id))
+        if job is None:
+            return False
+        with job.lock:
+            if job.state != "running":
+                return False  # queued jobs are released by their worker; finished ones are done
+            job.state = "abandoned"
+        self.stats.abandoned += 1
+        self._outcome_queued(1)
+        logger.error(
+            "handler of %s %s still running at its lease deadline: abandoned (%d so far)",
+            handle.category,
+            handle.work_id,
+            self.stats.abandoned,
+            extra={"action": "abandoned"},
+        )
+        self.failures.put(
+            (
+                handle.category,
+                handle.work_id,
+                "the handler was still running at its lease deadline and was abandoned",
+                "lease_expired",
+            )
+        )
+        self._finish(job)
+        self._start_worker()  # the stuck thread keeps its handler; the slot gets a new one
+        if self.stats.abandoned > self.abandoned_limit and self.on_fatal is not None:
+            self.on_fatal(
+                f"{self.stats.abandoned} abandoned handlers (limit {self.abandoned_limit}): "
+                "exiting so the supervisor restarts a clean process"
+            )
+        return True
+
+    # -- outcomes ------------------------------------------------------------------
+    def _flush_completions(self, batch: list[tuple[str, uuid.UUID, str | None]]) -> None:
+        by_category: dict[str, list[tuple[uuid.UUID, str | None]]] = defaultdict(list)
+        for category, work_id, result in batch:
+            by_category[category].append((work_id, result))
+        for category, items in by_category.items():
+            outcomes = self.coordinator.complete(
+                category, [i for i, _ in items], [r for _, r in items]
+            )
+            self._count(outcomes, "completed")
+        self._outcome_queued(-len(batch))
+        close_old_connections()
+
+    def _flush_failures(self, batch: list[tuple[str, uuid.UUID, str, str]]) -> None:
+        by_category: dict[str, list[tuple[uuid.UUID, str, str]]] = defaultdict(list)
+        for category, work_id, error, reason in batch:
+            by_category[category].append((work_id, error, reason))
+        for category, items in by_category.items():
+            outcomes = self.coordinator.fail(
+                category,
+                [i for i, _, _ in items],
+                [e for _, e, _ in items],
+                [r for _, _, r in items],
+            )
+            self._count(outcomes, "failed")
+        self._outcome_queued(-len(batch))
+        close_old_connections()
+
+    def _count(self, outcomes: list[Any], counter: str) -> None:
+        for outcome in outcomes:
+            if outcome.status == "lost":
+                self.stats.lost_leases += 1
+                logger.warning(
+                    "lease of %s was lost before its outcome was recorded (fenced out)",
+                    outcome.work_id,
+                    extra={"action": "lease_lost"},
+                )
+            else:
+                setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+
+    # -- shutdown ------------------------------------------------------------------
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is queued or running; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop workers (after ``wait_idle``) and flush every pending outcome."""
+        self.leases.cancel_all("shutdown")
+        for _ in self._threads:
+            self._queue.put(None)
+        self.completions.stop(timeout)
+        self.failures.stop(timeout)
+
+
+def _describe(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception(exc))
+    return text[-8000:]  # the head is boilerplate; keep the end of a long trace
+
+
+def _result_json(result: Any) -> str | None:
+    if result is None:
+        return None
+    try:
+        return json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError):
+        logger.debug("handler result is not JSON; not stored", extra={"action": "result_dropped"})
+        return None

@@ -1,0 +1,156 @@
+"""HeartbeatWorker: proves this instance is alive and looks for dead peers (DESIGN §4).
+
+Two timers in one loop: the beat (fast cadence, or slow while the alive-lock proves
+liveness) and a short-cadence stale-peer probe, a read that calls the reap only when a
+peer looks stale. A refused beat means this instance was evicted: everything stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django_workpump.clock import Clock, SystemClock
+from django_workpump.pump.coordinator import Coordinator
+
+logger = logging.getLogger("django_workpump.heartbeat")
+
+ADVISORY_LOCK_MODE = "advisory_lock_when_available"
+TABLE_ONLY_MODE = "heartbeat_table_only"
+
+
+@dataclass(frozen=True)
+class HeartbeatPolicy:
+    interval_seconds: float = 10
+    slow_interval_seconds: float = 60
+    stale_peer_probe_interval_seconds: float = 5
+    liveness_source_mode: str = ADVISORY_LOCK_MODE
+    enabled: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> HeartbeatPolicy:
+        return cls(
+            interval_seconds=settings["HEARTBEAT_INTERVAL_SECONDS"],
+            slow_interval_seconds=settings["HEARTBEAT_SLOW_INTERVAL_SECONDS"],
+            stale_peer_probe_interval_seconds=settings["STALE_PEER_PROBE_INTERVAL_SECONDS"],
+            liveness_source_mode=settings["LIVENESS_SOURCE_MODE"],
+            enabled=settings["HEARTBEAT_ENABLED"],
+        )
+
+
+def heartbeat_cadence(policy: HeartbeatPolicy, alive_lock_held: bool | None) -> float:
+    """Seconds until the next beat; ``alive_lock_held`` is None with no lock source."""
+    if policy.liveness_source_mode == TABLE_ONLY_MODE or not alive_lock_held:
+        return policy.interval_seconds
+    return policy.slow_interval_seconds
+
+
+@dataclass(frozen=True)
+class BeatResult:
+    accepted: bool | None  # None: the call failed (logged; peers may reap us)
+    cadence: float
+
+
+class HeartbeatWorker:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        policy: HeartbeatPolicy,
+        *,
+        alive_lock_held: Callable[[], bool] | None = None,
+        on_evicted: Callable[[], Any] | None = None,
+        metadata: Callable[[], dict[str, Any]] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.policy = policy
+        self.alive_lock_held = alive_lock_held
+        self.on_evicted = on_evicted
+        self.metadata = metadata or dict
+        self.clock = clock or SystemClock()
+        self.beats = 0
+        self.failed_beats = 0
+        self.probes = 0
+        self.reaped: list[Any] = []
+        self.evicted = False
+        self.last_beat_at: float | None = None
+        self._stop = threading.Event()
+
+    def cadence(self) -> float:
+        """The beat cadence now, resolved from the alive-lock state every time."""
+        held = None if self.alive_lock_held is None else self.alive_lock_held()
+        return heartbeat_cadence(self.policy, held)
+
+    def beat(self) -> BeatResult:
+        """Record one heartbeat; on refusal mark this instance evicted and say so."""
+        cadence = self.cadence()
+        try:
+            accepted = self.coordinator.heartbeat(self.metadata())
+        except Exception as exc:  # noqa: BLE001 - a failed beat is retried next tick
+            self.failed_beats += 1
+            logger.warning("heartbeat failed: %s", exc, extra={"action": "heartbeat_failed"})
+            return BeatResult(accepted=None, cadence=cadence)
+        self.beats += 1
+        self.last_beat_at = self.clock.monotonic()
+        if not accepted:
+            self.evicted = True
+            logger.error(
+                "this instance %s was evicted by its peers: it stops claiming and exits",
+                self.coordinator.identity.instance_id,
+                extra={"action": "evicted"},
+            )
+            if self.on_evicted is not None:
+                self.on_evicted()
+        return BeatResult(accepted=accepted, cadence=cadence)
+
+    def probe_peers(self) -> list[Any]:
+        """Look for a stale peer (a read); reap only when there is one."""
+        self.probes += 1
+        try:
+            if not self.coordinator.stale_peer_exists():
+                return []
+            evicted = self.coordinator.reap_stale()
+        except Exception as exc:  # noqa: BLE001 - the next probe or maintenance retries
+            logger.warning("stale-peer probe failed: %s", exc, extra={"action": "probe_failed"})
+            return []
+        if evicted:
+            self.reaped.extend(evicted)
+            logger.warning(
+                "evicted stale instances %s",
+                ", ".join(map(str, evicted)),
+                extra={"action": "reaped"},
+            )
+        return list(evicted)
+
+    def run_once(self, next_beat_at: float, next_probe_at: float) -> tuple[float, float]:
+        """Do whatever is due now; return the next due times of beat and probe."""
+        now = self.clock.monotonic()
+        if self.policy.enabled and now >= next_beat_at:
+            result = self.beat()
+            next_beat_at = now + result.cadence
+        if now >= next_probe_at:
+            self.probe_peers()
+            next_probe_at = now + self.policy.stale_peer_probe_interval_seconds
+        return next_beat_at, next_probe_at
+
+    def run(self) -> None:
+        """Loop until stopped or evicted."""
+        if not self.policy.enabled:
+            logger.warning(
+                "heartbeats are disabled (HEARTBEAT_ENABLED=False): peers will evict this instance",
+                extra={"action": "heartbeat_disabled"},
+            )
+        now = self.clock.monotonic()
+        # The supervisor beat once before starting the claim; start with the cadence.
+        next_beat = now + (self.cadence() if self.beats else 0)
+        next_probe = now + self.policy.stale_peer_probe_interval_seconds
+        while not self._stop.is_set() and not self.evicted:
+            next_beat, next_probe = self.run_once(next_beat, next_probe)
+            due = min(next_beat, next_probe) if self.policy.enabled else next_probe
+            self._stop.wait(max(0.0, due - self.clock.monotonic()))
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,215 @@
+"""Local leases: one deadline per in-flight dispatch, and the registry that finds them (DESIGN §5).
+
+The database owns the real lease; a ``LeaseHandle`` is the worker's local view of it, set a
+grace period short of the database's expiry, so the worker gives up before the row can be
+re-claimed elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Literal
+
+from django_workpump.clock import Clock
+
+CancelReason = Literal["deadline", "shutdown", "disposed"]
+_REASONS: frozenset[str] = frozenset({"deadline", "shutdown", "disposed"})
+
+LeaseKey = tuple[str, uuid.UUID]
+
+
+class DuplicateLease(ValueError):
+    """Signal that a (category, work id) was registered while already in flight."""
+
+
+class LeaseHandle:
+    """Track the local deadline, renewals and cancellation of one in-flight dispatch."""
+
+    def __init__(
+        self,
+        category: str,
+        work_id: uuid.UUID,
+        deadline: float,
+        max_renewals: int,
+        clock: Clock,
+    ) -> None:
+        if max_renewals < 0:
+            raise ValueError(f"max_renewals ({max_renewals}) must be zero or more.")
+        self.category = category
+        self.work_id = work_id
+        self.max_renewals = max_renewals
+        self.cancelled = threading.Event()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._deadline = deadline
+        self._renewal_count = 0
+        self._cancel_reason: CancelReason | None = None
+        self._disposed = False
+        self._on_dispose: Callable[[LeaseHandle], object] | None = None
+        # A row claimed with too little lease left must not start work it cannot finish.
+        self._expire()
+
+    def __repr__(self) -> str:
+        return f"<LeaseHandle {self.category} {self.work_id} renewals={self._renewal_count}>"
+
+    @property
+    def key(self) -> LeaseKey:
+        """Return the registry key (category, work id)."""
+        return (self.category, self.work_id)
+
+    @property
+    def deadline(self) -> float:
+        """Return the local deadline on the clock's monotonic scale."""
+        with self._lock:
+            return self._deadline
+
+    @property
+    def renewal_count(self) -> int:
+        """Return how many renewals the database has confirmed."""
+        with self._lock:
+            return self._renewal_count
+
+    @property
+    def cancel_reason(self) -> CancelReason | None:
+        """Return why the handle was cancelled, or None while it is live."""
+        with self._lock:
+            return self._cancel_reason
+
+    @property
+    def disposed(self) -> bool:
+        """Return whether the dispatch has let go of the handle."""
+        with self._lock:
+            return self._disposed
+
+    def seconds_left(self) -> float:
+        """Return the seconds until the deadline (negative once past)."""
+        with self._lock:
+            return self._deadline - self._clock.monotonic()
+
+    def can_renew(self) -> bool:
+        """Return whether a renewal may still be asked of the database."""
+        with self._lock:
+            return self._renewable_locked()
+
+    def confirm_renewal(self, new_deadline: float) -> bool:
+        """Move the deadline after the database confirmed a renewal; return False if refused."""
+        with self._lock:
+            if not self._renewable_locked() or new_deadline <= self._clock.monotonic():
+                return False
+            self._deadline = new_deadline
+            self._renewal_count += 1
+            return True
+
+    def check_deadline(self) -> bool:
+        """Cancel the handle if its deadline has come; return whether it is cancelled."""
+        self._expire()
+        return self.cancelled.is_set()
+
+    def cancel(self, reason: CancelReason) -> None:
+        """Cancel the handle; the first reason given is the one kept."""
+        if reason not in _REASONS:
+            raise ValueError(f"Cancel reason {reason!r} must be one of {sorted(_REASONS)}.")
+        with self._lock:
+            self._cancel_locked(reason)
+
+    def dispose(self) -> None:
+        """Release the handle: cancel it if still live and drop it from its registry."""
+        with self._lock:
+            if self._disposed:
+                return
+            self._disposed = True
+            self._cancel_locked("disposed")
+            callback, self._on_dispose = self._on_dispose, None
+        # Outside the handle lock: the registry takes its own lock, and it takes them in the
+        # order registry -> handle elsewhere.
+        if callback is not None:
+            callback(self)
+
+    def _attach(self, callback: Callable[[LeaseHandle], object]) -> bool:
+        """Set the disposal callback; return False if the handle is already disposed."""
+        with self._lock:
+            if self._disposed:
+                return False
+            self._on_dispose = callback
+            return True
+
+    def _expire(self) -> bool:
+        """Cancel by deadline if due; return True only if this call cancelled it."""
+        with self._lock:
+            if self._cancel_reason is None and self._clock.monotonic() >= self._deadline:
+                return self._cancel_locked("deadline")
+            return False
+
+    def _renewable_locked(self) -> bool:
+        return (
+            not self._disposed
+            and self._cancel_reason is None
+            and self._renewal_count < self.max_renewals
+        )
+
+    def _cancel_locked(self, reason: CancelReason) -> bool:
+        if self._cancel_reason is not None:
+            return False
+        self._cancel_reason = reason
+        self.cancelled.set()
+        return True
+
+
+class LeaseRegistry:
+    """Map (category, work id) to the handle of its in-flight dispatch."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: dict[LeaseKey, LeaseHandle] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def register(self, handle: LeaseHandle) -> None:
+        """Add a handle; raise DuplicateLease if its key is already in flight."""
+        with self._lock:
+            current = self._handles.get(handle.key)
+            if current is not None:
+                raise DuplicateLease(
+                    f"Lease {handle.category} {handle.work_id} is already in flight: the same "
+                    f"row claimed twice in flight means claiming or disposal is broken."
+                )
+            if not handle._attach(self.discard):
+                raise ValueError(
+                    f"Lease {handle.category} {handle.work_id} is already disposed; register "
+                    f"a handle before its dispatch runs."
+                )
+            self._handles[handle.key] = handle
+
+    def discard(self, handle: LeaseHandle) -> bool:
+        """Drop the handle if it is the one stored under its key; return whether it was."""
+        with self._lock:
+            # Identity, not key: a late dispose of an abandoned handle must not drop the
+            # handle of the row's next claim.
+            if self._handles.get(handle.key) is handle:
+                del self._handles[handle.key]
+                return True
+            return False
+
+    def get(self, category: str, work_id: uuid.UUID) -> LeaseHandle | None:
+        """Return the handle in flight for (category, work id), if any."""
+        with self._lock:
+            return self._handles.get((category, work_id))
+
+    def handles(self) -> list[LeaseHandle]:
+        """Return a snapshot of the registered handles."""
+        with self._lock:
+            return list(self._handles.values())
+
+    def expire_due(self) -> list[LeaseHandle]:
+        """Cancel handles whose deadline has come; return those cancelled by this call."""
+        # Check on a snapshot so no handle lock is taken under the registry lock from here.
+        return [handle for handle in self.handles() if handle._expire()]
+
+    def cancel_all(self, reason: CancelReason = "shutdown") -> None:
+        """Cancel every registered handle (they stay registered until disposed)."""
+        for handle in self.handles():
+            handle.cancel(reason)

@@ -1,0 +1,206 @@
+"""The NOTIFY gate: one dedicated psycopg connection per instance (DESIGN §8).
+
+It LISTENs on the work channels, proves itself with a self-NOTIFY probe, holds the
+instance's alive-lock, sends a keepalive, and on any error reports itself unavailable
+and reconnects with capped exponential backoff. Availability changes are reported
+exactly once per real transition.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from django_workpump import db
+from django_workpump.clock import Clock, SystemClock
+
+logger = logging.getLogger("django_workpump.notify")
+
+# Channel -> signal. Producers' insert triggers and complete/fail/release notify the
+# category channels; evictions and deregistrations notify workpump_orphan.
+CHANNELS = {
+    "workpump_outbox": "outbox",
+    "workpump_inbox": "inbox",
+    "workpump_perspective_event": "perspective_event",
+    "workpump_receptor": "receptor",
+    "workpump_orphan": "orphan",
+}
+
+
+def reconnect_delay(attempt: int, initial: float = 1.0, maximum: float = 30.0) -> float:
+    """Seconds before reconnect attempt ``attempt`` (1-based): doubling, capped."""
+    return float(min(initial * 2 ** max(attempt - 1, 0), maximum))
+
+
+class NotifyGate:
+    def __init__(
+        self,
+        conninfo: str,
+        instance_id: uuid.UUID,
+        *,
+        on_signal: Callable[[str], Any],
+        on_availability: Callable[[bool], Any] | None = None,
+        keepalive_seconds: float = 30.0,
+        probe_timeout_seconds: float = 2.0,
+        reconnect_initial_seconds: float = 1.0,
+        reconnect_max_seconds: float = 30.0,
+        hold_alive_lock: bool = True,
+        clock: Clock | None = None,
+    ) -> None:
+        self.conninfo = conninfo
+        self.instance_id = instance_id
+        self.on_signal = on_signal
+        self.on_availability = on_availability
+        self.keepalive_seconds = keepalive_seconds
+        self.probe_timeout_seconds = probe_timeout_seconds
+        self.reconnect_initial_seconds = reconnect_initial_seconds
+        self.reconnect_max_seconds = reconnect_max_seconds
+        self.hold_alive_lock = hold_alive_lock
+        self.clock = clock or SystemClock()
+        self.application_name = f"workpump-{instance_id}"
+        self.connects = 0
+        self.failures = 0
+        self.signals_received = 0
+        self.last_failure: str | None = None
+        self.backend_pid: int | None = None
+        self._available = False
+        self._alive_lock_held = False
+        self._state_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._conn: psycopg.Connection[Any] | None = None
+
+    # -- state ---------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    @property
+    def alive_lock_held(self) -> bool:
+        return self._available and self._alive_lock_held
+
+    def _set_available(self, available: bool, reason: str = "") -> None:
+        with self._state_lock:
+            if available == self._available:
+                return
+            self._available = available
+        logger.info(
+            "NOTIFY gate %s%s",
+            "available" if available else "unavailable",
+            f" ({reason})" if reason else "",
+            extra={"action": "gate_available" if available else "gate_unavailable"},
+        )
+        if self.on_availability is not None:
+            try:
+                self.on_availability(available)
+            except Exception:
+                logger.exception("gate subscriber failed", extra={"action": "gate_subscriber"})
+
+    # -- connection ----------------------------------------------------------------
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(
+            self.conninfo,
+            autocommit=True,
+            application_name=self.application_name,
+            connect_timeout=5,
+        )
+        self.connects += 1
+        self.backend_pid = conn.info.backend_pid
+        for channel in CHANNELS:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        return conn
+
+    def _probe(self, conn: psycopg.Connection[Any]) -> None:
+        """Prove that notifications reach this session: NOTIFY ourselves and wait."""
+        channel = f"workpump_probe_{secrets.token_hex(6)}"
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        db.notify_probe(conn, channel=channel)
+        seen = False
+        for notify in conn.notifies(timeout=self.probe_timeout_seconds):
+            if notify.channel == channel:
+                seen = True
+                break
+            self._dispatch(notify.channel)
+        conn.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
+        if not seen:
+            raise TimeoutError(
+                f"self-NOTIFY probe not delivered within {self.probe_timeout_seconds} s"
+            )
+
+    def _take_alive_lock(self, conn: psycopg.Connection[Any]) -> None:
+        if not self.hold_alive_lock or self._alive_lock_held:
+            return
+        self._alive_lock_held = db.take_alive_lock(conn, instance_id=self.instance_id)
+        if not self._alive_lock_held:
+            logger.warning(
+                "alive-lock of instance %s not taken (not registered yet, or held by another "
+                "session): heartbeats stay on the fast cadence",
+                self.instance_id,
+                extra={"action": "alive_lock_not_taken"},
+            )
+
+    def _dispatch(self, channel: str) -> None:
+        signal = CHANNELS.get(channel)
+        if signal is None:
+            return
+        self.signals_received += 1
+        try:
+            self.on_signal(signal)
+        except Exception:
+            logger.exception("signal subscriber failed", extra={"action": "signal_subscriber"})
+
+    def _serve(self, conn: psycopg.Connection[Any]) -> None:
+        last_keepalive = self.clock.monotonic()
+        while not self._stop.is_set():
+            for notify in conn.notifies(timeout=0.5):
+                self._dispatch(notify.channel)
+            if self.clock.monotonic() - last_keepalive >= self.keepalive_seconds:
+                db.keepalive(conn)
+                self._take_alive_lock(conn)  # retried until registered
+                last_keepalive = self.clock.monotonic()
+
+    def run(self) -> None:
+        """Connect, listen and reconnect until stopped."""
+        attempt = 0
+        while not self._stop.is_set():
+            conn = None
+            try:
+                conn = self._conn = self._connect()
+                self._probe(conn)
+                self._take_alive_lock(conn)
+                attempt = 0
+                self._set_available(True)
+                self._serve(conn)
+            except Exception as exc:  # noqa: BLE001 - any failure: unavailable, reconnect
+                if self._stop.is_set():
+                    break
+                attempt += 1
+                self.failures += 1
+                self.last_failure = f"{type(exc).__name__}: {exc}"
+                self._alive_lock_held = False
+                self._set_available(False, self.last_failure)
+                delay = reconnect_delay(
+                    attempt, self.reconnect_initial_seconds, self.reconnect_max_seconds
+                )
+                logger.warning(
+                    "NOTIFY connection lost (%s); reconnecting in %.1f s",
+                    self.last_failure,
+                    delay,
+                    extra={"action": "gate_reconnect"},
+                )
+                self._stop.wait(delay)
+            finally:
+                if conn is not None:
+                    conn.close()
+                self._conn = None
+        self._alive_lock_held = False
+        self._set_available(False, "stopped")
+
+    def stop(self) -> None:
+        self._stop.set()

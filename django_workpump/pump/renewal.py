@@ -1,0 +1,152 @@
+"""LeaseRenewalWorker: keeps the leases of running handlers alive, within the cap (DESIGN §5).
+
+Each tick it (1) abandons dispatches whose local deadline passed, and (2) enqueues a
+renewal for each dispatch whose deadline is near. Renewals are coalesced by a
+``BatchFlusher`` into one fenced ``renew_leases`` call per category; a handle's deadline
+moves only for the ids the database confirmed. A handle that used its renewals (or was
+disposed) is skipped: its lease expires and the row surfaces through a re-claim.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from django.db import close_old_connections
+
+from django_workpump.clock import Clock, SystemClock
+from django_workpump.pump.coordinator import Coordinator
+from django_workpump.pump.flusher import BatchFlusher
+from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
+
+logger = logging.getLogger("django_workpump.renewal")
+
+
+class LeaseRenewalWorker:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        leases: LeaseRegistry | None,
+        *,
+        lease_seconds: float = 300,
+        lease_grace_seconds: float = 30,
+        max_batch: int = 200,
+        coalesce_window: float = 0.2,
+        immediate_flush_at: int = 100,
+        capacity: int = 5_000,
+        tick_seconds: float = 0.5,
+        on_deadline: Callable[[LeaseHandle], Any] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.leases = leases
+        self.lease_seconds = lease_seconds
+        self.lease_grace_seconds = lease_grace_seconds
+        self.tick_seconds = tick_seconds
+        self.on_deadline = on_deadline
+        self.clock = clock or SystemClock()
+        # Renew once a third of the local lease is left: two more chances before the end.
+        self.renew_when_left = max((lease_seconds - lease_grace_seconds) / 3, 1.0)
+        self.renewed = 0
+        self.skipped_at_cap = 0
+        self.skipped_gone = 0
+        self._requested: set[tuple[str, uuid.UUID]] = set()
+        self._requested_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.flusher: BatchFlusher[tuple[str, uuid.UUID]] = BatchFlusher(
+            "workpump-renewals",
+            self.flush,
+            max_batch=max_batch,
+            coalesce_window=coalesce_window,
+            immediate_flush_at=immediate_flush_at,
+            capacity=capacity,
+            clock=self.clock,
+        )
+
+    def enqueue(self, category: str, work_id: uuid.UUID) -> bool:
+        """Ask for a renewal of one row's lease (coalesced with others)."""
+        return self.flusher.put((category, work_id))
+
+    def flush(self, batch: list[tuple[str, uuid.UUID]]) -> None:
+        """Renew a batch: one fenced call per category, for handles that may still renew."""
+        by_category: dict[str, list[uuid.UUID]] = defaultdict(list)
+        for category, work_id in dict.fromkeys(batch):  # de-duplicated, order kept
+            with self._requested_lock:
+                self._requested.discard((category, work_id))
+            if self.leases is None:
+                by_category[category].append(work_id)  # no registry: renew unconditionally
+                continue
+            handle = self.leases.get(category, work_id)
+            if handle is None:
+                self.skipped_gone += 1  # finished (disposed) since it asked
+                continue
+            if not handle.can_renew():
+                self.skipped_at_cap += 1
+                logger.warning(
+                    "%s %s used its %d lease renewals: letting the lease expire so the row "
+                    "is re-claimed and the hung handler surfaces",
+                    category,
+                    work_id,
+                    handle.max_renewals,
+                    extra={"action": "renewal_cap"},
+                )
+                continue
+            by_category[category].append(work_id)
+        for category, ids in by_category.items():
+            sent_at = self.clock.monotonic()
+            renewed = self.coordinator.renew(category, ids)
+            # The DB set expiry = its now + lease; its now is after sent_at, so this
+            # local deadline is on the safe side.
+            deadline = sent_at + self.lease_seconds - self.lease_grace_seconds
+            for work_id in renewed:
+                self.renewed += 1
+                if self.leases is not None:
+                    handle = self.leases.get(category, work_id)
+                    if handle is not None:
+                        handle.confirm_renewal(deadline)
+            lost = set(ids) - set(renewed)
+            for work_id in lost:
+                logger.warning(
+                    "renewal of %s %s refused: the lease was lost",
+                    category,
+                    work_id,
+                    extra={"action": "renewal_lost"},
+                )
+        close_old_connections()
+
+    def run_once(self) -> tuple[int, int]:
+        """One tick: abandon expired dispatches, request due renewals; return the counts."""
+        if self.leases is None:
+            return 0, 0
+        expired = self.leases.expire_due()
+        for handle in expired:
+            if self.on_deadline is not None:
+                self.on_deadline(handle)
+        requested = 0
+        for handle in self.leases.handles():
+            if handle.seconds_left() > self.renew_when_left or not handle.can_renew():
+                continue
+            key = (handle.category, handle.work_id)
+            with self._requested_lock:
+                if key in self._requested:
+                    continue
+                self._requested.add(key)
+            if self.enqueue(*key):
+                requested += 1
+        return len(expired), requested
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self.run_once()
+            self._stop.wait(self.tick_seconds)
+
+    def start(self) -> None:
+        self.flusher.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.flusher.stop(timeout)

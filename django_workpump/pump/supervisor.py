@@ -1,0 +1,301 @@
+"""Supervisor: starts the pump's services and stops them all, in order (DESIGN §8).
+
+Start: schema gate -> first heartbeat (registers the instance) -> NOTIFY gate (takes the
+alive-lock) -> dispatcher, renewals, heartbeat, maintenance -> claiming.
+Stop: stop claiming -> wait for in-flight handlers (bounded) -> flush outcomes and
+renewals -> deregister (own timeout) -> stop the rest. If any service dies, or the
+instance is evicted, everything stops and the exit code says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from django.db import connections
+
+from django_workpump.clock import Clock, SystemClock
+from django_workpump.conf import get_settings
+from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
+from django_workpump.pump.coordinator import (
+    DatabaseCoordinator,
+    InstanceIdentity,
+    release_thread_connection,
+)
+from django_workpump.pump.dispatch import Dispatcher
+from django_workpump.pump.heartbeat import HeartbeatPolicy, HeartbeatWorker
+from django_workpump.pump.lease import LeaseRegistry
+from django_workpump.pump.maintenance import MaintenanceWorker
+from django_workpump.pump.notify import NotifyGate
+from django_workpump.pump.renewal import LeaseRenewalWorker
+from django_workpump.registry import CATEGORIES, Registry, registry
+
+logger = logging.getLogger("django_workpump.supervisor")
+
+EXIT_OK = 0
+EXIT_SERVICE_DIED = 1
+EXIT_EVICTED = 3
+EXIT_TOO_MANY_ABANDONED = 4
+
+MISSING_MIGRATIONS = "Missing workpump migrations. Run `python manage.py migrate workpump`."
+
+
+class SchemaNotReady(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PumpOptions:
+    categories: Sequence[str] = CATEGORIES
+    concurrency: int | None = None  # None: WORKPUMP["CONCURRENCY"]
+    service_name: str = "workpump"
+    listen: bool = True
+    drain: bool = False
+
+
+def listen_conninfo(settings: dict[str, Any]) -> str:
+    """The DSN of the gate's direct connection: LISTEN_DSN, else the Django alias's."""
+    if settings["LISTEN_DSN"]:
+        return str(settings["LISTEN_DSN"])
+    params = dict(connections[settings["DATABASE_ALIAS"]].get_connection_params())
+    for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
+        params.pop(key, None)
+    return psycopg.conninfo.make_conninfo(**{k: v for k, v in params.items() if v is not None})
+
+
+class Supervisor:
+    def __init__(
+        self,
+        options: PumpOptions | None = None,
+        *,
+        handlers: Registry = registry,
+        identity: InstanceIdentity | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.options = options or PumpOptions()
+        self.settings = dict(get_settings())
+        self.identity = identity or InstanceIdentity(service_name=self.options.service_name)
+        self.clock = clock or SystemClock()
+        self.alias: str = self.settings["DATABASE_ALIAS"]
+        s = self.settings
+        self.coordinator = DatabaseCoordinator(self.identity, self.options.categories)
+        self.leases = LeaseRegistry()
+        self.dispatcher = Dispatcher(
+            self.coordinator,
+            handlers,
+            self.leases,
+            concurrency=self.options.concurrency or s["CONCURRENCY"],
+            lease_grace_seconds=s["LEASE_GRACE_SECONDS"],
+            max_renewals=s["MAX_RENEWALS_PER_WORK"],
+            abandoned_limit=s["MAX_ABANDONED_HANDLERS"],
+            alias=self.alias,
+            clock=self.clock,
+            on_slot_free=self._slot_freed,
+            on_fatal=lambda reason: self.request_stop(reason, EXIT_TOO_MANY_ABANDONED),
+        )
+        self.renewal = LeaseRenewalWorker(
+            self.coordinator,
+            self.leases,
+            lease_seconds=s["LEASE_SECONDS"],
+            lease_grace_seconds=s["LEASE_GRACE_SECONDS"],
+            max_batch=s["RENEWAL_MAX_BATCH"],
+            coalesce_window=s["RENEWAL_COALESCE_WINDOW_MS"] / 1000,
+            immediate_flush_at=s["RENEWAL_IMMEDIATE_FLUSH_AT"],
+            capacity=s["RENEWAL_CAPACITY"],
+            on_deadline=self.dispatcher.abandon,
+            clock=self.clock,
+        )
+        self.gate: NotifyGate | None = None
+        if self.options.listen:
+            self.gate = NotifyGate(
+                listen_conninfo(s),
+                self.identity.instance_id,
+                on_signal=self._signal,
+                on_availability=self._gate_changed,
+                hold_alive_lock=s["LIVENESS_SOURCE_MODE"] == "advisory_lock_when_available",
+                clock=self.clock,
+            )
+        self.heartbeat = HeartbeatWorker(
+            self.coordinator,
+            HeartbeatPolicy.from_settings(s),
+            alive_lock_held=(lambda: self.gate.alive_lock_held) if self.gate else None,
+            on_evicted=lambda: self.request_stop("evicted by peers", EXIT_EVICTED),
+            metadata=self._metadata,
+            clock=self.clock,
+        )
+        self.claim = ClaimWorker(
+            self.coordinator,
+            self.dispatcher,
+            ClaimPolicy.from_settings(s),
+            gate=self.gate,
+            clock=self.clock,
+            enabled=s["CLAIM_ENABLED"],
+        )
+        self.maintenance = MaintenanceWorker(
+            alias=self.alias,
+            interval_seconds=s["MAINTENANCE_INTERVAL_SECONDS"],
+            retention_seconds=s["RETENTION_SECONDS"],
+            stale_after_seconds=s["STALE_AFTER_SECONDS"],
+            definitively_dead_after_seconds=s["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+        )
+        self.exit_code: int | None = None
+        self.stop_reason: str | None = None
+        self._stopping = threading.Event()
+        self._threads: dict[str, threading.Thread] = {}
+        self._started = False
+
+    # -- wiring callbacks ----------------------------------------------------------
+    def _slot_freed(self) -> None:
+        self.claim.request_immediate_poll()
+
+    def _signal(self, signal: str) -> None:
+        if signal in self.options.categories or signal == "orphan":
+            self.claim.request_immediate_poll()
+
+    def _gate_changed(self, available: bool) -> None:
+        self.claim.on_gate_changed(available)
+
+    def _metadata(self) -> dict[str, Any]:
+        return {
+            "categories": list(self.options.categories),
+            "concurrency": self.dispatcher.concurrency,
+            "listener": None if self.gate is None else self.gate.available,
+            "alive_lock": None if self.gate is None else self.gate.alive_lock_held,
+            "in_flight": self.dispatcher.in_flight,
+        }
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        """Check the schema, register, and start every service thread."""
+        if not self.coordinator.schema_ready():
+            raise SchemaNotReady(MISSING_MIGRATIONS)
+        if self.heartbeat.policy.enabled:
+            first = self.heartbeat.beat()  # registers the instance before the first claim
+            if first.accepted is False:
+                raise RuntimeError(f"instance {self.identity.instance_id} is tombstoned")
+        self._started = True
+        if self.gate is not None:
+            self._spawn("notify", self.gate.run)
+        self.dispatcher.start()
+        self.renewal.start()
+        self._spawn("renewal", self.renewal.run)
+        self._spawn("heartbeat", self.heartbeat.run)
+        self._spawn("maintenance", self.maintenance.run)
+        self._spawn("claim", self.claim.run)
+        if self.options.drain:
+            self._spawn("drain", self._drain_watch)
+        logger.info(
+            "workpump instance %s started", self.identity.instance_id, extra={"action": "started"}
+        )
+
+    def _spawn(self, name: str, target: Callable[[], Any]) -> None:
+        def service() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                logger.exception("service %s died", name, extra={"action": "service_died"})
+                self.request_stop(f"service {name} died: {exc}", EXIT_SERVICE_DIED)
+            finally:
+                release_thread_connection(self.alias)
+
+        thread = threading.Thread(target=service, name=f"workpump-{name}", daemon=True)
+        self._threads[name] = thread
+        thread.start()
+
+    def _drain_watch(self) -> None:
+        """In drain mode: stop once a poll after the last outcome found nothing."""
+        while not self._stopping.wait(0.05):
+            if self.dispatcher.in_flight or self.dispatcher.pending_outcomes:
+                continue
+            polls = self.claim.polls
+            self.claim.request_immediate_poll()
+            while self.claim.polls == polls and not self._stopping.wait(0.01):
+                pass
+            idle = not self.dispatcher.in_flight and not self.dispatcher.pending_outcomes
+            if idle and self.claim.last_claimed == 0 and self.claim.empty_polls > 0:
+                self.request_stop("drained: nothing left to claim", EXIT_OK)
+                return
+
+    def request_stop(self, reason: str, exit_code: int = EXIT_OK) -> None:
+        """Ask the pump to stop (any thread; the first reason and code win)."""
+        if self._stopping.is_set():
+            return
+        self.stop_reason, self.exit_code = reason, exit_code
+        logger.info("stopping: %s", reason, extra={"action": "stopping"})
+        self._stopping.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a stop is requested; True if it was."""
+        return self._stopping.wait(timeout)
+
+    def shutdown(self) -> int:
+        """Stop everything in order; return the exit code."""
+        self.request_stop("shutdown requested", EXIT_OK)
+        if not self._started:
+            return self.exit_code or EXIT_OK
+        s = self.settings
+        self.claim.stop()
+        self._join("claim", 5)
+        self.dispatcher.stop_accepting()
+        if not self.dispatcher.wait_idle(s["SHUTDOWN_TIMEOUT_SECONDS"]):
+            logger.warning(
+                "%d handlers still running after %s s: their rows are released by deregistration",
+                self.dispatcher.in_flight,
+                s["SHUTDOWN_TIMEOUT_SECONDS"],
+                extra={"action": "shutdown_timeout"},
+            )
+        self.dispatcher.stop()
+        self.renewal.stop()
+        self._join("renewal", 5)
+        if self.exit_code != EXIT_EVICTED:
+            self._deregister(timeout=5)
+        self.maintenance.stop()
+        self.heartbeat.stop()
+        if self.gate is not None:
+            self.gate.stop()
+        for name in list(self._threads):
+            self._join(name, 5)
+        connections.close_all()
+        logger.info(
+            "workpump instance %s stopped (%s)",
+            self.identity.instance_id,
+            self.stop_reason,
+            extra={"action": "stopped"},
+        )
+        return self.exit_code if self.exit_code is not None else EXIT_OK
+
+    def _deregister(self, timeout: float) -> None:
+        """Release this instance's rows and delete its row, giving up after ``timeout``."""
+        done = threading.Event()
+
+        def deregister() -> None:
+            try:
+                released = self.coordinator.deregister()
+                logger.info(
+                    "deregistered; released %d rows", released, extra={"action": "deregistered"}
+                )
+            except Exception:
+                logger.exception(
+                    "deregistration failed: peers will evict this instance",
+                    extra={"action": "deregister_failed"},
+                )
+            finally:
+                release_thread_connection(self.alias)
+                done.set()
+
+        threading.Thread(target=deregister, name="workpump-deregister", daemon=True).start()
+        if not done.wait(timeout):
+            logger.warning(
+                "deregistration did not finish in %s s: peers will evict this instance",
+                timeout,
+                extra={"action": "deregister_timeout"},
+            )
+
+    def _join(self, name: str, timeout: float) -> None:
+        thread = self._threads.get(name)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
