@@ -7,6 +7,7 @@ caller's transaction. ``now`` is for tests only: production lets the database cl
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,16 @@ def _fetch(name: str, params: dict[str, Any], using: str | None) -> list[tuple[A
     with connections[_alias(using)].cursor() as cursor:
         cursor.execute(named_queries()[name], params)
         return list(cursor.fetchall())
+
+
+def fetch_named(
+    path: str, name: str, params: dict[str, Any] | None = None, *, using: str | None = None
+) -> list[dict[str, Any]]:
+    """Run query ``name`` of ``sql/<path>`` (a read-only report query); rows as dicts."""
+    with connections[_alias(using)].cursor() as cursor:
+        cursor.execute(named_queries(path)[name], params or {})
+        columns = [column.name for column in cursor.description]
+        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
 
 
 def _scalar(name: str, params: dict[str, Any], using: str | None) -> Any:
@@ -120,7 +131,15 @@ def claim_work(
     using: str | None = None,
 ) -> list[ClaimedWork]:
     params = locals() | {"categories": list(categories) if categories else None}
-    return [ClaimedWork(*row) for row in _fetch("claim_work", params, using)]
+    return [_claimed(row) for row in _fetch("claim_work", params, using)]
+
+
+def _claimed(row: tuple[Any, ...]) -> ClaimedWork:
+    # Django's psycopg setup leaves jsonb as text (JSONField decodes it itself).
+    payload = row[3]
+    if isinstance(payload, str):
+        payload = json.loads(payload)
+    return ClaimedWork(*row[:3], payload, *row[4:])
 
 
 def renew_leases(

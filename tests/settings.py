@@ -1,5 +1,7 @@
 """Settings of the test suite: PostgreSQL from DATABASE_URL, else an embedded server."""
 
+import json
+
 import environ
 
 from django_workpump.embedded import embedded_database_url
@@ -42,4 +44,5 @@ TEMPLATES = [
 ]
 ROOT_URLCONF = "tests.urls"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-WORKPUMP = {}
+# Subprocess tests (runworkpump) pass their timing settings as JSON.
+WORKPUMP = json.loads(env.str("WORKPUMP_JSON", default="{}"))

@@ -161,7 +161,7 @@ class ClaimWorker:
                 "claim_work failed: %s", exc, extra={"action": "claim_failed"}, exc_info=True
             )
             return ClaimResult(claimed=0, has_more=False, error=exc)
-        if self.polls == 1:
+        if not self.startup_catch_up_count:  # the first claim that went through
             self.startup_catch_up_count += 1
             logger.info(
                 "startup catch-up claim got %d rows",

@@ -128,6 +128,9 @@ class HeartbeatWorker:
     def run_once(self, next_beat_at: float, next_probe_at: float) -> tuple[float, float]:
         """Do whatever is due now; return the next due times of beat and probe."""
         now = self.clock.monotonic()
+        if self.last_beat_at is not None:
+            # Resolved every tick: a lost alive-lock brings a slow-cadence beat forward.
+            next_beat_at = min(next_beat_at, self.last_beat_at + self.cadence())
         if self.policy.enabled and now >= next_beat_at:
             result = self.beat()
             next_beat_at = now + result.cadence

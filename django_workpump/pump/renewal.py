@@ -54,7 +54,8 @@ class LeaseRenewalWorker:
         self.renewed = 0
         self.skipped_at_cap = 0
         self.skipped_gone = 0
-        self._requested: set[tuple[str, uuid.UUID]] = set()
+        self._requested: dict[tuple[str, uuid.UUID], float] = {}  # key -> asked at
+        self.request_retry_seconds = max(coalesce_window * 10, 5.0)
         self._requested_lock = threading.Lock()
         self._stop = threading.Event()
         self.flusher: BatchFlusher[tuple[str, uuid.UUID]] = BatchFlusher(
@@ -76,7 +77,7 @@ class LeaseRenewalWorker:
         by_category: dict[str, list[uuid.UUID]] = defaultdict(list)
         for category, work_id in dict.fromkeys(batch):  # de-duplicated, order kept
             with self._requested_lock:
-                self._requested.discard((category, work_id))
+                self._requested.pop((category, work_id), None)
             if self.leases is None:
                 by_category[category].append(work_id)  # no registry: renew unconditionally
                 continue
@@ -98,7 +99,19 @@ class LeaseRenewalWorker:
             by_category[category].append(work_id)
         for category, ids in by_category.items():
             sent_at = self.clock.monotonic()
-            renewed = self.coordinator.renew(category, ids)
+            try:
+                renewed = self.coordinator.renew(category, ids)
+            except Exception:
+                # Retry only this category: the others' renewals already counted.
+                logger.exception(
+                    "renew_leases failed for %d %s rows; asking again",
+                    len(ids),
+                    category,
+                    extra={"action": "renewal_failed"},
+                )
+                for work_id in ids:
+                    self.enqueue(category, work_id)
+                continue
             # The DB set expiry = its now + lease; its now is after sent_at, so this
             # local deadline is on the safe side.
             deadline = sent_at + self.lease_seconds - self.lease_grace_seconds
@@ -131,12 +144,19 @@ class LeaseRenewalWorker:
             if handle.seconds_left() > self.renew_when_left or not handle.can_renew():
                 continue
             key = (handle.category, handle.work_id)
+            now = self.clock.monotonic()
             with self._requested_lock:
-                if key in self._requested:
+                asked_at = self._requested.get(key)
+                # A request not flushed within the retry window was dropped (a full
+                # buffer, an overflow on put-back): ask again rather than let it lapse.
+                if asked_at is not None and now - asked_at < self.request_retry_seconds:
                     continue
-                self._requested.add(key)
+                self._requested[key] = now
             if self.enqueue(*key):
                 requested += 1
+            else:
+                with self._requested_lock:
+                    self._requested.pop(key, None)
         return len(expired), requested
 
     def run(self) -> None:

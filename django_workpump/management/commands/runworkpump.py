@@ -1,0 +1,218 @@
+"""``manage.py runworkpump``: run this process as one work-pump instance (DESIGN §4-§9)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import OperationalError, connections
+
+from django_workpump.conf import get_settings
+from django_workpump.pump.supervisor import (
+    EXIT_OK,
+    PumpOptions,
+    SchemaNotReady,
+    Supervisor,
+)
+from django_workpump.registry import CATEGORIES
+
+logger = logging.getLogger("django_workpump")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, with the record's ``action`` key when it has one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if hasattr(record, "action"):
+            entry["action"] = record.action
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+class Command(BaseCommand):
+    help = "Run a work-pump instance: claim, run and complete work until stopped."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--concurrency", type=int, help="Dispatch threads (WORKPUMP CONCURRENCY)."
+        )
+        parser.add_argument(
+            "--categories",
+            help=f"Comma-separated categories to claim (default all: {','.join(CATEGORIES)}).",
+        )
+        parser.add_argument(
+            "--service-name", default="workpump", help="Name shown for this instance."
+        )
+        parser.add_argument(
+            "--drain",
+            action="store_true",
+            help="Process until nothing is claimable, then exit 0 (tests, cron).",
+        )
+        parser.add_argument(
+            "--no-listen",
+            action="store_true",
+            help="Do not LISTEN: poll only (no NOTIFY wakes, no alive-lock).",
+        )
+        parser.add_argument("--log-format", choices=["text", "json"], default="text")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        self._configure_logging(options["log_format"])
+        categories = self._categories(options["categories"])
+        if options["concurrency"] is not None and options["concurrency"] < 1:
+            raise CommandError(f"--concurrency must be at least 1, not {options['concurrency']}.")
+        settings = get_settings()
+        alias = settings["DATABASE_ALIAS"]
+        self._check_database(alias)
+        supervisor = Supervisor(
+            PumpOptions(
+                categories=categories,
+                concurrency=options["concurrency"],
+                service_name=options["service_name"],
+                listen=not options["no_listen"],
+                drain=options["drain"],
+            )
+        )
+        try:
+            supervisor.start()
+        except SchemaNotReady as exc:
+            raise CommandError(str(exc)) from None
+        self._install_signal_handlers(supervisor)
+        self.stdout.write(self._startup_line(supervisor, alias))
+        self.stdout.flush()
+        interval = settings["STATUS_INTERVAL_SECONDS"]
+        reporter = _StatusReporter(supervisor)
+        while not supervisor.wait(interval):
+            self.stdout.write(reporter.line())
+            self.stdout.flush()
+        code = supervisor.shutdown()
+        self.stdout.write(
+            f"workpump {supervisor.identity.instance_id} stopped: {supervisor.stop_reason} "
+            f"(exit {code}); {reporter.totals()}"
+        )
+        self.stdout.flush()
+        if code != EXIT_OK:
+            raise SystemExit(code)
+
+    # -- helpers -------------------------------------------------------------------
+    def _categories(self, value: str | None) -> tuple[str, ...]:
+        if not value:
+            return CATEGORIES
+        chosen = tuple(part.strip() for part in value.split(",") if part.strip())
+        unknown = [c for c in chosen if c not in CATEGORIES]
+        if unknown or not chosen:
+            raise CommandError(
+                f"Unknown categories {', '.join(unknown) or '(none given)'} in --categories; "
+                f"choose from {', '.join(CATEGORIES)}."
+            )
+        return chosen
+
+    def _check_database(self, alias: str) -> None:
+        connection = connections[alias]
+        try:
+            connection.ensure_connection()
+        except OperationalError as exc:
+            where = connection.settings_dict.get("NAME") or alias
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CommandError(
+                f"Cannot reach the database {alias!r} ({where}): {reason}. "
+                "Check DATABASES (or DATABASE_URL) and that PostgreSQL is running."
+            ) from None
+        finally:
+            connection.close()
+
+    def _configure_logging(self, log_format: str) -> None:
+        if logger.handlers:
+            return  # the project configured it
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            JsonFormatter()
+            if log_format == "json"
+            else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        )
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+    def _install_signal_handlers(self, supervisor: Supervisor) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals can only be handled on the main thread (e.g. in tests)
+        received: list[int] = []
+
+        def on_signal(signum: int, frame: Any) -> None:
+            received.append(signum)
+            if len(received) > 1:
+                # A second signal: exit at once; peers recover the work through eviction.
+                os._exit(128 + signum)
+            supervisor.request_stop(f"received {signal.Signals(signum).name}")
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _startup_line(self, supervisor: Supervisor, alias: str) -> str:
+        s = supervisor.settings
+        db = connections[alias].settings_dict
+        database = f"{db.get('HOST') or 'localhost'}:{db.get('PORT') or 5432}/{db.get('NAME')}"
+        if db.get("HOST", "").startswith("/") or not db.get("HOST"):
+            database = f"{db.get('NAME')} (socket)" if not db.get("PORT") else database
+        gate = supervisor.gate
+        return (
+            f"workpump {supervisor.identity.instance_id} started: "
+            f"service={supervisor.identity.service_name} pid={supervisor.identity.process_id} "
+            f"categories={','.join(supervisor.options.categories)} "
+            f"concurrency={supervisor.dispatcher.concurrency} database={alias}:{database} "
+            f"liveness={s['LIVENESS_SOURCE_MODE']} "
+            f"listener={'off' if gate is None else 'starting'} "
+            f"lease={s['LEASE_SECONDS']}s heartbeat={s['HEARTBEAT_INTERVAL_SECONDS']}s"
+        )
+
+
+class _StatusReporter:
+    """Rates since the previous line, from the services' counters."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self.clock = supervisor.clock
+        self._last_at = self.clock.monotonic()
+        self._last = self._counters()
+
+    def _counters(self) -> tuple[int, int, int]:
+        stats = self.supervisor.dispatcher.stats
+        return self.supervisor.claim.claimed_total, stats.completed, stats.failed
+
+    def line(self) -> str:
+        now = self.clock.monotonic()
+        counters = self._counters()
+        elapsed = max(now - self._last_at, 1e-9)
+        claimed, done, _ = (c - p for c, p in zip(counters, self._last, strict=True))
+        self._last_at, self._last = now, counters
+        sup = self.supervisor
+        gate = sup.gate
+        gate_state = "off" if gate is None else ("up" if gate.available else "DOWN")
+        wait_ms = sup.claim.current_wait_ms()
+        return (
+            f"workpump status: claimed/s={claimed / elapsed:.1f} done/s={done / elapsed:.1f} "
+            f"failed={sup.dispatcher.stats.failed} in_flight={sup.dispatcher.in_flight} "
+            f"renewed={sup.renewal.renewed} abandoned={sup.dispatcher.stats.abandoned} "
+            f"lost={sup.dispatcher.stats.lost_leases} gate={gate_state} "
+            f"alive_lock={'held' if gate is not None and gate.alive_lock_held else 'no'} "
+            f"poll_wait_ms={'signal' if wait_ms is None else wait_ms}"
+        )
+
+    def totals(self) -> str:
+        stats = self.supervisor.dispatcher.stats
+        return (
+            f"claimed={self.supervisor.claim.claimed_total} done={stats.completed} "
+            f"failed={stats.failed} abandoned={stats.abandoned} released={stats.released}"
+        )

@@ -1,0 +1,187 @@
+"""``manage.py workpump_status``: counts, blocked streams, dead rows and instances."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_workpump import status
+from django_workpump.conf import get_settings
+from django_workpump.pump.supervisor import MISSING_MIGRATIONS
+
+ABBREVIATED_STATES = {"scheduled": "sched", "orphaned": "orphan"}
+
+
+class Command(BaseCommand):
+    help = (
+        "Show the work pump's state: rows per category and state, oldest pending age, "
+        "blocked streams, dead rows, instances and tombstones."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--json", action="store_true", help="Print one JSON object (for monitoring)."
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        using = get_settings()["DATABASE_ALIAS"]
+        if not status.schema_ready(using=using):
+            raise CommandError(MISSING_MIGRATIONS)
+        report = status.collect(using=using)
+        if options["json"]:
+            self.stdout.write(json.dumps(status.as_json(report), sort_keys=True))
+        else:
+            self.stdout.write("\n".join(render_text(report)))
+
+
+def render_text(report: status.StatusReport) -> list[str]:
+    """Return the human report, one line per list item."""
+    lines = [
+        f"workpump status at {report.taken_at.isoformat()} "
+        f"(stale after {report.stale_after_seconds}s, "
+        f"definitively dead after {report.definitively_dead_after_seconds}s)",
+        "",
+    ]
+    headers = [
+        "category",
+        *(ABBREVIATED_STATES.get(s, s) for s in status.STATES),
+        "total",
+        "oldest pending",
+    ]
+    rows = [
+        [
+            c.category,
+            *(str(c.counts[s]) for s in status.STATES),
+            str(c.total),
+            _age(c.oldest_pending_age_seconds),
+        ]
+        for c in report.categories
+    ]
+    totals = [
+        "total",
+        *(str(sum(c.counts[s] for c in report.categories)) for s in status.STATES),
+        str(sum(c.total for c in report.categories)),
+        "",
+    ]
+    lines += _table(headers, [*rows, totals])
+
+    lines += ["", f"blocked streams: {report.blocked_streams_total}"]
+    if report.blocked_streams:
+        lines += _table(
+            ["category", "scope", "stream", "head", "attempts", "waiting", "retry at", "error"],
+            [
+                [
+                    b.category,
+                    b.scope or "-",
+                    b.stream,
+                    b.head_state,
+                    f"{b.attempts}/{b.max_attempts}",
+                    str(b.waiting),
+                    b.retry_at.isoformat() if b.retry_at else "-",
+                    _short(b.last_error),
+                ]
+                for b in report.blocked_streams
+            ],
+        )
+        if report.blocked_streams_total > len(report.blocked_streams):
+            lines.append(f"  ... and {report.blocked_streams_total - len(report.blocked_streams)}")
+
+    dead_total = sum(report.dead_counts.values())
+    per_category = ", ".join(f"{k} {v}" for k, v in report.dead_counts.items() if v)
+    lines += ["", f"dead rows: {dead_total}" + (f" ({per_category})" if per_category else "")]
+    if report.dead_rows:
+        lines += _table(
+            ["category", "id", "topic", "attempts", "reason", "dead since", "error"],
+            [
+                [
+                    d.category,
+                    str(d.work_id),
+                    d.topic,
+                    f"{d.attempts}/{d.max_attempts}",
+                    d.failure_reason or "-",
+                    d.dead_lettered_at.isoformat(),
+                    _short(d.last_error),
+                ]
+                for d in report.dead_rows
+            ],
+        )
+
+    lines += ["", f"instances: {len(report.instances)}"]
+    if report.instances:
+        lines += _table(
+            ["instance", "service", "host", "pid", "heartbeat", "lock", "live", "listen", "held"],
+            [
+                [
+                    str(i.instance_id),
+                    i.service_name,
+                    i.host_name,
+                    str(i.process_id),
+                    f"{_age(i.heartbeat_age_seconds)} ago",
+                    _yes(i.alive_lock_held),
+                    _yes(i.live),
+                    _yes(i.listening),
+                    " ".join(f"{k}={v}" for k, v in i.rows_held.items() if v) or "0",
+                ]
+                for i in report.instances
+            ],
+        )
+
+    lines += ["", f"tombstones: {len(report.tombstones)}"]
+    if report.tombstones:
+        lines += _table(
+            ["instance", "evicted", "reason"],
+            [
+                [str(t.instance_id), f"{_age(t.age_seconds)} ago", _short(t.reason, 80)]
+                for t in report.tombstones
+            ],
+        )
+    return lines
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns two spaces apart; a column of numbers (and '-') is right-aligned."""
+    columns = range(len(headers))
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in columns]
+    numeric = [
+        any(r[i].replace("/", "").isdigit() for r in rows)
+        and all(r[i].replace("/", "").isdigit() or r[i] in {"", "-"} for r in rows)
+        for i in columns
+    ]
+
+    def line(cells: list[str]) -> str:
+        out = [
+            cell.rjust(widths[i]) if numeric[i] else cell.ljust(widths[i])
+            for i, cell in enumerate(cells)
+        ]
+        return "  " + "  ".join(out).rstrip()
+
+    return [line(headers), *(line(r) for r in rows)]
+
+
+def _age(seconds: float | None) -> str:
+    """'-' for none, else e.g. '45s', '3m 12s', '2h 5m', '3d 4h'."""
+    if seconds is None:
+        return "-"
+    whole = max(int(seconds), 0)
+    days, rest = divmod(whole, 86_400)
+    hours, rest = divmod(rest, 3_600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{secs}s"
+
+
+def _short(text: str | None, width: int = 60) -> str:
+    if not text:
+        return "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"

@@ -1,0 +1,186 @@
+-- Named queries of status.py (manage.py workpump_status and the admin summary): read-only
+-- reports, with Django's %(name)s placeholders. Every state comes from workpump.state_of
+-- and every age from the database clock; %(now)s is NULL in production (tests pin it).
+
+-- name: state_counts
+-- One row per category x state, zeros included, with the age of the oldest row in each
+-- (category, state) and the clock the report was taken with.
+WITH clock AS (
+    -- the one "now" of this report
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), work AS (
+    -- every work row of the four tables, reduced to category, state and creation time
+    SELECT 'outbox' AS category, t.created_at,
+           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+                             t.claimed_at, t.scheduled_for, c.now) AS state
+    FROM workpump_outbox t CROSS JOIN clock c
+    UNION ALL
+    SELECT 'inbox', t.created_at,
+           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+                             t.claimed_at, t.scheduled_for, c.now)
+    FROM workpump_inbox t CROSS JOIN clock c
+    UNION ALL
+    SELECT 'perspective_event', t.created_at,
+           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+                             t.claimed_at, t.scheduled_for, c.now)
+    FROM workpump_perspective_event t CROSS JOIN clock c
+    UNION ALL
+    SELECT 'receptor', t.created_at,
+           workpump.state_of(t.completed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+                             t.claimed_at, t.scheduled_for, c.now)
+    FROM workpump_receptor_processing t CROSS JOIN clock c
+), counted AS (
+    -- one group per (category, state) that has rows
+    SELECT w.category, w.state, count(*) AS count, min(w.created_at) AS oldest_created_at
+    FROM work w
+    GROUP BY w.category, w.state
+)
+SELECT k.category, s.state, coalesce(n.count, 0) AS count,
+       extract(epoch FROM c.now - n.oldest_created_at)::double precision AS oldest_age_seconds,
+       c.now
+FROM clock c
+CROSS JOIN unnest(%(categories)s::text[]) WITH ORDINALITY AS k(category, k_order)
+CROSS JOIN unnest(%(states)s::text[]) WITH ORDINALITY AS s(state, s_order)
+LEFT JOIN counted n ON n.category = k.category AND n.state = s.state
+ORDER BY k.k_order, s.s_order
+
+-- name: blocked_streams
+-- Ordered streams whose head is dead or waiting for a retry (scheduled after a failed
+-- attempt): the rows behind it wait. Most waiting rows first; total counts past the limit.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), heads AS (
+    -- undone heads of ordered streams that are parked or not due yet
+    SELECT 'outbox' AS category, '' AS scope, h.stream, h.message_id AS head_id, h.attempts,
+           h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
+           workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
+                             h.claimed_at, h.scheduled_for, c.now) AS head_state,
+           (SELECT count(*) FROM workpump_outbox n
+            WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq) AS waiting
+    FROM workpump_outbox h CROSS JOIN clock c
+    WHERE h.stream_head AND h.stream IS NOT NULL AND h.processed_at IS NULL
+      AND (h.dead_lettered_at IS NOT NULL OR h.scheduled_for > c.now)
+    UNION ALL
+    SELECT 'inbox', '', h.stream, h.message_id, h.attempts,
+           h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
+           workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
+                             h.claimed_at, h.scheduled_for, c.now),
+           (SELECT count(*) FROM workpump_inbox n
+            WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq)
+    FROM workpump_inbox h CROSS JOIN clock c
+    WHERE h.stream_head AND h.stream IS NOT NULL AND h.processed_at IS NULL
+      AND (h.dead_lettered_at IS NOT NULL OR h.scheduled_for > c.now)
+    UNION ALL
+    SELECT 'perspective_event', h.perspective_name, h.stream, h.event_work_id, h.attempts,
+           h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
+           workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
+                             h.claimed_at, h.scheduled_for, c.now),
+           (SELECT count(*) FROM workpump_perspective_event n
+            WHERE n.perspective_name = h.perspective_name AND n.stream = h.stream
+              AND n.processed_at IS NULL AND n.seq > h.seq)
+    FROM workpump_perspective_event h CROSS JOIN clock c
+    WHERE h.stream_head AND h.stream IS NOT NULL AND h.processed_at IS NULL
+      AND (h.dead_lettered_at IS NOT NULL OR h.scheduled_for > c.now)
+    UNION ALL
+    SELECT 'receptor', h.receptor_name, h.stream, h.id, h.attempts,
+           h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
+           workpump.state_of(h.completed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
+                             h.claimed_at, h.scheduled_for, c.now),
+           (SELECT count(*) FROM workpump_receptor_processing n
+            WHERE n.receptor_name = h.receptor_name AND n.stream = h.stream
+              AND n.completed_at IS NULL AND n.seq > h.seq)
+    FROM workpump_receptor_processing h CROSS JOIN clock c
+    WHERE h.stream_head AND h.stream IS NOT NULL AND h.completed_at IS NULL
+      AND (h.dead_lettered_at IS NOT NULL OR h.scheduled_for > c.now)
+), blocked AS (
+    -- dead, or scheduled after an attempt (a retry wait); a deferred first attempt is the
+    -- producer's choice, not a blockage
+    SELECT * FROM heads
+    WHERE head_state = 'dead' OR (head_state = 'scheduled' AND attempts > 0)
+)
+SELECT b.category, b.scope, b.stream, b.head_id, b.head_state, b.attempts, b.max_attempts,
+       b.scheduled_for AS retry_at, b.dead_lettered_at, b.failure_reason,
+       split_part(b.last_error, E'\n', 1) AS last_error, b.waiting,
+       count(*) OVER () AS total
+FROM blocked b
+ORDER BY b.waiting DESC, b.category, b.scope, b.stream
+LIMIT %(limit)s
+
+-- name: dead_rows
+-- The most recently parked rows of all four tables, newest first.
+SELECT d.* FROM (
+    (SELECT 'outbox' AS category, message_id AS work_id, destination AS topic, stream,
+            attempts, max_attempts, failure_reason, dead_lettered_at,
+            split_part(last_error, E'\n', 1) AS last_error
+     FROM workpump_outbox
+     WHERE processed_at IS NULL AND dead_lettered_at IS NOT NULL
+     ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
+    UNION ALL
+    (SELECT 'inbox', message_id, handler_name, stream, attempts, max_attempts, failure_reason,
+            dead_lettered_at, split_part(last_error, E'\n', 1)
+     FROM workpump_inbox
+     WHERE processed_at IS NULL AND dead_lettered_at IS NOT NULL
+     ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
+    UNION ALL
+    (SELECT 'perspective_event', event_work_id, perspective_name, stream, attempts,
+            max_attempts, failure_reason, dead_lettered_at, split_part(last_error, E'\n', 1)
+     FROM workpump_perspective_event
+     WHERE processed_at IS NULL AND dead_lettered_at IS NOT NULL
+     ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
+    UNION ALL
+    (SELECT 'receptor', id, receptor_name, stream, attempts, max_attempts, failure_reason,
+            dead_lettered_at, split_part(last_error, E'\n', 1)
+     FROM workpump_receptor_processing
+     WHERE completed_at IS NULL AND dead_lettered_at IS NOT NULL
+     ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
+) d
+ORDER BY d.dead_lettered_at DESC, d.category, d.work_id
+LIMIT %(limit)s
+
+-- name: instances
+-- Every registered instance with its heartbeat age, alive-lock, liveness (the one rule of
+-- workpump.live_instances), LISTEN session and the rows it holds per category.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), held_keys AS (
+    -- alive-locks some session holds now (pg_locks, read once)
+    SELECT k.key FROM workpump.held_alive_lock_keys() AS k(key)
+), live AS (
+    -- the liveness rule with the configured cutoffs
+    SELECT l.instance_id
+    FROM clock c,
+         workpump.live_instances(c.now - make_interval(secs => %(stale_after_seconds)s),
+                                 c.now - make_interval(secs => %(definitively_dead_after_seconds)s))
+             AS l(instance_id)
+), listeners AS (
+    -- LISTEN sessions of this database, named workpump-<instance id> by the NOTIFY gate
+    SELECT DISTINCT a.application_name FROM pg_stat_activity a
+    WHERE a.datname = current_database() AND a.application_name LIKE 'workpump-%%'
+)
+SELECT si.instance_id, si.service_name, si.host_name, si.process_id, si.started_at,
+       si.last_heartbeat_at,
+       extract(epoch FROM c.now - si.last_heartbeat_at)::double precision
+           AS heartbeat_age_seconds,
+       si.alive_lock_key IN (SELECT key FROM held_keys) AS alive_lock_held,
+       si.instance_id IN (SELECT instance_id FROM live) AS live,
+       ('workpump-' || si.instance_id::text) IN (SELECT application_name FROM listeners)
+           AS listening,
+       (SELECT count(*) FROM workpump_outbox t WHERE t.instance_id = si.instance_id)
+           AS held_outbox,
+       (SELECT count(*) FROM workpump_inbox t WHERE t.instance_id = si.instance_id)
+           AS held_inbox,
+       (SELECT count(*) FROM workpump_perspective_event t WHERE t.instance_id = si.instance_id)
+           AS held_perspective_event,
+       (SELECT count(*) FROM workpump_receptor_processing t WHERE t.instance_id = si.instance_id)
+           AS held_receptor
+FROM workpump_service_instance si CROSS JOIN clock c
+ORDER BY si.started_at, si.instance_id
+
+-- name: tombstones
+-- The newest tombstones of evicted instances.
+SELECT e.instance_id, e.evicted_at, e.reason,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - e.evicted_at)::double precision
+           AS age_seconds
+FROM workpump_eviction e
+ORDER BY e.evicted_at DESC, e.instance_id
+LIMIT %(limit)s

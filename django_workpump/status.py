@@ -1,0 +1,278 @@
+"""What the work pump is doing now: counts, blocked streams, dead rows, instances.
+
+Plain functions over the named queries of ``sql/status.sql``, shared by
+``manage.py workpump_status`` and the admin. States come from ``workpump.state_of`` and
+ages from the database clock, so every reader agrees. ``now`` is for tests only.
+A full report (``collect``) runs a fixed number of queries, whatever the row count.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django_workpump import db
+from django_workpump.conf import get_settings
+from django_workpump.registry import CATEGORIES
+
+STATES = ("pending", "scheduled", "leased", "orphaned", "done", "dead")
+# States whose rows wait for a claimer: their oldest row is the pump's backlog age.
+WAITING_STATES = ("pending", "orphaned")
+# Functions the report calls; without them the migrations were not applied.
+REQUIRED_FUNCTIONS = ("state_of", "live_instances", "held_alive_lock_keys")
+
+QUERIES = "status.sql"
+BLOCKED_STREAMS_LIMIT = 50
+DEAD_ROWS_LIMIT = 20
+TOMBSTONES_LIMIT = 20
+
+
+@dataclass(frozen=True)
+class CategoryStatus:
+    """Row counts of one category by state, and the age of its oldest waiting row."""
+
+    category: str
+    counts: dict[str, int]  # every state in STATES, zeros included
+    oldest_pending_age_seconds: float | None  # None: nothing pending or orphaned
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+@dataclass(frozen=True)
+class StateCounts:
+    """The per-category counts and the database time they were taken at."""
+
+    taken_at: datetime
+    categories: list[CategoryStatus]
+
+    def by_category(self) -> dict[str, CategoryStatus]:
+        return {c.category: c for c in self.categories}
+
+
+@dataclass(frozen=True)
+class BlockedStream:
+    """An ordered stream whose head is dead or waiting for a retry."""
+
+    category: str
+    scope: str  # perspective or receptor name; '' for outbox and inbox
+    stream: str
+    head_id: uuid.UUID
+    head_state: str  # dead | scheduled
+    attempts: int
+    max_attempts: int
+    retry_at: datetime | None
+    dead_lettered_at: datetime | None
+    failure_reason: str | None
+    last_error: str | None  # first line
+    waiting: int  # undone rows behind the head
+
+
+@dataclass(frozen=True)
+class BlockedStreams:
+    streams: list[BlockedStream]
+    total: int  # all blocked streams, also those past the limit
+
+
+@dataclass(frozen=True)
+class DeadRow:
+    """A row parked after its last attempt (or by an operator)."""
+
+    category: str
+    work_id: uuid.UUID
+    topic: str
+    stream: str | None
+    attempts: int
+    max_attempts: int
+    failure_reason: str | None
+    dead_lettered_at: datetime
+    last_error: str | None  # first line
+
+
+@dataclass(frozen=True)
+class InstanceStatus:
+    """One registered ``runworkpump`` process as the database sees it."""
+
+    instance_id: uuid.UUID
+    service_name: str
+    host_name: str
+    process_id: int
+    started_at: datetime
+    last_heartbeat_at: datetime
+    heartbeat_age_seconds: float
+    alive_lock_held: bool
+    live: bool  # by the liveness rule with the configured cutoffs
+    listening: bool  # a session named workpump-<instance id> is connected
+    rows_held: dict[str, int]  # per category
+
+    @property
+    def total_held(self) -> int:
+        return sum(self.rows_held.values())
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """An evicted instance: its heartbeats are refused from then on."""
+
+    instance_id: uuid.UUID
+    evicted_at: datetime
+    reason: str
+    age_seconds: float
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """Everything ``workpump_status`` shows."""
+
+    taken_at: datetime
+    stale_after_seconds: int
+    definitively_dead_after_seconds: int
+    categories: list[CategoryStatus]
+    blocked_streams: list[BlockedStream]
+    blocked_streams_total: int
+    dead_rows: list[DeadRow]
+    instances: list[InstanceStatus]
+    tombstones: list[Tombstone]
+    dead_counts: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        dead = {c.category: c.counts["dead"] for c in self.categories}
+        object.__setattr__(self, "dead_counts", dead)
+
+
+def schema_ready(*, using: str | None = None) -> bool:
+    """Whether the workpump migrations (the SQL functions) are applied."""
+    return db.schema_functions_present(REQUIRED_FUNCTIONS, using=using)
+
+
+def state_counts(*, now: datetime | None = None, using: str | None = None) -> StateCounts:
+    """Count rows per category x state (one query) with each category's oldest waiting age."""
+    rows = db.fetch_named(
+        QUERIES,
+        "state_counts",
+        {"now": now, "categories": list(CATEGORIES), "states": list(STATES)},
+        using=using,
+    )
+    categories = []
+    for category in CATEGORIES:
+        mine = [row for row in rows if row["category"] == category]
+        ages = [
+            row["oldest_age_seconds"]
+            for row in mine
+            if row["state"] in WAITING_STATES and row["oldest_age_seconds"] is not None
+        ]
+        categories.append(
+            CategoryStatus(
+                category=category,
+                counts={row["state"]: int(row["count"]) for row in mine},
+                oldest_pending_age_seconds=max(ages) if ages else None,
+            )
+        )
+    return StateCounts(taken_at=rows[0]["now"], categories=categories)
+
+
+def blocked_streams(
+    *, now: datetime | None = None, limit: int = BLOCKED_STREAMS_LIMIT, using: str | None = None
+) -> BlockedStreams:
+    """Return the streams held back by a dead head or a head waiting for its retry."""
+    rows = db.fetch_named(QUERIES, "blocked_streams", {"now": now, "limit": limit}, using=using)
+    total = int(rows[0]["total"]) if rows else 0
+    return BlockedStreams(
+        streams=[BlockedStream(**{k: v for k, v in row.items() if k != "total"}) for row in rows],
+        total=total,
+    )
+
+
+def dead_rows(*, limit: int = DEAD_ROWS_LIMIT, using: str | None = None) -> list[DeadRow]:
+    """Return the most recently dead-lettered rows of all categories, newest first."""
+    rows = db.fetch_named(QUERIES, "dead_rows", {"limit": limit}, using=using)
+    return [DeadRow(**row) for row in rows]
+
+
+def instances(*, now: datetime | None = None, using: str | None = None) -> list[InstanceStatus]:
+    """Return every registered instance with heartbeat age, alive-lock, liveness, rows held."""
+    settings = get_settings()
+    params = {
+        "now": now,
+        "stale_after_seconds": settings["STALE_AFTER_SECONDS"],
+        "definitively_dead_after_seconds": settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+    }
+    result = []
+    for row in db.fetch_named(QUERIES, "instances", params, using=using):
+        held = {category: int(row.pop(f"held_{category}")) for category in CATEGORIES}
+        result.append(InstanceStatus(**row, rows_held=held))
+    return result
+
+
+def tombstones(
+    *, now: datetime | None = None, limit: int = TOMBSTONES_LIMIT, using: str | None = None
+) -> list[Tombstone]:
+    """Return the newest tombstones of evicted instances."""
+    rows = db.fetch_named(QUERIES, "tombstones", {"now": now, "limit": limit}, using=using)
+    return [Tombstone(**row) for row in rows]
+
+
+def collect(*, now: datetime | None = None, using: str | None = None) -> StatusReport:
+    """Gather the whole status report (five queries)."""
+    settings = get_settings()
+    using = using or settings["DATABASE_ALIAS"]
+    counts = state_counts(now=now, using=using)
+    blocked = blocked_streams(now=now, using=using)
+    return StatusReport(
+        taken_at=counts.taken_at,
+        stale_after_seconds=settings["STALE_AFTER_SECONDS"],
+        definitively_dead_after_seconds=settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+        categories=counts.categories,
+        blocked_streams=blocked.streams,
+        blocked_streams_total=blocked.total,
+        dead_rows=dead_rows(using=using),
+        instances=instances(now=now, using=using),
+        tombstones=tombstones(now=now, using=using),
+    )
+
+
+def as_json(report: StatusReport) -> dict[str, Any]:
+    """Return the report as JSON-ready data: stable keys, ISO timestamps, numbers as numbers."""
+    return {
+        "taken_at": _iso(report.taken_at),
+        "settings": {
+            "stale_after_seconds": report.stale_after_seconds,
+            "definitively_dead_after_seconds": report.definitively_dead_after_seconds,
+        },
+        "categories": {
+            c.category: {
+                "counts": dict(c.counts),
+                "total": c.total,
+                "oldest_pending_age_seconds": c.oldest_pending_age_seconds,
+            }
+            for c in report.categories
+        },
+        "dead_counts": dict(report.dead_counts),
+        "blocked_streams": {
+            "total": report.blocked_streams_total,
+            "streams": [_plain(asdict(s)) for s in report.blocked_streams],
+        },
+        "dead_rows": [_plain(asdict(r)) for r in report.dead_rows],
+        "instances": [_plain(asdict(i)) | {"total_held": i.total_held} for i in report.instances],
+        "tombstones": [_plain(asdict(t)) for t in report.tombstones],
+    }
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """Datetimes as ISO strings and uuids as text; everything else is JSON already."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, datetime):
+            out[key] = value.isoformat()
+        elif isinstance(value, uuid.UUID):
+            out[key] = str(value)
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,59 @@
+"""Handlers for the multi-process tests: each execution is recorded in mp_execution.
+
+The table is created by the tests that produce mp.* work; no other test produces it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from django.db import connection
+
+import django_workpump as workpump
+
+_pause = threading.Event()  # never set: wait() simulates work without time.sleep
+
+
+def _record(work: Any) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO mp_execution (work_id, category, stream, n, pid, attempt, started_at) "
+            "VALUES (%s, %s, %s, %s, %s, %s, clock_timestamp())",
+            [
+                work.id,
+                work.category,
+                work.stream,
+                work.payload.get("n"),
+                os.getpid(),
+                work.attempts,
+            ],
+        )
+    _pause.wait(work.payload.get("seconds", 0))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE mp_execution SET finished_at = clock_timestamp() "
+            "WHERE work_id = %s AND pid = %s AND attempt = %s",
+            [work.id, os.getpid(), work.attempts],
+        )
+
+
+@workpump.outbox_handler("mp.outbox")
+def mp_outbox(work: Any) -> None:
+    _record(work)
+
+
+@workpump.inbox_handler("mp.inbox")
+def mp_inbox(work: Any) -> None:
+    _record(work)
+
+
+@workpump.perspective("mp.perspective", events=["mp.event"])
+def mp_perspective(work: Any) -> None:
+    _record(work)
+
+
+@workpump.receptor("mp.receptor", events=["mp.event"])
+def mp_receptor(work: Any) -> None:
+    _record(work)

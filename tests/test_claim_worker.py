@@ -1,0 +1,450 @@
+"""ClaimWorker: backoff table, claim size, gate transitions, wakes and drain mode (DESIGN §7).
+
+``poll_wait_ms`` and ``run_once()`` are tested directly against fakes. The loop runs in a
+thread only where its waiting matters; those tests wait on conditions set by the fakes and
+use a 60 s poll interval, so a second claim can only come from a wake or from drain mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from django_workpump.clock import FrozenClock
+from django_workpump.pump.claim import ClaimPolicy, ClaimWorker, poll_wait_ms
+from tests.fakes import (
+    FakeCoordinator,
+    FakeGate,
+    FakeSink,
+    ServiceThread,
+    blocking,
+    make_row,
+    running,
+    watching,
+)
+
+DEFAULTS = ClaimPolicy()  # base 250, max 10 000, relaxed 5 000, safety net on, prefetch 2
+# A loop on this policy waits a minute between polls whatever the gate says.
+MINUTE = ClaimPolicy(
+    polling_interval_ms=60_000,
+    polling_max_interval_ms=60_000,
+    notify_healthy_polling_interval_ms=None,
+)
+
+
+def waits(policy, gate_available, empty_polls=range(13)):
+    return [poll_wait_ms(policy, n, gate_available) for n in empty_polls]
+
+
+def make_worker(coordinator=None, sink=None, policy=DEFAULTS, **kwargs):
+    return ClaimWorker(coordinator or FakeCoordinator(), sink or FakeSink(free=4), policy, **kwargs)
+
+
+# poll_wait_ms: the backoff table
+
+
+# original: GateNotInjected_PreservesPreSliceBehaviorAsync
+def test_without_a_gate_the_wait_doubles_from_the_tight_base_up_to_the_max():
+    assert waits(DEFAULTS, None) == [
+        250, 250, 500, 1000, 2000, 4000, 8000, 10000, 10000, 10000, 10000, 10000, 10000,
+    ]  # fmt: skip
+
+
+# original: GateAvailable_AdaptiveBackoffMayStretchToMaxAsync
+# original: NotifyHealthyOverride_GateAvailable_UsesRelaxedBaselineAsync
+def test_healthy_gate_starts_at_the_relaxed_base_and_backs_off_to_the_max():
+    assert waits(DEFAULTS, True) == [5000, 5000] + [10000] * 11
+
+
+# original: GateUnavailable_PollIntervalStaysAtBaseEvenAfterEmptyStreakAsync
+def test_unavailable_gate_pins_the_tight_base_however_long_the_empty_streak():
+    assert waits(DEFAULTS, False, [0, 1, 2, 3, 7, 12, 100, 10_000]) == [250] * 8
+
+
+# original: NotifyHealthyOverride_GateUnavailable_FallsBackToTightBaseAsync
+def test_unavailable_gate_ignores_the_relaxed_base():
+    policy = ClaimPolicy(polling_interval_ms=50, notify_healthy_polling_interval_ms=1000)
+
+    assert waits(policy, False) == [50] * 13
+
+
+# original: EnableSafetyNetPollFalse_GateHealthy_LoopWaitsForSignalsOnlyAsync
+def test_no_safety_net_with_a_healthy_gate_waits_for_a_wake_only():
+    policy = ClaimPolicy(enable_safety_net_poll=False)
+
+    assert waits(policy, True) == [None] * 13
+
+
+# original: EnableSafetyNetPollFalse_GateUnavailable_ReengagesTightPollingAsync
+def test_no_safety_net_with_an_unavailable_gate_polls_at_the_tight_base():
+    policy = ClaimPolicy(enable_safety_net_poll=False)
+
+    assert waits(policy, False) == [250] * 13
+
+
+def test_no_safety_net_without_a_gate_keeps_the_timed_backoff():
+    # --no-listen: nothing could wake the loop, so it must keep polling.
+    policy = ClaimPolicy(enable_safety_net_poll=False)
+
+    assert waits(policy, None) == waits(DEFAULTS, None)
+
+
+@pytest.mark.parametrize("max_ms", [250, 100, 0])
+def test_max_interval_at_or_below_the_base_disables_backoff(max_ms):
+    policy = ClaimPolicy(polling_max_interval_ms=max_ms)
+
+    assert waits(policy, None) == [250] * 13
+    assert waits(policy, True) == [5000] * 13  # the relaxed base is above max too
+
+
+def test_max_interval_equal_to_the_relaxed_base_keeps_a_healthy_gate_at_that_base():
+    policy = ClaimPolicy(polling_max_interval_ms=5000)
+
+    assert waits(policy, True) == [5000] * 13
+    assert waits(policy, None)[:6] == [250, 250, 500, 1000, 2000, 4000]
+
+
+def test_relaxed_base_disabled_leaves_a_healthy_gate_on_the_tight_backoff():
+    policy = ClaimPolicy(notify_healthy_polling_interval_ms=None)
+
+    assert waits(policy, True) == waits(DEFAULTS, None)
+
+
+def test_relaxed_base_smaller_than_the_tight_base_is_ignored():
+    policy = ClaimPolicy(polling_interval_ms=1000, notify_healthy_polling_interval_ms=500)
+
+    assert waits(policy, True, range(7)) == [1000, 1000, 2000, 4000, 8000, 10000, 10000]
+
+
+def test_backoff_doubles_at_most_ten_times():
+    policy = ClaimPolicy(polling_interval_ms=1, polling_max_interval_ms=10**9)
+
+    assert waits(policy, None, [10, 11, 12, 50]) == [512, 1024, 1024, 1024]
+
+
+def test_current_wait_follows_the_gate_as_it_changes():
+    gate = FakeGate(available=True)
+    worker = make_worker(gate=gate)
+    worker.empty_polls = 3
+
+    assert worker.current_wait_ms() == 10000
+    gate.available = False
+    assert worker.current_wait_ms() == 250
+    assert make_worker().current_wait_ms() == 250  # no gate, no empty polls yet
+
+
+# run_once: one claim
+
+
+def test_claim_asks_for_the_free_slots_plus_the_prefetch():
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, FakeSink(free=3))
+
+    worker.run_once()
+
+    assert coordinator.claims == [5]
+
+
+def test_claim_size_is_capped_by_max_rows():
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, FakeSink(free=10), ClaimPolicy(max_rows=8, prefetch=2))
+
+    worker.run_once()
+
+    assert coordinator.claims == [8]
+
+
+# original: Distribute_OutboxStreamIds_RoutedToOutboxDrainChannelAsync (rows go to the sink)
+def test_claimed_rows_are_handed_to_the_sink_as_one_batch():
+    rows = [make_row("outbox"), make_row("inbox")]
+    sink = FakeSink(free=4)
+    worker = make_worker(FakeCoordinator(claims=[rows]), sink)
+
+    result = worker.run_once()
+
+    assert sink.batches == [rows]
+    assert result.claimed == 2
+    assert result.has_more is False
+    assert worker.claimed_total == 2
+    assert worker.last_claimed == 2
+
+
+def test_empty_claim_hands_nothing_to_the_sink_and_counts_an_empty_poll():
+    sink = FakeSink(free=4)
+    worker = make_worker(FakeCoordinator(), sink)
+
+    result = worker.run_once()
+
+    assert sink.batches == []
+    assert result.claimed == 0
+    assert worker.empty_polls == 1
+
+
+def test_busy_dispatcher_skips_the_claim_entirely():
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, FakeSink(free=0))
+
+    result = worker.run_once()
+
+    assert result.skipped_busy is True
+    assert coordinator.calls == []
+    assert worker.empty_polls == 0
+    assert worker.polls == 0
+
+
+def test_batch_with_a_has_more_row_reports_has_more():
+    rows = [make_row(), make_row(has_more=True)]
+    worker = make_worker(FakeCoordinator(claims=[rows]))
+
+    assert worker.run_once().has_more is True
+
+
+def test_non_empty_batch_resets_the_empty_poll_streak():
+    worker = make_worker(FakeCoordinator(claims=[[], [], [], [make_row()]]))
+    for _ in range(3):
+        worker.run_once()
+    assert worker.empty_polls == 3
+    assert worker.current_wait_ms() == 1000
+
+    worker.run_once()
+
+    assert worker.empty_polls == 0
+    assert worker.current_wait_ms() == 250
+
+
+def test_failing_claim_counts_as_an_empty_poll_is_logged_and_does_not_escape(caplog):
+    error = RuntimeError("could not connect to server")
+    sink = FakeSink(free=4)
+    rows = [make_row()]
+    worker = make_worker(FakeCoordinator(claims=[error, rows]), sink)
+
+    result = worker.run_once()
+
+    assert result.error is error
+    assert result.claimed == 0
+    assert worker.empty_polls == 1
+    [record] = [r for r in caplog.records if getattr(r, "action", None) == "claim_failed"]
+    assert record.levelno == logging.WARNING
+    assert "could not connect to server" in record.getMessage()
+    assert record.exc_info is not None
+    # The next poll works as usual.
+    assert worker.run_once().claimed == 1
+    assert sink.batches == [rows]
+
+
+# original: StartupCatchUp_FiresExactlyOnceOnFirstClaimAsync
+def test_startup_catch_up_is_counted_once_over_three_polls(caplog):
+    caplog.set_level(logging.INFO, logger="django_workpump.claim")
+    worker = make_worker(FakeCoordinator(claims=[[make_row()], [], [make_row()]]))
+
+    for _ in range(3):
+        worker.run_once()
+
+    assert worker.polls == 3
+    assert worker.startup_catch_up_count == 1
+    actions = [getattr(r, "action", None) for r in caplog.records]
+    assert actions.count("startup_catch_up") == 1
+
+
+# on_gate_changed
+
+
+# original: ReconnectCatchUp_GateUnavailableThenAvailable_IncrementsCounterAndFiresImmediatePollAsync  # noqa: E501
+def test_gate_coming_back_counts_one_reconnect_catch_up_and_requests_a_poll(caplog):
+    caplog.set_level(logging.INFO, logger="django_workpump.claim")
+    clock = FrozenClock()
+    worker = make_worker(clock=clock)
+    worker.on_gate_changed(False)
+    wakes_before = worker.wake_requests
+    clock.advance(2.5)
+
+    worker.on_gate_changed(True)
+
+    assert worker.reconnect_catch_up_count == 1
+    assert worker.wake_requests == wakes_before + 1
+    [record] = [r for r in caplog.records if getattr(r, "action", None) == "reconnect_catch_up"]
+    assert "2500 ms" in record.getMessage()
+
+
+# original: ReconnectCatchUp_NoTransition_DoesNotIncrementCounterAsync
+def test_reporting_the_gate_state_it_already_has_does_nothing():
+    worker = make_worker()
+    worker.on_gate_changed(False)
+    worker.on_gate_changed(True)
+    counts = (worker.reconnect_catch_up_count, worker.wake_requests)
+
+    worker.on_gate_changed(True)
+    worker.on_gate_changed(True)
+
+    assert (worker.reconnect_catch_up_count, worker.wake_requests) == counts
+    worker.on_gate_changed(False)
+    worker.on_gate_changed(False)
+    assert worker.wake_requests == counts[1] + 1
+
+
+def test_first_gate_report_available_is_not_a_reconnect():
+    worker = make_worker()
+
+    worker.on_gate_changed(True)
+
+    assert worker.reconnect_catch_up_count == 0
+    assert worker.wake_requests == 1  # still a change: poll now
+
+
+def test_each_return_of_the_gate_counts_one_reconnect():
+    worker = make_worker()
+
+    for available in (False, True, False, True):
+        worker.on_gate_changed(available)
+
+    assert worker.reconnect_catch_up_count == 2
+
+
+# The loop (threaded)
+
+
+# original: ExecuteAsync_PollsAtLeastOnceAsync
+def test_started_loop_claims_and_stop_ends_it():
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, policy=MINUTE)
+
+    with running(worker):
+        assert coordinator.wait_for_claims(1)
+
+    assert len(coordinator.claims) == 1
+
+
+def test_stop_before_run_makes_run_return_without_claiming():
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, policy=MINUTE)
+
+    worker.stop()
+    worker.stop()  # idempotent
+    thread = ServiceThread(worker)
+    thread.start()
+    thread.finish()
+
+    assert coordinator.claims == []
+
+
+# original: RequestImmediatePoll_BypassesWaitAsync
+def test_immediate_poll_request_wakes_a_loop_waiting_a_long_interval():
+    coordinator = FakeCoordinator()
+    gate = FakeGate(available=True)
+    worker = make_worker(coordinator, policy=MINUTE, gate=gate)
+
+    with running(worker):
+        assert coordinator.wait_for_claims(1)
+        assert gate.wait_for_reads(1)  # the loop is about to wait its minute
+        worker.request_immediate_poll()
+        assert coordinator.wait_for_claims(2)
+
+
+# original: GateFlipsToAvailable_TriggersImmediatePollAsync
+def test_gate_turning_available_wakes_a_loop_waiting_a_long_interval():
+    coordinator = FakeCoordinator()
+    gate = FakeGate(available=False)
+    worker = make_worker(coordinator, policy=MINUTE, gate=gate)
+    worker.on_gate_changed(False)
+
+    with running(worker):
+        assert coordinator.wait_for_claims(1)
+        assert gate.wait_for_reads(1)
+        gate.available = True
+        worker.on_gate_changed(True)
+        assert coordinator.wait_for_claims(2)
+
+    assert worker.reconnect_catch_up_count == 1
+
+
+# original: EnableSafetyNetPollFalse_GateHealthy_LoopWaitsForSignalsOnlyAsync
+def test_loop_without_safety_net_sleeps_until_woken_then_claims():
+    coordinator = FakeCoordinator()
+    gate = FakeGate(available=True)
+    worker = make_worker(coordinator, policy=ClaimPolicy(enable_safety_net_poll=False), gate=gate)
+
+    with running(worker):
+        assert coordinator.wait_for_claims(1)
+        assert gate.wait_for_reads(1)
+        assert worker.current_wait_ms() is None  # it waits for a wake only
+        worker.request_immediate_poll()
+        assert coordinator.wait_for_claims(2)
+
+
+def test_wakes_sent_during_a_claim_coalesce_into_one_extra_poll():
+    release = threading.Event()
+    coordinator = FakeCoordinator(claims=[blocking(release)])
+    gate = FakeGate(available=True)
+    worker = make_worker(coordinator, policy=MINUTE, gate=gate)
+
+    with running(worker):
+        assert coordinator.wait_for_claims(1)  # the first claim is in progress
+        for _ in range(5):
+            worker.request_immediate_poll()
+        release.set()
+        assert coordinator.wait_for_claims(2)
+        assert gate.wait_for_reads(2)  # after the second claim the loop waits its minute
+
+    assert worker.wake_requests == 5
+    assert len(coordinator.claims) == 2
+
+
+def test_batch_with_has_more_makes_the_loop_claim_again_without_waiting():
+    coordinator = FakeCoordinator(claims=[[make_row(has_more=True)], []])
+    gate = FakeGate(available=True)
+    worker = make_worker(coordinator, policy=MINUTE, gate=gate)
+
+    with running(worker):
+        assert coordinator.wait_for_claims(2)
+        assert gate.wait_for_reads(1)
+
+    # Only the empty second claim was followed by a wait; nobody asked for a wake.
+    assert gate.reads == 1
+    assert worker.wake_requests == 0
+    assert len(coordinator.claims) == 2
+
+
+# original: ExecuteAsync_DisabledOptions_NoClaimFiresAsync
+def test_disabled_worker_never_claims_and_returns_on_stop():
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, policy=MINUTE, enabled=False)
+
+    with watching("django_workpump.claim") as log, running(worker):
+        assert log.wait_for("claim_disabled")
+        worker.request_immediate_poll()
+        worker.on_gate_changed(True)
+
+    assert coordinator.calls == []
+
+
+# original: ExecuteAsync_RegistersInstanceViaHeartbeat_BeforeFirstClaimWorkAsync
+def test_before_first_claim_runs_once_before_the_first_claim():
+    coordinator = FakeCoordinator()
+    worker = make_worker(
+        coordinator, policy=MINUTE, before_first_claim=lambda: coordinator.heartbeat({})
+    )
+
+    with running(worker):
+        assert coordinator.wait_for_claims(1)
+        worker.request_immediate_poll()
+        assert coordinator.wait_for_claims(2)
+
+    assert coordinator.calls[:3] == ["heartbeat", "claim", "claim"]
+    assert coordinator.calls.count("heartbeat") == 1
+
+
+def test_failing_before_first_claim_is_logged_and_claiming_still_starts(caplog):
+    def refuse():
+        raise RuntimeError("relation workpump.instance does not exist")
+
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, policy=MINUTE, before_first_claim=refuse)
+
+    with running(worker):
+        assert coordinator.wait_for_claims(1)
+
+    [record] = [r for r in caplog.records if getattr(r, "action", None) == "heartbeat_failed"]
+    assert record.levelno == logging.ERROR
+    assert record.exc_info is not None

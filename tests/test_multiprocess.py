@@ -1,0 +1,293 @@
+"""Real ``runworkpump`` processes sharing one database (DESIGN §4, §8, §12).
+
+Handlers (tests/app/workpump.py) record every execution in mp_execution with the
+process id and attempt, so the tests can check the guarantees: no row lost, per-stream
+order kept, duplicates only for rows in flight at a kill. Timings are shortened through
+WORKPUMP_JSON; waits are on database conditions with deadlines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+from django.db import connection
+
+from tests.conftest import run_sql, scalar
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAST = {
+    "HEARTBEAT_INTERVAL_SECONDS": 1,
+    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 2,
+    "STALE_AFTER_SECONDS": 2,
+    "DEFINITIVELY_DEAD_AFTER_SECONDS": 10,
+    "STALE_PEER_PROBE_INTERVAL_SECONDS": 1,
+    "POLLING_INTERVAL_MS": 100,
+    "POLLING_MAX_INTERVAL_MS": 500,
+    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 500,
+    "RETRY_BACKOFF_BASE_SECONDS": 0,
+    "RETRY_BACKOFF_MAX_SECONDS": 0,
+    "SHUTDOWN_TIMEOUT_SECONDS": 15,
+    "STATUS_INTERVAL_SECONDS": 1,
+}
+
+
+def database_url() -> str:
+    """A URL for the test database Django uses now (TCP or a Unix socket)."""
+    params = connection.get_connection_params()
+    host = params.get("host") or "localhost"
+    port = params.get("port") or 5432
+    user = params.get("user") or "postgres"
+    return f"postgres://{user}@{quote(str(host), safe='')}:{port}/{params['dbname']}"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
+    tick = threading.Event()
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return True
+        tick.wait(0.05)
+    return predicate()
+
+
+@pytest.fixture
+def executions() -> Iterator[None]:
+    run_sql(
+        "CREATE TABLE mp_execution (work_id uuid, category text, stream text, n int, "
+        "pid int, attempt int, started_at timestamptz, finished_at timestamptz)"
+    )
+    yield
+    run_sql("DROP TABLE mp_execution")
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """Start runworkpump processes; any still running are killed after the test."""
+    processes: list[subprocess.Popen[str]] = []
+
+    def start(*args: str, **settings: Any) -> subprocess.Popen[str]:
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url(),
+            "WORKPUMP_JSON": json.dumps({**FAST, **settings}),
+            "PYTHONPATH": str(ROOT),
+        }
+        process = subprocess.Popen(
+            [sys.executable, "-m", "django", "runworkpump", "--settings=tests.settings", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+
+
+def produce_backlog(streams: int, per_stream: int, seconds: float = 0.0) -> int:
+    """Rows of all four categories, ordered per stream; returns the number of work rows."""
+    subscribers = json.dumps(
+        [
+            {"category": "perspective_event", "name": "mp.perspective"},
+            {"category": "receptor", "name": "mp.receptor"},
+        ]
+    )
+    for n in range(per_stream):
+        for s in range(streams):
+            payload = json.dumps({"n": n, "seconds": seconds})
+            run_sql("SELECT workpump.send('mp.outbox', %s::jsonb, %s)", [payload, f"out-{s}"])
+            run_sql(
+                "SELECT workpump.receive(%s, 'mp.inbox', %s::jsonb, %s)",
+                [uuid.uuid4(), payload, f"in-{s}"],
+            )
+            run_sql(
+                "SELECT workpump.emit('mp.event', %s::jsonb, %s, %s::jsonb)",
+                [payload, f"ev-{s}", subscribers],
+            )
+    return streams * per_stream * 4
+
+
+def undone() -> int:
+    return scalar(
+        "SELECT (SELECT count(*) FROM workpump_outbox WHERE processed_at IS NULL)"
+        " + (SELECT count(*) FROM workpump_inbox WHERE processed_at IS NULL)"
+        " + (SELECT count(*) FROM workpump_perspective_event WHERE processed_at IS NULL)"
+        " + (SELECT count(*) FROM workpump_receptor_processing WHERE completed_at IS NULL)"
+    )
+
+
+def assert_stream_order() -> None:
+    """Within every (category, stream), first executions started in n order."""
+    rows = run_sql(
+        "SELECT category, stream, n, min(started_at) AS first FROM mp_execution "
+        "GROUP BY category, stream, n, work_id ORDER BY category, stream, first"
+    )
+    seen: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for row in rows:
+        seen[(row["category"], row["stream"])].append(row["n"])
+    assert seen
+    for key, ns in seen.items():
+        assert ns == sorted(ns), f"stream {key} ran out of order: {ns}"
+
+
+def test_two_processes_share_a_backlog_and_every_row_runs_exactly_once(executions, spawn):
+    total = produce_backlog(streams=6, per_stream=5, seconds=0.01)
+
+    first = spawn("--drain", "--concurrency", "3")
+    second = spawn("--drain", "--concurrency", "3")
+    out_first, _ = first.communicate(timeout=120)
+    out_second, _ = second.communicate(timeout=120)
+
+    assert first.returncode == 0, out_first
+    assert second.returncode == 0, out_second
+    assert undone() == 0
+    assert scalar("SELECT count(DISTINCT work_id) FROM mp_execution") == total
+    assert scalar("SELECT count(*) FROM mp_execution") == total  # no duplicates without faults
+    pids = {row["pid"] for row in run_sql("SELECT DISTINCT pid FROM mp_execution")}
+    assert pids == {first.pid, second.pid}, "both processes should have taken work"
+    assert_stream_order()
+    assert "started:" in out_first and "stopped: drained" in out_first
+    assert scalar("SELECT count(*) FROM workpump_service_instance") == 0
+
+
+def test_kill_9_moves_the_killed_instances_rows_to_the_survivor(executions, spawn):
+    total = produce_backlog(streams=8, per_stream=6, seconds=0.05)
+    victim = spawn("--concurrency", "4")
+    survivor = spawn("--concurrency", "4")
+    assert wait_until(
+        lambda: (
+            scalar(
+                "SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL",
+                [victim.pid],
+            )
+            > 0
+            and scalar("SELECT count(*) FROM mp_execution WHERE pid = %s", [victim.pid]) >= 10
+        )
+    ), "the victim never got going"
+
+    victim_id = scalar(
+        "SELECT instance_id FROM workpump_service_instance WHERE process_id = %s", [victim.pid]
+    )
+    victim.send_signal(signal.SIGKILL)
+    killed_at = scalar("SELECT clock_timestamp()")
+    victim.wait(10)
+    # Rows whose outcome the kill lost: started by the victim and still leased to it (a
+    # handler may have finished with its completion not yet flushed). Eviction has not
+    # run yet: it waits for the stale cutoff.
+    in_flight = {
+        row["work_id"]
+        for row in run_sql(
+            "SELECT e.work_id FROM mp_execution e WHERE e.pid = %(pid)s AND e.work_id IN ("
+            " SELECT message_id FROM workpump_outbox WHERE instance_id = %(i)s"
+            " UNION ALL SELECT message_id FROM workpump_inbox WHERE instance_id = %(i)s"
+            " UNION ALL SELECT event_work_id FROM workpump_perspective_event"
+            "   WHERE instance_id = %(i)s"
+            " UNION ALL SELECT id FROM workpump_receptor_processing WHERE instance_id = %(i)s)",
+            {"pid": victim.pid, "i": victim_id},
+        )
+    }
+    assert in_flight
+    assert (
+        scalar("SELECT count(*) FROM workpump_service_instance WHERE instance_id = %s", [victim_id])
+        == 1
+    ), "evicted before the lost outcomes were read: raise STALE_AFTER_SECONDS"
+
+    assert wait_until(lambda: undone() == 0, timeout=90), "the survivor did not finish the work"
+    survivor.send_signal(signal.SIGTERM)
+    output, _ = survivor.communicate(timeout=60)
+    assert survivor.returncode == 0, output
+
+    # Nothing lost; every row ran; a second run only for rows in flight at the kill.
+    assert scalar("SELECT count(DISTINCT work_id) FROM mp_execution") == total
+    twice = {
+        row["work_id"]
+        for row in run_sql("SELECT work_id FROM mp_execution GROUP BY work_id HAVING count(*) > 1")
+    }
+    assert twice <= in_flight
+    # Handlers the kill interrupted certainly lost their outcome: each ran again.
+    interrupted = {
+        row["work_id"]
+        for row in run_sql(
+            "SELECT work_id FROM mp_execution WHERE pid = %s AND finished_at IS NULL", [victim.pid]
+        )
+    }
+    assert interrupted
+    assert interrupted <= twice
+    failover = scalar(
+        "SELECT extract(epoch FROM min(started_at) - %s) FROM mp_execution "
+        "WHERE pid = %s AND work_id = ANY(%s)",
+        [killed_at, survivor.pid, list(twice)],
+    )
+    print(
+        f"\nfailover after kill -9: {float(failover):.2f} s "
+        f"(stale after {FAST['STALE_AFTER_SECONDS']} s, probe every "
+        f"{FAST['STALE_PEER_PROBE_INTERVAL_SECONDS']} s); {len(twice)} rows re-run"
+    )
+    assert float(failover) < FAST["STALE_AFTER_SECONDS"] + 5
+    assert_stream_order()
+
+
+def test_sigterm_lets_in_flight_handlers_finish_and_deregisters(executions, spawn):
+    produce_backlog(streams=4, per_stream=3, seconds=1.0)
+    process = spawn("--concurrency", "2")
+    assert wait_until(
+        lambda: (
+            scalar(
+                "SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL",
+                [process.pid],
+            )
+            == 2
+        )
+    )
+    instance_id = scalar(
+        "SELECT instance_id FROM workpump_service_instance WHERE process_id = %s", [process.pid]
+    )
+
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+
+    assert process.returncode == 0, output
+    assert "received SIGTERM" in output
+    # the handlers that were running finished; nothing was abandoned half-way
+    assert (
+        scalar(
+            "SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL",
+            [process.pid],
+        )
+        == 0
+    )
+    # its rows are released and its instance row is gone
+    assert scalar("SELECT count(*) FROM workpump_service_instance") == 0
+    held = scalar(
+        "SELECT (SELECT count(*) FROM workpump_outbox WHERE instance_id = %(i)s)"
+        " + (SELECT count(*) FROM workpump_inbox WHERE instance_id = %(i)s)"
+        " + (SELECT count(*) FROM workpump_perspective_event WHERE instance_id = %(i)s)"
+        " + (SELECT count(*) FROM workpump_receptor_processing WHERE instance_id = %(i)s)",
+        {"i": instance_id},
+    )
+    assert held == 0
+    # what it did not start is claimable again, with its attempt given back
+    assert (
+        scalar("SELECT count(*) FROM workpump_outbox WHERE processed_at IS NULL AND attempts > 0")
+        == 0
+    )
