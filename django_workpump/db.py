@@ -322,3 +322,10 @@ def notify_probe(conn: Any, *, channel: str) -> None:
 
 def keepalive(conn: Any) -> None:
     conn.execute(named_queries()["keepalive"])
+
+
+def evict_instance(
+    *, instance_id: uuid.UUID, reason: str = "evicted by an operator", using: str | None = None
+) -> int:
+    """Evict one instance now (operator action); return the number of rows released."""
+    return int(_scalar("evict_instance", locals(), using))

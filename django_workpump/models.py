@@ -44,6 +44,15 @@ class WorkRow(models.Model):
         abstract = True
 
 
+# Operator actions of the admin, each gated by its own permission (not just "change").
+WORK_PERMISSIONS = [
+    ("retry_work", "Can retry scheduled work now"),
+    ("release_work_lease", "Can release work leases"),
+    ("dead_letter_work", "Can dead-letter work"),
+    ("requeue_work", "Can re-queue dead work"),
+]
+
+
 def _lease_pair_check(table: str) -> models.CheckConstraint:
     both_null = Q(instance_id__isnull=True, lease_expiry__isnull=True)
     both_set = Q(instance_id__isnull=False, lease_expiry__isnull=False)
@@ -101,6 +110,7 @@ class Outbox(WorkRow):
 
     class Meta:
         db_table = "workpump_outbox"
+        permissions = WORK_PERMISSIONS
         verbose_name = "outbox message"
         constraints = [_lease_pair_check("workpump_outbox")]
         indexes = _work_indexes("wp_outbox", "processed_at")
@@ -117,6 +127,7 @@ class Inbox(WorkRow):
 
     class Meta:
         db_table = "workpump_inbox"
+        permissions = WORK_PERMISSIONS
         verbose_name = "inbox message"
         constraints = [_lease_pair_check("workpump_inbox")]
         indexes = _work_indexes("wp_inbox", "processed_at")
@@ -168,6 +179,7 @@ class PerspectiveEvent(WorkRow):
     class Meta:
         db_table = "workpump_perspective_event"
         verbose_name = "perspective event"
+        permissions = WORK_PERMISSIONS
         constraints = [
             _lease_pair_check("workpump_perspective_event"),
             models.UniqueConstraint(
@@ -194,6 +206,7 @@ class ReceptorProcessing(WorkRow):
     class Meta:
         db_table = "workpump_receptor_processing"
         verbose_name = "receptor processing"
+        permissions = WORK_PERMISSIONS
         verbose_name_plural = "receptor processing"
         constraints = [
             _lease_pair_check("workpump_receptor_processing"),
@@ -222,6 +235,7 @@ class ServiceInstance(models.Model):
 
     class Meta:
         db_table = "workpump_service_instance"
+        permissions = [("evict_instance", "Can evict a service instance")]
         indexes = [models.Index(fields=["last_heartbeat_at"], name="wp_instance_heartbeat")]
 
     def __str__(self) -> str:

@@ -173,3 +173,6 @@ SELECT * FROM (
     WHERE completed_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
 ) stuck
 LIMIT %(limit)s
+
+-- name: evict_instance
+SELECT workpump.evict_instance(p_instance_id => %(instance_id)s, p_reason => %(reason)s)
