@@ -348,3 +348,13 @@ def test_shutdown_waits_for_in_flight_handlers_then_deregisters(handlers, pump):
     assert row.result == "finished"
     assert row.processed_at is not None
     assert models.ServiceInstance.objects.count() == 0
+
+
+@override_settings(WORKPUMP=FAST)
+def test_a_handler_sees_the_id_of_the_instance_running_it(handlers, pump):
+    seen: list[uuid.UUID] = []
+    handlers("outbox_handler", "it.who", lambda work: seen.append(work.instance_id))
+    workpump.send("it.who", {})
+    supervisor = pump(drain=True)
+    assert drain(supervisor) == EXIT_OK
+    assert seen == [supervisor.identity.instance_id]

@@ -50,6 +50,7 @@ class Work:
     priority: int
     lease_expiry: datetime
     lease: LeaseHandle
+    instance_id: uuid.UUID | None = None  # the instance running it
 
     @property
     def cancelled(self) -> bool:
@@ -269,6 +270,7 @@ class Dispatcher:
             row.priority,
             row.lease_expiry,
             job.handle,
+            self.coordinator.identity.instance_id,
         )
 
     def _call(self, handler: Handler, job: _Job) -> str | None:
