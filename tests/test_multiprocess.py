@@ -49,10 +49,12 @@ FAST = {
 def database_url() -> str:
     """A URL for the test database Django uses now (TCP or a Unix socket)."""
     params = connection.get_connection_params()
-    host = params.get("host") or "localhost"
+    host = str(params.get("host") or "localhost")
     port = params.get("port") or 5432
     user = params.get("user") or "postgres"
-    return f"postgres://{user}@{quote(str(host), safe='')}:{port}/{params['dbname']}"
+    if host.startswith("/"):  # a Unix socket directory (the embedded server)
+        return f"postgres://{user}@/{params['dbname']}?host={quote(host)}&port={port}"
+    return f"postgres://{user}@{host}:{port}/{params['dbname']}"
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
