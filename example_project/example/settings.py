@@ -9,7 +9,7 @@
 ``SECRET_KEY``
     Required when ``DEBUG`` is false.
 ``EMAIL_BACKEND``
-    Defaults to the console backend: confirmation emails are printed.
+    Defaults to locmem (the demo counts the emails); set the console backend to see them.
 """
 
 from pathlib import Path
@@ -82,7 +82,9 @@ USE_TZ = True
 STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
+# locmem keeps the demo quiet; EMAIL_BACKEND=django.core.mail.backends.console.EmailBackend
+# prints every confirmation email instead.
+EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.locmem.EmailBackend")
 DEFAULT_FROM_EMAIL = "shop@example.com"
 
 # Everything is optional; the defaults are documented in django_workpump/conf.py.

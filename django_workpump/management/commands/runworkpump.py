@@ -69,7 +69,14 @@ class Command(BaseCommand):
         parser.add_argument("--log-format", choices=["text", "json"], default="text")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        self._configure_logging(options["log_format"])
+        log_handler = self._configure_logging(options["log_format"])
+        try:
+            self._run(options)
+        finally:
+            if log_handler is not None:
+                logger.removeHandler(log_handler)
+
+    def _run(self, options: dict[str, Any]) -> None:
         categories = self._categories(options["categories"])
         if options["concurrency"] is not None and options["concurrency"] < 1:
             raise CommandError(f"--concurrency must be at least 1, not {options['concurrency']}.")
@@ -89,15 +96,19 @@ class Command(BaseCommand):
             supervisor.start()
         except SchemaNotReady as exc:
             raise CommandError(str(exc)) from None
-        self._install_signal_handlers(supervisor)
-        self.stdout.write(self._startup_line(supervisor, alias))
-        self.stdout.flush()
-        interval = settings["STATUS_INTERVAL_SECONDS"]
-        reporter = _StatusReporter(supervisor)
-        while not supervisor.wait(interval):
-            self.stdout.write(reporter.line())
+        previous = self._install_signal_handlers(supervisor)
+        try:
+            self.stdout.write(self._startup_line(supervisor, alias))
             self.stdout.flush()
-        code = supervisor.shutdown()
+            interval = settings["STATUS_INTERVAL_SECONDS"]
+            reporter = _StatusReporter(supervisor)
+            while not supervisor.wait(interval):
+                self.stdout.write(reporter.line())
+                self.stdout.flush()
+            code = supervisor.shutdown()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         self.stdout.write(
             f"workpump {supervisor.identity.instance_id} stopped: {supervisor.stop_reason} "
             f"(exit {code}); {reporter.totals()}"
@@ -130,12 +141,11 @@ class Command(BaseCommand):
                 f"Cannot reach the database {alias!r} ({where}): {reason}. "
                 "Check DATABASES (or DATABASE_URL) and that PostgreSQL is running."
             ) from None
-        finally:
-            connection.close()
 
-    def _configure_logging(self, log_format: str) -> None:
+    def _configure_logging(self, log_format: str) -> logging.Handler | None:
+        """Log to stderr unless the project configured the logger; return what was added."""
         if logger.handlers:
-            return  # the project configured it
+            return None  # the project configured it
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(
             JsonFormatter()
@@ -144,10 +154,12 @@ class Command(BaseCommand):
         )
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+        return handler
 
-    def _install_signal_handlers(self, supervisor: Supervisor) -> None:
+    def _install_signal_handlers(self, supervisor: Supervisor) -> dict[int, Any]:
+        """Route SIGTERM/SIGINT to a graceful stop; return the handlers they replace."""
         if threading.current_thread() is not threading.main_thread():
-            return  # signals can only be handled on the main thread (e.g. in tests)
+            return {}  # signals can only be handled on the main thread
         received: list[int] = []
 
         def on_signal(signum: int, frame: Any) -> None:
@@ -157,8 +169,10 @@ class Command(BaseCommand):
                 os._exit(128 + signum)
             supervisor.request_stop(f"received {signal.Signals(signum).name}")
 
+        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        return previous
 
     def _startup_line(self, supervisor: Supervisor, alias: str) -> str:
         s = supervisor.settings

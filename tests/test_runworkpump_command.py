@@ -1,0 +1,172 @@
+"""``manage.py runworkpump``: startup and status lines, drain, and one-sentence failures."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import uuid
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+
+import django_workpump as workpump
+from django_workpump import models
+from django_workpump.registry import registry
+from tests.conftest import run_sql
+
+FAST = {
+    "POLLING_INTERVAL_MS": 50,
+    "POLLING_MAX_INTERVAL_MS": 100,
+    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 100,
+    "STATUS_INTERVAL_SECONDS": 1,
+    "RETRY_BACKOFF_BASE_SECONDS": 0,
+    "RETRY_BACKOFF_MAX_SECONDS": 0,
+}
+
+
+@pytest.fixture
+def echo_handler():
+    workpump.outbox_handler("cmd.echo")(lambda work: work.payload)
+    yield
+    registry.unregister("outbox", "cmd.echo")
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_drain_prints_a_startup_line_processes_everything_and_exits_zero(echo_handler):
+    for n in range(5):
+        workpump.send("cmd.echo", {"n": n})
+    out = StringIO()
+
+    call_command(
+        "runworkpump", "--drain", "--concurrency", "2", "--service-name", "cmdtest", stdout=out
+    )
+
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("workpump ")
+    for part in (
+        "started:",
+        "service=cmdtest",
+        "concurrency=2",
+        "categories=outbox,inbox,perspective_event,receptor",
+        "liveness=advisory_lock_when_available",
+        "database=default:",
+    ):
+        assert part in lines[0]
+    assert "stopped: drained: nothing left to claim (exit 0)" in lines[-1]
+    assert "claimed=5 done=5" in lines[-1]
+    assert models.Outbox.objects.filter(processed_at__isnull=False).count() == 5
+    assert models.ServiceInstance.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_the_command_leaves_the_previous_signal_handlers_in_place():
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    call_command("runworkpump", "--drain", stdout=StringIO())
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_categories_limit_what_is_claimed(echo_handler):
+    workpump.send("cmd.echo", {})
+    workpump.receive(uuid.uuid4(), "cmd.nobody", {})
+    call_command("runworkpump", "--drain", "--categories", "outbox", stdout=StringIO())
+    assert models.Outbox.objects.get().processed_at is not None
+    inbox = models.Inbox.objects.get()
+    assert (inbox.attempts, inbox.processed_at) == (0, None)
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP={**FAST, "STATUS_INTERVAL_SECONDS": 1})
+def test_a_status_line_is_printed_every_status_interval(echo_handler):
+    # A handler that takes a little over a second keeps the pump busy past one interval.
+    gate = __import__("threading").Event()
+    workpump.outbox_handler("cmd.slow")(lambda work: gate.wait(1.5))
+    try:
+        workpump.send("cmd.slow", {})
+        out = StringIO()
+        call_command("runworkpump", "--drain", stdout=out)
+    finally:
+        registry.unregister("outbox", "cmd.slow")
+    status = [line for line in out.getvalue().splitlines() if line.startswith("workpump status:")]
+    assert status, out.getvalue()
+    for part in (
+        "claimed/s=",
+        "done/s=",
+        "failed=",
+        "in_flight=1",
+        "renewed=",
+        "gate=",
+        "poll_wait_ms=",
+    ):
+        assert part in status[0]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_json_log_format_writes_one_object_per_line(capsys, echo_handler):
+    logger = logging.getLogger("django_workpump")
+    handlers_before = list(logger.handlers)
+
+    call_command("runworkpump", "--drain", "--log-format", "json", stdout=StringIO())
+
+    assert logger.handlers == handlers_before  # the command removed what it added
+    entries = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
+    assert any(e.get("action") == "started" for e in entries)
+    assert all({"time", "level", "logger", "message"} <= e.keys() for e in entries)
+
+
+@pytest.mark.django_db
+def test_unknown_categories_are_refused_with_the_valid_ones_named():
+    with pytest.raises(CommandError, match=r"Unknown categories outbx in --categories; choose"):
+        call_command("runworkpump", "--categories", "outbx")
+
+
+@pytest.mark.django_db
+def test_concurrency_below_one_is_refused():
+    with pytest.raises(CommandError, match="--concurrency must be at least 1, not 0"):
+        call_command("runworkpump", "--concurrency", "0")
+
+
+@pytest.mark.django_db
+def test_missing_migrations_stop_it_with_the_migrate_hint():
+    run_sql("DROP SCHEMA workpump CASCADE")  # rolled back with the test
+    with pytest.raises(
+        CommandError,
+        match=r"^Missing workpump migrations\. Run `python manage\.py migrate workpump`\.$",
+    ):
+        call_command("runworkpump")
+
+
+def test_an_unreachable_database_stops_it_with_one_sentence(django_db_blocker):
+    from django.db import connections
+
+    connection = connections["default"]
+    original = dict(connection.settings_dict)
+    with django_db_blocker.unblock():
+        connection.close()
+        connection.settings_dict.update(HOST="127.0.0.1", PORT="1")
+        try:
+            with pytest.raises(CommandError) as raised:
+                call_command("runworkpump")
+        finally:
+            connection.close()
+            connection.settings_dict.clear()
+            connection.settings_dict.update(original)
+    message = str(raised.value)
+    assert message.startswith("Cannot reach the database 'default' (")
+    assert message.endswith("Check DATABASES (or DATABASE_URL) and that PostgreSQL is running.")
+    assert "\n" not in message
+
+
+@override_settings(WORKPUMP={"STALE_AFTER_SECONDS": 5})
+def test_a_failing_system_check_stops_it_before_anything_starts():
+    from django.core.management.base import SystemCheckError
+
+    with pytest.raises(SystemCheckError, match=r"workpump\.E008"):
+        call_command("runworkpump", skip_checks=False)
