@@ -85,7 +85,7 @@ def send(
     partition_count: int,
     using: str | None = None,
 ) -> uuid.UUID:
-    return _scalar("send", locals() | {"payload": payload_json}, using)  # type: ignore[no-any-return]
+    return _scalar("send", locals() | {"payload": payload_json}, using)
 
 
 def receive(
@@ -115,7 +115,7 @@ def emit(
     using: str | None = None,
 ) -> uuid.UUID:
     params = locals() | {"payload": payload_json, "subscribers": subscribers_json}
-    return _scalar("emit", params, using)  # type: ignore[no-any-return]
+    return _scalar("emit", params, using)
 
 
 def claim_work(
@@ -136,10 +136,35 @@ def claim_work(
 
 def _claimed(row: tuple[Any, ...]) -> ClaimedWork:
     # Django's psycopg setup leaves jsonb as text (JSONField decodes it itself).
-    payload = row[3]
+    category, work_id, topic, payload, *rest = row
     if isinstance(payload, str):
         payload = json.loads(payload)
-    return ClaimedWork(*row[:3], payload, *row[4:])
+    (
+        stream,
+        attempts,
+        max_attempts,
+        lease_expiry,
+        event_id,
+        event_type,
+        priority,
+        claimed_at,
+        has_more,
+    ) = rest
+    return ClaimedWork(
+        category,
+        work_id,
+        topic,
+        payload,
+        stream,
+        attempts,
+        max_attempts,
+        lease_expiry,
+        event_id,
+        event_type,
+        priority,
+        claimed_at,
+        has_more,
+    )
 
 
 def renew_leases(
@@ -153,7 +178,7 @@ def renew_leases(
 ) -> dict[uuid.UUID, datetime]:
     """Renew; return ``{id: new lease_expiry}`` for the rows that were renewed."""
     params = locals() | {"ids": list(ids)}
-    return dict(_fetch("renew_leases", params, using))  # type: ignore[arg-type]
+    return dict(_fetch("renew_leases", params, using))
 
 
 def complete_work(

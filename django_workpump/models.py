@@ -14,9 +14,14 @@ per-stream FIFO a property of the index the claim scans instead of a per-row che
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Coalesce, Now
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrPromise
 
 
 class WorkRow(models.Model):
@@ -45,7 +50,7 @@ class WorkRow(models.Model):
 
 
 # Operator actions of the admin, each gated by its own permission (not just "change").
-WORK_PERMISSIONS = [
+WORK_PERMISSIONS: list[tuple[str, str | StrPromise]] = [
     ("retry_work", "Can retry scheduled work now"),
     ("release_work_lease", "Can release work leases"),
     ("dead_letter_work", "Can dead-letter work"),

@@ -219,6 +219,6 @@ def emit(
         partition_count=setting("PARTITION_COUNT"),
         using=alias,
     )
-    for category in sorted({s["category"] for s in subscribers}):
+    for category in sorted({handler.category for handler in registry.subscribers(event_type)}):
         _announce(category, alias)
     return result

@@ -73,11 +73,13 @@ class DatabaseCoordinator:
         self.categories = list(categories) if categories else list(CATEGORIES)
         self.alias: str = self.settings["DATABASE_ALIAS"]
 
-    def _liveness(self) -> dict[str, int]:
-        return {
-            "stale_after_seconds": self.settings["STALE_AFTER_SECONDS"],
-            "definitively_dead_after_seconds": self.settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
-        }
+    @property
+    def stale_after_seconds(self) -> int:
+        return int(self.settings["STALE_AFTER_SECONDS"])
+
+    @property
+    def dead_after_seconds(self) -> int:
+        return int(self.settings["DEFINITIVELY_DEAD_AFTER_SECONDS"])
 
     def schema_ready(self) -> bool:
         return db.schema_functions_present(REQUIRED_FUNCTIONS, using=self.alias)
@@ -89,8 +91,9 @@ class DatabaseCoordinator:
             lease_seconds=self.settings["LEASE_SECONDS"],
             partition_count=self.settings["PARTITION_COUNT"],
             categories=self.categories,
+            stale_after_seconds=self.stale_after_seconds,
+            definitively_dead_after_seconds=self.dead_after_seconds,
             using=self.alias,
-            **self._liveness(),
         )
 
     def renew(self, category: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Any]:
@@ -139,8 +142,9 @@ class DatabaseCoordinator:
             host_name=self.identity.host_name,
             process_id=self.identity.process_id,
             metadata_json=json.dumps(dict(metadata), default=str),
+            stale_after_seconds=self.stale_after_seconds,
+            definitively_dead_after_seconds=self.dead_after_seconds,
             using=self.alias,
-            **self._liveness(),
         )
 
     def stale_peer_exists(self) -> bool:
@@ -151,7 +155,11 @@ class DatabaseCoordinator:
         )
 
     def reap_stale(self) -> list[uuid.UUID]:
-        return db.reap_stale_instances(using=self.alias, **self._liveness())
+        return db.reap_stale_instances(
+            stale_after_seconds=self.stale_after_seconds,
+            definitively_dead_after_seconds=self.dead_after_seconds,
+            using=self.alias,
+        )
 
     def deregister(self) -> int:
         return db.deregister_instance(instance_id=self.identity.instance_id, using=self.alias)

@@ -210,7 +210,7 @@ class Dispatcher:
         close_old_connections()
         self.stats.started += 1
         handler = self.handlers.get(job.row.category, job.row.topic)
-        outcome: tuple[str, Any]
+        outcome: tuple[str, Any]  # ("done", result) | ("fail", (error, reason)) | ...
         try:
             if handler is None:
                 noun = TOPIC_NOUNS[job.row.category]
@@ -219,7 +219,8 @@ class Dispatcher:
                     (f"no handler registered for {noun} {job.row.topic!r}", "no_handler"),
                 )
             elif handler.atomic:
-                outcome = ("done_committed", self._call_atomic(handler, job))
+                self._call_atomic(handler, job)
+                outcome = ("done_committed", None)
             else:
                 outcome = ("done", self._call(handler, job))
         except LeaseLost as exc:
@@ -240,13 +241,15 @@ class Dispatcher:
                 )
                 return False
             job.state = "finished"
-        kind, value = outcome
+        kind: str = outcome[0]
+        value: Any = outcome[1]
         if kind == "done":
             self._outcome_queued(1)
             self.completions.put((job.row.category, job.row.work_id, value))
         elif kind == "fail":
             self._outcome_queued(1)
-            self.failures.put((job.row.category, job.row.work_id, *value))
+            error, reason = value
+            self.failures.put((job.row.category, job.row.work_id, error, reason))
         elif kind == "lost":
             self.stats.lost_leases += 1
             logger.warning("%s", value, extra={"action": "lease_lost"})

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from django.db import close_old_connections
 
@@ -53,7 +55,7 @@ class MaintenanceWorker:
         self.passes = 0
         self._stop = threading.Event()
 
-    def _purge(self, purge_once: callable) -> int:  # type: ignore[valid-type]
+    def _purge(self, purge_once: Callable[[], int]) -> int:
         total = 0
         for _ in range(self.max_batches_per_pass):
             removed = purge_once()
@@ -79,7 +81,8 @@ class MaintenanceWorker:
             )
             for category in CATEGORIES:
                 result.purged[category] = self._purge(
-                    lambda category=category: db.purge_processed(
+                    partial(
+                        db.purge_processed,
                         category=category,
                         retention_seconds=self.retention_seconds,
                         batch=self.batch,

@@ -119,10 +119,11 @@ class Supervisor:
                 hold_alive_lock=s["LIVENESS_SOURCE_MODE"] == "advisory_lock_when_available",
                 clock=self.clock,
             )
+        gate = self.gate
         self.heartbeat = HeartbeatWorker(
             self.coordinator,
             HeartbeatPolicy.from_settings(s),
-            alive_lock_held=(lambda: self.gate.alive_lock_held) if self.gate else None,
+            alive_lock_held=(lambda: gate.alive_lock_held) if gate is not None else None,
             on_evicted=lambda: self.request_stop("evicted by peers", EXIT_EVICTED),
             metadata=self._metadata,
             clock=self.clock,

@@ -169,7 +169,9 @@ class Command(BaseCommand):
                 os._exit(128 + signum)
             supervisor.request_stop(f"received {signal.Signals(signum).name}")
 
-        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        previous: dict[int, Any] = {
+            signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)
+        }
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         return previous
