@@ -1,0 +1,54 @@
+"""The Django admin of the work pump (DESIGN §10).
+
+One changelist per work category with state, lease, attempts and the holder's heartbeat
+computed by PostgreSQL; operator actions through the SQL functions; instances,
+tombstones, stream ownership, and a summary page with the numbers of
+``manage.py workpump_status``. See docs/admin.md.
+"""
+
+from __future__ import annotations
+
+from django.contrib import admin
+
+from django_workpump.admin.instances import (
+    ActiveStreamAdmin,
+    EvictionAdmin,
+    ServiceInstanceAdmin,
+    can_view_summary,
+)
+from django_workpump.admin.work import (
+    InboxAdmin,
+    OutboxAdmin,
+    PerspectiveEventAdmin,
+    ReceptorProcessingAdmin,
+    WorkAdmin,
+)
+from django_workpump.models import (
+    ActiveStream,
+    Eviction,
+    Inbox,
+    Outbox,
+    PerspectiveEvent,
+    ReceptorProcessing,
+    ServiceInstance,
+)
+
+admin.site.register(Outbox, OutboxAdmin)
+admin.site.register(Inbox, InboxAdmin)
+admin.site.register(PerspectiveEvent, PerspectiveEventAdmin)
+admin.site.register(ReceptorProcessing, ReceptorProcessingAdmin)
+admin.site.register(ServiceInstance, ServiceInstanceAdmin)
+admin.site.register(Eviction, EvictionAdmin)
+admin.site.register(ActiveStream, ActiveStreamAdmin)
+
+__all__ = [
+    "ActiveStreamAdmin",
+    "EvictionAdmin",
+    "InboxAdmin",
+    "OutboxAdmin",
+    "PerspectiveEventAdmin",
+    "ReceptorProcessingAdmin",
+    "ServiceInstanceAdmin",
+    "WorkAdmin",
+    "can_view_summary",
+]

@@ -1,0 +1,122 @@
+"""Formatting of the admin's columns: ages, lease times, state badges, heartbeat colours.
+
+Only formatting happens here: every number comes from an annotation the database
+computed (ages in seconds at the database clock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from datetime import datetime
+from typing import Any
+
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from django_workpump.conf import get_settings
+
+DASH = "—"
+
+# Colours of the state badges and the heartbeat freshness (readable on white and dark).
+STATE_COLOURS = {
+    "pending": "#4a6785",
+    "scheduled": "#7a6a1f",
+    "leased": "#2e7d32",
+    "orphaned": "#c2410c",
+    "done": "#6b7280",
+    "dead": "#b91c1c",
+}
+FRESHNESS_COLOURS = {"fresh": "#2e7d32", "stale": "#c2410c", "dead": "#b91c1c"}
+
+
+def duration(seconds: float) -> str:
+    """``4m 12s``, ``3m``, ``45s``, ``1h 2m``, ``2d 3h``: the largest unit and the next one."""
+    total = int(abs(seconds))
+    units = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+    for index, (unit, size) in enumerate(units):
+        if total >= size or unit == "s":
+            first, rest = divmod(total, size)
+            text = f"{first}{unit}"
+            if unit != "s":
+                next_unit, next_size = units[index + 1]
+                second = rest // next_size
+                if second:  # "3m", not "3m 0s"
+                    text += f" {second}{next_unit}"
+            return text
+    raise AssertionError("unreachable: the loop returns at seconds")
+
+
+def relative(seconds_left: float) -> str:
+    """``in 4m 12s`` for a time ahead, ``expired 3m ago`` for one that has passed."""
+    if seconds_left > 0:
+        return f"in {duration(seconds_left)}"
+    return f"expired {duration(seconds_left)} ago"
+
+
+def when(value: datetime | None) -> str:
+    """An absolute time in the current time zone, to the second."""
+    if value is None:
+        return DASH
+    return timezone.localtime(value).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def freshness(age_seconds: float) -> str:
+    """fresh, stale or dead, by the configured liveness cutoffs."""
+    settings = get_settings()
+    if age_seconds < settings["STALE_AFTER_SECONDS"]:
+        return "fresh"
+    if age_seconds < settings["DEFINITIVELY_DEAD_AFTER_SECONDS"]:
+        return "stale"
+    return "dead"
+
+
+def heartbeat(age_seconds: float | None) -> SafeString | str:
+    """The heartbeat age, coloured fresh/stale/dead, with the word for screen readers."""
+    if age_seconds is None:
+        return DASH
+    kind = freshness(age_seconds)
+    return format_html(
+        '<span class="wp-heartbeat wp-{}" style="color:{};font-weight:bold" title="{}">'
+        "{} ago</span>",
+        kind,
+        FRESHNESS_COLOURS[kind],
+        f"heartbeat {kind}",
+        duration(age_seconds),
+    )
+
+
+def badge(state: str, note: str = "") -> SafeString:
+    """A coloured state label; ``note`` (e.g. ``stuck``) follows it."""
+    colour = STATE_COLOURS.get(state, "#333")
+    html = format_html(
+        '<span class="wp-state wp-state-{}" data-state="{}" '
+        'style="color:#fff;background:{};padding:1px 6px;border-radius:8px;white-space:nowrap">'
+        "{}</span>",
+        state,
+        state,
+        colour,
+        state,
+    )
+    if note:
+        html = format_html(
+            '{} <span class="wp-note" style="color:#c2410c;font-weight:bold">{}</span>', html, note
+        )
+    return html
+
+
+def pretty_json(value: Any) -> SafeString:
+    """A JSON value indented in a ``<pre>`` block."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    return format_html('<pre class="wp-json" style="margin:0;white-space:pre-wrap">{}</pre>', text)
+
+
+def pre(text: str | None) -> SafeString | str:
+    """Multi-line text (a traceback) kept as it is."""
+    if not text:
+        return DASH
+    return format_html('<pre class="wp-error" style="margin:0;white-space:pre-wrap">{}</pre>', text)

@@ -1,0 +1,246 @@
+"""Query expressions of the admin: states, ages and the stuck rule, computed by PostgreSQL.
+
+Every time comes from the database clock, ``now()`` (the transaction's start, the clock
+``workpump.state_of`` and the status report use), never from Python, so one page shows
+one instant and sorting or filtering by state or age happens in SQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import models
+from django.db.models import (
+    BooleanField,
+    Case,
+    CharField,
+    Count,
+    Exists,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    Func,
+    OuterRef,
+    Q,
+    Subquery,
+    Value,
+    When,
+)
+from django.db.models.expressions import RawSQL
+from django.db.models.functions import Cast, Coalesce, Concat, Left
+
+from django_workpump.conf import get_settings
+from django_workpump.models import Eviction, ServiceInstance
+from django_workpump.sql import named_queries
+
+ADMIN_QUERIES = "admin.sql"
+
+# What a holder of a lease is, by the liveness rule (workpump.live_instances).
+HOLDER_LIVE = "live"
+HOLDER_STALE = "stale"  # registered, but its heartbeat is past the cutoffs
+HOLDER_EVICTED = "evicted"  # tombstoned: its heartbeats are refused
+HOLDER_GONE = "gone"  # neither registered nor tombstoned (deregistered, or purged)
+NOT_LIVE_HOLDERS = (HOLDER_STALE, HOLDER_EVICTED, HOLDER_GONE)
+
+
+@dataclass(frozen=True)
+class WorkSpec:
+    """The columns that differ between the four work tables (DESIGN §2)."""
+
+    category: str
+    key_field: str
+    topic_field: str
+    done_field: str
+    scope_field: str | None  # perspective or receptor name; None: the stream alone orders
+
+
+class DbNow(Func):
+    """``now()``: the database clock, fixed for the whole transaction."""
+
+    template = "now()"
+    output_field = models.DateTimeField()
+
+
+def seconds_until(field: str) -> Func:
+    """Seconds from the database clock until ``field`` (negative once it has passed)."""
+    return Func(
+        F(field),
+        template="EXTRACT(EPOCH FROM (%(expressions)s - now()))::double precision",
+        output_field=FloatField(),
+    )
+
+
+def seconds_since(field: str) -> Func:
+    """Seconds from ``field`` until the database clock."""
+    return Func(
+        F(field),
+        template="EXTRACT(EPOCH FROM (now() - %(expressions)s))::double precision",
+        output_field=FloatField(),
+    )
+
+
+def _fragment(name: str, params: tuple[Any, ...] = ()) -> RawSQL:
+    """A subquery of ``sql/admin.sql`` for an ``__in`` lookup."""
+    return RawSQL(named_queries(ADMIN_QUERIES)[name], params)
+
+
+def live_instance_ids() -> RawSQL:
+    """The ids of live instances: workpump.live_instances with the configured cutoffs."""
+    settings = get_settings()
+    cutoffs = (settings["STALE_AFTER_SECONDS"], settings["DEFINITIVELY_DEAD_AFTER_SECONDS"])
+    return _fragment("live_instance_ids", cutoffs)
+
+
+def held_alive_lock_keys() -> RawSQL:
+    """The alive-lock keys some session holds now (read from pg_locks)."""
+    return _fragment("held_alive_lock_keys")
+
+
+def listening_instance_ids() -> RawSQL:
+    """Instances whose NOTIFY gate is connected (application_name workpump-<id>)."""
+    return _fragment("listening_instance_ids")
+
+
+def instance_label(instance_ref: str) -> Subquery:
+    """``service@host:pid`` of the instance whose id is the outer ``instance_ref``."""
+    return Subquery(
+        ServiceInstance.objects.filter(pk=OuterRef(instance_ref))
+        .annotate(
+            label=Concat(
+                "service_name",
+                Value("@"),
+                "host_name",
+                Value(":"),
+                Cast("process_id", CharField()),
+                output_field=CharField(),
+            )
+        )
+        .values("label")[:1],
+        output_field=CharField(),
+    )
+
+
+def instance_heartbeat_age(instance_ref: str) -> Subquery:
+    """Heartbeat age in seconds of the instance whose id is the outer ``instance_ref``."""
+    return Subquery(
+        ServiceInstance.objects.filter(pk=OuterRef(instance_ref))
+        .annotate(age=seconds_since("last_heartbeat_at"))
+        .values("age")[:1],
+        output_field=FloatField(),
+    )
+
+
+def holder_kind(instance_ref: str) -> Case:
+    """What holds a row (or stream): '', live, stale, evicted or gone (see HOLDER_*)."""
+    lookup = f"{instance_ref}__in"
+    return Case(
+        When(**{f"{instance_ref}__isnull": True}, then=Value("")),
+        When(**{lookup: live_instance_ids()}, then=Value(HOLDER_LIVE)),
+        When(
+            Exists(ServiceInstance.objects.filter(pk=OuterRef(instance_ref))),
+            then=Value(HOLDER_STALE),
+        ),
+        When(
+            Exists(Eviction.objects.filter(pk=OuterRef(instance_ref))), then=Value(HOLDER_EVICTED)
+        ),
+        default=Value(HOLDER_GONE),
+        output_field=CharField(),
+    )
+
+
+def state_of(spec: WorkSpec) -> Func:
+    """The row's state by ``workpump.state_of`` at the database clock."""
+    return Func(
+        F(spec.done_field),
+        F("dead_lettered_at"),
+        F("instance_id"),
+        F("lease_expiry"),
+        F("claimed_at"),
+        F("scheduled_for"),
+        DbNow(),
+        function="workpump.state_of",
+        output_field=CharField(),
+    )
+
+
+def blocked_by_head(model: type[models.Model], spec: WorkSpec) -> Exists:
+    """True for a row behind its stream's head while that head is dead or waiting to retry.
+
+    The same rule as the status report's blocked streams: a dead head, or a head scheduled
+    after an attempt; a deferred first attempt is the producer's choice, not a blockage.
+    """
+    same_stream = {"stream": OuterRef("stream")}
+    if spec.scope_field:
+        same_stream[spec.scope_field] = OuterRef(spec.scope_field)
+    heads = model._default_manager.filter(
+        **same_stream,
+        stream_head=True,
+        seq__lt=OuterRef("seq"),
+        **{f"{spec.done_field}__isnull": True},
+    ).filter(Q(dead_lettered_at__isnull=False) | Q(scheduled_for__gt=DbNow(), attempts__gt=0))
+    return Exists(heads)
+
+
+def stuck_condition(spec: WorkSpec) -> Q:
+    """The stuck rule over the annotations of ``annotate_work`` (documented in docs/admin.md).
+
+    An undone, not dead row is stuck when it is held by an instance that is not live
+    (stale, evicted or gone), or orphaned (lease expired, or its holder was evicted and it
+    was not re-claimed), or has used at least half its attempts (and more than one, as
+    the maintenance log counts), or waits behind a dead or retrying stream head.
+    """
+    undone = Q(**{f"{spec.done_field}__isnull": True}, dead_lettered_at__isnull=True)
+    return undone & (
+        Q(wp_holder__in=NOT_LIVE_HOLDERS)
+        | Q(wp_state="orphaned")
+        | (Q(attempts__gt=1) & Q(max_attempts__lte=F("attempts") * 2))
+        | Q(wp_blocked=True)
+    )
+
+
+def annotate_work(queryset: models.QuerySet[Any], spec: WorkSpec) -> models.QuerySet[Any]:
+    """Add state, lease, holder, heartbeat, blockage and stuck annotations (one SELECT)."""
+    queryset = queryset.annotate(
+        wp_state=state_of(spec),
+        wp_lease_seconds_left=seconds_until("lease_expiry"),
+        wp_holder=holder_kind("instance_id"),
+        wp_owner_label=instance_label("instance_id"),
+        wp_owner_heartbeat_age=instance_heartbeat_age("instance_id"),
+        wp_blocked=blocked_by_head(queryset.model, spec),
+        wp_error_short=Left(
+            Func(F("last_error"), Value("\n"), Value(1), function="split_part"),
+            120,
+            output_field=CharField(),
+        ),
+    )
+    return queryset.annotate(
+        wp_stuck=ExpressionWrapper(stuck_condition(spec), output_field=BooleanField())
+    )
+
+
+def held_count(model: type[models.Model]) -> Coalesce:
+    """How many rows of ``model`` the outer instance holds (a correlated count)."""
+    counts = (
+        model._default_manager.filter(instance_id=OuterRef("instance_id"))
+        .order_by()
+        .values("instance_id")
+        .annotate(n=Count("*"))
+        .values("n")
+    )
+    return Coalesce(Subquery(counts, output_field=models.IntegerField()), 0)
+
+
+def undone_in_stream(model: type[models.Model], spec: WorkSpec) -> Coalesce:
+    """Undone rows of the outer ActiveStream's stream (and scope) in ``model``'s table."""
+    same_stream: dict[str, Any] = {"stream": OuterRef("stream")}
+    if spec.scope_field:
+        same_stream[spec.scope_field] = OuterRef("scope")
+    counts = (
+        model._default_manager.filter(**same_stream, **{f"{spec.done_field}__isnull": True})
+        .order_by()
+        .values("stream")
+        .annotate(n=Count("*"))
+        .values("n")
+    )
+    return Coalesce(Subquery(counts, output_field=models.IntegerField()), 0)

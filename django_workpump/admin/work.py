@@ -1,0 +1,617 @@
+"""The admin of the four work tables: state, lease, attempts and heartbeat per row, and
+the operator actions, each through the SQL function that keeps leases fenced (DESIGN §10).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.utils import model_ngettext
+from django.contrib.admin.views.main import ChangeList
+from django.core.exceptions import ValidationError
+from django.db.models import F, Q, QuerySet
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+
+from django_workpump import db
+from django_workpump.admin import display
+from django_workpump.admin.expressions import (
+    ADMIN_QUERIES,
+    HOLDER_LIVE,
+    NOT_LIVE_HOLDERS,
+    WorkSpec,
+    annotate_work,
+    state_of,
+)
+from django_workpump.admin.perms import has_model_permission
+from django_workpump.conf import get_settings
+from django_workpump.models import ServiceInstance
+from django_workpump.status import STATES
+
+NEIGHBOURS = 5  # rows shown on each side of a row of an ordered stream
+STUCK = "stuck"
+
+
+class StateFilter(admin.SimpleListFilter):
+    """The state of ``workpump.state_of``, plus ``stuck`` (see ``stuck_condition``)."""
+
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(state, state) for state in STATES] + [(STUCK, "stuck (needs a look)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value == STUCK:
+            return queryset.filter(wp_stuck=True)
+        if value in STATES:
+            return queryset.filter(wp_state=value)
+        return queryset
+
+
+class OwnerFilter(admin.SimpleListFilter):
+    """The instance holding the lease: a registered one, none, or one that is not live."""
+
+    title = "owner"
+    parameter_name = "owner"
+    NONE = "none"
+    NOT_LIVE = "not-live"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        instances = ServiceInstance.objects.order_by("service_name", "host_name", "started_at")
+        return [
+            (self.NONE, "nobody (unleased)"),
+            (self.NOT_LIVE, "an instance that is not live"),
+            *((str(i.instance_id), str(i)) for i in instances),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        if value == self.NONE:
+            return queryset.filter(instance_id__isnull=True)
+        if value == self.NOT_LIVE:
+            return queryset.filter(wp_holder__in=NOT_LIVE_HOLDERS)
+        try:
+            return queryset.filter(instance_id=value)
+        except ValidationError:
+            return queryset.none()
+
+
+class WorkChangeList(ChangeList):
+    """The changelist never loads payloads, results or full errors."""
+
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
+        queryset = super().get_queryset(request, exclude_parameters)
+        return queryset.defer(*cast("WorkAdmin", self.model_admin).heavy_fields)
+
+
+class WorkAdmin(admin.ModelAdmin):
+    """Base of the four work admins; a subclass names its table's columns in ``spec``."""
+
+    spec: WorkSpec
+    list_per_page = 50
+    show_full_result_count = False  # a filtered page runs no extra count of the whole table
+    empty_value_display = display.DASH
+    actions = ["retry_now", "release_lease", "force_release_lease", "dead_letter", "requeue_dead"]
+    list_display_links = ["work_id"]
+    ordering = ["-seq"]
+
+    # -- permissions: rows are produced by send/receive/emit and removed by retention only
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_retry_work_permission(self, request: HttpRequest) -> bool:
+        return has_model_permission(request, self.model, "retry_work")
+
+    def has_release_work_lease_permission(self, request: HttpRequest) -> bool:
+        return has_model_permission(request, self.model, "release_work_lease")
+
+    def has_dead_letter_work_permission(self, request: HttpRequest) -> bool:
+        return has_model_permission(request, self.model, "dead_letter_work")
+
+    def has_requeue_work_permission(self, request: HttpRequest) -> bool:
+        return has_model_permission(request, self.model, "requeue_work")
+
+    # -- queries
+
+    @property
+    def heavy_fields(self) -> list[str]:
+        fields = ["last_error", "result"]
+        if self.has_own_payload:
+            fields.append("payload")
+        return fields
+
+    @property
+    def has_own_payload(self) -> bool:
+        return any(f.name == "payload" for f in self.model._meta.concrete_fields)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        queryset = annotate_work(super().get_queryset(request), self.spec)
+        # Aliases, so the topic and done columns sort whatever each table calls them.
+        return queryset.annotate(wp_topic=F(self.spec.topic_field), wp_done=F(self.spec.done_field))
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return WorkChangeList
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> Any:
+        queryset = self.get_queryset(request)
+        if not self.has_own_payload:
+            queryset = queryset.select_related("event")
+        field = (
+            self.model._meta.pk if from_field is None else self.model._meta.get_field(from_field)
+        )
+        try:
+            return queryset.get(**{field.name: field.to_python(object_id)})
+        except (self.model.DoesNotExist, ValidationError, ValueError):
+            return None
+
+    def get_list_filter(self, request: HttpRequest) -> list[Any]:
+        return [StateFilter, self.spec.topic_field, OwnerFilter]
+
+    def get_search_fields(self, request: HttpRequest) -> list[str]:
+        return [f"={self.spec.key_field}", self.spec.topic_field, "stream"]
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        # An exact id lookup with a term that is no uuid would raise: search the rest only.
+        key = self.spec.key_field
+        try:
+            self.model._meta.get_field(key).to_python(search_term.strip())
+        except ValidationError:
+            term = search_term.strip()
+            if not term:
+                return queryset, False
+            lookup = Q(**{f"{self.spec.topic_field}__icontains": term}) | Q(stream__icontains=term)
+            return queryset.filter(lookup), False
+        return super().get_search_results(request, queryset, search_term)
+
+    def get_list_display(self, request: HttpRequest) -> list[Any]:
+        return [
+            "work_id",
+            "state",
+            "topic",
+            "stream",
+            "attempts_of_max",
+            "lease_expires",
+            "renewals",
+            "owner",
+            "owner_heartbeat",
+            "error",
+            "created",
+            "scheduled",
+            "done",
+        ]
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> list[tuple[Any, Any]]:
+        work = ["work_id_full", "state_detail", "topic", "stream", "priority"]
+        if not self.has_own_payload:
+            work.insert(3, "event_detail")
+        return [
+            (None, {"fields": work}),
+            ("Attempts", {"fields": ["attempts_of_max", "failure_reason", "last_error_full"]}),
+            (
+                "Lease",
+                {"fields": ["owner_detail", "lease_detail", "renewals", "claimed"]},
+            ),
+            ("Times", {"fields": ["created", "scheduled", "done", "dead_lettered"]}),
+            ("Payload", {"fields": ["payload_json", "result_json"]}),
+            ("Stream", {"fields": ["neighbours"]}),
+        ]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        # Everything but the priority: leases change only through the SQL functions.
+        fields = [
+            name for _, options in self.get_fieldsets(request, obj) for name in options["fields"]
+        ]
+        return [name for name in fields if name != "priority"]
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        # Write the priority alone: a full save would write back lease columns read at the
+        # time the form was loaded, over whatever a claim or renewal did since.
+        if "priority" in form.changed_data:
+            obj.save(update_fields=["priority"])
+
+    # -- columns
+
+    @admin.display(description="id", ordering="seq")
+    def work_id(self, obj: Any) -> SafeString:
+        key = str(getattr(obj, self.spec.key_field))
+        return format_html('<span title="{}">{}</span>', key, key[:8])
+
+    @admin.display(description="id")
+    def work_id_full(self, obj: Any) -> str:
+        return str(getattr(obj, self.spec.key_field))
+
+    @admin.display(description="state", ordering="wp_state")
+    def state(self, obj: Any) -> SafeString:
+        return display.badge(obj.wp_state, "stuck" if obj.wp_stuck else "")
+
+    @admin.display(description="state")
+    def state_detail(self, obj: Any) -> SafeString:
+        reasons = stuck_reasons(obj) if obj.wp_stuck else []
+        note = f"stuck: {', '.join(reasons)}" if reasons else ""
+        return display.badge(obj.wp_state, note)
+
+    @admin.display(description="topic", ordering="wp_topic")
+    def topic(self, obj: Any) -> str:
+        return str(getattr(obj, self.spec.topic_field))
+
+    @admin.display(description="event")
+    def event_detail(self, obj: Any) -> str:
+        return f"{obj.event.event_type} {obj.event.event_id}"
+
+    @admin.display(description="attempts", ordering="attempts")
+    def attempts_of_max(self, obj: Any) -> SafeString:
+        return format_html('<span class="wp-attempts">{}/{}</span>', obj.attempts, obj.max_attempts)
+
+    @admin.display(description="lease expires", ordering="lease_expiry")
+    def lease_expires(self, obj: Any) -> SafeString | str:
+        if obj.lease_expiry is None:
+            return display.DASH
+        expired = obj.wp_lease_seconds_left <= 0
+        return format_html(
+            '<span class="wp-lease-abs">{}</span><br>'
+            '<span class="wp-lease-rel" style="color:{}">{}</span>',
+            display.when(obj.lease_expiry),
+            "#b91c1c" if expired else "inherit",
+            display.relative(obj.wp_lease_seconds_left),
+        )
+
+    @admin.display(description="lease expires")
+    def lease_detail(self, obj: Any) -> SafeString | str:
+        return self.lease_expires(obj)
+
+    @admin.display(description="renewals")
+    def renewals(self, obj: Any) -> str:
+        if obj.instance_id is None:
+            return display.DASH
+        return f"{obj.lease_renewals}/{get_settings()['MAX_RENEWALS_PER_WORK']}"
+
+    @admin.display(description="owner", ordering="wp_owner_label")
+    def owner(self, obj: Any) -> SafeString | str:
+        if obj.instance_id is None:
+            return display.DASH
+        label = obj.wp_owner_label or str(obj.instance_id)[:8]
+        note = "" if obj.wp_holder == HOLDER_LIVE else f" ({obj.wp_holder})"
+        return format_html(
+            '<span class="wp-owner" title="{}">{}{}</span>', obj.instance_id, label, note
+        )
+
+    @admin.display(description="owner")
+    def owner_detail(self, obj: Any) -> SafeString | str:
+        if obj.instance_id is None:
+            return display.DASH
+        return format_html(
+            "{} — {} ({}), heartbeat {}",
+            obj.instance_id,
+            obj.wp_owner_label or "not registered",
+            obj.wp_holder,
+            self.owner_heartbeat(obj),
+        )
+
+    @admin.display(description="owner heartbeat", ordering="wp_owner_heartbeat_age")
+    def owner_heartbeat(self, obj: Any) -> SafeString | str:
+        if obj.instance_id is None:
+            return display.DASH
+        if obj.wp_owner_heartbeat_age is None:  # no instance row: evicted or gone
+            return format_html(
+                '<span class="wp-heartbeat wp-dead" style="color:{};font-weight:bold">{}</span>',
+                display.FRESHNESS_COLOURS["dead"],
+                obj.wp_holder,
+            )
+        return display.heartbeat(obj.wp_owner_heartbeat_age)
+
+    @admin.display(description="last error")
+    def error(self, obj: Any) -> str:
+        return obj.wp_error_short or ""
+
+    @admin.display(description="last error")
+    def last_error_full(self, obj: Any) -> SafeString | str:
+        return display.pre(obj.last_error)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, obj: Any) -> str:
+        return display.when(obj.created_at)
+
+    @admin.display(description="scheduled", ordering="scheduled_for")
+    def scheduled(self, obj: Any) -> str:
+        return display.when(obj.scheduled_for)
+
+    @admin.display(description="done", ordering="wp_done")
+    def done(self, obj: Any) -> str:
+        return display.when(getattr(obj, self.spec.done_field))
+
+    @admin.display(description="claimed")
+    def claimed(self, obj: Any) -> str:
+        return display.when(obj.claimed_at)
+
+    @admin.display(description="dead-lettered")
+    def dead_lettered(self, obj: Any) -> str:
+        return display.when(obj.dead_lettered_at)
+
+    @admin.display(description="payload")
+    def payload_json(self, obj: Any) -> SafeString:
+        payload = obj.payload if self.has_own_payload else obj.event.payload
+        return display.pretty_json(payload)
+
+    @admin.display(description="result")
+    def result_json(self, obj: Any) -> SafeString | str:
+        return display.DASH if obj.result is None else display.pretty_json(obj.result)
+
+    @admin.display(description="neighbours in the stream")
+    def neighbours(self, obj: Any) -> SafeString | str:
+        if obj.stream is None:
+            return "— (a stream of its own)"
+        same = {"stream": obj.stream}
+        if self.spec.scope_field:
+            same[self.spec.scope_field] = getattr(obj, self.spec.scope_field)
+        rows = self.model._default_manager.filter(**same).annotate(wp_state=state_of(self.spec))
+        rows = rows.only(
+            "seq", self.spec.key_field, "stream_head", "attempts", "max_attempts", "created_at"
+        )
+        before = list(rows.filter(seq__lt=obj.seq).order_by("-seq")[:NEIGHBOURS])[::-1]
+        after = list(rows.filter(seq__gt=obj.seq).order_by("seq")[:NEIGHBOURS])
+        info = self.model._meta.app_label, self.model._meta.model_name
+
+        def cells(row: Any) -> tuple[Any, ...]:
+            key = str(getattr(row, self.spec.key_field))
+            this = row.seq == obj.seq
+            link = (
+                format_html("<strong>{} (this row)</strong>", key[:8])
+                if this
+                else format_html(
+                    '<a href="{}">{}</a>',
+                    reverse("admin:{}_{}_change".format(*info), args=[row.pk]),
+                    key[:8],
+                )
+            )
+            return (
+                row.seq,
+                link,
+                display.badge(row.wp_state),
+                "head" if row.stream_head and row.wp_state != "done" else "",
+                f"{row.attempts}/{row.max_attempts}",
+                display.when(row.created_at),
+            )
+
+        body = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (cells(row) for row in [*before, obj, *after]),
+        )
+        return format_html(
+            '<table class="wp-neighbours"><thead><tr><th>seq</th><th>id</th><th>state</th>'
+            "<th></th><th>attempts</th><th>created</th></tr></thead><tbody>{}</tbody></table>",
+            body,
+        )
+
+    # -- actions
+
+    def _ids(self, queryset: QuerySet[Any]) -> list[Any]:
+        return list(queryset.values_list(self.spec.key_field, flat=True))
+
+    def _run(self, name: str, **params: Any) -> set[Any]:
+        rows = db.fetch_named(ADMIN_QUERIES, name, {"category": self.spec.category, **params})
+        return {row["id"] for row in rows}
+
+    def _rows(self, count: int) -> str:
+        return f"{count} {model_ngettext(self.opts, count)}"
+
+    @admin.action(permissions=["retry_work"], description="Retry now (scheduled → pending)")
+    def retry_now(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        ids = self._ids(queryset)
+        changed = self._run("retry_now", ids=ids)
+        if changed:
+            self.message_user(request, f"Retried {self._rows(len(changed))} now.", messages.SUCCESS)
+        if skipped := len(ids) - len(changed):
+            self.message_user(
+                request,
+                f"{self._rows(skipped)} left as they were: only scheduled rows (waiting for a "
+                "retry or a deferral; not leased, done or dead) can be retried now.",
+                messages.WARNING,
+            )
+
+    @admin.action(
+        permissions=["release_work_lease"],
+        description="Release lease (held → pending; not from a live instance)",
+    )
+    def release_lease(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        self._release(request, queryset, force=False)
+
+    @admin.action(
+        permissions=["release_work_lease"],
+        description="Force-release lease, even from a live instance (asks first)",
+    )
+    def force_release_lease(
+        self, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> TemplateResponse | None:
+        if request.POST.get("post") != "yes":
+            return self._confirm(
+                request,
+                queryset,
+                action="force_release_lease",
+                title="Force-release leases?",
+                warning=(
+                    "A live instance may still be running these rows: released, they can be "
+                    "claimed again and run twice. Its late completion is fenced out."
+                ),
+                button="Yes, release these leases",
+            )
+        self._release(request, queryset, force=True)
+        return None
+
+    def _release(self, request: HttpRequest, queryset: QuerySet[Any], *, force: bool) -> None:
+        settings = get_settings()
+        ids = self._ids(queryset)
+        released = self._run(
+            "release_leases",
+            ids=ids,
+            force=force,
+            stale_after_seconds=settings["STALE_AFTER_SECONDS"],
+            definitively_dead_after_seconds=settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+        )
+        if released:
+            self.message_user(
+                request,
+                f"Released the leases of {self._rows(len(released))}; they can be claimed again.",
+                messages.SUCCESS,
+            )
+        # What is still held after the call was refused: its holder is live.
+        key = self.spec.key_field
+        refused = self.model._default_manager.filter(
+            **{f"{key}__in": ids, f"{self.spec.done_field}__isnull": True},
+            instance_id__isnull=False,
+        ).count()
+        if refused:
+            self.message_user(
+                request,
+                f"{self._rows(refused)} not released: held by a live instance, which may "
+                "still be running them. Use “Force-release lease” if that instance is hung.",
+                messages.ERROR,
+            )
+        if unheld := len(ids) - len(released) - refused:
+            self.message_user(
+                request, f"{self._rows(unheld)} had no lease to release.", messages.WARNING
+            )
+
+    @admin.action(permissions=["dead_letter_work"], description="Dead-letter (park as dead)")
+    def dead_letter(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        ids = self._ids(queryset)
+        reason = f"dead-lettered in the admin by {request.user.get_username()}"
+        changed = self._run("dead_letter", ids=ids, reason=reason)
+        if changed:
+            self.message_user(
+                request,
+                f"Dead-lettered {self._rows(len(changed))}; they are never claimed again "
+                "until re-queued.",
+                messages.SUCCESS,
+            )
+        if skipped := len(ids) - len(changed):
+            self.message_user(
+                request,
+                f"{self._rows(skipped)} left as they were: already done or dead.",
+                messages.WARNING,
+            )
+
+    @admin.action(permissions=["requeue_work"], description="Re-queue dead rows (attempts reset)")
+    def requeue_dead(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        ids = self._ids(queryset)
+        changed = self._run("requeue_dead", ids=ids)
+        if changed:
+            self.message_user(
+                request,
+                f"Re-queued {self._rows(len(changed))}: attempts reset to 0, last error kept.",
+                messages.SUCCESS,
+            )
+        if skipped := len(ids) - len(changed):
+            self.message_user(
+                request,
+                f"{self._rows(skipped)} left as they were: only dead rows can be re-queued.",
+                messages.WARNING,
+            )
+
+    def _confirm(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet[Any],
+        *,
+        action: str,
+        title: str,
+        warning: str,
+        button: str,
+    ) -> TemplateResponse:
+        return confirmation(
+            self,
+            request,
+            queryset,
+            action=action,
+            title=title,
+            warning=warning,
+            button=button,
+            describe=lambda obj: format_html(
+                "{} — {} {}, held by {}",
+                obj,
+                obj.wp_state,
+                "(stuck)" if obj.wp_stuck else "",
+                (obj.wp_owner_label or obj.instance_id or "nobody")
+                if obj.instance_id is None or obj.wp_holder == HOLDER_LIVE
+                else f"{obj.wp_owner_label or obj.instance_id} ({obj.wp_holder})",
+            ),
+        )
+
+
+def stuck_reasons(obj: Any) -> list[str]:
+    """Why an annotated row is stuck, in the words of the stuck filter."""
+    reasons = []
+    if obj.wp_holder in NOT_LIVE_HOLDERS:
+        reasons.append(f"holder {obj.wp_holder}")
+    if obj.wp_state == "orphaned":
+        reasons.append("orphaned")
+    if obj.attempts > 1 and obj.attempts * 2 >= obj.max_attempts:
+        reasons.append("attempts high")
+    if obj.wp_blocked:
+        reasons.append("stream blocked by its head")
+    return reasons
+
+
+def confirmation(
+    model_admin: admin.ModelAdmin,
+    request: HttpRequest,
+    queryset: QuerySet[Any],
+    *,
+    action: str,
+    title: str,
+    warning: str,
+    button: str,
+    describe: Any,
+) -> TemplateResponse:
+    """An intermediate page that posts the same action back with ``post=yes``."""
+    opts = model_admin.model._meta
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "title": title,
+        "subtitle": None,
+        "opts": opts,
+        "app_label": opts.app_label,
+        "action": action,
+        "warning": warning,
+        "button": button,
+        "objects": [(obj.pk, describe(obj)) for obj in queryset],
+        "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        "media": model_admin.media,
+    }
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(request, "admin/workpump/confirm_action.html", context)
+
+
+class OutboxAdmin(WorkAdmin):
+    spec = WorkSpec("outbox", "message_id", "destination", "processed_at", None)
+
+
+class InboxAdmin(WorkAdmin):
+    spec = WorkSpec("inbox", "message_id", "handler_name", "processed_at", None)
+
+
+class PerspectiveEventAdmin(WorkAdmin):
+    spec = WorkSpec(
+        "perspective_event", "event_work_id", "perspective_name", "processed_at", "perspective_name"
+    )
+
+
+class ReceptorProcessingAdmin(WorkAdmin):
+    spec = WorkSpec("receptor", "work_id", "receptor_name", "completed_at", "receptor_name")
