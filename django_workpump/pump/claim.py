@@ -107,6 +107,8 @@ class ClaimWorker:
         self.polls = 0
         self.claimed_total = 0
         self.last_claimed = 0
+        # (number of the last poll that finished, rows it claimed or None on error)
+        self.last_poll: tuple[int, int | None] = (0, None)
         self.startup_catch_up_count = 0
         self.reconnect_catch_up_count = 0
         self.wake_requests = 0
@@ -153,9 +155,11 @@ class ClaimWorker:
             return ClaimResult(claimed=0, has_more=False, skipped_busy=True)
         max_rows = min(free + self.policy.prefetch, self.policy.max_rows)
         self.polls += 1
+        poll_number = self.polls
         try:
             rows = self.coordinator.claim(max_rows)
         except Exception as exc:
+            self.last_poll = (poll_number, None)
             self.empty_polls += 1
             logger.warning(
                 "claim_work failed: %s", exc, extra={"action": "claim_failed"}, exc_info=True
@@ -169,6 +173,7 @@ class ClaimWorker:
                 extra={"action": "startup_catch_up"},
             )
         self.last_claimed = len(rows)
+        self.last_poll = (poll_number, len(rows))
         if rows:
             self.empty_polls = 0
             self.claimed_total += len(rows)

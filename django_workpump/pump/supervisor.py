@@ -208,16 +208,17 @@ class Supervisor:
         thread.start()
 
     def _drain_watch(self) -> None:
-        """In drain mode: stop once a poll after the last outcome found nothing."""
+        """In drain mode: stop once a poll that started after the last outcome was
+        written (so it saw every head that outcome promoted) found nothing."""
         while not self._stopping.wait(0.05):
             if self.dispatcher.in_flight or self.dispatcher.pending_outcomes:
                 continue
-            polls = self.claim.polls
+            started_before = self.claim.polls
             self.claim.request_immediate_poll()
-            while self.claim.polls == polls and not self._stopping.wait(0.01):
+            while self.claim.last_poll[0] <= started_before and not self._stopping.wait(0.01):
                 pass
             idle = not self.dispatcher.in_flight and not self.dispatcher.pending_outcomes
-            if idle and self.claim.last_claimed == 0 and self.claim.empty_polls > 0:
+            if idle and self.claim.last_poll[1] == 0:
                 self.request_stop("drained: nothing left to claim", EXIT_OK)
                 return
 
