@@ -14,3 +14,9 @@ class WorkPumpConfig(AppConfig):
 
         # Handlers live in <app>/workpump.py, found the way admin.py is.
         autodiscover_modules("workpump")
+
+        from django_workpump.tasks import register_backends
+
+        # One inbox handler per queue of each TASKS backend of ours (no-op without
+        # django.tasks), so a fresh runworkpump can run task rows.
+        register_backends()

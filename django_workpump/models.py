@@ -291,3 +291,33 @@ class Eviction(models.Model):
 
     def __str__(self) -> str:
         return f"evicted {self.instance_id}"
+
+
+class TaskAttempt(models.Model):
+    """One run of a ``django.tasks`` task (an inbox row): who ran it, when, how it ended.
+
+    The task runner (``task_runner.py``) writes it at the start and the end of each
+    attempt, in autocommit and apart from the row's completion, so an attempt whose
+    worker died stays visible as started and never finished.
+    """
+
+    message_id = models.UUIDField()  # the inbox row's message_id, which is TaskResult.id
+    attempt = models.IntegerField()  # the row's claim count when this run started
+    instance_id = models.UUIDField()  # the runworkpump instance that ran it
+    started_at = models.DateTimeField(db_default=Now())
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error_class = models.TextField(null=True, blank=True)  # exception class path; NULL: success
+    traceback = models.TextField(null=True, blank=True)
+
+    class Meta:
+        db_table = "workpump_task_attempt"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["message_id", "attempt"], name="workpump_task_attempt_unique"
+            )
+        ]
+        # Purge of attempts whose task row is gone (retention), oldest first.
+        indexes = [models.Index(fields=["started_at"], name="wp_task_attempt_started")]
+
+    def __str__(self) -> str:
+        return f"task {self.message_id} attempt {self.attempt}"

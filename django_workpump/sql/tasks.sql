@@ -1,0 +1,34 @@
+-- Named queries of the django.tasks backend (task_runner.py), run through
+-- db.fetch_named("tasks.sql", name, params). Write queries end with RETURNING.
+
+-- name: spend_attempts
+-- A task the runner refuses (not a task it may run, a return value that is not JSON)
+-- must not be retried: lowering max_attempts to the attempts used makes the failure
+-- the runner reports next dead-letter the row. Fenced like every post-claim write:
+-- only the instance holding the undone row may do it.
+UPDATE workpump_inbox
+SET max_attempts = attempts
+WHERE message_id = %(message_id)s
+  AND instance_id = %(instance_id)s
+  AND processed_at IS NULL
+RETURNING message_id, max_attempts
+
+-- name: purge_task_attempts
+-- Attempts outlive nothing: once maintenance purged a task's inbox row (retention),
+-- its attempts go too, oldest first, a bounded batch per call.
+WITH orphaned AS (
+    -- started before the retention cutoff, and the task row is gone
+    SELECT a.id
+    FROM workpump_task_attempt a
+    WHERE a.started_at < now() - make_interval(secs => %(retention_seconds)s)
+      AND NOT EXISTS (
+          SELECT 1 FROM workpump_inbox i WHERE i.message_id = a.message_id)
+    ORDER BY a.started_at
+    LIMIT %(batch)s
+), purged AS (
+    DELETE FROM workpump_task_attempt a
+    USING orphaned o
+    WHERE a.id = o.id
+    RETURNING a.id
+)
+SELECT count(*) AS purged FROM purged

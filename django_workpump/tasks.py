@@ -1,0 +1,73 @@
+"""The ``django.tasks`` backend of the work pump (DESIGN §11).
+
+``TASKS = {"default": {"BACKEND": "django_workpump.tasks.WorkPumpBackend"}}``.
+
+Tasks enqueued with it are inbox rows written in the caller's transaction and run by
+``manage.py runworkpump`` with leases, heartbeats, retries and dead-lettering; see
+``docs/tasks.md``. The implementation lives in ``task_runner.py`` and needs
+``django.tasks`` (Django >= 6.0) or the ``django-tasks`` backport. This module imports on
+any supported Django, so that ``register_backends()`` can run at startup; without
+``django.tasks`` the backend refuses to be built and says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+try:
+    from django_workpump.task_runner import (
+        AttemptLost,
+        TaskRefused,
+        WorkFailed,
+        WorkPumpBackend,
+        WorkPumpTask,
+        read_result,
+        register_backends,
+        resolve_task,
+        topic_of,
+        unregister_backends,
+    )
+
+    TASKS_AVAILABLE = True
+    __all__ = [
+        "TASKS_AVAILABLE",
+        "AttemptLost",
+        "TaskRefused",
+        "WorkFailed",
+        "WorkPumpBackend",
+        "WorkPumpTask",
+        "read_result",
+        "register_backends",
+        "resolve_task",
+        "topic_of",
+        "unregister_backends",
+    ]
+except ModuleNotFoundError as exc:
+    if exc.name not in ("django.tasks", "django_tasks"):
+        raise
+    TASKS_AVAILABLE = False
+
+    import django
+
+    MISSING = (
+        "django_workpump.tasks.WorkPumpBackend needs django.tasks, which Django "
+        f"{django.get_version()} does not have. Upgrade to Django 6.0 or later, or "
+        "install the backport (pip install django-tasks), or remove it from TASKS."
+    )
+
+    class WorkPumpBackend:  # type: ignore[no-redef]
+        """Stand-in that explains why the backend cannot be used here."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ImproperlyConfigured(MISSING)
+
+    def register_backends() -> list[str]:
+        """Nothing to register without ``django.tasks``."""
+        return []
+
+    def unregister_backends() -> None:
+        return None
+
+    __all__ = ["TASKS_AVAILABLE", "WorkPumpBackend", "register_backends", "unregister_backends"]

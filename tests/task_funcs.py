@@ -1,0 +1,105 @@
+"""Tasks of the django.tasks backend tests (tests/test_tasks*.py).
+
+Import it only while ``TASKS`` is ``tests.settings_tasks.TASKS``: ``@task`` builds each
+task with its backend's task class. In-process tests read ``calls`` to see what ran.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+try:
+    from django.tasks import task
+    from django.tasks.exceptions import TaskResultMismatch
+except ImportError:  # Django < 6.0 with the django-tasks backport
+    from django_tasks import task
+    from django_tasks.exceptions import TaskResultMismatch
+
+__all__ = ["TaskResultMismatch", "task"]  # for the tests, whichever package provides them
+
+calls: list[Any] = []  # what ran in this process, in order
+started = threading.Event()  # set by wait_for_release once it runs
+release = threading.Event()  # lets wait_for_release finish
+
+
+@task
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+@task
+def record(label: str) -> str:
+    calls.append(label)
+    return label
+
+
+@task(queue_name="emails")
+def send_email(to: str) -> dict[str, str]:
+    calls.append(("email", to))
+    return {"sent": to}
+
+
+@task
+async def double_async(n: int) -> int:
+    return n * 2
+
+
+@task(takes_context=True)
+def flaky(context: Any, fail_times: int) -> dict[str, int]:
+    """Raise on the first ``fail_times`` attempts, then succeed."""
+    if context.attempt <= fail_times:
+        raise ValueError(f"attempt {context.attempt} failed")
+    return {"attempt": context.attempt}
+
+
+@task(max_attempts=2)
+def always_fails() -> None:
+    calls.append("always_fails")
+    raise RuntimeError("no luck")
+
+
+@task
+def returns_a_datetime() -> datetime:
+    calls.append("returns_a_datetime")
+    return datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@task(takes_context=True)
+def report_context(context: Any) -> dict[str, Any]:
+    return {"id": context.task_result.id, "attempt": context.attempt}
+
+
+@task
+def wait_for_release() -> str:
+    started.set()
+    release.wait(10)
+    return "released"
+
+
+@task(takes_context=True)
+def hang_on_first_attempt(context: Any) -> dict[str, int]:
+    """Block the first attempt (its worker gets killed); later attempts return at once."""
+    if context.attempt == 1:
+        threading.Event().wait(60)
+    return {"attempt": context.attempt, "pid": os.getpid()}
+
+
+@task(backend="inline")
+def inline_only() -> None:
+    calls.append("inline_only")
+
+
+def plain_function() -> None:
+    """Not a task: a row naming it must never make it run."""
+    calls.append("plain_function")
+
+
+def _unbound() -> None:
+    calls.append("_unbound")
+
+
+# A task whose module path ("..._unbound") names the plain function, not the task.
+unbound_task = task(_unbound)

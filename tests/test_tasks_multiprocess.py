@@ -1,0 +1,165 @@
+"""django.tasks under real ``runworkpump`` processes (DESIGN §11, §12).
+
+A worker process that never enqueued anything runs a task enqueued here, and a task in
+flight when its worker is killed with SIGKILL is completed by another worker, with both
+attempts and the lost one's error in its result. Workers run with
+``--settings=tests.settings_tasks`` and short timings through WORKPUMP_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+from django_workpump.tasks import TASKS_AVAILABLE
+
+if not TASKS_AVAILABLE:
+    pytest.skip(
+        "needs django.tasks (Django >= 6.0) or the django-tasks backport",
+        allow_module_level=True,
+    )
+
+from django.db import connection
+from django.test import override_settings
+
+from django_workpump.task_runner import TaskResultStatus
+from tests.settings_tasks import TASKS
+
+with override_settings(TASKS=TASKS):  # @task builds WorkPumpTask objects of these backends
+    from tests import task_funcs
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAST = {
+    "HEARTBEAT_INTERVAL_SECONDS": 1,
+    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 2,
+    "STALE_AFTER_SECONDS": 2,
+    "DEFINITIVELY_DEAD_AFTER_SECONDS": 10,
+    "STALE_PEER_PROBE_INTERVAL_SECONDS": 1,
+    "POLLING_INTERVAL_MS": 100,
+    "POLLING_MAX_INTERVAL_MS": 500,
+    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 500,
+    "RETRY_BACKOFF_BASE_SECONDS": 0,
+    "RETRY_BACKOFF_MAX_SECONDS": 0,
+    "SHUTDOWN_TIMEOUT_SECONDS": 5,
+    "STATUS_INTERVAL_SECONDS": 60,
+}
+
+STARTED = re.compile(r"workpump ([0-9a-f-]{36}) started:")
+
+
+def database_url() -> str:
+    """A URL for the test database Django uses now (TCP or a Unix socket)."""
+    params = connection.get_connection_params()
+    host = params.get("host") or "localhost"
+    port = params.get("port") or 5432
+    user = params.get("user") or "postgres"
+    return f"postgres://{user}@{quote(str(host), safe='')}:{port}/{params['dbname']}"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    tick = threading.Event()
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return True
+        tick.wait(0.05)
+    return predicate()
+
+
+@pytest.fixture(autouse=True)
+def tasks_settings() -> Iterator[None]:
+    with override_settings(TASKS=TASKS):
+        yield
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """Start runworkpump processes; any still running are killed after the test."""
+    processes: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url(),
+            "WORKPUMP_JSON": json.dumps(FAST),
+            "PYTHONPATH": str(ROOT),
+        }
+        command = ["runworkpump", "--settings=tests.settings_tasks", *args]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "django", *command],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+
+
+def instance_of(output: str) -> str:
+    found = STARTED.search(output)
+    assert found, output
+    return found.group(1)
+
+
+def test_a_worker_process_runs_a_task_enqueued_elsewhere(spawn):
+    result = task_funcs.add.enqueue(20, b=22)
+
+    worker = spawn("--drain")
+    output, _ = worker.communicate(timeout=60)
+
+    assert worker.returncode == 0, output
+    done = task_funcs.add.get_result(result.id)
+    assert done.status == TaskResultStatus.SUCCESSFUL
+    assert done.return_value == 42
+    assert done.worker_ids == [instance_of(output)]
+
+
+def test_a_task_in_flight_when_its_worker_is_killed_completes_on_another_worker(spawn):
+    task = task_funcs.hang_on_first_attempt
+    result = task.enqueue()
+    victim = spawn("--concurrency", "1")
+    assert wait_until(
+        lambda: task.get_result(result.id).status == TaskResultStatus.RUNNING, timeout=30
+    ), "the first worker never started the task"
+    (victim_id,) = task.get_result(result.id).worker_ids
+
+    survivor = spawn("--concurrency", "1")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    assert wait_until(lambda: task.get_result(result.id).is_finished, timeout=30), (
+        "no other worker finished the task"
+    )
+    survivor.send_signal(signal.SIGTERM)
+    output, _ = survivor.communicate(timeout=30)
+    assert survivor.returncode == 0, output
+
+    done = task.get_result(result.id)
+    assert done.status == TaskResultStatus.SUCCESSFUL
+    assert done.attempts == 2
+    assert done.worker_ids == [victim_id, instance_of(output)]
+    assert done.return_value == {"attempt": 2, "pid": survivor.pid}
+    assert [e.exception_class_path for e in done.errors] == [
+        "django_workpump.task_runner.AttemptLost"
+    ]
+    assert "took the task over" in done.errors[0].traceback
+    assert done.started_at < done.last_attempted_at < done.finished_at
