@@ -334,3 +334,20 @@ def test_disabled_heartbeat_never_beats_but_still_probes(clock):
     assert "heartbeat" not in coordinator.calls
     assert worker.probes == 4
     assert coordinator.calls == ["stale_peer_exists"] * 4
+
+
+def test_a_requested_beat_goes_out_at_once_instead_of_at_the_slow_cadence(clock):
+    lock = AliveLock(True)
+    worker = make_worker(alive_lock_held=lock, clock=clock)
+    next_beat, _ = worker.run_once(START, NEVER)
+    assert next_beat == START + 60
+
+    clock.advance(1)
+    worker.request_beat()  # the NOTIFY gate just lost its connection (and the lock)
+    next_beat, _ = worker.run_once(next_beat, NEVER)
+
+    assert worker.beats == 2
+    # one request, one beat: the next tick waits for the cadence again
+    clock.advance(1)
+    worker.run_once(next_beat, NEVER)
+    assert worker.beats == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 
 import pytest
 
@@ -70,3 +71,23 @@ def test_evicting_twice_or_an_unknown_instance_changes_nothing_more():
 def test_evicting_needs_an_instance_id():
     with pytest.raises(Exception, match="evict_instance needs p_instance_id"):
         scalar("SELECT workpump.evict_instance(NULL)")
+
+
+@pytest.mark.django_db
+def test_no_instance_is_evicted_while_the_server_has_just_restarted():
+    """A restart drops every alive-lock and pauses every heartbeat: no evidence of death."""
+    started = scalar("SELECT pg_postmaster_start_time()")
+    beat(A, started - timedelta(minutes=10))  # long silent, and no alive-lock
+    # a cutoff before the restart: the server started within the stale window
+    assert (
+        run_sql(
+            "SELECT * FROM workpump.cleanup_stale_instances(%s, NULL, %s)",
+            [started - timedelta(seconds=5), started + timedelta(seconds=25)],
+        )
+        == []
+    )
+    # once the restart is older than the stale window, the silence counts
+    assert run_sql(
+        "SELECT * FROM workpump.cleanup_stale_instances(%s, NULL, %s)",
+        [started + timedelta(seconds=1), started + timedelta(seconds=31)],
+    ) == [{"instance_id": A}]

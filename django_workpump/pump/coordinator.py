@@ -10,16 +10,18 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from django.db import close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 
 from django_workpump import db
 from django_workpump.conf import get_settings
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.registry import CATEGORIES
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,43 @@ REQUIRED_FUNCTIONS = (
 )
 
 
+def reset_if_broken(alias: str) -> None:
+    """Close this thread's connection if an error left it unusable, so the next call
+    reconnects (a killed backend, a database restart, a pooler dropping the server).
+
+    Healthy connections stay open: pump threads keep theirs whatever CONN_MAX_AGE says,
+    instead of reconnecting every turn. Never inside a transaction the caller owns.
+    """
+    connection = connections[alias]
+    if connection.connection is None or connection.in_atomic_block:
+        return
+    if connection.errors_occurred:
+        if connection.is_usable():
+            connection.errors_occurred = False
+        else:
+            connection.close()
+
+
 class DatabaseCoordinator:
-    """``Coordinator`` over ``db.py``, with the WORKPUMP settings of this process."""
+    """``Coordinator`` over ``db.py``, with the WORKPUMP settings of this process.
+
+    Every call first replaces a connection an earlier error broke, and after a failure
+    closes it, so a service thread recovers from connection loss on its next turn.
+    """
 
     def __init__(self, identity: InstanceIdentity, categories: Sequence[str] | None = None) -> None:
         self.identity = identity
         self.settings = dict(get_settings())
         self.categories = list(categories) if categories else list(CATEGORIES)
         self.alias: str = self.settings["DATABASE_ALIAS"]
+
+    def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        reset_if_broken(self.alias)
+        try:
+            return function(*args, **kwargs)
+        except DatabaseError:
+            reset_if_broken(self.alias)
+            raise
 
     @property
     def stale_after_seconds(self) -> int:
@@ -82,10 +113,11 @@ class DatabaseCoordinator:
         return int(self.settings["DEFINITIVELY_DEAD_AFTER_SECONDS"])
 
     def schema_ready(self) -> bool:
-        return db.schema_functions_present(REQUIRED_FUNCTIONS, using=self.alias)
+        return self._call(db.schema_functions_present, REQUIRED_FUNCTIONS, using=self.alias)
 
     def claim(self, max_rows: int) -> list[ClaimedWork]:
-        return db.claim_work(
+        return self._call(
+            db.claim_work,
             instance_id=self.identity.instance_id,
             max_rows=max_rows,
             lease_seconds=self.settings["LEASE_SECONDS"],
@@ -97,7 +129,8 @@ class DatabaseCoordinator:
         )
 
     def renew(self, category: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Any]:
-        return db.renew_leases(
+        return self._call(
+            db.renew_leases,
             category=category,
             ids=ids,
             lease_seconds=self.settings["LEASE_SECONDS"],
@@ -108,7 +141,8 @@ class DatabaseCoordinator:
     def complete(
         self, category: str, ids: Sequence[uuid.UUID], results: Sequence[str | None]
     ) -> list[Outcome]:
-        return db.complete_work(
+        return self._call(
+            db.complete_work,
             instance_id=self.identity.instance_id,
             category=category,
             ids=ids,
@@ -119,7 +153,8 @@ class DatabaseCoordinator:
     def fail(
         self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reasons: Sequence[str]
     ) -> list[Outcome]:
-        return db.fail_work(
+        return self._call(
+            db.fail_work,
             instance_id=self.identity.instance_id,
             category=category,
             ids=ids,
@@ -131,12 +166,17 @@ class DatabaseCoordinator:
         )
 
     def release(self, category: str, ids: Sequence[uuid.UUID]) -> list[Outcome]:
-        return db.release_work(
-            instance_id=self.identity.instance_id, category=category, ids=ids, using=self.alias
+        return self._call(
+            db.release_work,
+            instance_id=self.identity.instance_id,
+            category=category,
+            ids=ids,
+            using=self.alias,
         )
 
     def heartbeat(self, metadata: Mapping[str, Any]) -> bool:
-        return db.record_heartbeat(
+        return self._call(
+            db.record_heartbeat,
             instance_id=self.identity.instance_id,
             service_name=self.identity.service_name,
             host_name=self.identity.host_name,
@@ -148,21 +188,25 @@ class DatabaseCoordinator:
         )
 
     def stale_peer_exists(self) -> bool:
-        return db.stale_peer_exists(
+        return self._call(
+            db.stale_peer_exists,
             instance_id=self.identity.instance_id,
             stale_after_seconds=self.settings["STALE_AFTER_SECONDS"],
             using=self.alias,
         )
 
     def reap_stale(self) -> list[uuid.UUID]:
-        return db.reap_stale_instances(
+        return self._call(
+            db.reap_stale_instances,
             stale_after_seconds=self.stale_after_seconds,
             definitively_dead_after_seconds=self.dead_after_seconds,
             using=self.alias,
         )
 
     def deregister(self) -> int:
-        return db.deregister_instance(instance_id=self.identity.instance_id, using=self.alias)
+        return self._call(
+            db.deregister_instance, instance_id=self.identity.instance_id, using=self.alias
+        )
 
 
 def release_thread_connection(alias: str) -> None:

@@ -291,6 +291,15 @@ class Dispatcher:
         """Run the handler and its fenced completion in one transaction."""
         with transaction.atomic(using=self.alias):
             result = self._call(handler, job)
+            with job.lock:
+                # Abandoned at its deadline: the attempt was failed and the row may be
+                # this instance's again as a new attempt, which the instance fence alone
+                # cannot tell apart. Roll back instead of completing.
+                if job.state == "abandoned":
+                    raise LeaseLost(
+                        f"{job.row.category} {job.row.work_id}: attempt {job.row.attempts} "
+                        "was abandoned at its lease deadline; its transaction was rolled back"
+                    )
             outcome = self.coordinator.complete(job.row.category, [job.row.work_id], [result])
             if not outcome or outcome[0].status != "done":
                 raise LeaseLost(
@@ -364,7 +373,6 @@ class Dispatcher:
             )
             self._count(outcomes, "completed")
         self._outcome_queued(-len(batch))
-        close_old_connections()
 
     def _flush_failures(self, batch: list[tuple[str, uuid.UUID, str, str]]) -> None:
         by_category: dict[str, list[tuple[uuid.UUID, str, str]]] = defaultdict(list)
@@ -379,7 +387,6 @@ class Dispatcher:
             )
             self._count(outcomes, "failed")
         self._outcome_queued(-len(batch))
-        close_old_connections()
 
     def _count(self, outcomes: list[Any], counter: str) -> None:
         for outcome in outcomes:

@@ -78,6 +78,8 @@ class HeartbeatWorker:
         self.evicted = False
         self.last_beat_at: float | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and request_beat()
+        self._beat_requested = False
 
     def cadence(self) -> float:
         """The beat cadence now, resolved from the alive-lock state every time."""
@@ -128,6 +130,9 @@ class HeartbeatWorker:
     def run_once(self, next_beat_at: float, next_probe_at: float) -> tuple[float, float]:
         """Do whatever is due now; return the next due times of beat and probe."""
         now = self.clock.monotonic()
+        if self._beat_requested:
+            self._beat_requested = False
+            next_beat_at = now
         if self.last_beat_at is not None:
             # Resolved every tick: a lost alive-lock brings a slow-cadence beat forward.
             next_beat_at = min(next_beat_at, self.last_beat_at + self.cadence())
@@ -153,7 +158,15 @@ class HeartbeatWorker:
         while not self._stop.is_set() and not self.evicted:
             next_beat, next_probe = self.run_once(next_beat, next_probe)
             due = min(next_beat, next_probe) if self.policy.enabled else next_probe
-            self._stop.wait(max(0.0, due - self.clock.monotonic()))
+            self._wake.wait(max(0.0, due - self.clock.monotonic()))
+            self._wake.clear()
+
+    def request_beat(self) -> None:
+        """Beat now rather than at the cadence (the alive-lock was just lost: until this
+        beat lands, a slow-cadence heartbeat may already look stale to peers)."""
+        self._beat_requested = True
+        self._wake.set()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()

@@ -16,8 +16,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from django.db import close_old_connections
-
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
@@ -129,7 +127,6 @@ class LeaseRenewalWorker:
                     work_id,
                     extra={"action": "renewal_lost"},
                 )
-        close_old_connections()
 
     def run_once(self) -> tuple[int, int]:
         """One tick: abandon expired dispatches, request due renewals; return the counts."""

@@ -158,6 +158,8 @@ class Supervisor:
             self.claim.request_immediate_poll()
 
     def _gate_changed(self, available: bool) -> None:
+        if not available:
+            self.heartbeat.request_beat()  # the alive-lock went with the connection
         self.claim.on_gate_changed(available)
 
     def _metadata(self) -> dict[str, Any]:

@@ -70,6 +70,8 @@ $$;
 -- (NULL: the lock always protects). For each evicted instance: a tombstone, every lease
 -- it held released (the open attempt stamped), its streams released, and one NOTIFY on
 -- workpump_orphan so live peers claim the work at once. Returns the evicted ids.
+-- A server that started after p_stale_cutoff evicts nobody: a restart drops every
+-- alive-lock and interrupts every heartbeat, so neither is evidence of death yet.
 CREATE FUNCTION workpump.cleanup_stale_instances(
     p_stale_cutoff timestamptz,
     p_definitive_dead_cutoff timestamptz DEFAULT NULL,
@@ -88,6 +90,10 @@ BEGIN
     IF p_stale_cutoff IS NULL THEN
         RAISE EXCEPTION 'cleanup_stale_instances needs p_stale_cutoff.'
             USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- (a p_now before the server's start, as in tests, is a time before the restart)
+    IF pg_postmaster_start_time() <= v_now AND pg_postmaster_start_time() > p_stale_cutoff THEN
+        RETURN;
     END IF;
 
     WITH evicted AS (

@@ -3,7 +3,8 @@
 -- gets the same clear errors as django_workpump.send/receive/emit.
 
 CREATE FUNCTION workpump.check_new_work(
-    p_what text, p_topic text, p_payload jsonb, p_priority integer, p_max_attempts integer
+    p_what text, p_topic text, p_payload jsonb, p_priority integer, p_max_attempts integer,
+    p_partition_count integer
 ) RETURNS void
 LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
@@ -28,6 +29,12 @@ BEGIN
             p_what, quote_literal(p_topic), coalesce(p_max_attempts::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF p_partition_count IS NULL OR p_partition_count < 1 THEN
+        RAISE EXCEPTION 'p_partition_count must be at least 1, not %.',
+            coalesce(p_partition_count::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass WORKPUMP[''PARTITION_COUNT''] (10000 by default).';
+    END IF;
 END
 $$;
 
@@ -49,7 +56,7 @@ DECLARE
     v_id uuid := coalesce(p_message_id, gen_random_uuid());
 BEGIN
     PERFORM workpump.check_new_work('outbox destination', p_destination, p_payload,
-                                    p_priority, p_max_attempts);
+                                    p_priority, p_max_attempts, p_partition_count);
     INSERT INTO workpump_outbox (message_id, destination, payload, stream, partition_number,
                                  priority, scheduled_for, max_attempts)
     VALUES (v_id, p_destination, p_payload, p_stream,
@@ -80,7 +87,7 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     PERFORM workpump.check_new_work('inbox handler', p_handler_name, p_payload,
-                                    p_priority, p_max_attempts);
+                                    p_priority, p_max_attempts, p_partition_count);
     -- A concurrent receive of the same id waits here for the first one's transaction.
     INSERT INTO workpump_inbox_dedup (message_id) VALUES (p_message_id)
     ON CONFLICT (message_id) DO NOTHING;
@@ -113,10 +120,12 @@ SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_id uuid := coalesce(p_event_id, gen_random_uuid());
-    v_partition integer := workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count);
+    v_partition integer;
     v_bad jsonb;
 BEGIN
-    PERFORM workpump.check_new_work('event type', p_event_type, p_payload, p_priority, 1);
+    PERFORM workpump.check_new_work('event type', p_event_type, p_payload, p_priority, 1,
+                                    p_partition_count);
+    v_partition := workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count);
     IF p_subscribers IS NULL OR jsonb_typeof(p_subscribers) <> 'array' THEN
         RAISE EXCEPTION 'p_subscribers must be a JSON array of {"category", "name", "max_attempts"}.'
             USING ERRCODE = 'invalid_parameter_value';
