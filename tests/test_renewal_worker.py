@@ -116,7 +116,7 @@ def test_without_a_registry_every_request_reaches_the_database(clock):
     assert worker.run_once() == (0, 0)  # no registry: nothing to tick over
 
 
-def test_id_the_database_did_not_renew_keeps_its_deadline_and_is_logged(clock, leases, caplog):
+def test_id_the_database_did_not_renew_is_cancelled_and_logged(clock, leases, caplog):
     kept = register(leases, clock, seconds_left=50)
     lost = register(leases, clock, seconds_left=50)
     coordinator = FakeCoordinator(refuse_renewal=[lost.work_id])
@@ -133,6 +133,10 @@ def test_id_the_database_did_not_renew_keeps_its_deadline_and_is_logged(clock, l
     [record] = [r for r in caplog.records if getattr(r, "action", None) == "renewal_lost"]
     assert record.levelno == logging.WARNING
     assert str(lost.work_id) in record.getMessage()
+    # the handler is told (work.cancelled) and no further renewal is asked for it
+    assert lost.cancelled.is_set() and lost.cancel_reason == "lost"
+    assert not kept.cancelled.is_set()
+    assert not lost.can_renew()
 
 
 def test_ids_are_grouped_per_category_into_one_renew_call_each(clock, leases):

@@ -14,8 +14,9 @@ from typing import Literal
 
 from django_workpump.clock import Clock
 
-CancelReason = Literal["deadline", "shutdown", "disposed"]
-_REASONS: frozenset[str] = frozenset({"deadline", "shutdown", "disposed"})
+# "lost": the database refused a renewal (another holder, or evicted): stop at once.
+CancelReason = Literal["deadline", "shutdown", "disposed", "lost"]
+_REASONS: frozenset[str] = frozenset({"deadline", "shutdown", "disposed", "lost"})
 
 LeaseKey = tuple[str, uuid.UUID]
 

@@ -122,11 +122,16 @@ class LeaseRenewalWorker:
             lost = set(ids) - set(renewed)
             for work_id in lost:
                 logger.warning(
-                    "renewal of %s %s refused: the lease was lost",
+                    "renewal of %s %s refused: the lease was lost; cancelling the handler",
                     category,
                     work_id,
                     extra={"action": "renewal_lost"},
                 )
+                if self.leases is not None:
+                    handle = self.leases.get(category, work_id)
+                    if handle is not None:
+                        # work.cancelled tells the handler; no more renewals are asked.
+                        handle.cancel("lost")
 
     def run_once(self) -> tuple[int, int]:
         """One tick: abandon expired dispatches, request due renewals; return the counts."""

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class FaultsAppConfig(AppConfig):
+    name = "tests.faults.app"
+    label = "faultsapp"

@@ -1,0 +1,133 @@
+"""Handlers of the fault-injection suite: every execution is logged in fx_execution.
+
+The log row is written on a connection of its own, in autocommit, so it survives a handler
+whose transaction is rolled back (atomic handlers) and shows even executions whose outcome
+was lost. The payload steers the behaviour:
+
+- ``seconds``: simulated work time (an Event wait, not a sleep);
+- ``exit``: the process kills itself (``os._exit``) once the start is logged (poison);
+- ``hang_seconds`` with ``hang_attempts``: attempts up to that number hang, deaf to the
+  lease's cancellation (a hung handler);
+- ``fail``: raise (a plain failing handler).
+
+Handlers return ``{"attempt": n, "instance": id}``, stored as the row's result.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import psycopg
+from django.db import connection, connections
+
+import django_workpump as workpump
+
+_pause = threading.Event()  # never set: wait() simulates work without time.sleep
+_log = threading.local()
+
+
+def _log_connection() -> psycopg.Connection[Any]:
+    conn = getattr(_log, "conn", None)
+    if conn is None or conn.closed:
+        params = dict(connections["default"].get_connection_params())
+        for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
+            params.pop(key, None)
+        params = {k: v for k, v in params.items() if v is not None}
+        # FAULTS_LOG_DSN: a direct DSN when the pump's own connections go through a pooler.
+        conninfo = os.environ.get("FAULTS_LOG_DSN") or psycopg.conninfo.make_conninfo(**params)
+        conn = _log.conn = psycopg.connect(conninfo, autocommit=True, application_name="fx-log")
+    return conn
+
+
+def _log_sql(query: str, params: list[Any]) -> None:
+    try:
+        _log_connection().execute(query, params)
+    except psycopg.OperationalError:
+        # The log connection was killed by the test: reconnect once.
+        _log.conn = None
+        _log_connection().execute(query, params)
+
+
+def _run(work: Any) -> dict[str, Any]:
+    payload = work.payload
+    key = [work.id, work.attempts, os.getpid()]
+    _log_sql(
+        "INSERT INTO fx_execution (work_id, category, topic, stream, n, instance_id, pid, "
+        "attempt, started_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, clock_timestamp())",
+        [
+            work.id,
+            work.category,
+            work.topic,
+            work.stream,
+            payload.get("n"),
+            work.instance_id,
+            os.getpid(),
+            work.attempts,
+        ],
+    )
+    if payload.get("exit"):
+        os._exit(70)
+    outcome = "done"
+    try:
+        if payload.get("effect"):
+            # A database effect on the handler's own Django connection (in the completing
+            # transaction for atomic handlers), written before the work and marked after it.
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "INSERT INTO fx_effect (work_id, attempt, pid) VALUES (%s, %s, %s)", key
+                )
+        if work.attempts <= payload.get("hang_attempts", 0):
+            _pause.wait(payload["hang_seconds"])  # ignores work.cancelled on purpose
+        else:
+            _pause.wait(payload.get("seconds", 0))
+        if payload.get("fail"):
+            raise RuntimeError(f"fx: failing on purpose (attempt {work.attempts})")
+        if payload.get("effect"):
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "UPDATE fx_effect SET finished = true "
+                    "WHERE work_id = %s AND attempt = %s AND pid = %s",
+                    key,
+                )
+    except BaseException:
+        outcome = "error"
+        raise
+    finally:
+        _log_sql(
+            "UPDATE fx_execution SET finished_at = clock_timestamp(), outcome = %s "
+            "WHERE work_id = %s AND attempt = %s AND pid = %s",
+            [outcome, *key],
+        )
+    return {"attempt": work.attempts, "instance": str(work.instance_id)}
+
+
+@workpump.outbox_handler("fx.outbox")
+def fx_outbox(work: Any) -> dict[str, Any]:
+    return _run(work)
+
+
+@workpump.inbox_handler("fx.inbox")
+def fx_inbox(work: Any) -> dict[str, Any]:
+    return _run(work)
+
+
+@workpump.perspective("fx.perspective", events=["fx.event"])
+def fx_perspective(work: Any) -> dict[str, Any]:
+    return _run(work)
+
+
+@workpump.receptor("fx.receptor", events=["fx.event"])
+def fx_receptor(work: Any) -> dict[str, Any]:
+    return _run(work)
+
+
+@workpump.outbox_handler("fx.poison", max_attempts=3)
+def fx_poison(work: Any) -> dict[str, Any]:
+    return _run(work)
+
+
+@workpump.outbox_handler("fx.atomic", atomic=True)
+def fx_atomic(work: Any) -> dict[str, Any]:
+    return _run(work)
