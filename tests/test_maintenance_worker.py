@@ -38,7 +38,7 @@ def test_a_pass_reaps_purges_in_batches_and_keeps_undone_rows(caplog):
     now = timezone.now()
     old = now - timedelta(days=2)
     stale = ServiceInstanceFactory(last_heartbeat_at=now - timedelta(minutes=10))
-    fresh = ServiceInstanceFactory(last_heartbeat_at=now)
+    fresh = ServiceInstanceFactory(last_heartbeat_at=now + timedelta(minutes=1))
     for _ in range(5):
         OutboxFactory(processed_at=old)
     recent = OutboxFactory(processed_at=now)
@@ -46,7 +46,9 @@ def test_a_pass_reaps_purges_in_batches_and_keeps_undone_rows(caplog):
     EvictionFactory(evicted_at=now - timedelta(days=3))
     kept_tombstone = EvictionFactory(evicted_at=now)
 
-    result = worker().run_once()
+    # A 1 s stale cutoff: the reap pauses while the server is younger than the cutoff
+    # (a restart is no evidence of death), and the test server may have just started.
+    result = worker(stale_after_seconds=1, definitively_dead_after_seconds=2).run_once()
 
     assert result.ran
     assert result.reaped == 1
