@@ -7,6 +7,7 @@ caller's transaction. ``now`` is for tests only: production lets the database cl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Sequence
@@ -135,36 +136,11 @@ def claim_work(
 
 
 def _claimed(row: tuple[Any, ...]) -> ClaimedWork:
-    # Django's psycopg setup leaves jsonb as text (JSONField decodes it itself).
-    category, work_id, topic, payload, *rest = row
-    if isinstance(payload, str):
-        payload = json.loads(payload)
-    (
-        stream,
-        attempts,
-        max_attempts,
-        lease_expiry,
-        event_id,
-        event_type,
-        priority,
-        claimed_at,
-        has_more,
-    ) = rest
-    return ClaimedWork(
-        category,
-        work_id,
-        topic,
-        payload,
-        stream,
-        attempts,
-        max_attempts,
-        lease_expiry,
-        event_id,
-        event_type,
-        priority,
-        claimed_at,
-        has_more,
-    )
+    work = ClaimedWork(*row)
+    if isinstance(work.payload, str):
+        # Django's psycopg setup leaves jsonb as text (JSONField decodes it itself).
+        work = dataclasses.replace(work, payload=json.loads(work.payload))
+    return work
 
 
 def renew_leases(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 import pytest
@@ -71,3 +73,48 @@ def raw_connect() -> Iterator[Callable[..., psycopg.Connection[dict[str, Any]]]]
 
 def new_id() -> uuid.UUID:
     return uuid.uuid4()
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 20.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` passes (waits on an Event)."""
+    tick = threading.Event()
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return True
+        tick.wait(0.02)
+    return bool(predicate())
+
+
+def database_url() -> str:
+    """A URL for the test database Django uses now (TCP, or a Unix socket as ?host=)."""
+    params = connection.get_connection_params()
+    host = str(params.get("host") or "localhost")
+    port = params.get("port") or 5432
+    user = params.get("user") or "postgres"
+    if host.startswith("/"):  # a socket directory (the embedded server)
+        return f"postgres://{user}@/{params['dbname']}?host={quote(host)}&port={port}"
+    return f"postgres://{user}@{host}:{port}/{params['dbname']}"
+
+
+@pytest.fixture
+def pump() -> Iterator[Callable[..., Any]]:
+    """Start in-process pumps (Supervisor); every one still running is shut down after."""
+    from django_workpump.pump.supervisor import PumpOptions, Supervisor
+
+    started: list[Supervisor] = []
+
+    def start(**options: Any) -> Supervisor:
+        supervisor = Supervisor(PumpOptions(**options))
+        supervisor.start()
+        started.append(supervisor)
+        return supervisor
+
+    yield start
+    for supervisor in started:
+        supervisor.shutdown()
+
+
+def drain(supervisor: Any, timeout: float = 30.0) -> int:
+    """Wait for a --drain pump to finish and shut it down; return its exit code."""
+    assert supervisor.wait(timeout), "the pump did not drain in time"
+    return int(supervisor.shutdown())

@@ -448,3 +448,60 @@ def test_failing_before_first_claim_is_logged_and_claiming_still_starts(caplog):
     [record] = [r for r in caplog.records if getattr(r, "action", None) == "heartbeat_failed"]
     assert record.levelno == logging.ERROR
     assert record.exc_info is not None
+
+
+class IdleSink(FakeSink):
+    """A sink that also says how much it has queued or running (the dispatcher does)."""
+
+    in_flight = 0
+
+
+def full_batch(size):
+    return [make_row() for _ in range(size)]
+
+
+def test_claims_grow_while_full_batches_are_run_within_the_burst_window():
+    clock = FrozenClock()
+    policy = ClaimPolicy(max_rows=100, prefetch=2)
+    # always as many rows as asked for
+    coordinator = FakeCoordinator(claims=[lambda: full_batch(coordinator.claims[-1])] * 6)
+    worker = make_worker(coordinator, IdleSink(free=4), policy, clock=clock)
+
+    for _ in range(6):
+        worker.run_once()
+        clock.advance(0.1)  # each batch was run quickly
+
+    assert coordinator.claims == [6, 12, 24, 48, 96, 100]
+
+
+def test_a_slow_batch_or_a_busy_dispatcher_ends_the_burst():
+    clock = FrozenClock()
+    policy = ClaimPolicy(max_rows=100, prefetch=2)
+    coordinator = FakeCoordinator(claims=[lambda: full_batch(coordinator.claims[-1])] * 4)
+    sink = IdleSink(free=4)
+    worker = make_worker(coordinator, sink, policy, clock=clock)
+    worker.run_once()
+    clock.advance(0.1)
+    worker.run_once()  # 12: growing
+    clock.advance(2.0)  # that batch took longer than the window
+    worker.run_once()
+    sink.in_flight = 3  # rows still queued or running
+    clock.advance(0.1)
+    worker.run_once()
+
+    assert coordinator.claims == [6, 12, 6, 6]
+
+
+def test_a_short_batch_ends_the_burst():
+    clock = FrozenClock()
+    policy = ClaimPolicy(max_rows=100, prefetch=2)
+    answers = iter([6, 12, 3, 100])
+    coordinator = FakeCoordinator(
+        claims=[lambda: full_batch(min(next(answers), coordinator.claims[-1]))] * 4
+    )
+    worker = make_worker(coordinator, IdleSink(free=4), policy, clock=clock)
+    for _ in range(4):
+        worker.run_once()
+        clock.advance(0.1)
+
+    assert coordinator.claims == [6, 12, 24, 6]

@@ -13,18 +13,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import pytest
-from django.db import connection
 
-from tests.conftest import run_sql, scalar
+from tests.conftest import database_url, run_sql, scalar, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -44,26 +41,6 @@ FAST = {
     "SHUTDOWN_TIMEOUT_SECONDS": 15,
     "STATUS_INTERVAL_SECONDS": 1,
 }
-
-
-def database_url() -> str:
-    """A URL for the test database Django uses now (TCP or a Unix socket)."""
-    params = connection.get_connection_params()
-    host = str(params.get("host") or "localhost")
-    port = params.get("port") or 5432
-    user = params.get("user") or "postgres"
-    if host.startswith("/"):  # a Unix socket directory (the embedded server)
-        return f"postgres://{user}@/{params['dbname']}?host={quote(host)}&port={port}"
-    return f"postgres://{user}@{host}:{port}/{params['dbname']}"
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
-    tick = threading.Event()
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return True
-        tick.wait(0.05)
-    return predicate()
 
 
 @pytest.fixture

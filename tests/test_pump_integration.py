@@ -19,11 +19,9 @@ from django_workpump import models
 from django_workpump.pump.supervisor import (
     EXIT_EVICTED,
     EXIT_OK,
-    PumpOptions,
-    Supervisor,
 )
 from django_workpump.registry import registry
-from tests.conftest import run_sql
+from tests.conftest import drain, run_sql, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -41,16 +39,6 @@ FAST = {
     "SHUTDOWN_TIMEOUT_SECONDS": 5,
     "CONCURRENCY": 4,
 }
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout`` passes (waits on an Event)."""
-    tick = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return True
-        tick.wait(0.02)
-    return predicate()
 
 
 @pytest.fixture
@@ -72,27 +60,6 @@ def handlers() -> Iterator[Callable[..., Any]]:
     yield register
     for category, topic in registered:
         registry.unregister(category, topic)
-
-
-@pytest.fixture
-def pump() -> Iterator[Callable[..., Supervisor]]:
-    """Start supervisors; every one still running is shut down after the test."""
-    started: list[Supervisor] = []
-
-    def start(**options: Any) -> Supervisor:
-        supervisor = Supervisor(PumpOptions(**options))
-        supervisor.start()
-        started.append(supervisor)
-        return supervisor
-
-    yield start
-    for supervisor in started:
-        supervisor.shutdown()
-
-
-def drain(supervisor: Supervisor, timeout: float = 30.0) -> int:
-    assert supervisor.wait(timeout), "the pump did not drain in time"
-    return supervisor.shutdown()
 
 
 @override_settings(WORKPUMP=FAST)

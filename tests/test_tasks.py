@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from django.utils import timezone
 
 import django_workpump as workpump
 from django_workpump import models
-from django_workpump.pump.supervisor import EXIT_OK, PumpOptions, Supervisor
+from django_workpump.pump.supervisor import EXIT_OK
 from django_workpump.registry import registry
 
 # django.tasks' names, or the backport's on Django < 6.0
@@ -53,6 +53,7 @@ from django_workpump.task_runner import (
     task_started,
     unregister_backends,
 )
+from tests.conftest import drain, wait_until
 from tests.settings_tasks import TASKS
 
 with override_settings(TASKS=TASKS):  # @task builds WorkPumpTask objects of these backends
@@ -91,36 +92,6 @@ def tasks_settings() -> Iterator[None]:
     with override_settings(TASKS=TASKS, WORKPUMP=FAST):
         yield
     task_funcs.release.set()
-
-
-@pytest.fixture
-def pump() -> Iterator[Callable[..., Supervisor]]:
-    """Start in-process pumps; every one still running is shut down after the test."""
-    started: list[Supervisor] = []
-
-    def start(**options: Any) -> Supervisor:
-        supervisor = Supervisor(PumpOptions(**options))
-        supervisor.start()
-        started.append(supervisor)
-        return supervisor
-
-    yield start
-    for supervisor in started:
-        supervisor.shutdown()
-
-
-def drain(supervisor: Supervisor, timeout: float = 20.0) -> int:
-    assert supervisor.wait(timeout), "the pump did not drain in time"
-    return supervisor.shutdown()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    tick = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return True
-        tick.wait(0.02)
-    return predicate()
 
 
 @pytest.fixture

@@ -14,10 +14,8 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
 
@@ -29,10 +27,10 @@ if not TASKS_AVAILABLE:
         allow_module_level=True,
     )
 
-from django.db import connection
 from django.test import override_settings
 
 from django_workpump.task_runner import TaskResultStatus
+from tests.conftest import database_url, wait_until
 from tests.settings_tasks import TASKS
 
 with override_settings(TASKS=TASKS):  # @task builds WorkPumpTask objects of these backends
@@ -58,24 +56,6 @@ FAST = {
 }
 
 STARTED = re.compile(r"workpump ([0-9a-f-]{36}) started:")
-
-
-def database_url() -> str:
-    """A URL for the test database Django uses now (TCP or a Unix socket)."""
-    params = connection.get_connection_params()
-    host = params.get("host") or "localhost"
-    port = params.get("port") or 5432
-    user = params.get("user") or "postgres"
-    return f"postgres://{user}@{quote(str(host), safe='')}:{port}/{params['dbname']}"
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    tick = threading.Event()
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return True
-        tick.wait(0.05)
-    return predicate()
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,9 @@ from django_workpump.pump.coordinator import Coordinator
 
 logger = logging.getLogger("django_workpump.claim")
 
+# A claim may grow past the free slots only while each batch is run within this long.
+BURST_WINDOW_SECONDS = 1.0
+
 
 class Gate(Protocol):
     """What the claimer needs of the NOTIFY gate."""
@@ -109,6 +112,8 @@ class ClaimWorker:
         self.last_claimed = 0
         # (number of the last poll that finished, rows it claimed or None on error)
         self.last_poll: tuple[int, int | None] = (0, None)
+        self._last_batch: tuple[float, int, int] = (0.0, 0, 0)  # (when, asked, got)
+        self._burst = 0
         self.startup_catch_up_count = 0
         self.reconnect_catch_up_count = 0
         self.wake_requests = 0
@@ -153,7 +158,7 @@ class ClaimWorker:
         if free <= 0:
             # Nothing could run now; the dispatcher wakes us when a slot frees.
             return ClaimResult(claimed=0, has_more=False, skipped_busy=True)
-        max_rows = min(free + self.policy.prefetch, self.policy.max_rows)
+        max_rows = self._batch_size(free)
         self.polls += 1
         poll_number = self.polls
         try:
@@ -174,6 +179,7 @@ class ClaimWorker:
             )
         self.last_claimed = len(rows)
         self.last_poll = (poll_number, len(rows))
+        self._last_batch = (self.clock.monotonic(), max_rows, len(rows))
         if rows:
             self.empty_polls = 0
             self.claimed_total += len(rows)
@@ -181,6 +187,25 @@ class ClaimWorker:
         else:
             self.empty_polls += 1
         return ClaimResult(claimed=len(rows), has_more=any(row.has_more for row in rows))
+
+    def _batch_size(self, free: int) -> int:
+        """Free slots plus the prefetch, or a burst while a backlog drains fast.
+
+        A burst doubles (up to max_rows) while each claim comes back full and the
+        dispatcher has run everything from the previous one within BURST_WINDOW_SECONDS;
+        anything else resets it. Fast work is then claimed in large batches (few round
+        trips), while slow work never sits leased in the local queue for long.
+        """
+        size = free + self.policy.prefetch
+        idle = getattr(self.sink, "in_flight", None) == 0
+        at, asked, got = self._last_batch
+        drained_fast = (
+            idle and got >= asked > 0 and self.clock.monotonic() - at <= BURST_WINDOW_SECONDS
+        )
+        self._burst = (
+            min(max(self._burst * 2, size * 2), self.policy.max_rows) if drained_fast else 0
+        )
+        return min(max(size, self._burst), self.policy.max_rows)
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> None:

@@ -217,45 +217,55 @@ BEGIN
         PERFORM workpump.check_category(v_category);
     END LOOP;
 
-    -- Per-category guards: two index probes each (ready rows, due timers).
+    -- Per-category guards: two index probes each (ready rows, due timers). The ORDER BY
+    -- of each probe is its index's order: it keeps the planner on the partial index
+    -- (an EXISTS may be planned as a scan of the whole table).
     IF 'outbox' = ANY (v_categories) AND (
-        EXISTS (SELECT 1 FROM workpump_outbox t
+        (SELECT 1 FROM workpump_outbox t
                 WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL)
-        OR EXISTS (SELECT 1 FROM workpump_outbox t
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+                ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM workpump_outbox t
                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                      AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now)) THEN
+                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+                   ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
         v_with_work := v_with_work || 'outbox'::text;
     END IF;
     IF 'inbox' = ANY (v_categories) AND (
-        EXISTS (SELECT 1 FROM workpump_inbox t
+        (SELECT 1 FROM workpump_inbox t
                 WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL)
-        OR EXISTS (SELECT 1 FROM workpump_inbox t
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+                ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM workpump_inbox t
                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                      AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now)) THEN
+                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+                   ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
         v_with_work := v_with_work || 'inbox'::text;
     END IF;
     IF 'perspective_event' = ANY (v_categories) AND (
-        EXISTS (SELECT 1 FROM workpump_perspective_event t
+        (SELECT 1 FROM workpump_perspective_event t
                 WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL)
-        OR EXISTS (SELECT 1 FROM workpump_perspective_event t
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+                ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM workpump_perspective_event t
                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                      AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now)) THEN
+                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+                   ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
         v_with_work := v_with_work || 'perspective_event'::text;
     END IF;
     IF 'receptor' = ANY (v_categories) AND (
-        EXISTS (SELECT 1 FROM workpump_receptor_processing t
+        (SELECT 1 FROM workpump_receptor_processing t
                 WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL)
-        OR EXISTS (SELECT 1 FROM workpump_receptor_processing t
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+                ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM workpump_receptor_processing t
                    WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                      AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now)) THEN
+                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+                   ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
         v_with_work := v_with_work || 'receptor'::text;
     END IF;
     IF cardinality(v_with_work) = 0 THEN

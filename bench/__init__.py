@@ -1,0 +1,1 @@
+"""Benchmarks of django-workpump against PgQueuer and Procrastinate (``python bench/run.py``)."""

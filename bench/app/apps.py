@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class BenchAppConfig(AppConfig):
+    name = "bench.app"
+    label = "benchapp"

@@ -1,0 +1,25 @@
+"""The benchmark's outbox handlers (discovered by django_workpump like admin.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import django_workpump as workpump
+from bench import marks
+
+
+@workpump.outbox_handler("bench.noop")
+def noop(work: Any) -> None:
+    marks.first_start()
+
+
+@workpump.outbox_handler("bench.latency")
+def latency(work: Any) -> None:
+    marks.handler_start(work.payload["i"])
+
+
+@workpump.outbox_handler("bench.hold")
+def hold(work: Any) -> None:
+    """Stay in flight (lease renewed by the pump) until the pump cancels the lease."""
+    marks.first_start()
+    work.lease.cancelled.wait(float(work.payload.get("seconds", 3600)))
