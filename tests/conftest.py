@@ -18,6 +18,37 @@ from psycopg.rows import dict_row
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
 
+# Short pump timings for tests that run the pump: in-process (Supervisor) and in
+# runworkpump subprocesses (passed as WORKPUMP_JSON). Files override single keys.
+FAST_PUMP = {
+    "HEARTBEAT_INTERVAL_SECONDS": 1,
+    "STALE_AFTER_SECONDS": 3,
+    "DEFINITIVELY_DEAD_AFTER_SECONDS": 10,
+    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 5,
+    "STALE_PEER_PROBE_INTERVAL_SECONDS": 1,
+    "POLLING_INTERVAL_MS": 50,
+    "POLLING_MAX_INTERVAL_MS": 200,
+    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 200,
+    "RETRY_BACKOFF_BASE_SECONDS": 0,
+    "RETRY_BACKOFF_MAX_SECONDS": 0,
+    "SHUTDOWN_TIMEOUT_SECONDS": 5,
+}
+FAST_PROCESS = {
+    "HEARTBEAT_INTERVAL_SECONDS": 1,
+    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 2,
+    "STALE_AFTER_SECONDS": 2,
+    "DEFINITIVELY_DEAD_AFTER_SECONDS": 10,
+    "STALE_PEER_PROBE_INTERVAL_SECONDS": 1,
+    "POLLING_INTERVAL_MS": 100,
+    "POLLING_MAX_INTERVAL_MS": 500,
+    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 500,
+    "RETRY_BACKOFF_BASE_SECONDS": 0,
+    "RETRY_BACKOFF_MAX_SECONDS": 0,
+    "SHUTDOWN_TIMEOUT_SECONDS": 15,
+    "STATUS_INTERVAL_SECONDS": 1,
+}
+
+
 def at(seconds: float) -> datetime:
     """T0 plus ``seconds``."""
     return T0 + timedelta(seconds=seconds)

@@ -450,58 +450,39 @@ def test_failing_before_first_claim_is_logged_and_claiming_still_starts(caplog):
     assert record.exc_info is not None
 
 
-class IdleSink(FakeSink):
-    """A sink that also says how much it has queued or running (the dispatcher does)."""
+class CountingSink(FakeSink):
+    """A sink that also reports how many rows it has started (the dispatcher does)."""
 
-    in_flight = 0
-
-
-def full_batch(size):
-    return [make_row() for _ in range(size)]
+    started_total = 0
 
 
-def test_claims_grow_while_full_batches_are_run_within_the_burst_window():
+def claim_at_rates(rows_per_tick: int, tick: float, rounds: int, max_rows: int = 1000):
     clock = FrozenClock()
-    policy = ClaimPolicy(max_rows=100, prefetch=2)
-    # always as many rows as asked for
-    coordinator = FakeCoordinator(claims=[lambda: full_batch(coordinator.claims[-1])] * 6)
-    worker = make_worker(coordinator, IdleSink(free=4), policy, clock=clock)
-
-    for _ in range(6):
+    sink = CountingSink(free=4)
+    coordinator = FakeCoordinator(claims=[[]] * rounds)
+    worker = make_worker(coordinator, sink, ClaimPolicy(max_rows=max_rows, prefetch=2), clock=clock)
+    for _ in range(rounds):
         worker.run_once()
-        clock.advance(0.1)  # each batch was run quickly
-
-    assert coordinator.claims == [6, 12, 24, 48, 96, 100]
-
-
-def test_a_slow_batch_or_a_busy_dispatcher_ends_the_burst():
-    clock = FrozenClock()
-    policy = ClaimPolicy(max_rows=100, prefetch=2)
-    coordinator = FakeCoordinator(claims=[lambda: full_batch(coordinator.claims[-1])] * 4)
-    sink = IdleSink(free=4)
-    worker = make_worker(coordinator, sink, policy, clock=clock)
-    worker.run_once()
-    clock.advance(0.1)
-    worker.run_once()  # 12: growing
-    clock.advance(2.0)  # that batch took longer than the window
-    worker.run_once()
-    sink.in_flight = 3  # rows still queued or running
-    clock.advance(0.1)
-    worker.run_once()
-
-    assert coordinator.claims == [6, 12, 6, 6]
+        clock.advance(tick)
+        sink.started_total += rows_per_tick
+    return coordinator.claims, worker
 
 
-def test_a_short_batch_ends_the_burst():
-    clock = FrozenClock()
-    policy = ClaimPolicy(max_rows=100, prefetch=2)
-    answers = iter([6, 12, 3, 100])
-    coordinator = FakeCoordinator(
-        claims=[lambda: full_batch(min(next(answers), coordinator.claims[-1]))] * 4
-    )
-    worker = make_worker(coordinator, IdleSink(free=4), policy, clock=clock)
-    for _ in range(4):
-        worker.run_once()
-        clock.advance(0.1)
+def test_fast_work_is_claimed_in_batches_of_a_quarter_second_of_its_start_rate():
+    # 1,000 rows started every 0.1 s: 10,000 rows/s, a quarter second is 2,500 rows
+    claims, worker = claim_at_rates(1000, 0.1, rounds=4)
+    assert claims == [6, 1000, 1000, 1000]  # the first claim starts the measurement
+    assert worker.start_rate == pytest.approx(10_000)
 
-    assert coordinator.claims == [6, 12, 24, 6]
+
+def test_the_batch_follows_the_measured_rate_below_max_rows():
+    # 40 rows per 0.1 s: 400 rows/s, a quarter second is 100 rows
+    claims, _ = claim_at_rates(40, 0.1, rounds=3)
+    assert claims == [6, 100, 100]
+
+
+def test_slow_work_is_claimed_for_the_free_slots_only():
+    # one row started every half second: a quarter second is not even one row
+    claims, worker = claim_at_rates(1, 0.5, rounds=4)
+    assert claims == [6, 6, 6, 6]
+    assert worker.start_rate == pytest.approx(2.0)

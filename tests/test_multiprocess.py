@@ -21,26 +21,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import database_url, run_sql, scalar, wait_until
+from tests.conftest import FAST_PROCESS, database_url, run_sql, scalar, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FAST = {
-    "HEARTBEAT_INTERVAL_SECONDS": 1,
-    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 2,
-    "STALE_AFTER_SECONDS": 2,
-    "DEFINITIVELY_DEAD_AFTER_SECONDS": 10,
-    "STALE_PEER_PROBE_INTERVAL_SECONDS": 1,
-    "POLLING_INTERVAL_MS": 100,
-    "POLLING_MAX_INTERVAL_MS": 500,
-    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 500,
-    "RETRY_BACKOFF_BASE_SECONDS": 0,
-    "RETRY_BACKOFF_MAX_SECONDS": 0,
-    "SHUTDOWN_TIMEOUT_SECONDS": 15,
-    "STATUS_INTERVAL_SECONDS": 1,
-}
+FAST = FAST_PROCESS
 
 
 @pytest.fixture

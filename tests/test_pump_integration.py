@@ -21,24 +21,11 @@ from django_workpump.pump.supervisor import (
     EXIT_OK,
 )
 from django_workpump.registry import registry
-from tests.conftest import drain, run_sql, wait_until
+from tests.conftest import FAST_PUMP, drain, run_sql, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-FAST = {
-    "HEARTBEAT_INTERVAL_SECONDS": 1,
-    "STALE_AFTER_SECONDS": 3,
-    "DEFINITIVELY_DEAD_AFTER_SECONDS": 10,
-    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 5,
-    "STALE_PEER_PROBE_INTERVAL_SECONDS": 1,
-    "POLLING_INTERVAL_MS": 50,
-    "POLLING_MAX_INTERVAL_MS": 200,
-    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 200,
-    "RETRY_BACKOFF_BASE_SECONDS": 0,
-    "RETRY_BACKOFF_MAX_SECONDS": 0,
-    "SHUTDOWN_TIMEOUT_SECONDS": 5,
-    "CONCURRENCY": 4,
-}
+FAST = {**FAST_PUMP, "CONCURRENCY": 4}
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ from django_workpump.task_runner import (
     task_started,
     unregister_backends,
 )
-from tests.conftest import drain, wait_until
+from tests.conftest import FAST_PUMP, drain, wait_until
 from tests.settings_tasks import TASKS
 
 with override_settings(TASKS=TASKS):  # @task builds WorkPumpTask objects of these backends
@@ -64,20 +64,7 @@ TaskResultMismatch = task_funcs.TaskResultMismatch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FAST = {
-    "HEARTBEAT_INTERVAL_SECONDS": 1,
-    "STALE_AFTER_SECONDS": 3,
-    "DEFINITIVELY_DEAD_AFTER_SECONDS": 10,
-    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 5,
-    "STALE_PEER_PROBE_INTERVAL_SECONDS": 1,
-    "POLLING_INTERVAL_MS": 50,
-    "POLLING_MAX_INTERVAL_MS": 200,
-    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 200,
-    "RETRY_BACKOFF_BASE_SECONDS": 0,
-    "RETRY_BACKOFF_MAX_SECONDS": 0,
-    "SHUTDOWN_TIMEOUT_SECONDS": 5,
-    "CONCURRENCY": 2,
-}
+FAST = {**FAST_PUMP, "CONCURRENCY": 2}
 
 db = pytest.mark.django_db
 pumped = pytest.mark.django_db(transaction=True)

@@ -30,7 +30,7 @@ if not TASKS_AVAILABLE:
 from django.test import override_settings
 
 from django_workpump.task_runner import TaskResultStatus
-from tests.conftest import database_url, wait_until
+from tests.conftest import FAST_PROCESS, database_url, wait_until
 from tests.settings_tasks import TASKS
 
 with override_settings(TASKS=TASKS):  # @task builds WorkPumpTask objects of these backends
@@ -40,20 +40,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FAST = {
-    "HEARTBEAT_INTERVAL_SECONDS": 1,
-    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 2,
-    "STALE_AFTER_SECONDS": 2,
-    "DEFINITIVELY_DEAD_AFTER_SECONDS": 10,
-    "STALE_PEER_PROBE_INTERVAL_SECONDS": 1,
-    "POLLING_INTERVAL_MS": 100,
-    "POLLING_MAX_INTERVAL_MS": 500,
-    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 500,
-    "RETRY_BACKOFF_BASE_SECONDS": 0,
-    "RETRY_BACKOFF_MAX_SECONDS": 0,
-    "SHUTDOWN_TIMEOUT_SECONDS": 5,
-    "STATUS_INTERVAL_SECONDS": 60,
-}
+FAST = {**FAST_PROCESS, "SHUTDOWN_TIMEOUT_SECONDS": 5, "STATUS_INTERVAL_SECONDS": 60}
 
 STARTED = re.compile(r"workpump ([0-9a-f-]{36}) started:")
 

@@ -19,8 +19,9 @@ from django_workpump.pump.coordinator import Coordinator
 
 logger = logging.getLogger("django_workpump.claim")
 
-# A claim may grow past the free slots only while each batch is run within this long.
-BURST_WINDOW_SECONDS = 1.0
+# A claim may take what the dispatcher starts in this long (beyond the free slots).
+QUEUE_SECONDS = 0.25
+RATE_SAMPLE_SECONDS = 0.1
 
 
 class Gate(Protocol):
@@ -112,8 +113,8 @@ class ClaimWorker:
         self.last_claimed = 0
         # (number of the last poll that finished, rows it claimed or None on error)
         self.last_poll: tuple[int, int | None] = (0, None)
-        self._last_batch: tuple[float, int, int] = (0.0, 0, 0)  # (when, asked, got)
-        self._burst = 0
+        self.start_rate: float | None = None  # rows/s the dispatcher starts (measured)
+        self._rate_sample: tuple[float, int] | None = None
         self.startup_catch_up_count = 0
         self.reconnect_catch_up_count = 0
         self.wake_requests = 0
@@ -179,7 +180,6 @@ class ClaimWorker:
             )
         self.last_claimed = len(rows)
         self.last_poll = (poll_number, len(rows))
-        self._last_batch = (self.clock.monotonic(), max_rows, len(rows))
         if rows:
             self.empty_polls = 0
             self.claimed_total += len(rows)
@@ -189,23 +189,29 @@ class ClaimWorker:
         return ClaimResult(claimed=len(rows), has_more=any(row.has_more for row in rows))
 
     def _batch_size(self, free: int) -> int:
-        """Free slots plus the prefetch, or a burst while a backlog drains fast.
+        """Free slots plus the prefetch, or what the dispatcher starts in QUEUE_SECONDS.
 
-        A burst doubles (up to max_rows) while each claim comes back full and the
-        dispatcher has run everything from the previous one within BURST_WINDOW_SECONDS;
-        anything else resets it. Fast work is then claimed in large batches (few round
-        trips), while slow work never sits leased in the local queue for long.
+        The dispatcher's start rate is measured here (a moving average over at least
+        RATE_SAMPLE_SECONDS): fast work is claimed in large batches, so a backlog drains
+        in few round trips, while a claimed row never waits in the local queue for much
+        longer than QUEUE_SECONDS, whatever its handler costs.
         """
         size = free + self.policy.prefetch
-        idle = getattr(self.sink, "in_flight", None) == 0
-        at, asked, got = self._last_batch
-        drained_fast = (
-            idle and got >= asked > 0 and self.clock.monotonic() - at <= BURST_WINDOW_SECONDS
-        )
-        self._burst = (
-            min(max(self._burst * 2, size * 2), self.policy.max_rows) if drained_fast else 0
-        )
-        return min(max(size, self._burst), self.policy.max_rows)
+        started = getattr(self.sink, "started_total", None)
+        if started is not None:
+            now = self.clock.monotonic()
+            if self._rate_sample is None:
+                self._rate_sample = (now, started)
+            elif now - self._rate_sample[0] >= RATE_SAMPLE_SECONDS:
+                at, count = self._rate_sample
+                rate = (started - count) / (now - at)
+                self.start_rate = (
+                    rate if self.start_rate is None else (0.5 * self.start_rate + 0.5 * rate)
+                )
+                self._rate_sample = (now, started)
+            if self.start_rate:
+                size = max(size, round(self.start_rate * QUEUE_SECONDS))
+        return min(size, self.policy.max_rows)
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> None:

@@ -146,6 +146,11 @@ class Dispatcher:
             return self._in_flight
 
     @property
+    def started_total(self) -> int:
+        """Rows handed to a handler so far (the claimer sizes its batches by its rate)."""
+        return self.stats.started
+
+    @property
     def pending_outcomes(self) -> int:
         with self._lock:
             return self._pending_outcomes
