@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -149,3 +154,41 @@ def drain(supervisor: Any, timeout: float = 30.0) -> int:
     """Wait for a --drain pump to finish and shut it down; return its exit code."""
     assert supervisor.wait(timeout), "the pump did not drain in time"
     return int(supervisor.shutdown())
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def pump_process() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """Start ``runworkpump`` subprocesses on the test database; any left running are killed."""
+    processes: list[subprocess.Popen[str]] = []
+
+    def start(
+        *args: str,
+        settings_module: str = "tests.settings",
+        timings: dict[str, Any] | None = None,
+    ) -> subprocess.Popen[str]:
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url(),
+            "WORKPUMP_JSON": json.dumps(FAST_PROCESS if timings is None else timings),
+            "PYTHONPATH": str(ROOT),
+        }
+        command = ["runworkpump", f"--settings={settings_module}", *args]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "django", *command],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)

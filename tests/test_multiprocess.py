@@ -9,23 +9,18 @@ WORKPUMP_JSON; waits are on database conditions with deadlines.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import FAST_PROCESS, database_url, run_sql, scalar, wait_until
+from tests.conftest import FAST_PROCESS, run_sql, scalar, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
 
 FAST = FAST_PROCESS
 
@@ -41,33 +36,9 @@ def executions() -> Iterator[None]:
 
 
 @pytest.fixture
-def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """Start runworkpump processes; any still running are killed after the test."""
-    processes: list[subprocess.Popen[str]] = []
-
-    def start(*args: str, **settings: Any) -> subprocess.Popen[str]:
-        env = {
-            **os.environ,
-            "DATABASE_URL": database_url(),
-            "WORKPUMP_JSON": json.dumps({**FAST, **settings}),
-            "PYTHONPATH": str(ROOT),
-        }
-        process = subprocess.Popen(
-            [sys.executable, "-m", "django", "runworkpump", "--settings=tests.settings", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        processes.append(process)
-        return process
-
-    yield start
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
+def spawn(pump_process: Callable[..., Any]) -> Callable[..., Any]:
+    """Start runworkpump processes with FAST timings, overridden per call."""
+    return lambda *args, **settings: pump_process(*args, timings={**FAST, **settings})
 
 
 def produce_backlog(streams: int, per_stream: int, seconds: float = 0.0) -> int:

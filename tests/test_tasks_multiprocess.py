@@ -8,14 +8,10 @@ attempts and the lost one's error in its result. Workers run with
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +26,7 @@ if not TASKS_AVAILABLE:
 from django.test import override_settings
 
 from django_workpump.task_runner import TaskResultStatus
-from tests.conftest import FAST_PROCESS, database_url, wait_until
+from tests.conftest import FAST_PROCESS, wait_until
 from tests.settings_tasks import TASKS
 
 with override_settings(TASKS=TASKS):  # @task builds WorkPumpTask objects of these backends
@@ -38,7 +34,6 @@ with override_settings(TASKS=TASKS):  # @task builds WorkPumpTask objects of the
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
 
 FAST = {**FAST_PROCESS, "SHUTDOWN_TIMEOUT_SECONDS": 5, "STATUS_INTERVAL_SECONDS": 60}
 
@@ -52,34 +47,9 @@ def tasks_settings() -> Iterator[None]:
 
 
 @pytest.fixture
-def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """Start runworkpump processes; any still running are killed after the test."""
-    processes: list[subprocess.Popen[str]] = []
-
-    def start(*args: str) -> subprocess.Popen[str]:
-        env = {
-            **os.environ,
-            "DATABASE_URL": database_url(),
-            "WORKPUMP_JSON": json.dumps(FAST),
-            "PYTHONPATH": str(ROOT),
-        }
-        command = ["runworkpump", "--settings=tests.settings_tasks", *args]
-        process = subprocess.Popen(
-            [sys.executable, "-m", "django", *command],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        processes.append(process)
-        return process
-
-    yield start
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
+def spawn(pump_process: Callable[..., Any]) -> Callable[..., Any]:
+    """Start runworkpump processes with the TASKS settings."""
+    return lambda *args: pump_process(*args, settings_module="tests.settings_tasks", timings=FAST)
 
 
 def instance_of(output: str) -> str:
