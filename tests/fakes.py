@@ -79,6 +79,8 @@ class FakeCoordinator:
         self.claims: list[int] = []  # max_rows of each claim call
         self.heartbeats: list[dict[str, Any]] = []
         self.renewals: list[tuple[str, list[uuid.UUID]]] = []
+        self.completed: list[tuple[uuid.UUID, str | None]] = []  # (work id, result)
+        self.released: list[uuid.UUID] = []
         self.reap_calls = 0
         self.stale_peer = stale_peer
         self.reap_result = list(reap)
@@ -94,6 +96,11 @@ class FakeCoordinator:
         """Wait until ``count`` claims were made; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: len(self.claims) >= count, timeout)
+
+    def wait_for_call(self, name: str, count: int = 1, timeout: float = WAIT) -> bool:
+        """Wait until method ``name`` was called ``count`` times; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.calls.count(name) >= count, timeout)
 
     def _record(self, name: str) -> None:
         with self._cond:
@@ -130,6 +137,8 @@ class FakeCoordinator:
     def complete(
         self, category: str, ids: Sequence[uuid.UUID], results: Sequence[str | None]
     ) -> list[Outcome]:
+        with self._cond:
+            self.completed.extend(zip(ids, results, strict=True))
         self._record("complete")
         return [Outcome(work_id, "done") for work_id in ids]
 
@@ -140,6 +149,8 @@ class FakeCoordinator:
         return [Outcome(work_id, "retry") for work_id in ids]
 
     def release(self, category: str, ids: Sequence[uuid.UUID]) -> list[Outcome]:
+        with self._cond:
+            self.released.extend(ids)
         self._record("release")
         return [Outcome(work_id, "released") for work_id in ids]
 

@@ -196,7 +196,7 @@ def test_an_atomic_handler_whose_lease_was_lost_rolls_back_its_effect(handlers, 
 
         handlers("outbox_handler", "it.atomic", effect, atomic=True)
         message_id = workpump.send("it.atomic", {})
-        pump()
+        supervisor = pump()
         assert inserted.wait(10)
         # Another instance takes the row over while the handler runs.
         thief = uuid.uuid4()
@@ -208,7 +208,8 @@ def test_an_atomic_handler_whose_lease_was_lost_rolls_back_its_effect(handlers, 
         )
         proceed.set()
         # The first attempt's insert rolled back with its lost completion...
-        assert wait_until(lambda: run_sql("SELECT count(*) AS n FROM it_effect")[0]["n"] == 0)
+        assert wait_until(lambda: supervisor.dispatcher.stats.lost_leases == 1)
+        assert run_sql("SELECT count(*) AS n FROM it_effect")[0]["n"] == 0
         # ...and once the thief lets go, the second attempt commits effect and completion.
         other.execute(
             "SELECT workpump.release_leases('outbox', ARRAY[%s]::uuid[], p_force => true)",
@@ -220,6 +221,40 @@ def test_an_atomic_handler_whose_lease_was_lost_rolls_back_its_effect(handlers, 
         ]
     finally:
         run_sql("DROP TABLE it_effect")
+
+
+@override_settings(WORKPUMP=FAST)
+def test_a_row_force_released_while_it_runs_is_run_again_here_and_the_old_attempt_dropped(
+    handlers, pump, raw_connect
+):
+    first_started = threading.Event()
+    first_may_finish = threading.Event()
+
+    def slow_then_fast(work: Any) -> str:
+        if work.attempts == 1:
+            first_started.set()
+            first_may_finish.wait(10)
+        return f"attempt {work.attempts}"
+
+    handlers("outbox_handler", "it.released", slow_then_fast)
+    message_id = workpump.send("it.released", {})
+    supervisor = pump()
+    try:
+        assert first_started.wait(10)
+        # An operator hands the row back while attempt 1 still runs; this same instance
+        # claims it again as attempt 2.
+        raw_connect().execute(
+            "SELECT workpump.release_leases('outbox', ARRAY[%s]::uuid[], p_force => true)",
+            [message_id],
+        )
+        assert wait_until(lambda: models.Outbox.objects.filter(processed_at__isnull=False).exists())
+    finally:
+        first_may_finish.set()
+    row = models.Outbox.objects.get(message_id=message_id)
+    assert (row.attempts, row.result) == (2, "attempt 2")
+    assert wait_until(lambda: supervisor.dispatcher.in_flight == 0)
+    assert supervisor.dispatcher.stats.superseded == 1
+    assert supervisor.stop_reason is None  # the claimer lived on
 
 
 @override_settings(

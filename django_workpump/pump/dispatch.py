@@ -4,6 +4,11 @@ Outcomes go through two batch flushers to the fenced ``complete_work``/``fail_wo
 A handler still running at its lease deadline is abandoned: its slot is freed (a
 replacement thread starts), the attempt is failed with reason ``lease_expired``, and
 whatever it reports later is dropped here and would be fenced out by the database.
+
+A row can come back to this same instance while its previous attempt still runs here
+(an operator force-released it, or its lease ran out): the database has given it a new
+lease, so the old attempt is superseded: its handle is cancelled as ``lost``, its
+outcome is dropped and an atomic handler's transaction rolls back.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ class LeaseLost(Exception):
 class _Job:
     row: ClaimedWork
     handle: LeaseHandle
-    state: str = "queued"  # queued -> running -> finished | abandoned
+    state: str = "queued"  # queued -> running -> finished | abandoned | superseded
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -78,6 +83,7 @@ class DispatchStats:
     abandoned: int = 0
     released: int = 0
     lost_leases: int = 0
+    superseded: int = 0
 
 
 class Dispatcher:
@@ -167,6 +173,10 @@ class Dispatcher:
             lease_length = (row.lease_expiry - row.claimed_at).total_seconds()
             deadline = received_at + lease_length - self.lease_grace_seconds
             handle = LeaseHandle(row.category, row.work_id, deadline, self.max_renewals, self.clock)
+            with self._lock:
+                previous = self._jobs.get((row.category, row.work_id))
+            if previous is not None:
+                self._supersede(previous, row.attempts)
             self.leases.register(handle)
             job = _Job(row, handle)
             with self._lock:
@@ -202,12 +212,17 @@ class Dispatcher:
     def _run(self, job: _Job) -> bool:
         """Run one job; False when the job was abandoned while this thread ran it."""
         with job.lock:
-            if job.handle.cancelled.is_set():
+            if job.state == "superseded":
+                start = None  # the row has a newer lease here: nothing to run or release
+            elif job.handle.cancelled.is_set():
                 job.state = "finished"
                 start = False
             else:
                 job.state = "running"
                 start = True
+        if start is None:
+            self._finish(job)
+            return True
         if not start:
             # It waited past its deadline (or shutdown began): it never started.
             self._release_unstarted(job)
@@ -245,7 +260,22 @@ class Dispatcher:
                     extra={"action": "late_outcome_dropped"},
                 )
                 return False
-            job.state = "finished"
+            if job.state == "superseded":
+                logger.warning(
+                    "%s %s attempt %d finished after the row was claimed again; its outcome "
+                    "is dropped",
+                    job.row.category,
+                    job.row.work_id,
+                    job.row.attempts,
+                    extra={"action": "superseded_outcome_dropped"},
+                )
+                superseded = True
+            else:
+                job.state = "finished"
+                superseded = False
+        if superseded:
+            self._finish(job)
+            return True
         kind: str = outcome[0]
         value: Any = outcome[1]
         if kind == "done":
@@ -300,10 +330,10 @@ class Dispatcher:
                 # Abandoned at its deadline: the attempt was failed and the row may be
                 # this instance's again as a new attempt, which the instance fence alone
                 # cannot tell apart. Roll back instead of completing.
-                if job.state == "abandoned":
+                if job.state in ("abandoned", "superseded"):
                     raise LeaseLost(
                         f"{job.row.category} {job.row.work_id}: attempt {job.row.attempts} "
-                        "was abandoned at its lease deadline; its transaction was rolled back"
+                        f"was {job.state} before it committed; its transaction was rolled back"
                     )
             outcome = self.coordinator.complete(job.row.category, [job.row.work_id], [result])
             if not outcome or outcome[0].status != "done":
@@ -312,10 +342,35 @@ class Dispatcher:
                     "handler committed; its transaction was rolled back"
                 )
 
+    def _supersede(self, job: _Job, new_attempt: int) -> None:
+        """Give up on an older attempt of a row this instance has just claimed again."""
+        with job.lock:
+            live = job.state in ("queued", "running")
+            if live:
+                job.state = "superseded"
+        if not live:
+            # Finished or abandoned, its slot about to be freed: only its handle is in the way.
+            job.handle.dispose()
+            return
+        self.stats.superseded += 1
+        logger.warning(
+            "%s %s was claimed again (attempt %d) while attempt %d still ran here; the "
+            "older attempt is superseded",
+            job.row.category,
+            job.row.work_id,
+            new_attempt,
+            job.row.attempts,
+            extra={"action": "superseded"},
+        )
+        job.handle.cancel("lost")
+        job.handle.dispose()  # leaves the registry free for the new handle
+
     def _finish(self, job: _Job) -> None:
         job.handle.dispose()
         with self._lock:
-            self._jobs.pop((job.row.category, job.row.work_id), None)
+            key = (job.row.category, job.row.work_id)
+            if self._jobs.get(key) is job:  # not the newer attempt that superseded it
+                del self._jobs[key]
             self._in_flight -= 1
             self._idle.notify_all()
         if self.on_slot_free is not None:
@@ -335,7 +390,7 @@ class Dispatcher:
     def abandon(self, handle: LeaseHandle) -> bool:
         """Give up on a running handler whose lease deadline passed; free its slot."""
         job = self._jobs.get((handle.category, handle.work_id))
-        if job is None:
+        if job is None or job.handle is not handle:
             return False
         with job.lock:
             if job.state != "running":
