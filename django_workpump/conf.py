@@ -79,6 +79,18 @@ def setting(name: str) -> Any:
     return get_settings()[name]
 
 
+def lock_loss_grace_seconds(settings: Mapping[str, Any]) -> float:
+    """Seconds a stale instance whose alive-lock went missing is given before eviction.
+
+    A live instance that loses its LISTEN connection (and the lock with it) beats at once
+    and then on the fast cadence, so one fast interval is enough for it to prove itself.
+    In heartbeat-table-only mode no lock protects anyone, so there is nothing to wait for.
+    """
+    if settings["LIVENESS_SOURCE_MODE"] == "heartbeat_table_only":
+        return 0.0
+    return float(settings["HEARTBEAT_INTERVAL_SECONDS"])
+
+
 @receiver(setting_changed)
 def _reset_cache(*, setting: str, **kwargs: Any) -> None:
     global _cache

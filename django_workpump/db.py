@@ -212,6 +212,7 @@ def record_heartbeat(
     metadata_json: str = "{}",
     stale_after_seconds: int = 30,
     definitively_dead_after_seconds: int = 300,
+    lock_loss_grace_seconds: float = 0,
     now: datetime | None = None,
     using: str | None = None,
 ) -> bool:
@@ -224,6 +225,7 @@ def cleanup_stale_instances(
     *,
     stale_cutoff: datetime,
     definitive_dead_cutoff: datetime | None,
+    lock_loss_grace_seconds: float = 0,
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[uuid.UUID]:
@@ -251,7 +253,11 @@ def alive_lock_held(*, instance_id: uuid.UUID, using: str | None = None) -> bool
 
 
 def reap_stale_instances(
-    *, stale_after_seconds: int, definitively_dead_after_seconds: int, using: str | None = None
+    *,
+    stale_after_seconds: int,
+    definitively_dead_after_seconds: int,
+    lock_loss_grace_seconds: float = 0,
+    using: str | None = None,
 ) -> list[uuid.UUID]:
     """Evict stale instances by the database clock; return the evicted ids."""
     return [row[0] for row in _fetch("reap_stale_instances", locals(), using)]

@@ -237,6 +237,9 @@ class ServiceInstance(models.Model):
     metadata = models.JSONField(db_default={})
     # Second half of the alive-lock's two-int advisory key; unique among live rows.
     alive_lock_key = models.IntegerField(unique=True, editable=False)
+    # When a peer first saw the alive-lock missing; eviction for a missing lock waits a
+    # grace period from here, so a listener blip is not mistaken for a death.
+    alive_lock_lost_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "workpump_service_instance"

@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 from django.db import DatabaseError, close_old_connections, connections
 
 from django_workpump import db
-from django_workpump.conf import get_settings
+from django_workpump.conf import get_settings, lock_loss_grace_seconds
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.registry import CATEGORIES
 
@@ -62,6 +62,7 @@ REQUIRED_FUNCTIONS = (
     "release_work",
     "record_heartbeat",
     "cleanup_stale_instances",
+    "observe_alive_locks",  # schema v3: an older schema must be migrated first
     "deregister_instance",
 )
 
@@ -111,6 +112,10 @@ class DatabaseCoordinator:
     @property
     def dead_after_seconds(self) -> int:
         return int(self.settings["DEFINITIVELY_DEAD_AFTER_SECONDS"])
+
+    @property
+    def lock_loss_grace_seconds(self) -> float:
+        return lock_loss_grace_seconds(self.settings)
 
     def schema_ready(self) -> bool:
         return self._call(db.schema_functions_present, REQUIRED_FUNCTIONS, using=self.alias)
@@ -184,6 +189,7 @@ class DatabaseCoordinator:
             metadata_json=json.dumps(dict(metadata), default=str),
             stale_after_seconds=self.stale_after_seconds,
             definitively_dead_after_seconds=self.dead_after_seconds,
+            lock_loss_grace_seconds=self.lock_loss_grace_seconds,
             using=self.alias,
         )
 
@@ -200,6 +206,7 @@ class DatabaseCoordinator:
             db.reap_stale_instances,
             stale_after_seconds=self.stale_after_seconds,
             definitively_dead_after_seconds=self.dead_after_seconds,
+            lock_loss_grace_seconds=self.lock_loss_grace_seconds,
             using=self.alias,
         )
 

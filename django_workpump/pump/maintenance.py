@@ -42,6 +42,7 @@ class MaintenanceWorker:
         retention_seconds: int,
         stale_after_seconds: int,
         definitively_dead_after_seconds: int,
+        lock_loss_grace_seconds: float = 0,
         batch: int = 1_000,
         max_batches_per_pass: int = 50,
     ) -> None:
@@ -50,6 +51,7 @@ class MaintenanceWorker:
         self.retention_seconds = retention_seconds
         self.stale_after_seconds = stale_after_seconds
         self.definitively_dead_after_seconds = definitively_dead_after_seconds
+        self.lock_loss_grace_seconds = lock_loss_grace_seconds
         self.batch = batch
         self.max_batches_per_pass = max_batches_per_pass
         self.passes = 0
@@ -76,6 +78,7 @@ class MaintenanceWorker:
                 db.reap_stale_instances(
                     stale_after_seconds=self.stale_after_seconds,
                     definitively_dead_after_seconds=self.definitively_dead_after_seconds,
+                    lock_loss_grace_seconds=self.lock_loss_grace_seconds,
                     using=using,
                 )
             )

@@ -19,7 +19,7 @@ import psycopg
 from django.db import connections
 
 from django_workpump.clock import Clock, SystemClock
-from django_workpump.conf import get_settings
+from django_workpump.conf import get_settings, lock_loss_grace_seconds
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.coordinator import (
     DatabaseCoordinator,
@@ -142,6 +142,7 @@ class Supervisor:
             retention_seconds=s["RETENTION_SECONDS"],
             stale_after_seconds=s["STALE_AFTER_SECONDS"],
             definitively_dead_after_seconds=s["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+            lock_loss_grace_seconds=lock_loss_grace_seconds(s),
         )
         self.exit_code: int | None = None
         self.stop_reason: str | None = None

@@ -7,11 +7,25 @@ from functools import cache
 from importlib.resources import files
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
+_FUNCTION = re.compile(r"^CREATE FUNCTION workpump\.(\w+)\(.*?^\$\$;$", re.MULTILINE | re.DOTALL)
 
 
 def read(path: str) -> str:
     """Return the text of one SQL source, e.g. ``read("v1/claim.sql")``."""
     return (files(__package__) / path).read_text(encoding="utf-8")
+
+
+def function_definitions(path: str, names: list[str]) -> list[str]:
+    """Return the ``CREATE FUNCTION`` statements of ``names`` in one SQL source, in order.
+
+    A migration that replaces functions restores their earlier versions with these on
+    reverse, so released SQL is never copied or edited.
+    """
+    found = {m.group(1): m.group(0) for m in _FUNCTION.finditer(read(path))}
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise ValueError(f"{path} defines no function {', '.join(missing)}.")
+    return [found[name] for name in names]
 
 
 @cache

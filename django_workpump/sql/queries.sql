@@ -93,21 +93,22 @@ SELECT workpump.record_heartbeat(
     p_metadata => %(metadata)s::jsonb,
     p_stale_after_seconds => %(stale_after_seconds)s,
     p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
-    p_now => %(now)s)
+    p_now => %(now)s,
+    p_lock_loss_grace_seconds => %(lock_loss_grace_seconds)s)
 
 -- name: cleanup_stale_instances
 SELECT instance_id
 FROM workpump.cleanup_stale_instances(
     p_stale_cutoff => %(stale_cutoff)s,
     p_definitive_dead_cutoff => %(definitive_dead_cutoff)s,
-    p_now => %(now)s)
+    p_now => %(now)s,
+    p_lock_loss_grace_seconds => %(lock_loss_grace_seconds)s)
 
 -- name: stale_peer_exists
-SELECT EXISTS (
-    SELECT 1 FROM workpump_service_instance
-    WHERE last_heartbeat_at < coalesce(%(now)s::timestamptz, now())
-                              - make_interval(secs => %(stale_after_seconds)s)
-      AND instance_id <> %(instance_id)s)
+SELECT workpump.stale_peer_exists(
+    p_instance_id => %(instance_id)s,
+    p_stale_after_seconds => %(stale_after_seconds)s,
+    p_now => %(now)s)
 
 -- name: deregister_instance
 SELECT workpump.deregister_instance(p_instance_id => %(instance_id)s, p_now => %(now)s)
@@ -122,7 +123,8 @@ SELECT workpump.alive_lock_held(%(instance_id)s)
 SELECT instance_id
 FROM workpump.cleanup_stale_instances(
     p_stale_cutoff => now() - make_interval(secs => %(stale_after_seconds)s),
-    p_definitive_dead_cutoff => now() - make_interval(secs => %(definitively_dead_after_seconds)s))
+    p_definitive_dead_cutoff => now() - make_interval(secs => %(definitively_dead_after_seconds)s),
+    p_lock_loss_grace_seconds => %(lock_loss_grace_seconds)s)
 
 -- name: schema_functions_present
 SELECT count(DISTINCT p.proname) = cardinality(%(functions)s::text[])

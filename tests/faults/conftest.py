@@ -115,4 +115,6 @@ def make_fleet(tmp_path: Path) -> Iterator[Callable[..., harness.Fleet]]:
 
     yield make
     for fleet in fleets:
+        # Captured output is shown only when the test failed: the pumps' own account.
+        print(fleet.outputs())
         fleet.close()

@@ -217,12 +217,12 @@ def test_a_listener_blip_evicts_no_one_when_the_slow_beat_outlasts_the_stale_cut
         # Give the peers' stale probes (every second) their chance.
         wait_for(
             lambda pump=pump: (
-                db.scalar(
+                pump.instance_id in db.evicted()
+                or db.scalar(
                     "SELECT now() - last_heartbeat_at < make_interval(secs => 1)"
                     " FROM workpump_service_instance WHERE instance_id = %s",
                     [pump.instance_id],
                 )
-                or pump.instance_id in db.evicted()
             ),
             30,
             "a fresh heartbeat or an eviction",

@@ -36,7 +36,7 @@ def test_a_postgresql_restart_mid_run_is_survived_by_every_instance(
         "work under way",
     )
 
-    outage = Stopwatch()
+    down = Stopwatch()
     own_cluster.stop()
     failed_beats = {p.pid: p.output().count("heartbeat failed") for p in pumps}
     # Brief: start again as soon as every instance saw the outage. Past the stale cutoff:
@@ -52,7 +52,7 @@ def test_a_postgresql_restart_mid_run_is_survived_by_every_instance(
         "every instance to notice the outage",
     )
     own_cluster.start()
-    outage_s = outage.seconds()
+    outage_s = down.seconds()
     restarted_at = db.now()
 
     # Every instance beats again (well before the stale cutoff runs out).
@@ -72,7 +72,7 @@ def test_a_postgresql_restart_mid_run_is_survived_by_every_instance(
 
     # Every instance LISTENs again.
     wait_for(lambda: all(listener_pid(db, p) for p in pumps), 60, "every listener to return")
-    relisten_s = outage.seconds() - outage_s
+    relisten_s = down.seconds() - outage_s
     # The backlog drains after the restart, and a row sent now is woken by its NOTIFY.
     wait_for(lambda: db.undone() == 0, 40, "the backlog to drain after the restart")
     wait_for(
