@@ -184,7 +184,13 @@ def test_the_coordinators_reap_waits_out_the_grace_only_in_lock_mode(mode, evict
         " nextval('workpump.alive_lock_key_seq'), now())",
         [A],
     )
-    settings = {"HEARTBEAT_INTERVAL_SECONDS": 60, "LIVENESS_SOURCE_MODE": mode}
+    # A 1 s stale cutoff: a server that started within the cutoff evicts nobody, and the
+    # embedded one started with this test session.
+    settings = {
+        "HEARTBEAT_INTERVAL_SECONDS": 60,
+        "STALE_AFTER_SECONDS": 1,
+        "LIVENESS_SOURCE_MODE": mode,
+    }
     with override_settings(WORKPUMP=settings):
         coordinator = DatabaseCoordinator(InstanceIdentity(service_name="reaper"))
         assert coordinator.reap_stale() == ([A] if evicted else [])
@@ -197,9 +203,8 @@ def test_the_v3_migration_reverses_to_the_v1_functions_and_applies_again(raw_con
     scratch = f"wp_migrate_{uuid.uuid4().hex[:12]}"
     admin = raw_connect()
     admin.execute(f'CREATE DATABASE "{scratch}"')
-    base, _, rest = database_url().rpartition("/")
-    _, separator, query = rest.partition("?")
-    scratch_url = f"{base}/{scratch}{separator}{query}"
+    address, separator, query = database_url().partition("?")  # ?host= may hold slashes
+    scratch_url = f"{address.rpartition('/')[0]}/{scratch}{separator}{query}"
     env = {**os.environ, "DATABASE_URL": scratch_url, "WORKPUMP_JSON": json.dumps({})}
     root = Path(__file__).resolve().parent.parent
 
