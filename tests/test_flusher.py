@@ -215,6 +215,24 @@ def test_stop_drains_everything_left():
     assert not flusher._thread.is_alive()
 
 
+def test_the_flusher_thread_runs_its_exit_hook_after_the_final_drain_in_its_own_thread():
+    recorder = Recorder()
+    seen: list[tuple[list[int], str]] = []
+    flusher = BatchFlusher(
+        "exit-hook",
+        recorder,
+        coalesce_window=60,
+        on_thread_exit=lambda: seen.append((list(recorder.items), threading.current_thread().name)),
+    )
+    flusher.start()
+    flusher.put(1)
+    flusher.stop(timeout=5)
+
+    # The hook (which closes the thread's DB connection in the pump) ran once, after
+    # the drain, on the flusher's thread.
+    assert seen == [([1], "exit-hook")]
+
+
 def test_started_flusher_delivers_an_item_within_the_window():
     recorder = Recorder()
     flusher = make_flusher(recorder, coalesce_window=0.05)

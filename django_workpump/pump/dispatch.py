@@ -131,6 +131,7 @@ class Dispatcher:
             coalesce_window=0.01,
             immediate_flush_at=250,
             capacity=10_000,
+            on_thread_exit=connections.close_all,
         )
         self.failures: BatchFlusher[tuple[str, uuid.UUID, str, str]] = BatchFlusher(
             "workpump-failures",
@@ -139,6 +140,7 @@ class Dispatcher:
             coalesce_window=0.05,
             immediate_flush_at=50,
             capacity=5_000,
+            on_thread_exit=connections.close_all,
         )
 
     # -- capacity and intake -------------------------------------------------------

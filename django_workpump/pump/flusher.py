@@ -31,6 +31,7 @@ class BatchFlusher(Generic[T]):
         immediate_flush_at: int = 100,
         capacity: int = 5000,
         clock: Clock | None = None,
+        on_thread_exit: Callable[[], object] | None = None,
     ) -> None:
         if max_batch < 1 or immediate_flush_at < 1:
             raise ValueError(
@@ -52,6 +53,7 @@ class BatchFlusher(Generic[T]):
         self.failed_flushes = 0
         self.dropped_items = 0
         self._flush = flush
+        self._on_thread_exit = on_thread_exit  # e.g. close the thread's DB connection
         self._clock: Clock = clock if clock is not None else SystemClock()
         self._cond = threading.Condition()
         self._buffer: list[T] = []
@@ -116,10 +118,15 @@ class BatchFlusher(Generic[T]):
         """Run the flusher in a daemon thread named after the flusher."""
         if self._thread is not None or self._stop.is_set():
             raise RuntimeError(f"Flusher {self.name!r} was already started or stopped.")
-        self._thread = threading.Thread(
-            target=self.run, args=(self._stop,), name=self.name, daemon=True
-        )
+        self._thread = threading.Thread(target=self._thread_main, name=self.name, daemon=True)
         self._thread.start()
+
+    def _thread_main(self) -> None:
+        try:
+            self.run(self._stop)
+        finally:
+            if self._on_thread_exit is not None:
+                self._on_thread_exit()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread after its final drain; safe to call twice or before start()."""

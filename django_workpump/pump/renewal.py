@@ -16,6 +16,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from django.db import connections
+
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
@@ -64,6 +66,7 @@ class LeaseRenewalWorker:
             immediate_flush_at=immediate_flush_at,
             capacity=capacity,
             clock=self.clock,
+            on_thread_exit=connections.close_all,
         )
 
     def enqueue(self, category: str, work_id: uuid.UUID) -> bool:
