@@ -128,16 +128,25 @@ def test_a_grace_of_zero_evicts_a_stale_unlocked_instance_at_once():
     assert cleanup(at(100), grace=0) == [A]
 
 
-def test_the_probe_leaves_the_instance_rows_alone_when_nothing_changed():
+@pytest.mark.django_db(transaction=True)
+def test_the_probe_is_a_read_unless_a_lock_state_changed(raw_connect):
     instance(A, T0)
-    probe(at(5))
-    xmin = scalar("SELECT xmin::text FROM workpump_service_instance WHERE instance_id = %s", [A])
-    assert probe(at(6)) is False
-    assert probe(at(7)) is False
-    assert (
-        scalar("SELECT xmin::text FROM workpump_service_instance WHERE instance_id = %s", [A])
-        == xmin
-    )
+    conn = raw_connect()
+
+    def probe_takes_a_write_lock(now: datetime) -> bool:
+        with conn.transaction():
+            conn.execute("SELECT workpump.stale_peer_exists(%s, 30, %s)", [H, now])
+            # An UPDATE (even of no rows) holds RowExclusiveLock until the transaction ends.
+            return conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid()"
+                " AND relation = 'workpump_service_instance'::regclass"
+                " AND mode = 'RowExclusiveLock') AS wrote"
+            ).fetchone()["wrote"]
+
+    assert probe_takes_a_write_lock(at(5)) is True  # A's missing lock is stamped
+    assert probe_takes_a_write_lock(at(6)) is False
+    assert probe_takes_a_write_lock(at(7)) is False
+    assert lost_at(A) == at(5)
 
 
 def test_the_heartbeats_inline_reap_honours_the_grace():

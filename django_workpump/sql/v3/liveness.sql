@@ -17,19 +17,26 @@ DROP FUNCTION workpump.reap_without_waiting(timestamptz, timestamptz, timestampt
 DROP FUNCTION workpump.cleanup_stale_instances(timestamptz, timestamptz, timestamptz);
 
 -- Stamp alive_lock_lost_at on instances whose alive-lock is not held and clear it on
--- those that hold it again. Writes only rows whose lock state changed since last seen.
+-- those that hold it again. A read unless some instance's lock state changed since it
+-- was last seen: the probe that calls it runs every few seconds on every instance.
 CREATE FUNCTION workpump.observe_alive_locks(p_now timestamptz DEFAULT NULL) RETURNS void
-LANGUAGE sql
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
+DECLARE
+    v_held integer[] := ARRAY(SELECT workpump.held_alive_lock_keys());
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM workpump_service_instance si
+        WHERE (si.alive_lock_lost_at IS NULL) <> (si.alive_lock_key = ANY (v_held))
+    ) THEN
+        RETURN;
+    END IF;
     UPDATE workpump_service_instance si
-    SET alive_lock_lost_at = coalesce(p_now, now())
-    WHERE si.alive_lock_lost_at IS NULL
-      AND si.alive_lock_key NOT IN (SELECT workpump.held_alive_lock_keys());
-    UPDATE workpump_service_instance si
-    SET alive_lock_lost_at = NULL
-    WHERE si.alive_lock_lost_at IS NOT NULL
-      AND si.alive_lock_key IN (SELECT workpump.held_alive_lock_keys());
+    SET alive_lock_lost_at = CASE WHEN si.alive_lock_key = ANY (v_held) THEN NULL
+                                  ELSE coalesce(p_now, now()) END
+    WHERE (si.alive_lock_lost_at IS NULL) <> (si.alive_lock_key = ANY (v_held));
+END
 $$;
 
 -- The short-cadence probe: note alive-lock changes, then say whether any instance other
