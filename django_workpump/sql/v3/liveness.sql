@@ -98,6 +98,10 @@ BEGIN
     IF pg_postmaster_start_time() <= v_now AND pg_postmaster_start_time() > p_stale_cutoff THEN
         RETURN;
     END IF;
+    IF NOT EXISTS (SELECT 1 FROM workpump_service_instance si
+                   WHERE si.last_heartbeat_at < p_stale_cutoff) THEN
+        RETURN;  -- nobody to evict: a no-op, stamps included (the probe takes them)
+    END IF;
     PERFORM workpump.observe_alive_locks(v_now);
     v_lock_lost_cutoff := v_now - make_interval(secs => p_lock_loss_grace_seconds);
 
