@@ -232,14 +232,18 @@ def cleanup_stale_instances(
     return [row[0] for row in _fetch("cleanup_stale_instances", locals(), using)]
 
 
-def stale_peer_exists(
+def next_eviction_in(
     *,
     instance_id: uuid.UUID,
     stale_after_seconds: int,
+    definitively_dead_after_seconds: int,
+    lock_loss_grace_seconds: float,
     now: datetime | None = None,
     using: str | None = None,
-) -> bool:
-    return bool(_scalar("stale_peer_exists", locals(), using))
+) -> float | None:
+    """Seconds until a peer becomes evictable: 0 for now, None when none is on its way."""
+    due_in = _scalar("next_eviction_in", locals(), using)
+    return None if due_in is None else float(due_in)
 
 
 def deregister_instance(

@@ -24,7 +24,7 @@ Signatures as installed by the migrations (read from `pg_proc`), with the commen
 precedes each function in its source file. Time-dependent functions take an optional
 `p_now` for tests; production leaves it NULL and the database clock rules.
 """
-_CREATE = re.compile(r"^CREATE FUNCTION workpump\.(\w+)\(", re.MULTILINE)
+_CREATE = re.compile(r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.MULTILINE)
 
 
 def _version(path: Path) -> int:

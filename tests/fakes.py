@@ -68,7 +68,7 @@ class FakeCoordinator:
         *,
         claims: Iterable[Any] = (),
         heartbeats: Iterable[Any] = (),
-        stale_peer: bool = False,
+        eviction_due_in: float | BaseException | None = None,
         reap: Sequence[uuid.UUID] = (),
         refuse_renewal: Iterable[uuid.UUID] = (),
         renew_errors: int = 0,
@@ -82,7 +82,7 @@ class FakeCoordinator:
         self.completed: list[tuple[uuid.UUID, str | None]] = []  # (work id, result)
         self.released: list[uuid.UUID] = []
         self.reap_calls = 0
-        self.stale_peer = stale_peer
+        self.eviction_due_in = eviction_due_in  # what next_eviction_in answers
         self.reap_result = list(reap)
         self.refused = set(refuse_renewal)
         self.renew_errors = renew_errors
@@ -161,11 +161,11 @@ class FakeCoordinator:
             self.on_heartbeat()
         return self._resolve(self._heartbeat_script.popleft() if self._heartbeat_script else True)
 
-    def stale_peer_exists(self) -> bool:
-        self._record("stale_peer_exists")
-        if isinstance(self.stale_peer, BaseException):
-            raise self.stale_peer
-        return self.stale_peer
+    def next_eviction_in(self) -> float | None:
+        self._record("next_eviction_in")
+        if isinstance(self.eviction_due_in, BaseException):
+            raise self.eviction_due_in
+        return self.eviction_due_in
 
     def reap_stale(self) -> list[uuid.UUID]:
         self._record("reap_stale")

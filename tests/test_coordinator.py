@@ -31,5 +31,5 @@ def test_a_healthy_connection_is_kept_across_calls_whatever_conn_max_age_says():
     pid = connection.connection.info.backend_pid
     for _ in range(3):
         coordinator.claim(5)
-        coordinator.stale_peer_exists()
+        coordinator.next_eviction_in()
     assert connection.connection.info.backend_pid == pid

@@ -32,7 +32,13 @@ SQL_DIR = PACKAGE / "sql"
 
 # Functions with a SQL-standard body that touch no table: nothing to resolve by name, so
 # no search_path (which would also stop the planner from inlining them).
-NO_SEARCH_PATH = {"partition_of", "lock_namespace", "state_of", "retry_delay_seconds"}
+NO_SEARCH_PATH = {
+    "partition_of",
+    "lock_namespace",
+    "state_of",
+    "retry_delay_seconds",
+    "instance_evictable",
+}
 
 TIME_DEPENDENT = {
     "claim_work",

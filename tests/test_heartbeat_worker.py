@@ -17,6 +17,7 @@ import pytest
 from django_workpump.clock import FrozenClock
 from django_workpump.pump.heartbeat import (
     ADVISORY_LOCK_MODE,
+    PROBE_MARGIN_SECONDS,
     TABLE_ONLY_MODE,
     HeartbeatPolicy,
     HeartbeatWorker,
@@ -159,15 +160,35 @@ def test_raising_beat_is_counted_as_failed_and_the_next_beat_goes_ahead(clock, c
     assert worker.beats == 0
     assert worker.evicted is False
     assert worker.last_beat_at is None
-    assert next_beat == START + 5  # retried on the normal cadence
+    assert next_beat == START + 0.5  # retried soon: peers wait only one grace
     [record] = [r for r in caplog.records if getattr(r, "action", None) == "heartbeat_failed"]
     assert "server closed the connection" in record.getMessage()
 
-    clock.advance(5)
+    clock.advance(0.5)
     worker.run_once(next_beat, NEVER)
 
     assert worker.beats == 1
     assert len(coordinator.heartbeats) == 2
+
+
+def test_failed_beats_are_retried_sooner_than_the_cadence_backing_off_up_to_it(clock):
+    error = RuntimeError("server closed the connection")
+    coordinator = FakeCoordinator(heartbeats=[error] * 6 + [True, True])
+    worker = make_worker(coordinator, alive_lock_held=AliveLock(True), clock=clock)
+
+    waits = []
+    next_beat = START
+    for _ in range(8):
+        clock.advance(max(0.0, next_beat - clock.monotonic()))
+        before = clock.monotonic()
+        next_beat, _ = worker.run_once(next_beat, NEVER)
+        waits.append(next_beat - before)
+
+    # 0.5 s, doubling (never past the cadence); an accepted beat goes back to the cadence
+    assert waits[:6] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
+    assert waits[6:] == [60, 60]
+    assert worker.failed_beats == 6
+    assert worker.beats == 2
 
 
 # original: HeartbeatWorkerTests.ExecuteAsync_WhenEvicted_StopsHeartbeatingAsync
@@ -228,32 +249,32 @@ def test_stop_ends_a_loop_waiting_for_its_next_beat(clock):
 # probe_peers()
 
 
-def test_probe_without_a_stale_peer_does_not_reap():
-    coordinator = FakeCoordinator(stale_peer=False, reap=[uuid.uuid4()])
+def test_probe_without_an_evictable_peer_does_not_reap():
+    coordinator = FakeCoordinator(eviction_due_in=None, reap=[uuid.uuid4()])
     worker = make_worker(coordinator)
 
     assert worker.probe_peers() == []
 
-    assert coordinator.calls == ["stale_peer_exists"]
+    assert coordinator.calls == ["next_eviction_in"]
     assert worker.probes == 1
     assert worker.reaped == []
 
 
-def test_probe_that_finds_a_stale_peer_reaps_and_records_it(caplog):
+def test_probe_that_finds_an_evictable_peer_reaps_and_records_it(caplog):
     dead = uuid.uuid4()
-    coordinator = FakeCoordinator(stale_peer=True, reap=[dead])
+    coordinator = FakeCoordinator(eviction_due_in=0.0, reap=[dead])
     worker = make_worker(coordinator)
 
     assert worker.probe_peers() == [dead]
 
-    assert coordinator.calls == ["stale_peer_exists", "reap_stale"]
+    assert coordinator.calls == ["next_eviction_in", "reap_stale"]
     assert worker.reaped == [dead]
     [record] = [r for r in caplog.records if getattr(r, "action", None) == "reaped"]
     assert str(dead) in record.getMessage()
 
 
 def test_failing_probe_is_logged_and_returns_nothing(caplog):
-    coordinator = FakeCoordinator(stale_peer=RuntimeError("statement timeout"))
+    coordinator = FakeCoordinator(eviction_due_in=RuntimeError("statement timeout"))
     worker = make_worker(coordinator)
 
     assert worker.probe_peers() == []
@@ -309,6 +330,32 @@ def test_probe_runs_on_its_own_cadence_between_slow_beats(clock):
     assert coordinator.calls.count("heartbeat") == 2
 
 
+def test_a_peer_becoming_evictable_before_the_next_probe_brings_that_probe_forward(clock):
+    dead = uuid.uuid4()
+    coordinator = FakeCoordinator(eviction_due_in=2.0, reap=[dead])
+    worker = make_worker(coordinator, clock=clock)
+
+    _, next_probe = worker.run_once(NEVER, START)
+    assert next_probe == START + 2.0 + PROBE_MARGIN_SECONDS  # not the regular START + 5
+    assert worker.reaped == []
+
+    coordinator.eviction_due_in = 0.0
+    clock.advance(next_probe - START)
+    _, next_probe = worker.run_once(NEVER, next_probe)
+
+    assert worker.reaped == [dead]
+    assert coordinator.calls == ["next_eviction_in", "next_eviction_in", "reap_stale"]
+    assert next_probe == clock.monotonic() + 5  # back to the regular cadence
+
+
+def test_a_peer_evictable_only_after_the_next_regular_probe_changes_nothing(clock):
+    worker = make_worker(FakeCoordinator(eviction_due_in=7.5), clock=clock)
+
+    _, next_probe = worker.run_once(NEVER, START)
+
+    assert next_probe == START + 5
+
+
 def test_probe_is_not_run_before_it_is_due(clock):
     coordinator = FakeCoordinator()
     worker = make_worker(coordinator, clock=clock)
@@ -333,7 +380,7 @@ def test_disabled_heartbeat_never_beats_but_still_probes(clock):
     assert worker.beats == 0
     assert "heartbeat" not in coordinator.calls
     assert worker.probes == 4
-    assert coordinator.calls == ["stale_peer_exists"] * 4
+    assert coordinator.calls == ["next_eviction_in"] * 4
 
 
 def test_a_requested_beat_goes_out_at_once_instead_of_at_the_slow_cadence(clock):

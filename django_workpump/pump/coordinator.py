@@ -48,7 +48,7 @@ class Coordinator(Protocol):
     ) -> list[Outcome]: ...
     def release(self, category: str, ids: Sequence[uuid.UUID]) -> list[Outcome]: ...
     def heartbeat(self, metadata: Mapping[str, Any]) -> bool: ...
-    def stale_peer_exists(self) -> bool: ...
+    def next_eviction_in(self) -> float | None: ...
     def reap_stale(self) -> list[uuid.UUID]: ...
     def deregister(self) -> int: ...
 
@@ -62,7 +62,7 @@ REQUIRED_FUNCTIONS = (
     "release_work",
     "record_heartbeat",
     "cleanup_stale_instances",
-    "observe_alive_locks",  # schema v3: an older schema must be migrated first
+    "next_eviction_in",  # schema v4: an older schema must be migrated first
     "deregister_instance",
 )
 
@@ -193,11 +193,13 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
-    def stale_peer_exists(self) -> bool:
+    def next_eviction_in(self) -> float | None:
         return self._call(
-            db.stale_peer_exists,
+            db.next_eviction_in,
             instance_id=self.identity.instance_id,
-            stale_after_seconds=self.settings["STALE_AFTER_SECONDS"],
+            stale_after_seconds=self.stale_after_seconds,
+            definitively_dead_after_seconds=self.dead_after_seconds,
+            lock_loss_grace_seconds=self.lock_loss_grace_seconds,
             using=self.alias,
         )
 

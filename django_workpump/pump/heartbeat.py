@@ -1,8 +1,10 @@
 """HeartbeatWorker: proves this instance is alive and looks for dead peers (DESIGN §4).
 
 Two timers in one loop: the beat (fast cadence, or slow while the alive-lock proves
-liveness) and a short-cadence stale-peer probe, a read that calls the reap only when a
-peer looks stale. A refused beat means this instance was evicted: everything stops.
+liveness) and a short-cadence probe, a read that calls the reap only when a peer is
+evictable and otherwise says when one will be, so the next probe lands then rather than
+at the next regular tick (docs/design-decisions.md). A refused beat means this
+instance was evicted: everything stops.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ logger = logging.getLogger("django_workpump.heartbeat")
 
 ADVISORY_LOCK_MODE = "advisory_lock_when_available"
 TABLE_ONLY_MODE = "heartbeat_table_only"
+
+# A probe scheduled for when a peer becomes evictable runs this much later, so that the
+# database clock has certainly passed that time.
+PROBE_MARGIN_SECONDS = 0.05
+# A failed beat is retried after this, doubling up to the cadence: an instance that just
+# lost its alive-lock (often with its other connections) must beat again long before
+# one grace has passed.
+FAILED_BEAT_RETRY_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,8 @@ class HeartbeatWorker:
         self.reaped: list[Any] = []
         self.evicted = False
         self.last_beat_at: float | None = None
+        self.next_eviction_in: float | None = None  # as the last probe said
+        self._failed_in_a_row = 0
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by stop() and request_beat()
         self._beat_requested = False
@@ -93,8 +105,11 @@ class HeartbeatWorker:
             accepted = self.coordinator.heartbeat(self.metadata())
         except Exception as exc:  # noqa: BLE001 - a failed beat is retried next tick
             self.failed_beats += 1
+            self._failed_in_a_row += 1
             logger.warning("heartbeat failed: %s", exc, extra={"action": "heartbeat_failed"})
-            return BeatResult(accepted=None, cadence=cadence)
+            retry = FAILED_BEAT_RETRY_SECONDS * 2 ** (self._failed_in_a_row - 1)
+            return BeatResult(accepted=None, cadence=min(cadence, retry))
+        self._failed_in_a_row = 0
         self.beats += 1
         self.last_beat_at = self.clock.monotonic()
         if not accepted:
@@ -109,10 +124,13 @@ class HeartbeatWorker:
         return BeatResult(accepted=accepted, cadence=cadence)
 
     def probe_peers(self) -> list[Any]:
-        """Look for a stale peer (a read); reap only when there is one."""
+        """Ask when a peer becomes evictable (a read); reap only when one is now."""
         self.probes += 1
+        self.next_eviction_in = None
         try:
-            if not self.coordinator.stale_peer_exists():
+            due_in = self.coordinator.next_eviction_in()
+            if due_in is None or due_in > 0:
+                self.next_eviction_in = due_in
                 return []
             evicted = self.coordinator.reap_stale()
         except Exception as exc:  # noqa: BLE001 - the next probe or maintenance retries
@@ -142,6 +160,11 @@ class HeartbeatWorker:
         if now >= next_probe_at:
             self.probe_peers()
             next_probe_at = now + self.policy.stale_peer_probe_interval_seconds
+            if self.next_eviction_in is not None:
+                # a peer's grace ends before the next regular probe: look again then
+                next_probe_at = min(
+                    next_probe_at, now + self.next_eviction_in + PROBE_MARGIN_SECONDS
+                )
         return next_beat_at, next_probe_at
 
     def run(self) -> None:

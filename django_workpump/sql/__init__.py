@@ -7,7 +7,9 @@ from functools import cache
 from importlib.resources import files
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
-_FUNCTION = re.compile(r"^CREATE FUNCTION workpump\.(\w+)\(.*?^\$\$;$", re.MULTILINE | re.DOTALL)
+_FUNCTION = re.compile(
+    r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(.*?^\$\$;$", re.MULTILINE | re.DOTALL
+)
 
 
 def read(path: str) -> str:

@@ -104,10 +104,12 @@ FROM workpump.cleanup_stale_instances(
     p_now => %(now)s,
     p_lock_loss_grace_seconds => %(lock_loss_grace_seconds)s)
 
--- name: stale_peer_exists
-SELECT workpump.stale_peer_exists(
+-- name: next_eviction_in
+SELECT workpump.next_eviction_in(
     p_instance_id => %(instance_id)s,
     p_stale_after_seconds => %(stale_after_seconds)s,
+    p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
+    p_lock_loss_grace_seconds => %(lock_loss_grace_seconds)s,
     p_now => %(now)s)
 
 -- name: deregister_instance

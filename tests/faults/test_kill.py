@@ -1,13 +1,16 @@
 """Scenario 1: kill -9 of one of three instances mid-run, repeated over several rounds.
 
-Each round kills the instance that is running handlers, measures the failover time (the
-kill to the first start elsewhere of a row the victim held) and starts a replacement. At
-the end every row is done, per-stream order held, and every second execution belongs to a
-row the victim held at its kill.
+Each round waits a random while (so kills land at random points of the heartbeat and
+probe cycles), kills the instance that is running handlers, measures the failover time
+(the kill to the first start elsewhere of a row the victim held) and starts a
+replacement. At the end every row is done, per-stream order held, and every second
+execution belongs to a row the victim held at its kill.
 """
 
 from __future__ import annotations
 
+import random
+import threading
 import uuid
 from typing import Any
 
@@ -27,6 +30,7 @@ def kill_rounds(
     seconds: float,
     keep_undone: int,
     failover_timeout: float,
+    kill_spread: float = 0.0,
 ) -> dict[str, Any]:
     backlog = Backlog(db, streams=12, seconds=seconds)
     steps = max(1, keep_undone // (backlog.streams * 4))
@@ -35,7 +39,10 @@ def kill_rounds(
     failovers: list[float] = []
     in_flight: set[uuid.UUID] = set()
     interrupted: set[uuid.UUID] = set()
+    rng = random.Random()
+    pause = threading.Event()  # never set: waits out the random offset of each kill
     for _ in harness.iter_rounds(rounds):
+        pause.wait(rng.uniform(0, kill_spread))
         if db.undone() < keep_undone:
             backlog.produce(steps)
 
@@ -90,6 +97,7 @@ def kill_rounds(
         "rounds": rounds,
         "failover_s": failovers,
         "p50_s": harness.percentile(failovers, 50),
+        "p99_s": harness.percentile(failovers, 99),
         "max_s": max(failovers),
         "rows": verdict.rows,
         "executions": verdict.executions,
@@ -116,15 +124,19 @@ def test_kill_9_fails_over_within_5_s_on_the_fast_preset_and_loses_nothing(db, m
 
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(not harness.FULL, reason="full mode only (WORKPUMP_FAULTS_FULL=1)")
-def test_kill_9_fails_over_within_35_s_at_the_default_timing(db, make_fleet):
+def test_kill_9_fails_over_within_15_s_at_the_default_timing(db, make_fleet):
+    # Defaults: 10 s fast beat (the lock-loss grace), 60 s slow beat, 30 s stale cutoff,
+    # 5 s probe. A victim dies holding its alive-lock, so the bound is probe + grace + a
+    # claim the orphan NOTIFY starts at once, whatever the age of its last heartbeat.
     fleet = make_fleet(db, harness.DEFAULT_TIMING)
     figures = kill_rounds(
         db,
         fleet,
-        rounds=5,
+        rounds=10,
         seconds=1.0,
         keep_undone=500,
         failover_timeout=120,
+        kill_spread=60.0,  # one slow heartbeat cycle
     )
     harness.report("kill9-defaults", preset="10s/60s/30s", **figures)
-    assert figures["max_s"] <= 35.0, figures
+    assert figures["p99_s"] <= 15.0, figures
