@@ -84,6 +84,8 @@ def send(
     max_attempts: int,
     message_id: uuid.UUID | None,
     partition_count: int,
+    max_payload_bytes: int,
+    max_payload_depth: int,
     using: str | None = None,
 ) -> uuid.UUID:
     return _scalar("send", locals() | {"payload": payload_json}, using)
@@ -99,6 +101,8 @@ def receive(
     scheduled_for: datetime | None,
     max_attempts: int,
     partition_count: int,
+    max_payload_bytes: int,
+    max_payload_depth: int,
     using: str | None = None,
 ) -> bool:
     return bool(_scalar("receive", locals() | {"payload": payload_json}, using))
@@ -113,6 +117,8 @@ def emit(
     event_id: uuid.UUID | None,
     priority: int,
     partition_count: int,
+    max_payload_bytes: int,
+    max_payload_depth: int,
     using: str | None = None,
 ) -> uuid.UUID:
     params = locals() | {"payload": payload_json, "subscribers": subscribers_json}
