@@ -10,26 +10,35 @@ the admin shows such a payload as stored.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from django.db import DataError, connection, transaction
-from django.test import override_settings
+from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 
 import django_workpump as workpump
+from django_workpump import db, models
 from django_workpump.conf import DEFAULTS
+from django_workpump.db import Outcome
 from django_workpump.payloads import MAX_DEPTH, UndecodablePayload, decode, nesting_depth
-from tests.conftest import database_url, run_sql, scalar
+from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
+from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
+from django_workpump.pump.supervisor import EXIT_OK
+from django_workpump.registry import registry
+from tests.conftest import FAST_PUMP, database_url, drain, run_sql, scalar
+from tests.fakes import FakeCoordinator, FakeSink, make_row, watching
 
 # Past Python's recursion limit (json.loads raises RecursionError), within PostgreSQL's
 # stack for jsonb input (about 10k levels at the default max_stack_depth).
@@ -322,6 +331,166 @@ def test_python_producers_refuse_what_postgresql_cannot_store_with_invalid_work(
 def test_python_producers_accept_a_stream_key_of_exactly_512_bytes_and_any_unicode():
     workpump.send("pl.good", {"text": "😀 é \u2028", "k": {"中": [None, True]}}, stream="é" * 256)
     assert scalar("SELECT octet_length(stream) FROM workpump_outbox") == 512
+
+
+# -- the claim ---------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_claim_decodes_each_row_and_flags_only_the_undecodable_ones():
+    good = [workpump.send("pl.good", {"n": n}) for n in range(3)]
+    deep = insert_outbox(DEEP_PAYLOAD)
+    huge = scalar("SELECT workpump.send('pl.good', %s::jsonb)", [HUGE_PAYLOAD])
+    rows = db.claim_work(instance_id=uuid.uuid4(), max_rows=10, lease_seconds=300,
+                         partition_count=10_000)  # fmt: skip
+    by_id = {row.work_id: row for row in rows}
+    assert set(by_id) == {*good, deep, huge}
+    assert [by_id[work_id].payload for work_id in good] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert all(by_id[work_id].payload_error is None for work_id in good)
+    assert by_id[deep].payload == {}
+    assert "5000 levels deep" in str(by_id[deep].payload_error)
+    assert "Exceeds the limit (4300 digits)" in str(by_id[huge].payload_error)
+
+
+@pytest.mark.django_db
+def test_the_claim_worker_hands_over_the_good_rows_and_dead_letters_only_the_bad_ones():
+    good = [workpump.send("pl.good", {"n": n}) for n in range(3)]
+    deep = insert_outbox(DEEP_PAYLOAD)
+    huge = scalar("SELECT workpump.send('pl.good', %s::jsonb)", [HUGE_PAYLOAD])
+    event_work = insert_event_work(nested(DEEP))
+    sink = FakeSink(free=10)
+    worker = ClaimWorker(DatabaseCoordinator(InstanceIdentity()), sink, ClaimPolicy())
+
+    result = worker.run_once()
+
+    assert result.error is None
+    assert result.claimed == 6
+    (batch,) = sink.batches
+    assert sorted(row.payload["n"] for row in batch) == [0, 1, 2]
+    assert {row.work_id for row in batch} == set(good)
+    parked = run_sql(
+        "SELECT message_id AS id, attempts, failure_reason, last_error, instance_id,"
+        " payload::text AS raw FROM workpump_outbox WHERE dead_lettered_at IS NOT NULL"
+        " UNION ALL SELECT p.event_work_id, p.attempts, p.failure_reason, p.last_error,"
+        " p.instance_id, e.payload::text FROM workpump_perspective_event p"
+        " JOIN workpump_event e USING (event_id) WHERE p.dead_lettered_at IS NOT NULL"
+    )
+    assert {row["id"] for row in parked} == {deep, huge, event_work}
+    for row in parked:
+        assert row["failure_reason"] == "undecodable_payload"
+        assert row["attempts"] == 1
+        assert row["instance_id"] is None
+        assert row["last_error"].startswith("the payload cannot be decoded: ")
+    raw = {row["id"]: row["raw"] for row in parked}
+    assert raw[huge] == '{"big": ' + HUGE_INT + "}"  # kept as written
+    assert nesting_depth(raw[deep]) == DEEP
+    held = models.Outbox.objects.filter(message_id__in=good, instance_id__isnull=False)
+    assert sorted(held.values_list("attempts", flat=True)) == [1, 1, 1]
+
+
+def test_a_failure_to_park_undecodable_rows_does_not_hold_back_their_batch_mates():
+    good, bad = make_row(), dataclasses.replace(make_row(), payload={}, payload_error="deep")
+
+    class Refusing(FakeCoordinator):
+        def dead_letter(self, *args: Any) -> list[Outcome]:
+            super().dead_letter(*args)
+            raise RuntimeError("dead_letter failed: connection lost")
+
+    coordinator = Refusing(claims=[[good, bad]])
+    sink = FakeSink(free=4)
+    with watching("django_workpump.claim") as log:
+        result = ClaimWorker(coordinator, sink, ClaimPolicy()).run_once()
+    assert result.claimed == 2 and result.error is None
+    assert sink.batches == [[good]]
+    assert coordinator.dead_lettered == [(bad.work_id, "the payload cannot be decoded: deep")]
+    assert log.wait_for("dead_letter_failed", timeout=0)
+
+
+@pytest.fixture
+def recorded() -> Iterator[list[tuple[str, int, Any]]]:
+    """Handlers for pl.good and pl.totals that record (topic, attempt, payload)."""
+    seen: list[tuple[str, int, Any]] = []
+    lock = threading.Lock()
+
+    def handle(work: Any) -> None:
+        with lock:
+            seen.append((work.topic, work.attempts, work.payload))
+
+    workpump.outbox_handler("pl.good")(handle)
+    workpump.perspective("pl.totals", events=["pl.placed"])(handle)
+    yield seen
+    registry.unregister("outbox", "pl.good")
+    registry.unregister("perspective_event", "pl.totals")
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP={**FAST_PUMP, "CONCURRENCY": 4})
+def test_a_pump_runs_the_good_rows_once_and_parks_the_undecodable_ones_unrun(recorded, pump):
+    good = [workpump.send("pl.good", {"n": n}, stream=f"s-{n % 2}") for n in range(6)]
+    deep = insert_outbox(DEEP_PAYLOAD)
+    huge = scalar("SELECT workpump.send('pl.good', %s::jsonb)", [HUGE_PAYLOAD])
+    event_work = insert_event_work(HUGE_PAYLOAD)
+
+    assert drain(pump(drain=True)) == EXIT_OK
+
+    assert sorted(n for _, _, payload in recorded for n in [payload.get("n")]) == list(range(6))
+    assert {attempt for _, attempt, _ in recorded} == {1}
+    done = models.Outbox.objects.filter(message_id__in=good, processed_at__isnull=False)
+    assert sorted(done.values_list("attempts", flat=True)) == [1] * 6
+    dead = run_sql(
+        "SELECT message_id AS id, failure_reason, attempts FROM workpump_outbox"
+        " WHERE dead_lettered_at IS NOT NULL UNION ALL"
+        " SELECT event_work_id, failure_reason, attempts FROM workpump_perspective_event"
+        " WHERE dead_lettered_at IS NOT NULL"
+    )
+    assert {(r["id"], r["failure_reason"], r["attempts"]) for r in dead} == {
+        (deep, "undecodable_payload", 1),
+        (huge, "undecodable_payload", 1),
+        (event_work, "undecodable_payload", 1),
+    }
+
+
+# -- the admin ---------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("text", [DEEP_PAYLOAD, HUGE_PAYLOAD], ids=["deep", "huge-int"])
+def test_the_admin_shows_an_undecodable_outbox_payload_as_stored(admin_client: Client, text):
+    work_id = insert_outbox(text)
+    row = models.Outbox.objects.defer("payload").get(message_id=work_id)
+
+    listing = admin_client.get("/admin/workpump/outbox/")
+    assert listing.status_code == 200
+    assert str(work_id) in listing.content.decode()
+
+    page = admin_client.get(f"/admin/workpump/outbox/{row.pk}/change/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "Shown as stored: this payload cannot be decoded" in html
+    stored = scalar("SELECT payload::text FROM workpump_outbox WHERE seq = %s", [row.pk])
+    assert stored[:200].replace('"', "&quot;") in html
+
+
+@pytest.mark.django_db
+def test_the_admin_shows_an_undecodable_event_payload_as_stored(admin_client: Client):
+    work_id = insert_event_work(HUGE_PAYLOAD)
+    pk = models.PerspectiveEvent.objects.get(event_work_id=work_id).pk
+
+    assert admin_client.get("/admin/workpump/perspectiveevent/").status_code == 200
+    page = admin_client.get(f"/admin/workpump/perspectiveevent/{pk}/change/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "Shown as stored: this payload cannot be decoded" in html
+    assert HUGE_INT in html
+
+
+@pytest.mark.django_db
+def test_the_admin_still_indents_a_payload_it_can_decode(admin_client: Client):
+    work_id = workpump.send("pl.good", {"b": [1, 2], "a": "x"})
+    pk = models.Outbox.objects.get(message_id=work_id).pk
+    html = admin_client.get(f"/admin/workpump/outbox/{pk}/change/").content.decode()
+    assert "cannot be decoded" not in html
+    assert "{\n  &quot;a&quot;: &quot;x&quot;,\n  &quot;b&quot;: [\n    1," in html
 
 
 # -- the migration -----------------------------------------------------------------------------

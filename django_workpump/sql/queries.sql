@@ -82,6 +82,14 @@ FROM workpump.fail_work(
     p_retry_max_seconds => %(retry_max_seconds)s,
     p_now => %(now)s)
 
+-- name: dead_letter
+SELECT r.id
+FROM workpump.dead_letter(
+    p_category => %(category)s,
+    p_ids => %(ids)s::uuid[],
+    p_reason => %(reason)s,
+    p_now => %(now)s) AS r(id)
+
 -- name: release_work
 SELECT work_id, status
 FROM workpump.release_work(
