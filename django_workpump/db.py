@@ -8,7 +8,6 @@ caller's transaction. ``now`` is for tests only: production lets the database cl
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,8 +15,10 @@ from datetime import datetime
 from typing import Any
 
 from django.db import ProgrammingError, connections
+from psycopg.types.string import TextLoader
 
 from django_workpump.conf import setting
+from django_workpump.payloads import UndecodablePayload, decode
 from django_workpump.sql import named_queries
 
 
@@ -38,6 +39,9 @@ class ClaimedWork:
     priority: int
     claimed_at: datetime
     has_more: bool
+    # Why the payload could not be decoded (then ``payload`` is empty): the row must be
+    # dead-lettered, not run.
+    payload_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,14 @@ def _alias(using: str | None) -> str:
     return using or setting("DATABASE_ALIAS")
 
 
-def _fetch(name: str, params: dict[str, Any], using: str | None) -> list[tuple[Any, ...]]:
+def _fetch(
+    name: str, params: dict[str, Any], using: str | None, *, jsonb_as_text: bool = False
+) -> list[tuple[Any, ...]]:
     with connections[_alias(using)].cursor() as cursor:
+        if jsonb_as_text:
+            # Raw JSON text, decoded row by row by the caller: one payload Python cannot
+            # decode must not fail the fetch of its batch-mates.
+            cursor.cursor.adapters.register_loader("jsonb", TextLoader)
         cursor.execute(named_queries()[name], params)
         return list(cursor.fetchall())
 
@@ -84,6 +94,8 @@ def send(
     max_attempts: int,
     message_id: uuid.UUID | None,
     partition_count: int,
+    max_payload_bytes: int,
+    max_payload_depth: int,
     using: str | None = None,
 ) -> uuid.UUID:
     return _scalar("send", locals() | {"payload": payload_json}, using)
@@ -99,6 +111,8 @@ def receive(
     scheduled_for: datetime | None,
     max_attempts: int,
     partition_count: int,
+    max_payload_bytes: int,
+    max_payload_depth: int,
     using: str | None = None,
 ) -> bool:
     return bool(_scalar("receive", locals() | {"payload": payload_json}, using))
@@ -113,6 +127,8 @@ def emit(
     event_id: uuid.UUID | None,
     priority: int,
     partition_count: int,
+    max_payload_bytes: int,
+    max_payload_depth: int,
     using: str | None = None,
 ) -> uuid.UUID:
     params = locals() | {"payload": payload_json, "subscribers": subscribers_json}
@@ -131,16 +147,22 @@ def claim_work(
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[ClaimedWork]:
+    """Lease rows; a row whose payload cannot be decoded comes back with ``payload_error``."""
     params = locals() | {"categories": list(categories) if categories else None}
-    return [_claimed(row) for row in _fetch("claim_work", params, using)]
+    return [_claimed(row) for row in _fetch("claim_work", params, using, jsonb_as_text=True)]
 
 
 def _claimed(row: tuple[Any, ...]) -> ClaimedWork:
     work = ClaimedWork(*row)
-    if isinstance(work.payload, str):
-        # Django's psycopg setup leaves jsonb as text (JSONField decodes it itself).
-        work = dataclasses.replace(work, payload=json.loads(work.payload))
-    return work
+    text: str = row[3]  # the payload's JSON text
+    try:
+        payload = decode(text)
+    except UndecodablePayload as exc:
+        return dataclasses.replace(work, payload={}, payload_error=str(exc))
+    if not isinstance(payload, dict):  # the producers store objects only
+        error = f"it is a JSON {type(payload).__name__}, not an object"
+        return dataclasses.replace(work, payload={}, payload_error=error)
+    return dataclasses.replace(work, payload=payload)
 
 
 def renew_leases(
@@ -189,6 +211,19 @@ def fail_work(
         "reasons": list(reasons) if reasons else None,
     }
     return [Outcome(*row) for row in _fetch("fail_work", params, using)]
+
+
+def dead_letter(
+    *,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    reason: str,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[uuid.UUID]:
+    """Park undone rows as dead with ``reason``; return the ids that were parked."""
+    params = locals() | {"ids": list(ids)}
+    return [row[0] for row in _fetch("dead_letter", params, using)]
 
 
 def release_work(

@@ -1,4 +1,4 @@
-"""Producing work: ``send``, ``receive``, ``emit`` (DESIGN §1).
+"""Producing work: ``send``, ``receive``, ``emit``.
 
 Each call writes through the Django connection of ``WORKPUMP['DATABASE_ALIAS']`` (or
 ``using``), so it commits or rolls back with the caller's transaction. Bad input is
@@ -8,6 +8,7 @@ refused here, before anything is written, with an error that names the fix.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -17,7 +18,14 @@ from django.db import transaction
 
 from django_workpump import db
 from django_workpump.conf import setting
+from django_workpump.payloads import MAX_DEPTH
 from django_workpump.registry import TOPIC_NOUNS, registry
+
+# Longest stream key, in UTF-8 bytes: keys are indexed, and index rows have a size limit.
+MAX_STREAM_BYTES = 512
+# Characters PostgreSQL text and jsonb cannot hold: NUL, and UTF-16 surrogates (a str
+# holds them only after lossy decoding, e.g. errors="surrogateescape").
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 # Called after commit of produced work, with its category (the in-process pump wakes).
 _on_commit_listeners: list[Callable[[str], None]] = []
@@ -48,13 +56,68 @@ def _announce(category: str, using: str) -> None:
     transaction.on_commit(fire, using=using)
 
 
+def _unstorable(text: str) -> str | None:
+    """Describe the first character of ``text`` that PostgreSQL cannot store, if any."""
+    found = _UNSTORABLE.search(text)
+    if found is None:
+        return None
+    if found.group() == "\x00":
+        return "a NUL character (\\x00)"
+    return f"a surrogate code point (U+{ord(found.group()):04X}, not valid Unicode)"
+
+
+def _location(path: tuple[Any, ...]) -> str:
+    return "payload" + "".join(f"[{step!r}]" for step in path)
+
+
+def _check_payload_values(what: str, payload: Mapping[str, Any]) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and strings PostgreSQL cannot store.
+
+    Iterative, so even a payload nested past the recursion limit is refused cleanly.
+    """
+    fix = (
+        "Remove it, or encode binary data first (e.g. base64) and decode text with "
+        "errors='replace' instead of 'surrogateescape'."
+    )
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(payload, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            if problem := _unstorable(value):
+                where = _location(path)
+                raise InvalidWork(f"The payload of {what} has {problem} in {where}. {fix}")
+            continue
+        if isinstance(value, Mapping):
+            children: Any = value.items()
+        elif isinstance(value, list | tuple):
+            children = enumerate(value)
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise InvalidWork(
+                f"The payload of {what} nests dicts and lists more than {MAX_DEPTH} levels "
+                f"deep under {_location(path[:1])}, or contains itself. Flatten it, e.g. "
+                "into a list of records that name their parent."
+            )
+        is_mapping = isinstance(value, Mapping)
+        for key, child in children:
+            if is_mapping and isinstance(key, str) and (problem := _unstorable(key)):
+                raise InvalidWork(
+                    f"The payload of {what} has {problem} in a key of {_location(path)}. {fix}"
+                )
+            stack.append((child, depth + 1, (*path, key)))
+
+
 def _payload_json(what: str, payload: Any) -> str:
     if not isinstance(payload, Mapping):
         raise InvalidWork(
             f"The payload of {what} must be a dict of JSON values, not {type(payload).__name__}."
         )
+    _check_payload_values(what, payload)
     try:
-        text = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+        # PostgreSQL's own rendering of jsonb (", " and ": ", UTF-8), so the size measured
+        # here is the one the SQL producers check against p_max_payload_bytes.
+        text = json.dumps(payload, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise InvalidWork(
             f"The payload of {what} is not JSON ({exc}). Pass only dicts, lists, strings, "
@@ -79,7 +142,21 @@ def _stream_key(what: str, stream: Any) -> str | None:
             f"The stream of {what} must be a str, int or UUID (or None for no ordering), "
             f"not {type(stream).__name__}."
         )
-    key = str(stream)
+    too_long = (
+        f"The stream of {what} is {{}}, over the limit of {MAX_STREAM_BYTES} bytes. Use a "
+        "shorter key, e.g. a hash of the long one."
+    )
+    try:
+        key = str(stream)
+    except ValueError as exc:  # an int past Python's int-string digit limit
+        raise InvalidWork(too_long.format("an int of more than 4300 digits")) from exc
+    size = len(key.encode("utf-8", "surrogatepass"))
+    if size > MAX_STREAM_BYTES:
+        raise InvalidWork(too_long.format(f"{size} bytes in UTF-8"))
+    if problem := _unstorable(key):
+        raise InvalidWork(
+            f"The stream of {what} has {problem}. Use a key of printable text, e.g. a hash."
+        )
     if not key.strip():
         raise InvalidWork(f"The stream of {what} is empty; pass None for no ordering.")
     return key
@@ -88,6 +165,8 @@ def _stream_key(what: str, stream: Any) -> str | None:
 def _name(what: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidWork(f"The {what} must be a non-empty string, not {value!r}.")
+    if problem := _unstorable(value):
+        raise InvalidWork(f"The {what} {value!r} has {problem}. Use printable text.")
     return value
 
 
@@ -145,6 +224,8 @@ def send(
         max_attempts=_max_attempts("outbox", destination, max_attempts),
         message_id=message_id,
         partition_count=setting("PARTITION_COUNT"),
+        max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
+        max_payload_depth=MAX_DEPTH,
         using=alias,
     )
     _announce("outbox", alias)
@@ -181,6 +262,8 @@ def receive(
         scheduled_for=_when(what, run_after),
         max_attempts=_max_attempts("inbox", handler_name, max_attempts),
         partition_count=setting("PARTITION_COUNT"),
+        max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
+        max_payload_depth=MAX_DEPTH,
         using=alias,
     )
     if stored:
@@ -217,6 +300,8 @@ def emit(
         event_id=event_id,
         priority=_priority(what, priority),
         partition_count=setting("PARTITION_COUNT"),
+        max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
+        max_payload_depth=MAX_DEPTH,
         using=alias,
     )
     for category in sorted({handler.category for handler in registry.subscribers(event_type)}):

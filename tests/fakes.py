@@ -81,6 +81,7 @@ class FakeCoordinator:
         self.renewals: list[tuple[str, list[uuid.UUID]]] = []
         self.completed: list[tuple[uuid.UUID, str | None]] = []  # (work id, result)
         self.released: list[uuid.UUID] = []
+        self.dead_lettered: list[tuple[uuid.UUID, str]] = []  # (id, error)
         self.reap_calls = 0
         self.eviction_due_in = eviction_due_in  # what next_eviction_in answers
         self.reap_result = list(reap)
@@ -153,6 +154,14 @@ class FakeCoordinator:
             self.released.extend(ids)
         self._record("release")
         return [Outcome(work_id, "released") for work_id in ids]
+
+    def dead_letter(
+        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reason: str
+    ) -> list[Outcome]:
+        with self._cond:
+            self.dead_lettered.extend(zip(ids, errors, strict=True))
+        self._record("dead_letter")
+        return [Outcome(work_id, "dead") for work_id in ids]
 
     def heartbeat(self, metadata: Mapping[str, Any]) -> bool:
         self._record("heartbeat")

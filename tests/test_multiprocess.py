@@ -109,8 +109,15 @@ def test_two_processes_share_a_backlog_and_every_row_runs_exactly_once(execution
 
 def test_kill_9_moves_the_killed_instances_rows_to_the_survivor(executions, spawn):
     total = produce_backlog(streams=8, per_stream=6, seconds=0.05)
-    victim = spawn("--concurrency", "4")
-    survivor = spawn("--concurrency", "4")
+    # A 3 s lock-loss grace (one fast beat): the survivor evicts the victim 3-4 s after
+    # the kill, time enough to read what the victim held.
+    timings = {
+        "HEARTBEAT_INTERVAL_SECONDS": 3,
+        "HEARTBEAT_SLOW_INTERVAL_SECONDS": 6,
+        "STALE_AFTER_SECONDS": 6,
+    }
+    victim = spawn("--concurrency", "4", **timings)
+    survivor = spawn("--concurrency", "4", **timings)
     assert wait_until(
         lambda: (
             scalar(
@@ -130,7 +137,7 @@ def test_kill_9_moves_the_killed_instances_rows_to_the_survivor(executions, spaw
     victim.wait(10)
     # Rows whose outcome the kill lost: started by the victim and still leased to it (a
     # handler may have finished with its completion not yet flushed). Eviction has not
-    # run yet: it waits for the stale cutoff.
+    # run yet: it waits for a probe to see the victim's lock missing, then the grace.
     in_flight = {
         row["work_id"]
         for row in run_sql(
@@ -147,7 +154,7 @@ def test_kill_9_moves_the_killed_instances_rows_to_the_survivor(executions, spaw
     assert (
         scalar("SELECT count(*) FROM workpump_service_instance WHERE instance_id = %s", [victim_id])
         == 1
-    ), "evicted before the lost outcomes were read: raise STALE_AFTER_SECONDS"
+    ), "evicted before the lost outcomes were read: raise HEARTBEAT_INTERVAL_SECONDS"
 
     assert wait_until(lambda: undone() == 0, timeout=90), "the survivor did not finish the work"
     survivor.send_signal(signal.SIGTERM)

@@ -16,6 +16,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from django_workpump.conf import get_settings
+from django_workpump.payloads import MAX_DEPTH, UndecodablePayload, decode
 
 DASH = "—"
 
@@ -113,6 +114,22 @@ def pretty_json(value: Any) -> SafeString:
             value = json.loads(value)
     text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
     return format_html('<pre class="wp-json" style="margin:0;white-space:pre-wrap">{}</pre>', text)
+
+
+def payload(text: str) -> SafeString:
+    """A stored payload (JSON text) indented, or as stored when Python cannot decode it."""
+    try:
+        # No deeper than producers allow: the indenting encoder recurses per level.
+        value = decode(text, max_depth=MAX_DEPTH)
+    except UndecodablePayload as exc:
+        return format_html(
+            '<p class="wp-undecodable">Shown as stored: this payload cannot be decoded ({}).</p>'
+            '<pre class="wp-json wp-raw" style="margin:0;white-space:pre-wrap;'
+            'word-break:break-all">{}</pre>',
+            exc,
+            text,
+        )
+    return pretty_json(value)
 
 
 def pre(text: str | None) -> SafeString | str:

@@ -11,7 +11,8 @@ from django.contrib.admin import helpers
 from django.contrib.admin.utils import model_ngettext
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import ValidationError
-from django.db.models import F, Q, QuerySet
+from django.db.models import F, Q, QuerySet, TextField
+from django.db.models.functions import Cast
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -148,9 +149,16 @@ class WorkAdmin(admin.ModelAdmin):
     def get_object(
         self, request: HttpRequest, object_id: str, from_field: str | None = None
     ) -> Any:
+        # The payload is read as text: a payload Python cannot decode (written through the
+        # SQL API) is shown as stored instead of failing the page.
         queryset = self.get_queryset(request)
-        if not self.has_own_payload:
-            queryset = queryset.select_related("event")
+        if self.has_own_payload:
+            queryset = queryset.defer("payload")
+            payload = "payload"
+        else:
+            queryset = queryset.select_related("event").defer("event__payload")
+            payload = "event__payload"
+        queryset = queryset.annotate(wp_payload_text=Cast(payload, TextField()))
         field = (
             self.model._meta.pk if from_field is None else self.model._meta.get_field(from_field)
         )
@@ -346,8 +354,7 @@ class WorkAdmin(admin.ModelAdmin):
 
     @admin.display(description="payload")
     def payload_json(self, obj: Any) -> SafeString:
-        payload = obj.payload if self.has_own_payload else obj.event.payload
-        return display.pretty_json(payload)
+        return display.payload(obj.wp_payload_text)
 
     @admin.display(description="result")
     def result_json(self, obj: Any) -> SafeString | str:

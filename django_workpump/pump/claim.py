@@ -19,6 +19,8 @@ from django_workpump.pump.coordinator import Coordinator
 
 logger = logging.getLogger("django_workpump.claim")
 
+# The failure reason of a row whose payload Python cannot decode.
+UNDECODABLE_PAYLOAD = "undecodable_payload"
 # A claim may take what the dispatcher starts in this long (beyond the free slots).
 QUEUE_SECONDS = 0.25
 RATE_SAMPLE_SECONDS = 0.1
@@ -183,10 +185,51 @@ class ClaimWorker:
         if rows:
             self.empty_polls = 0
             self.claimed_total += len(rows)
-            self.sink.submit(rows)
+            runnable = [row for row in rows if row.payload_error is None]
+            if runnable:
+                self.sink.submit(runnable)
+            if len(runnable) < len(rows):
+                self._dead_letter_undecodable([row for row in rows if row.payload_error])
         else:
             self.empty_polls += 1
         return ClaimResult(claimed=len(rows), has_more=any(row.has_more for row in rows))
+
+    def _dead_letter_undecodable(self, rows: list[ClaimedWork]) -> None:
+        """Park rows whose payload cannot be decoded, alone: their batch-mates run.
+
+        Running them again could never help. If parking fails, their leases expire and
+        the next claim of them tries again.
+        """
+        by_category: dict[str, list[ClaimedWork]] = {}
+        for row in rows:
+            by_category.setdefault(row.category, []).append(row)
+        for category, group in by_category.items():
+            errors = [f"the payload cannot be decoded: {row.payload_error}" for row in group]
+            try:
+                outcomes = self.coordinator.dead_letter(
+                    category, [row.work_id for row in group], errors, UNDECODABLE_PAYLOAD
+                )
+            except Exception as exc:
+                logger.warning(
+                    "could not dead-letter %d %s rows with undecodable payloads: %s",
+                    len(group),
+                    category,
+                    exc,
+                    extra={"action": "dead_letter_failed"},
+                    exc_info=True,
+                )
+                continue
+            parked = {outcome.work_id for outcome in outcomes if outcome.status == "dead"}
+            for row, error in zip(group, errors, strict=True):
+                logger.warning(
+                    "%s %s for %r not run and %s: %s",
+                    category,
+                    row.work_id,
+                    row.topic,
+                    "dead-lettered" if row.work_id in parked else "its lease was lost",
+                    error,
+                    extra={"action": UNDECODABLE_PAYLOAD},
+                )
 
     def _batch_size(self, free: int) -> int:
         """Free slots plus the prefetch, or what the dispatcher starts in QUEUE_SECONDS.

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from django.db import DatabaseError, close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections, transaction
 
 from django_workpump import db
 from django_workpump.conf import get_settings, lock_loss_grace_seconds
@@ -47,6 +47,9 @@ class Coordinator(Protocol):
         self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reasons: Sequence[str]
     ) -> list[Outcome]: ...
     def release(self, category: str, ids: Sequence[uuid.UUID]) -> list[Outcome]: ...
+    def dead_letter(
+        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reason: str
+    ) -> list[Outcome]: ...
     def heartbeat(self, metadata: Mapping[str, Any]) -> bool: ...
     def next_eviction_in(self) -> float | None: ...
     def reap_stale(self) -> list[uuid.UUID]: ...
@@ -178,6 +181,38 @@ class DatabaseCoordinator:
             ids=ids,
             using=self.alias,
         )
+
+    def dead_letter(
+        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reason: str
+    ) -> list[Outcome]:
+        """Park rows this instance holds as dead with ``reason`` without running them.
+
+        The failure records each row's error under the lease fence; the dead-lettering
+        parks at once what would otherwise be retried. A row on its last attempt is parked
+        by the failure itself, with reason ``max_attempts``.
+        """
+
+        def fail_and_park() -> list[Outcome]:
+            with transaction.atomic(using=self.alias):
+                failed = db.fail_work(
+                    instance_id=self.identity.instance_id,
+                    category=category,
+                    ids=ids,
+                    errors=errors,
+                    reasons=[reason] * len(ids),
+                    retry_base_seconds=self.settings["RETRY_BACKOFF_BASE_SECONDS"],
+                    retry_max_seconds=self.settings["RETRY_BACKOFF_MAX_SECONDS"],
+                    using=self.alias,
+                )
+                retry = [o.work_id for o in failed if o.status == "retry"]
+                parked = set(
+                    db.dead_letter(category=category, ids=retry, reason=reason, using=self.alias)
+                    if retry
+                    else []
+                )
+            return [Outcome(o.work_id, "dead") if o.work_id in parked else o for o in failed]
+
+        return self._call(fail_and_park)
 
     def heartbeat(self, metadata: Mapping[str, Any]) -> bool:
         return self._call(

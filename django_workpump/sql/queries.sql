@@ -10,7 +10,9 @@ SELECT workpump.send(
     p_scheduled_for => %(scheduled_for)s,
     p_max_attempts => %(max_attempts)s,
     p_message_id => %(message_id)s,
-    p_partition_count => %(partition_count)s)
+    p_partition_count => %(partition_count)s,
+    p_max_payload_bytes => %(max_payload_bytes)s,
+    p_max_payload_depth => %(max_payload_depth)s)
 
 -- name: receive
 SELECT workpump.receive(
@@ -21,7 +23,9 @@ SELECT workpump.receive(
     p_priority => %(priority)s,
     p_scheduled_for => %(scheduled_for)s,
     p_max_attempts => %(max_attempts)s,
-    p_partition_count => %(partition_count)s)
+    p_partition_count => %(partition_count)s,
+    p_max_payload_bytes => %(max_payload_bytes)s,
+    p_max_payload_depth => %(max_payload_depth)s)
 
 -- name: emit
 SELECT workpump.emit(
@@ -31,7 +35,9 @@ SELECT workpump.emit(
     p_subscribers => %(subscribers)s::jsonb,
     p_event_id => %(event_id)s,
     p_priority => %(priority)s,
-    p_partition_count => %(partition_count)s)
+    p_partition_count => %(partition_count)s,
+    p_max_payload_bytes => %(max_payload_bytes)s,
+    p_max_payload_depth => %(max_payload_depth)s)
 
 -- name: claim_work
 SELECT category, work_id, topic, payload, stream, attempts, max_attempts, lease_expiry,
@@ -75,6 +81,14 @@ FROM workpump.fail_work(
     p_retry_base_seconds => %(retry_base_seconds)s,
     p_retry_max_seconds => %(retry_max_seconds)s,
     p_now => %(now)s)
+
+-- name: dead_letter
+SELECT r.id
+FROM workpump.dead_letter(
+    p_category => %(category)s,
+    p_ids => %(ids)s::uuid[],
+    p_reason => %(reason)s,
+    p_now => %(now)s) AS r(id)
 
 -- name: release_work
 SELECT work_id, status

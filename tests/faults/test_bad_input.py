@@ -1,9 +1,12 @@
 """Scenario 7: bad input.
 
-Non-JSON, oversized and wrong-shaped payloads, stream keys of the wrong type, unknown
-topics, a wrong-typed setting, and the SQL functions called with nonsense (unknown
-category, negative lease, empty arrays, NULLs, strangers' ids). Each gets a clear error
-or a defined no-op; the caller's transaction stays usable and no existing row changes.
+Non-JSON, oversized, over-deep and wrong-shaped payloads, strings PostgreSQL cannot
+store, stream keys of the wrong type or length, unknown topics, a wrong-typed setting,
+and the SQL functions called with nonsense (unknown category, negative lease, empty
+arrays, NULLs, strangers' ids). Each gets a clear error or a defined no-op; the caller's
+transaction stays usable and no existing row changes. Hostile payloads that got in
+through SQL (too deep for Python, integers past its digit limit) are parked alone as
+``undecodable_payload`` by real pumps while the good rows around them run once.
 """
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ def snapshot(cursor: Any) -> dict[str, list[Any]]:
 
 
 # -- producers -------------------------------------------------------------------------
+def deep_list(levels: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
 BAD_PRODUCER_CALLS = [
     ("a payload that is not a dict", lambda: workpump.send("fx.outbox", ["a", "list"])),
     ("a payload with a non-JSON value", lambda: workpump.send("fx.outbox", {"d": Decimal(1)})),
@@ -61,6 +71,11 @@ BAD_PRODUCER_CALLS = [
     ("a message id that is not a UUID", lambda: workpump.receive("42", "fx.inbox", {})),
     ("a priority that is a string", lambda: workpump.send("fx.outbox", {}, priority="high")),
     ("max_attempts of zero", lambda: workpump.send("fx.outbox", {}, max_attempts=0)),
+    ("a stream key over 512 bytes", lambda: workpump.send("fx.outbox", {}, stream="s" * 513)),
+    ("a NUL in a stream key", lambda: workpump.emit("fx.event", {}, stream="a\x00")),
+    ("a NUL in a payload", lambda: workpump.send("fx.outbox", {"a": ["\x00"]})),
+    ("a lone surrogate in a payload key", lambda: workpump.send("fx.outbox", {"\udc80": 1})),
+    ("a payload nested 5000 deep", lambda: workpump.send("fx.outbox", {"a": deep_list(5000)})),
 ]
 
 
@@ -141,6 +156,20 @@ SQL_ERRORS = [
      "22023", "smallint"),
     ("send: zero max attempts", "SELECT workpump.send('fx.outbox', '{}', p_max_attempts => 0)",
      "22023", "at least 1"),
+    ("send: a payload over p_max_payload_bytes",
+     "SELECT workpump.send('fx.outbox', '{\"x\": \"yyyyyyyy\"}', p_max_payload_bytes => 10)",
+     "22023", "over p_max_payload_bytes (10): store large data elsewhere"),
+    ("receive: a payload nested 101 deep",
+     "SELECT workpump.receive(gen_random_uuid(), 'fx.inbox',"
+     " ('{\"a\": ' || repeat('[', 100) || repeat(']', 100) || '}')::jsonb)",
+     "22023", "more than p_max_payload_depth (100) levels deep: flatten it"),
+    ("emit: a payload nested 5000 deep",
+     "SELECT workpump.emit('fx.event',"
+     " ('{\"a\": ' || repeat('[', 4999) || repeat(']', 4999) || '}')::jsonb)",
+     "22023", "more than p_max_payload_depth (100) levels deep"),
+    ("emit: a depth limit the pump cannot decode",
+     "SELECT workpump.emit('fx.event', '{}', p_max_payload_depth => 1000)", "22023",
+     "between 1 and 512"),
     ("send: a stream key of the wrong type", "SELECT workpump.send('fx.outbox', '{}', 42)",
      "42883", "does not exist"),
     ("receive: NULL message id", "SELECT workpump.receive(NULL, 'fx.inbox', '{}')", "22023",
@@ -316,3 +345,117 @@ def test_work_for_unknown_topics_is_parked_dead_with_the_reason_and_nothing_else
     assert db.undone() == 0  # the rest was processed
     assert db.scalar("SELECT attempts FROM workpump_outbox WHERE message_id = %s", [nobody]) == 2
     harness.report("bad-input-unknown-topics", parked=len(dead), rest_processed=backlog.total)
+
+
+# -- hostile payloads written through SQL, run by real pumps --------------------------------
+DEEP_TEXT = '{"deep": ' + "[" * 4999 + "]" * 4999 + "}"  # past Python's recursion limit
+HUGE_TEXT = '{"big": ' + "9" * 5000 + "}"  # past Python's int-string digit limit
+FLOAT_TEXT = '{"big": 1e5000}'  # jsonb prints it as 5001 digits
+
+
+def hostile_rows(db: Database, tag: int) -> dict[str, list[uuid.UUID]]:
+    """Rows Python cannot decode, each on a stream of its own, by category.
+
+    The SQL producers accept the huge numbers (they are shallow and small); the deep
+    payloads are refused by them since schema v5, so they are inserted as an older
+    producer (or a plain INSERT) would have left them.
+    """
+    rows: dict[str, list[uuid.UUID]] = {c: [] for c in harness.CATEGORIES}
+    stream = f"hostile-{tag}"
+    rows["outbox"].append(
+        db.scalar("SELECT workpump.send('fx.outbox', %s::jsonb, %s)", [HUGE_TEXT, f"{stream}-o1"])
+    )
+    rows["outbox"].append(
+        db.scalar(
+            "INSERT INTO workpump_outbox (message_id, destination, payload, stream,"
+            " partition_number) VALUES (gen_random_uuid(), 'fx.outbox', %s::jsonb, %s,"
+            " workpump.partition_of(%s)) RETURNING message_id",
+            [DEEP_TEXT, f"{stream}-o2", f"{stream}-o2"],
+        )
+    )
+    inbox_id = uuid.uuid4()
+    db.sql("SELECT workpump.receive(%s, 'fx.inbox', %s::jsonb)", [inbox_id, FLOAT_TEXT])
+    rows["inbox"].append(inbox_id)
+    event = db.scalar(
+        "SELECT workpump.emit('fx.event', %s::jsonb, %s, %s::jsonb)",
+        [HUGE_TEXT, f"{stream}-e1", harness.SUBSCRIBERS],
+    )
+    deep_event = uuid.uuid4()
+    db.sql(
+        "INSERT INTO workpump_event (event_id, event_type, payload) VALUES"
+        " (%s, 'fx.event', %s::jsonb)",
+        [deep_event, DEEP_TEXT],
+    )
+    db.sql(
+        "INSERT INTO workpump_perspective_event (event_work_id, perspective_name,"
+        " event_id, partition_number) VALUES (gen_random_uuid(), 'fx.perspective', %s, 0)",
+        [deep_event],
+    )
+    for category, table, key in (
+        ("perspective_event", "workpump_perspective_event", "event_work_id"),
+        ("receptor", "workpump_receptor_processing", "id"),
+    ):
+        rows[category] += [
+            r["id"]
+            for r in db.sql(
+                f"SELECT {key} AS id FROM {table} WHERE event_id = ANY(%s)", [[event, deep_event]]
+            )
+        ]
+    return rows  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_hostile_payloads_written_through_sql_are_parked_alone_and_the_rest_runs_once(
+    db, make_fleet
+):
+    backlog = harness.Backlog(db, streams=4, seconds=0.01)
+    hostile: dict[str, list[uuid.UUID]] = {c: [] for c in harness.CATEGORIES}
+    for tag in range(3):  # good and hostile rows interleaved, so claims mix them
+        backlog.produce(4)
+        for category, ids in hostile_rows(db, tag).items():
+            hostile[category] += ids
+    backlog.produce(4)
+    # A payload at the deepest level the SQL producers may be told to accept still runs.
+    at_limit = '{"n": 0, "deep": ' + "[" * 511 + "]" * 511 + "}"
+    deepest = db.scalar(
+        "SELECT workpump.send('fx.outbox', %s::jsonb, p_max_payload_depth => 512)", [at_limit]
+    )
+    bad = {work_id for ids in hostile.values() for work_id in ids}
+    fleet = make_fleet(db, harness.FAST)
+    pumps = [fleet.spawn("--drain", "--concurrency", "4") for _ in range(2)]
+    for pump in pumps:
+        assert pump.wait_exit(180) == 0, pump.output()
+
+    expected = {c: backlog.expected[c] + len(hostile[c]) for c in harness.CATEGORIES}
+    expected["outbox"] += 1
+    verdict = harness.check_invariants(db, expected=expected, allow_dead=bad)
+    harness.assert_invariants(verdict, fleet)
+    rows = db.sql(harness.ALL_ROWS)
+    good = [r for r in rows if r["id"] not in bad]
+    parked = [r for r in rows if r["id"] in bad]
+    good_rerun = [r for r in good if r["attempts"] != 1]
+    good_dead = [r for r in good if r["dead_lettered_at"] is not None]
+    assert good_rerun == [] and good_dead == []
+    assert {(r["failure_reason"], r["attempts"]) for r in parked} == {("undecodable_payload", 1)}
+    assert all(r["last_error"].startswith("the payload cannot be decoded: ") for r in parked)
+    assert db.executions("work_id = ANY(%s)", [list(bad)]) == []
+    assert db.scalar(
+        "SELECT processed_at IS NOT NULL FROM workpump_outbox WHERE message_id = %s", [deepest]
+    )
+    kept = db.scalar(
+        "SELECT count(*) FROM workpump_outbox WHERE message_id = ANY(%s)"
+        " AND payload::text IN (%s, %s)",
+        [hostile["outbox"], HUGE_TEXT, DEEP_TEXT],
+    )
+    assert kept == len(hostile["outbox"])  # kept in the row as written, for the admin
+    harness.report(
+        "bad-input-hostile-payloads",
+        pumps=len(pumps),
+        good_rows=len(good),
+        hostile_rows=len(parked),
+        good_attempts_over_1=len(good_rerun),
+        good_dead=len(good_dead),
+        hostile_parked_undecodable=len(parked),
+        hostile_executions=0,
+        executions=verdict.executions,
+    )
