@@ -49,6 +49,8 @@ DEFAULTS: dict[str, Any] = {
     "LISTEN_DSN": None,  # direct DSN for LISTEN + alive-lock when DATABASE_ALIAS is pooled
     # Housekeeping and shutdown (§8).
     "RETENTION_SECONDS": 7 * 24 * 3600,  # processed rows are kept this long, then purged
+    "DEAD_RETENTION_SECONDS": None,  # dead rows are purged this long after; None = kept
+    "INBOX_DEDUP_RETENTION_SECONDS": 30 * 24 * 3600,  # inbox de-duplication window; None = ever
     "MAINTENANCE_INTERVAL_SECONDS": 300,
     "SHUTDOWN_TIMEOUT_SECONDS": 30,
     "MAX_ABANDONED_HANDLERS": 10,  # past this many hung handlers the instance exits

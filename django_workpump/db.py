@@ -113,6 +113,7 @@ def receive(
     partition_count: int,
     max_payload_bytes: int,
     max_payload_depth: int,
+    deduplicate: bool = True,
     using: str | None = None,
 ) -> bool:
     return bool(_scalar("receive", locals() | {"payload": payload_json}, using))
@@ -323,6 +324,23 @@ def purge_processed(
     *, category: str, retention_seconds: int, batch: int, using: str | None = None
 ) -> int:
     return int(_scalar("purge_processed", locals(), using))
+
+
+def purge_dead(
+    *, category: str, retention_seconds: int, batch: int, using: str | None = None
+) -> int:
+    """Delete up to ``batch`` rows dead for longer than ``retention_seconds``."""
+    return int(_scalar("purge_dead", locals(), using))
+
+
+def purge_inbox_dedup(*, retention_seconds: int, batch: int, using: str | None = None) -> int:
+    """Forget up to ``batch`` received message ids whose inbox rows were purged."""
+    return int(_scalar("purge_inbox_dedup", locals(), using))
+
+
+def purge_task_attempts(*, retention_seconds: int, batch: int, using: str | None = None) -> int:
+    """Delete up to ``batch`` attempts of task rows that retention purged."""
+    return int(_scalar("purge_task_attempts", locals(), using))
 
 
 def purge_events(*, retention_seconds: int, batch: int, using: str | None = None) -> int:

@@ -142,7 +142,8 @@ class Inbox(WorkRow):
 
 
 class InboxDedup(models.Model):
-    """Every inbox message id ever received; outlives the purge of processed rows."""
+    """Every inbox message id received within INBOX_DEDUP_RETENTION_SECONDS; outlives the
+    purge of processed rows."""
 
     message_id = models.UUIDField(primary_key=True)
     first_seen_at = models.DateTimeField(db_default=Now())
@@ -150,6 +151,8 @@ class InboxDedup(models.Model):
     class Meta:
         db_table = "workpump_inbox_dedup"
         verbose_name = "received message id"
+        # the retention purge takes the oldest first
+        indexes = [models.Index(fields=["first_seen_at"], name="wp_inbox_dedup_seen")]
 
     def __str__(self) -> str:
         return str(self.message_id)

@@ -241,9 +241,15 @@ def receive(
     priority: int = 0,
     run_after: datetime | None = None,
     max_attempts: int | None = None,
+    deduplicate: bool = True,
     using: str | None = None,
 ) -> bool:
-    """Store an inbox message once per ``message_id``; False if it was received before."""
+    """Store an inbox message once per ``message_id``; False if it was received before.
+
+    Ids are remembered for ``INBOX_DEDUP_RETENTION_SECONDS`` after their row is purged.
+    ``deduplicate=False`` writes no de-duplication record, for ids that are fresh UUIDs
+    (a repeated id then raises ``IntegrityError``).
+    """
     handler_name = _name("inbox handler name", handler_name)
     what = f"inbox message for {handler_name!r}"
     try:
@@ -264,6 +270,7 @@ def receive(
         partition_count=setting("PARTITION_COUNT"),
         max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
         max_payload_depth=MAX_DEPTH,
+        deduplicate=deduplicate,
         using=alias,
     )
     if stored:

@@ -25,7 +25,6 @@ import json
 import logging
 import sys
 import threading
-import time
 import traceback as tracebacks
 import uuid
 from collections.abc import Iterable, Mapping
@@ -95,7 +94,6 @@ INSTANCE_KEYS = (
     "RETRY_BACKOFF_BASE_SECONDS",
     "RETRY_BACKOFF_MAX_SECONDS",
 )
-PURGE_BATCH = 500
 TRACEBACK_CHARS = 20_000  # the end of a long trace is what explains it
 
 
@@ -198,6 +196,7 @@ class WorkPumpBackend(BaseTaskBackend):
             priority=task.priority,
             run_after=task.run_after,
             max_attempts=self.max_attempts_of(task),
+            deduplicate=False,  # a fresh UUID: nothing to de-duplicate
             using=using,
         )
         from django_workpump.models import Inbox
@@ -515,9 +514,6 @@ def _handler(alias: str, queue: str) -> Any:
 
 # -- one attempt -------------------------------------------------------------------------
 
-_purge_lock = threading.Lock()
-_purged_at: float | None = None
-
 
 class AttemptRunner:
     """Run one claimed task row: record the attempt, run the task, report the outcome."""
@@ -533,7 +529,6 @@ class AttemptRunner:
         self.instance_id = work.instance_id or uuid.UUID(int=0)
 
     def run(self) -> Any:
-        _purge_attempts_now_and_then(self.using)
         self._start_attempt()
         try:
             task, args, kwargs = self._decode()
@@ -696,39 +691,6 @@ def _send(signal: Any, sender: type, result: TaskResult) -> None:
                 response,
                 extra={"action": "task_signal_failed"},
             )
-
-
-def purge_task_attempts(*, retention_seconds: int, batch: int, using: str | None = None) -> int:
-    """Delete up to ``batch`` attempts of task rows purged by maintenance; return how many."""
-    rows = db.fetch_named(
-        "tasks.sql",
-        "purge_task_attempts",
-        {"retention_seconds": retention_seconds, "batch": batch},
-        using=using,
-    )
-    return int(rows[0]["purged"])
-
-
-def _purge_attempts_now_and_then(using: str) -> None:
-    """Purge attempts of purged task rows, at most once per maintenance interval."""
-    global _purged_at
-    now = time.monotonic()
-    with _purge_lock:
-        due = _purged_at is None or now - _purged_at >= setting("MAINTENANCE_INTERVAL_SECONDS")
-        if not due:
-            return
-        _purged_at = now
-    try:
-        purged = purge_task_attempts(
-            retention_seconds=setting("RETENTION_SECONDS"), batch=PURGE_BATCH, using=using
-        )
-    except Exception:
-        logger.exception("purge of task attempts failed", extra={"action": "purge_failed"})
-        return
-    if purged:
-        logger.info(
-            "purged %d attempts of purged tasks", purged, extra={"action": "task_attempts_purged"}
-        )
 
 
 # -- system checks of a backend (called through BaseTaskBackend.check) ------------------

@@ -496,6 +496,7 @@ def test_the_admin_still_indents_a_payload_it_can_decode(admin_client: Client):
 # -- the migration -----------------------------------------------------------------------------
 
 
+@pytest.mark.django_db(transaction=True)
 def test_the_v5_migration_reverses_to_the_v1_producers_and_applies_again(raw_connect):
     module = importlib.import_module("django_workpump.migrations.0008_functions_v5_payload_limits")
     ((_, previous),) = module.Migration.dependencies
@@ -523,14 +524,16 @@ def test_the_v5_migration_reverses_to_the_v1_producers_and_applies_again(raw_con
             ).fetchall()
         return dict(rows)
 
+    this = module.__name__.rpartition(".")[2]
     try:
-        migrate()
+        migrate("workpump", this)
         assert producer_arguments() == {"check_payload": 5, "emit": 9, "receive": 10, "send": 10}
         migrate("workpump", previous)
         assert producer_arguments() == {"emit": 7, "receive": 8, "send": 8}
         with psycopg.connect(scratch_url) as conn:  # the v1 send works again
             conn.execute("SELECT workpump.send('pl.good', %s::jsonb)", [nested(300)])
-        migrate()
+        migrate("workpump", this)
         assert producer_arguments() == {"check_payload": 5, "emit": 9, "receive": 10, "send": 10}
+        migrate()
     finally:
         admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')

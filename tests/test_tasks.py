@@ -36,6 +36,7 @@ from django.utils import timezone
 
 import django_workpump as workpump
 from django_workpump import models
+from django_workpump.db import purge_task_attempts
 from django_workpump.pump.supervisor import EXIT_OK
 from django_workpump.registry import registry
 
@@ -45,7 +46,6 @@ from django_workpump.task_runner import (
     TaskResultDoesNotExist,
     TaskResultStatus,
     WorkPumpBackend,
-    purge_task_attempts,
     register_backends,
     task_backends,
     task_enqueued,
@@ -591,6 +591,13 @@ def test_attempts_of_task_rows_purged_after_retention_are_purged_too():
     assert purge_task_attempts(retention_seconds=86400, batch=100) == 0
     left = set(models.TaskAttempt.objects.values_list("message_id", flat=True))
     assert left == {kept, recent}  # its task row still exists / not past retention yet
+
+
+@db
+def test_a_task_enqueue_writes_no_deduplication_row():
+    result = task_funcs.add.enqueue(1)
+    assert models.Inbox.objects.filter(message_id=result.id).exists()
+    assert not models.InboxDedup.objects.filter(message_id=result.id).exists()
 
 
 def test_register_backends_is_idempotent():

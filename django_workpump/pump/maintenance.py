@@ -1,9 +1,12 @@
 """MaintenanceWorker: housekeeping, one instance at a time (DESIGN §8).
 
 Each pass takes the maintenance advisory lock (skipped when a peer holds it), then:
-reaps stale instances (a backstop for the heartbeat's reap), purges processed rows and
-unreferenced events past retention in small batches, drops idle stream-ownership rows,
-purges old tombstones, and logs rows that are using up their attempts.
+reaps stale instances (a backstop for the heartbeat's reap); purges, in small batches
+taken in turn until every purge has caught up, processed rows and unreferenced events
+past RETENTION_SECONDS, dead rows past DEAD_RETENTION_SECONDS (when set), received
+message ids past INBOX_DEDUP_RETENTION_SECONDS, the attempts of purged tasks and idle
+stream-ownership rows; purges old tombstones; and logs rows that are using up their
+attempts. Handler threads never purge.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ class MaintenanceWorker:
         stale_after_seconds: int,
         definitively_dead_after_seconds: int,
         lock_loss_grace_seconds: float = 0,
+        dead_retention_seconds: int | None = None,
+        inbox_dedup_retention_seconds: int | None = None,
         batch: int = 1_000,
-        max_batches_per_pass: int = 50,
     ) -> None:
         self.alias = alias
         self.interval_seconds = interval_seconds
@@ -52,19 +56,69 @@ class MaintenanceWorker:
         self.stale_after_seconds = stale_after_seconds
         self.definitively_dead_after_seconds = definitively_dead_after_seconds
         self.lock_loss_grace_seconds = lock_loss_grace_seconds
+        self.dead_retention_seconds = dead_retention_seconds
+        self.inbox_dedup_retention_seconds = inbox_dedup_retention_seconds
         self.batch = batch
-        self.max_batches_per_pass = max_batches_per_pass
         self.passes = 0
         self._stop = threading.Event()
 
-    def _purge(self, purge_once: Callable[[], int]) -> int:
-        total = 0
-        for _ in range(self.max_batches_per_pass):
-            removed = purge_once()
-            total += removed
-            if removed < self.batch or self._stop.is_set():
-                break
-        return total
+    def _purges(self) -> dict[str, Callable[[], int]]:
+        """Each purge as one batch call, by the name its count is reported under."""
+        using, batch = self.alias, self.batch
+        purges: dict[str, Callable[[], int]] = {}
+        for category in CATEGORIES:
+            purges[category] = partial(
+                db.purge_processed,
+                category=category,
+                retention_seconds=self.retention_seconds,
+                batch=batch,
+                using=using,
+            )
+        if self.dead_retention_seconds is not None:
+            for category in CATEGORIES:
+                purges[f"dead_{category}"] = partial(
+                    db.purge_dead,
+                    category=category,
+                    retention_seconds=self.dead_retention_seconds,
+                    batch=batch,
+                    using=using,
+                )
+        purges["event"] = partial(
+            db.purge_events, retention_seconds=self.retention_seconds, batch=batch, using=using
+        )
+        purges["task_attempt"] = partial(
+            db.purge_task_attempts,
+            retention_seconds=self.retention_seconds,
+            batch=batch,
+            using=using,
+        )
+        if self.inbox_dedup_retention_seconds is not None:
+            purges["inbox_dedup"] = partial(
+                db.purge_inbox_dedup,
+                retention_seconds=self.inbox_dedup_retention_seconds,
+                batch=batch,
+                using=using,
+            )
+        purges["active_stream"] = partial(db.purge_idle_streams, batch=batch, using=using)
+        return purges
+
+    def _purge_until_caught_up(self) -> dict[str, int]:
+        """One batch of each purge in turn, until each has come back short of a batch.
+
+        Batches keep every delete short (row locks, WAL) and taking them in turn keeps one
+        large backlog from starving the rest; a pass ends only when all have caught up or
+        the worker is stopped, so retention keeps up with any production rate.
+        """
+        purges = self._purges()
+        totals = dict.fromkeys(purges, 0)
+        behind = list(purges)
+        while behind and not self._stop.is_set():
+            for name in list(behind):
+                removed = purges[name]()
+                totals[name] += removed
+                if removed < self.batch:
+                    behind.remove(name)
+        return totals
 
     def run_once(self) -> MaintenanceResult:
         """One pass, if this instance gets the lock."""
@@ -82,24 +136,7 @@ class MaintenanceWorker:
                     using=using,
                 )
             )
-            for category in CATEGORIES:
-                result.purged[category] = self._purge(
-                    partial(
-                        db.purge_processed,
-                        category=category,
-                        retention_seconds=self.retention_seconds,
-                        batch=self.batch,
-                        using=using,
-                    )
-                )
-            result.purged["event"] = self._purge(
-                lambda: db.purge_events(
-                    retention_seconds=self.retention_seconds, batch=self.batch, using=using
-                )
-            )
-            result.purged["active_stream"] = self._purge(
-                lambda: db.purge_idle_streams(batch=self.batch, using=using)
-            )
+            result.purged = self._purge_until_caught_up()
             result.purged["eviction"] = db.purge_evictions(
                 retention_seconds=TOMBSTONE_RETENTION_SECONDS, using=using
             )

@@ -143,6 +143,8 @@ class Supervisor:
             stale_after_seconds=s["STALE_AFTER_SECONDS"],
             definitively_dead_after_seconds=s["DEFINITIVELY_DEAD_AFTER_SECONDS"],
             lock_loss_grace_seconds=lock_loss_grace_seconds(s),
+            dead_retention_seconds=s["DEAD_RETENTION_SECONDS"],
+            inbox_dedup_retention_seconds=s["INBOX_DEDUP_RETENTION_SECONDS"],
         )
         self.exit_code: int | None = None
         self.stop_reason: str | None = None

@@ -25,7 +25,8 @@ SELECT workpump.receive(
     p_max_attempts => %(max_attempts)s,
     p_partition_count => %(partition_count)s,
     p_max_payload_bytes => %(max_payload_bytes)s,
-    p_max_payload_depth => %(max_payload_depth)s)
+    p_max_payload_depth => %(max_payload_depth)s,
+    p_deduplicate => %(deduplicate)s)
 
 -- name: emit
 SELECT workpump.emit(
@@ -162,6 +163,34 @@ SELECT workpump.release_maintenance_lock()
 -- name: purge_processed
 SELECT workpump.purge_processed(
     %(category)s, now() - make_interval(secs => %(retention_seconds)s), %(batch)s)
+
+-- name: purge_dead
+SELECT workpump.purge_dead(
+    %(category)s, now() - make_interval(secs => %(retention_seconds)s), %(batch)s)
+
+-- name: purge_inbox_dedup
+SELECT workpump.purge_inbox_dedup(
+    now() - make_interval(secs => %(retention_seconds)s), %(batch)s)
+
+-- name: purge_task_attempts
+-- Attempts outlive nothing: once maintenance purged a task's inbox row (retention),
+-- its attempts go too, oldest first, a bounded batch per call.
+WITH orphaned AS (
+    -- started before the retention cutoff, and the task row is gone
+    SELECT a.id
+    FROM workpump_task_attempt a
+    WHERE a.started_at < now() - make_interval(secs => %(retention_seconds)s)
+      AND NOT EXISTS (
+          SELECT 1 FROM workpump_inbox i WHERE i.message_id = a.message_id)
+    ORDER BY a.started_at
+    LIMIT %(batch)s
+), purged AS (
+    DELETE FROM workpump_task_attempt a
+    USING orphaned o
+    WHERE a.id = o.id
+    RETURNING a.id
+)
+SELECT count(*) AS purged FROM purged
 
 -- name: purge_events
 SELECT workpump.purge_events(now() - make_interval(secs => %(retention_seconds)s), %(batch)s)

@@ -12,23 +12,3 @@ WHERE message_id = %(message_id)s
   AND instance_id = %(instance_id)s
   AND processed_at IS NULL
 RETURNING message_id, max_attempts
-
--- name: purge_task_attempts
--- Attempts outlive nothing: once maintenance purged a task's inbox row (retention),
--- its attempts go too, oldest first, a bounded batch per call.
-WITH orphaned AS (
-    -- started before the retention cutoff, and the task row is gone
-    SELECT a.id
-    FROM workpump_task_attempt a
-    WHERE a.started_at < now() - make_interval(secs => %(retention_seconds)s)
-      AND NOT EXISTS (
-          SELECT 1 FROM workpump_inbox i WHERE i.message_id = a.message_id)
-    ORDER BY a.started_at
-    LIMIT %(batch)s
-), purged AS (
-    DELETE FROM workpump_task_attempt a
-    USING orphaned o
-    WHERE a.id = o.id
-    RETURNING a.id
-)
-SELECT count(*) AS purged FROM purged
