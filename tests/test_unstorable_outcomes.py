@@ -278,3 +278,47 @@ def test_a_completion_whose_connection_was_killed_is_retried_on_a_new_one(held, 
 
     assert dispatcher.completions.flush_once() == 2  # the next call reconnects
     assert models.Outbox.objects.filter(processed_at__isnull=False).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stalled_flusher_shows_in_the_heartbeat_and_in_workpump_status(held):
+    from django_workpump import status
+    from django_workpump.management.commands.workpump_status import render_text
+
+    coordinator, _ = held(1)
+    stalled = {"workpump-completions": {"failures": 4, "pending": 7, "last_error": "x"}}
+    assert coordinator.heartbeat({"stalled_flushers": stalled})
+
+    [instance] = status.instances()
+    assert instance.stalled_flushers == stalled
+    line = next(line for line in render_text(status.collect()) if str(instance.instance_id) in line)
+    assert "STALLED completions" in line
+    assert (
+        json.loads(json.dumps(status.as_json(status.collect())))["instances"][0]["stalled_flushers"]
+        == stalled
+    )
+
+
+@pytest.mark.django_db
+def test_the_status_line_and_the_heartbeat_name_a_stalled_flusher(monkeypatch):
+    from django_workpump.management.commands.runworkpump import flushers_state
+    from django_workpump.pump.flusher import FlusherHealth
+    from django_workpump.pump.supervisor import Supervisor
+
+    supervisor = Supervisor()  # not started: only its reports are read
+    assert flushers_state(supervisor) == "ok"
+    assert supervisor._metadata()["stalled_flushers"] == {}
+    stalled = FlusherHealth("workpump-completions", 7, 3, 12.34, "OperationalError: gone", 0, 0)
+    monkeypatch.setattr(supervisor, "flusher_health", lambda: [stalled])
+
+    assert flushers_state(supervisor) == (
+        "STALLED completions(3 failures in 12s, 7 waiting: OperationalError: gone)"
+    )
+    assert supervisor._metadata()["stalled_flushers"] == {
+        "workpump-completions": {
+            "failures": 3,
+            "failing_seconds": 12.3,
+            "pending": 7,
+            "last_error": "OperationalError: gone",
+        }
+    }

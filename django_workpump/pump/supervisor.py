@@ -27,6 +27,7 @@ from django_workpump.pump.coordinator import (
     release_thread_connection,
 )
 from django_workpump.pump.dispatch import Dispatcher
+from django_workpump.pump.flusher import FlusherHealth
 from django_workpump.pump.heartbeat import HeartbeatPolicy, HeartbeatWorker
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.maintenance import MaintenanceWorker
@@ -170,7 +171,26 @@ class Supervisor:
             "listener": None if self.gate is None else self.gate.available,
             "alive_lock": None if self.gate is None else self.gate.alive_lock_held,
             "in_flight": self.dispatcher.in_flight,
+            # workpump_status shows these: outcomes this instance cannot write
+            "stalled_flushers": {
+                h.name: {
+                    "failures": h.failures,
+                    "failing_seconds": round(h.failing_seconds, 1),
+                    "pending": h.pending,
+                    "last_error": h.last_error,
+                }
+                for h in self.flusher_health()
+                if h.stalled
+            },
         }
+
+    def flusher_health(self) -> list[FlusherHealth]:
+        """Return the health of the outcome and renewal flushers."""
+        return [
+            self.dispatcher.completions.health(),
+            self.dispatcher.failures.health(),
+            self.renewal.flusher.health(),
+        ]
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:

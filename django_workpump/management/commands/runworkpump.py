@@ -223,7 +223,8 @@ class _StatusReporter:
             f"renewed={sup.renewal.renewed} abandoned={sup.dispatcher.stats.abandoned} "
             f"lost={sup.dispatcher.stats.lost_leases} gate={gate_state} "
             f"alive_lock={'held' if gate is not None and gate.alive_lock_held else 'no'} "
-            f"poll_wait_ms={'signal' if wait_ms is None else wait_ms}"
+            f"poll_wait_ms={'signal' if wait_ms is None else wait_ms} "
+            f"flushers={flushers_state(sup)}"
         )
 
     def totals(self) -> str:
@@ -232,3 +233,9 @@ class _StatusReporter:
             f"claimed={self.supervisor.claim.claimed_total} done={stats.completed} "
             f"failed={stats.failed} abandoned={stats.abandoned} released={stats.released}"
         )
+
+
+def flushers_state(supervisor: Supervisor) -> str:
+    """'ok', or each stalled flusher with its failures, age, backlog and last error."""
+    stalled = [h.summary() for h in supervisor.flusher_health() if h.stalled]
+    return "STALLED " + "; ".join(stalled) if stalled else "ok"
