@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.db import close_old_connections, connections, transaction
@@ -32,6 +33,7 @@ from django_workpump.db import ClaimedWork
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
+from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.registry import TOPIC_NOUNS, Handler, Registry
 from django_workpump.storable import (
     ascii_text,
@@ -136,6 +138,7 @@ class Dispatcher:
             coalesce_window=0.01,
             immediate_flush_at=250,
             capacity=10_000,
+            on_thread_start=partial(self._name_connections, "completions"),
             on_thread_exit=connections.close_all,
             group_by=_category_of,
             on_rejected=self._completion_rejected,
@@ -147,6 +150,7 @@ class Dispatcher:
             coalesce_window=0.05,
             immediate_flush_at=50,
             capacity=5_000,
+            on_thread_start=partial(self._name_connections, "failures"),
             on_thread_exit=connections.close_all,
             group_by=_category_of,
             on_rejected=self._failure_rejected,
@@ -203,14 +207,20 @@ class Dispatcher:
             self._start_worker()
 
     def _start_worker(self) -> None:
+        number = next(self._thread_ids)
         thread = threading.Thread(
-            target=self._work_loop, name=f"workpump-dispatch-{next(self._thread_ids)}", daemon=True
+            target=self._work_loop, args=(number,), name=f"workpump-dispatch-{number}", daemon=True
         )
         self._threads.append(thread)
         thread.start()
 
-    def _work_loop(self) -> None:
+    def _name_connections(self, role: str) -> None:
+        """Name the calling thread's connections after this instance and ``role``."""
+        name_thread_connections(application_name(self.coordinator.identity.instance_id, role))
+
+    def _work_loop(self, number: int) -> None:
         try:
+            self._name_connections(f"handler-{number}")
             while True:
                 job = self._queue.get()
                 if job is None:

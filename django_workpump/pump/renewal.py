@@ -23,6 +23,7 @@ from django_workpump.clock import Clock, SystemClock
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
+from django_workpump.pump.naming import application_name, name_thread_connections
 
 logger = logging.getLogger("django_workpump.renewal")
 
@@ -67,6 +68,9 @@ class LeaseRenewalWorker:
             immediate_flush_at=immediate_flush_at,
             capacity=capacity,
             clock=self.clock,
+            on_thread_start=lambda: name_thread_connections(
+                application_name(coordinator.identity.instance_id, "renewals")
+            ),
             on_thread_exit=connections.close_all,
             group_by=lambda item: item[0],
             on_rejected=self._rejected,

@@ -31,6 +31,7 @@ from django_workpump.pump.flusher import FlusherHealth
 from django_workpump.pump.heartbeat import HeartbeatPolicy, HeartbeatWorker
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.maintenance import MaintenanceWorker
+from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.notify import NotifyGate
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from django_workpump.registry import CATEGORIES, Registry, registry
@@ -219,6 +220,7 @@ class Supervisor:
     def _spawn(self, name: str, target: Callable[[], Any]) -> None:
         def service() -> None:
             try:
+                name_thread_connections(application_name(self.identity.instance_id, name))
                 target()
             except BaseException as exc:
                 logger.exception("service %s died", name, extra={"action": "service_died"})
@@ -299,6 +301,7 @@ class Supervisor:
 
         def deregister() -> None:
             try:
+                name_thread_connections(application_name(self.identity.instance_id, "deregister"))
                 released = self.coordinator.deregister()
                 logger.info(
                     "deregistered; released %d rows", released, extra={"action": "deregistered"}

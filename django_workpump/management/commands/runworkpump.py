@@ -14,6 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError, connections
 
 from django_workpump.conf import get_settings
+from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.supervisor import (
     EXIT_OK,
     PumpOptions,
@@ -92,6 +93,8 @@ class Command(BaseCommand):
                 drain=options["drain"],
             )
         )
+        # This thread registers the instance and waits for it: name its connection too.
+        name_thread_connections(application_name(supervisor.identity.instance_id, "main"))
         try:
             supervisor.start()
         except SchemaNotReady as exc:
@@ -109,6 +112,7 @@ class Command(BaseCommand):
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+        name_thread_connections(None)
         self.stdout.write(
             f"workpump {supervisor.identity.instance_id} stopped: {supervisor.stop_reason} "
             f"(exit {code}); {reporter.totals()}"
