@@ -480,7 +480,9 @@ class Dispatcher:
     ) -> None:
         """Complete a row whose result the database refused, with a note instead of it."""
         category, work_id, _ = item
-        note = result_note(f"the database refused it ({type(error).__name__}: {error})")
+        note = result_note(
+            f"the database refused it ({type(error).__name__}: {_first_line(error)})"
+        )
         try:
             self._settle(
                 lambda: self.coordinator.complete(category, [work_id], [note]), "completed"
@@ -493,7 +495,7 @@ class Dispatcher:
                 category,
                 work_id,
                 f"The handler finished but its outcome could not be stored "
-                f"({type(error).__name__}: {error}).",
+                f"({type(error).__name__}: {_first_line(error)}).",
                 "unstorable_outcome",
             )
             self._failure_rejected(failure, exc)
@@ -546,6 +548,11 @@ class Dispatcher:
             self._queue.put(None)
         self.completions.stop(timeout)
         self.failures.stop(timeout)
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _category_of(item: tuple[Any, ...]) -> str:
