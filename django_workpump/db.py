@@ -303,6 +303,11 @@ def reap_stale_instances(
     return [row[0] for row in _fetch("reap_stale_instances", locals(), using)]
 
 
+def set_application_name(*, name: str, using: str | None = None) -> None:
+    """Name the session of this thread's connection (``pg_stat_activity.application_name``)."""
+    _fetch("set_application_name", {"name": name}, using)
+
+
 def schema_functions_present(functions: Sequence[str], *, using: str | None = None) -> bool:
     """Whether every named workpump function exists (the migrations were applied)."""
     try:

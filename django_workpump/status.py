@@ -8,6 +8,7 @@ A full report (``collect``) runs a fixed number of queries, whatever the row cou
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -106,6 +107,8 @@ class InstanceStatus:
     alive_lock_held: bool
     live: bool  # by the liveness rule with the configured cutoffs
     listening: bool  # a session named workpump-<instance id> is connected
+    # flusher name -> {failures, failing_seconds, pending, last_error}, as of its last beat
+    stalled_flushers: dict[str, Any]
     rows_held: dict[str, int]  # per category
 
     @property
@@ -203,7 +206,10 @@ def instances(*, now: datetime | None = None, using: str | None = None) -> list[
     result = []
     for row in db.fetch_named(QUERIES, "instances", params, using=using):
         held = {category: int(row.pop(f"held_{category}")) for category in CATEGORIES}
-        result.append(InstanceStatus(**row, rows_held=held))
+        stalled = row.pop("stalled_flushers")
+        # Django's psycopg setup leaves jsonb as text.
+        stalled = json.loads(stalled) if isinstance(stalled, str) else stalled
+        result.append(InstanceStatus(**row, stalled_flushers=stalled or {}, rows_held=held))
     return result
 
 

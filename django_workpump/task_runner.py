@@ -38,7 +38,7 @@ from django.apps import apps
 from django.conf import settings
 from django.core import checks
 from django.core.signals import setting_changed
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models.functions import Now
 from django.dispatch import receiver
 from django.utils import timezone
@@ -47,6 +47,7 @@ from django.utils.module_loading import import_string
 from django_workpump import db, producer
 from django_workpump.conf import setting
 from django_workpump.registry import Handler, registry
+from django_workpump.storable import ascii_text, is_transient, storable_text
 
 try:  # Django >= 6.0
     from django.tasks import (
@@ -656,12 +657,30 @@ class AttemptRunner:
 
         error_class = traceback = None
         if exc is not None:
-            error_class = class_path(type(exc))
-            traceback = "".join(tracebacks.format_exception(exc))[-TRACEBACK_CHARS:]
-        # First outcome wins: a late one (an abandoned thread) does not overwrite it.
-        TaskAttempt.objects.using(self.using).filter(
-            message_id=self.work.id, attempt=self.work.attempts, finished_at__isnull=True
-        ).update(finished_at=Now(), error_class=error_class, traceback=traceback)
+            error_class = storable_text(class_path(type(exc)))
+            text = "".join(tracebacks.format_exception(exc))[-TRACEBACK_CHARS:]
+            traceback = storable_text(text)
+
+        def record(error_class: str | None, traceback: str | None) -> None:
+            # First outcome wins: a late one (an abandoned thread) does not overwrite it.
+            TaskAttempt.objects.using(self.using).filter(
+                message_id=self.work.id, attempt=self.work.attempts, finished_at__isnull=True
+            ).update(finished_at=Now(), error_class=error_class, traceback=traceback)
+
+        try:
+            record(error_class, traceback)
+        except (DatabaseError, ValueError) as refused:
+            if is_transient(refused) or traceback is None:
+                raise
+            # The database refused the text itself: record the attempt's end in plain ASCII.
+            logger.error(
+                "task attempt %s/%d: the database refused its traceback (%s); stored as ASCII",
+                self.work.id,
+                self.work.attempts,
+                type(refused).__name__,
+                extra={"action": "task_traceback_made_ascii"},
+            )
+            record(ascii_text(error_class or ""), ascii_text(traceback))
 
     def _final(
         self, backend: WorkPumpBackend, status: TaskResultStatus, value: Any = None

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.db import OperationalError
+
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.pump.coordinator import InstanceIdentity
 
@@ -131,7 +133,7 @@ class FakeCoordinator:
         self._record("renew")
         if self.renew_errors > 0:
             self.renew_errors -= 1
-            raise RuntimeError("renew_leases failed: connection lost")
+            raise OperationalError("renew_leases failed: connection lost")
         self.renewals.append((category, list(ids)))
         return {work_id: CLAIMED_AT for work_id in ids if work_id not in self.refused}
 

@@ -61,6 +61,18 @@ def always_fails() -> None:
     raise RuntimeError("no luck")
 
 
+@task(max_attempts=1)
+def raises_unstorable_text(character: str) -> None:
+    """Raise with a character PostgreSQL cannot store (NUL, a lone surrogate) in the text."""
+    calls.append("raises_unstorable_text")
+    raise RuntimeError(f"bad {chr(int(character, 16))} here")
+
+
+@task
+def returns_unstorable_text() -> dict[str, str]:
+    return {"text": "nul \x00 and lone \ud800"}
+
+
 @task
 def returns_a_datetime() -> datetime:
     calls.append("returns_a_datetime")

@@ -12,6 +12,7 @@ import threading
 import uuid
 
 import pytest
+from django.db import OperationalError
 
 from django_workpump.clock import FrozenClock
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
@@ -176,16 +177,41 @@ def test_failed_renew_call_is_retried_and_renews_once(clock, leases):
     handle = register(leases, clock, seconds_left=80)
     worker.run_once()
 
-    # renew_leases raised: that category's ids are asked for again (only them, so
-    # categories that did renew do not spend a second capped renewal)
-    assert worker.flusher.flush_once() == 1
+    # renew_leases failed on the connection: the ids go back and wait for a backoff
+    assert worker.flusher.flush_once() == 0
     assert len(worker.flusher) == 1
     assert handle.renewal_count == 0
-    worker.run_once()  # a tick meanwhile may ask again
-    worker.flusher.flush_once()
+    assert not worker.flusher.due()
+    worker.run_once()  # still asked: a tick meanwhile does not ask twice
+    assert len(worker.flusher) == 1
+    clock.advance(worker.flusher.coalesce_window)
+    assert worker.flusher.flush_once() == 1
 
     assert coordinator.renewals == [("outbox", [handle.work_id])]
     assert handle.renewal_count == 1
+
+
+def test_a_category_that_renewed_is_not_renewed_again_when_another_fails(clock, leases):
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, leases, clock)
+    outbox = register(leases, clock, seconds_left=80, category="outbox")
+    inbox = register(leases, clock, seconds_left=80, category="inbox")
+    worker.run_once()
+    real_renew = coordinator.renew
+
+    def renew(category, ids):
+        if category == "inbox" and coordinator.renew_errors == 0:
+            coordinator.renew_errors = -1  # once
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_renew(category, ids)
+
+    coordinator.renew = renew
+    assert worker.flusher.flush_once() == 1  # outbox renewed, inbox put back
+    clock.advance(worker.flusher.coalesce_window)
+    assert worker.flusher.flush_once() == 1
+
+    assert coordinator.renewals == [("outbox", [outbox.work_id]), ("inbox", [inbox.work_id])]
+    assert (outbox.renewal_count, inbox.renewal_count) == (1, 1)
 
 
 def test_stop_flushes_requests_still_queued(clock, leases):

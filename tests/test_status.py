@@ -478,7 +478,7 @@ def test_text_output_is_a_table_of_categories_and_states(every_state, two_instan
     assert "dead rows: 5 (outbox 2, inbox 1, perspective_event 1, receptor 1)" in text
     assert "instances: 2" in text
     # The real clock is months past T0: the instance is stale, holds no lock, no listener.
-    assert re.search(r"web\s+a\s+11\s+.*ago\s+no\s+no\s+no\s+outbox=2 receptor=1", text)
+    assert re.search(r"web\s+a\s+11\s+.*ago\s+no\s+no\s+no\s+ok\s+outbox=2 receptor=1", text)
     assert "tombstones: 1" in text
 
 

@@ -503,6 +503,31 @@ def test_a_task_failing_every_attempt_is_failed_with_all_its_errors(pump, signal
 
 
 @pumped
+@pytest.mark.parametrize("character", ["0", "d800"], ids=["nul", "lone-surrogate"])
+def test_a_task_raising_text_postgres_cannot_store_records_its_attempt_and_fails(pump, character):
+    result = task_funcs.raises_unstorable_text.enqueue(character)
+    assert drain(pump(drain=True)) == EXIT_OK
+
+    failed = task_funcs.raises_unstorable_text.get_result(result.id)
+    assert failed.status == TaskResultStatus.FAILED
+    [error] = failed.errors
+    assert error.exception_class_path == "builtins.RuntimeError"
+    assert "RuntimeError: bad \ufffd here" in error.traceback
+    assert "1 character PostgreSQL cannot store" in error.traceback
+    assert "RuntimeError: bad \ufffd here" in row(result.id).last_error
+
+
+@pumped
+def test_a_task_returning_text_postgres_cannot_store_succeeds_with_it_replaced(pump):
+    result = task_funcs.returns_unstorable_text.enqueue()
+    assert drain(pump(drain=True)) == EXIT_OK
+
+    done = task_funcs.returns_unstorable_text.get_result(result.id)
+    assert done.status == TaskResultStatus.SUCCESSFUL
+    assert done.return_value == {"text": "nul \ufffd and lone \ufffd"}
+
+
+@pumped
 def test_a_return_value_that_is_not_json_fails_the_task_without_retries(pump):
     result = task_funcs.returns_a_datetime.enqueue()
     assert drain(pump(drain=True)) == EXIT_OK

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import queue
 import threading
 import traceback
 import uuid
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.db import close_old_connections, connections, transaction
@@ -34,7 +33,15 @@ from django_workpump.db import ClaimedWork
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
+from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.registry import TOPIC_NOUNS, Handler, Registry
+from django_workpump.storable import (
+    ascii_text,
+    is_transient,
+    result_note,
+    storable_result,
+    storable_text,
+)
 
 logger = logging.getLogger("django_workpump.dispatch")
 
@@ -131,7 +138,10 @@ class Dispatcher:
             coalesce_window=0.01,
             immediate_flush_at=250,
             capacity=10_000,
+            on_thread_start=partial(self._name_connections, "completions"),
             on_thread_exit=connections.close_all,
+            group_by=_category_of,
+            on_rejected=self._completion_rejected,
         )
         self.failures: BatchFlusher[tuple[str, uuid.UUID, str, str]] = BatchFlusher(
             "workpump-failures",
@@ -140,7 +150,10 @@ class Dispatcher:
             coalesce_window=0.05,
             immediate_flush_at=50,
             capacity=5_000,
+            on_thread_start=partial(self._name_connections, "failures"),
             on_thread_exit=connections.close_all,
+            group_by=_category_of,
+            on_rejected=self._failure_rejected,
         )
 
     # -- capacity and intake -------------------------------------------------------
@@ -194,14 +207,20 @@ class Dispatcher:
             self._start_worker()
 
     def _start_worker(self) -> None:
+        number = next(self._thread_ids)
         thread = threading.Thread(
-            target=self._work_loop, name=f"workpump-dispatch-{next(self._thread_ids)}", daemon=True
+            target=self._work_loop, args=(number,), name=f"workpump-dispatch-{number}", daemon=True
         )
         self._threads.append(thread)
         thread.start()
 
-    def _work_loop(self) -> None:
+    def _name_connections(self, role: str) -> None:
+        """Name the calling thread's connections after this instance and ``role``."""
+        name_thread_connections(application_name(self.coordinator.identity.instance_id, role))
+
+    def _work_loop(self, number: int) -> None:
         try:
+            self._name_connections(f"handler-{number}")
             while True:
                 job = self._queue.get()
                 if job is None:
@@ -322,7 +341,18 @@ class Dispatcher:
             result = loop.run_until_complete(handler.func(work))
         else:
             result = handler.func(work)
-        return _result_json(result)
+
+        def warn(change: str) -> None:
+            logger.warning(
+                "%s %s (%s): %s",
+                job.row.category,
+                job.row.work_id,
+                job.row.topic,
+                change,
+                extra={"action": "result_made_storable"},
+            )
+
+        return storable_result(result, warn)
 
     def _call_atomic(self, handler: Handler, job: _Job) -> None:
         """Run the handler and its fenced completion in one transaction."""
@@ -425,30 +455,69 @@ class Dispatcher:
         return True
 
     # -- outcomes ------------------------------------------------------------------
+    # Each flush gets the items of one category (group_by): one SQL call each.
     def _flush_completions(self, batch: list[tuple[str, uuid.UUID, str | None]]) -> None:
-        by_category: dict[str, list[tuple[uuid.UUID, str | None]]] = defaultdict(list)
-        for category, work_id, result in batch:
-            by_category[category].append((work_id, result))
-        for category, items in by_category.items():
-            outcomes = self.coordinator.complete(
-                category, [i for i, _ in items], [r for _, r in items]
-            )
-            self._count(outcomes, "completed")
+        category = batch[0][0]
+        outcomes = self.coordinator.complete(
+            category, [work_id for _, work_id, _ in batch], [result for _, _, result in batch]
+        )
+        self._count(outcomes, "completed")
         self._outcome_queued(-len(batch))
 
     def _flush_failures(self, batch: list[tuple[str, uuid.UUID, str, str]]) -> None:
-        by_category: dict[str, list[tuple[uuid.UUID, str, str]]] = defaultdict(list)
-        for category, work_id, error, reason in batch:
-            by_category[category].append((work_id, error, reason))
-        for category, items in by_category.items():
-            outcomes = self.coordinator.fail(
-                category,
-                [i for i, _, _ in items],
-                [e for _, e, _ in items],
-                [r for _, _, r in items],
-            )
-            self._count(outcomes, "failed")
+        category = batch[0][0]
+        outcomes = self.coordinator.fail(
+            category,
+            [work_id for _, work_id, _, _ in batch],
+            [error for _, _, error, _ in batch],
+            [reason for _, _, _, reason in batch],
+        )
+        self._count(outcomes, "failed")
         self._outcome_queued(-len(batch))
+
+    def _completion_rejected(
+        self, item: tuple[str, uuid.UUID, str | None], error: Exception
+    ) -> None:
+        """Complete a row whose result the database refused, with a note instead of it."""
+        category, work_id, _ = item
+        note = result_note(
+            f"the database refused it ({type(error).__name__}: {_first_line(error)})"
+        )
+        try:
+            self._settle(
+                lambda: self.coordinator.complete(category, [work_id], [note]), "completed"
+            )
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            # Even the note was refused: fail the attempt with a plain ASCII error.
+            failure = (
+                category,
+                work_id,
+                f"The handler finished but its outcome could not be stored "
+                f"({type(error).__name__}: {_first_line(error)}).",
+                "unstorable_outcome",
+            )
+            self._failure_rejected(failure, exc)
+
+    def _failure_rejected(self, item: tuple[str, uuid.UUID, str, str], error: Exception) -> None:
+        """Fail a row whose error text the database refused, with a plain ASCII one."""
+        category, work_id, text, reason = item
+        plain = ascii_text(text)[-8000:]
+        try:
+            self._settle(
+                lambda: self.coordinator.fail(category, [work_id], [plain], [reason]), "failed"
+            )
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            self._outcome_queued(-1)
+            raise  # the flusher drops and logs it; the lease runs out and the row re-runs
+
+    def _settle(self, write: Callable[[], list[Any]], counter: str) -> None:
+        """Write one item's outcome through a safe path and count it."""
+        self._count(write(), counter)
+        self._outcome_queued(-1)
 
     def _count(self, outcomes: list[Any], counter: str) -> None:
         for outcome in outcomes:
@@ -481,16 +550,16 @@ class Dispatcher:
         self.failures.stop(timeout)
 
 
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _category_of(item: tuple[Any, ...]) -> str:
+    return str(item[0])
+
+
 def _describe(exc: BaseException) -> str:
     text = "".join(traceback.format_exception(exc))
-    return text[-8000:]  # the head is boilerplate; keep the end of a long trace
-
-
-def _result_json(result: Any) -> str | None:
-    if result is None:
-        return None
-    try:
-        return json.dumps(result, allow_nan=False)
-    except (TypeError, ValueError):
-        logger.debug("handler result is not JSON; not stored", extra={"action": "result_dropped"})
-        return None
+    # The head is boilerplate; keep the end of a long trace, in a form the database takes.
+    return storable_text(text[-8000:])

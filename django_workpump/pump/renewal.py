@@ -3,7 +3,9 @@
 Each tick it (1) abandons dispatches whose local deadline passed, and (2) enqueues a
 renewal for each dispatch whose deadline is near. Renewals are coalesced by a
 ``BatchFlusher`` into one fenced ``renew_leases`` call per category; a handle's deadline
-moves only for the ids the database confirmed. A handle that used its renewals (or was
+moves only for the ids the database confirmed. A call that fails on the connection is
+retried by the flusher (only that category's ids); an id the database refuses for its
+data is dropped and logged, and its lease runs out. A handle that used its renewals (or was
 disposed) is skipped: its lease expires and the row surfaces through a re-claim.
 """
 
@@ -12,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from django_workpump.clock import Clock, SystemClock
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
+from django_workpump.pump.naming import application_name, name_thread_connections
 
 logger = logging.getLogger("django_workpump.renewal")
 
@@ -66,7 +68,12 @@ class LeaseRenewalWorker:
             immediate_flush_at=immediate_flush_at,
             capacity=capacity,
             clock=self.clock,
+            on_thread_start=lambda: name_thread_connections(
+                application_name(coordinator.identity.instance_id, "renewals")
+            ),
             on_thread_exit=connections.close_all,
+            group_by=lambda item: item[0],
+            on_rejected=self._rejected,
         )
 
     def enqueue(self, category: str, work_id: uuid.UUID) -> bool:
@@ -74,20 +81,21 @@ class LeaseRenewalWorker:
         return self.flusher.put((category, work_id))
 
     def flush(self, batch: list[tuple[str, uuid.UUID]]) -> None:
-        """Renew a batch: one fenced call per category, for handles that may still renew."""
-        by_category: dict[str, list[uuid.UUID]] = defaultdict(list)
-        for category, work_id in dict.fromkeys(batch):  # de-duplicated, order kept
-            with self._requested_lock:
-                self._requested.pop((category, work_id), None)
+        """Renew a batch of one category: one fenced call, for handles that may still renew."""
+        category = batch[0][0]
+        ids: list[uuid.UUID] = []
+        for _, work_id in dict.fromkeys(batch):  # de-duplicated, order kept
             if self.leases is None:
-                by_category[category].append(work_id)  # no registry: renew unconditionally
+                ids.append(work_id)  # no registry: renew unconditionally
                 continue
             handle = self.leases.get(category, work_id)
             if handle is None:
                 self.skipped_gone += 1  # finished (disposed) since it asked
+                self._answered(category, work_id)
                 continue
             if not handle.can_renew():
                 self.skipped_at_cap += 1
+                self._answered(category, work_id)
                 logger.warning(
                     "%s %s used its %d lease renewals: letting the lease expire so the row "
                     "is re-claimed and the hung handler surfaces",
@@ -97,44 +105,57 @@ class LeaseRenewalWorker:
                     extra={"action": "renewal_cap"},
                 )
                 continue
-            by_category[category].append(work_id)
-        for category, ids in by_category.items():
-            sent_at = self.clock.monotonic()
-            try:
-                renewed = self.coordinator.renew(category, ids)
-            except Exception:
-                # Retry only this category: the others' renewals already counted.
-                logger.exception(
-                    "renew_leases failed for %d %s rows; asking again",
-                    len(ids),
-                    category,
-                    extra={"action": "renewal_failed"},
-                )
-                for work_id in ids:
-                    self.enqueue(category, work_id)
-                continue
-            # The DB set expiry = its now + lease; its now is after sent_at, so this
-            # local deadline is on the safe side.
-            deadline = sent_at + self.lease_seconds - self.lease_grace_seconds
-            for work_id in renewed:
-                self.renewed += 1
-                if self.leases is not None:
-                    handle = self.leases.get(category, work_id)
-                    if handle is not None:
-                        handle.confirm_renewal(deadline)
-            lost = set(ids) - set(renewed)
-            for work_id in lost:
-                logger.warning(
-                    "renewal of %s %s refused: the lease was lost; cancelling the handler",
-                    category,
-                    work_id,
-                    extra={"action": "renewal_lost"},
-                )
-                if self.leases is not None:
-                    handle = self.leases.get(category, work_id)
-                    if handle is not None:
-                        # work.cancelled tells the handler; no more renewals are asked.
-                        handle.cancel("lost")
+            ids.append(work_id)
+        if not ids:
+            return
+        sent_at = self.clock.monotonic()
+        # A failure raises: the flusher retries a connection error (this category's ids
+        # only, so others do not spend a second capped renewal) and splits a data error.
+        renewed = self.coordinator.renew(category, ids)
+        for work_id in ids:
+            self._answered(category, work_id)
+        # The DB set expiry = its now + lease; its now is after sent_at, so this
+        # local deadline is on the safe side.
+        deadline = sent_at + self.lease_seconds - self.lease_grace_seconds
+        for work_id in renewed:
+            self.renewed += 1
+            if self.leases is not None:
+                handle = self.leases.get(category, work_id)
+                if handle is not None:
+                    handle.confirm_renewal(deadline)
+        lost = set(ids) - set(renewed)
+        for work_id in lost:
+            logger.warning(
+                "renewal of %s %s refused: the lease was lost; cancelling the handler",
+                category,
+                work_id,
+                extra={"action": "renewal_lost"},
+            )
+            if self.leases is not None:
+                handle = self.leases.get(category, work_id)
+                if handle is not None:
+                    # work.cancelled tells the handler; no more renewals are asked.
+                    handle.cancel("lost")
+
+    def _answered(self, category: str, work_id: uuid.UUID) -> None:
+        """The request was settled: a later tick may ask for this row again."""
+        with self._requested_lock:
+            self._requested.pop((category, work_id), None)
+
+    def _rejected(self, item: tuple[str, uuid.UUID], error: Exception) -> None:
+        """Drop a renewal the database refuses for its data; the lease may run out."""
+        category, work_id = item
+        # Still marked as asked: a later tick asks again only after the retry window.
+        logger.error(
+            "renewal of %s %s refused by the database (%s); dropped, asked again in %.0f s "
+            "at the earliest (if it never lands, the lease runs out and the row is claimed "
+            "again)",
+            category,
+            work_id,
+            type(error).__name__,
+            self.request_retry_seconds,
+            extra={"action": "renewal_rejected"},
+        )
 
     def run_once(self) -> tuple[int, int]:
         """One tick: abandon expired dispatches, request due renewals; return the counts."""

@@ -27,9 +27,11 @@ from django_workpump.pump.coordinator import (
     release_thread_connection,
 )
 from django_workpump.pump.dispatch import Dispatcher
+from django_workpump.pump.flusher import FlusherHealth
 from django_workpump.pump.heartbeat import HeartbeatPolicy, HeartbeatWorker
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.maintenance import MaintenanceWorker
+from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.notify import NotifyGate
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from django_workpump.registry import CATEGORIES, Registry, registry
@@ -172,7 +174,26 @@ class Supervisor:
             "listener": None if self.gate is None else self.gate.available,
             "alive_lock": None if self.gate is None else self.gate.alive_lock_held,
             "in_flight": self.dispatcher.in_flight,
+            # workpump_status shows these: outcomes this instance cannot write
+            "stalled_flushers": {
+                h.name: {
+                    "failures": h.failures,
+                    "failing_seconds": round(h.failing_seconds, 1),
+                    "pending": h.pending,
+                    "last_error": h.last_error,
+                }
+                for h in self.flusher_health()
+                if h.stalled
+            },
         }
+
+    def flusher_health(self) -> list[FlusherHealth]:
+        """Return the health of the outcome and renewal flushers."""
+        return [
+            self.dispatcher.completions.health(),
+            self.dispatcher.failures.health(),
+            self.renewal.flusher.health(),
+        ]
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -201,6 +222,7 @@ class Supervisor:
     def _spawn(self, name: str, target: Callable[[], Any]) -> None:
         def service() -> None:
             try:
+                name_thread_connections(application_name(self.identity.instance_id, name))
                 target()
             except BaseException as exc:
                 logger.exception("service %s died", name, extra={"action": "service_died"})
@@ -281,6 +303,7 @@ class Supervisor:
 
         def deregister() -> None:
             try:
+                name_thread_connections(application_name(self.identity.instance_id, "deregister"))
                 released = self.coordinator.deregister()
                 logger.info(
                     "deregistered; released %d rows", released, extra={"action": "deregistered"}

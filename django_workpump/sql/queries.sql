@@ -154,6 +154,10 @@ SELECT pg_notify(%(channel)s, 'ping')
 -- name: keepalive
 SELECT 1
 
+-- name: set_application_name
+-- Name this session in pg_stat_activity (for the session: it outlives transactions).
+SELECT set_config('application_name', %(name)s, false)
+
 -- name: try_maintenance_lock
 SELECT workpump.try_maintenance_lock()
 

@@ -139,7 +139,8 @@ LIMIT %(limit)s
 
 -- name: instances
 -- Every registered instance with its heartbeat age, alive-lock, liveness (the one rule of
--- workpump.live_instances), LISTEN session and the rows it holds per category.
+-- workpump.live_instances), LISTEN session, stalled flushers and the rows it holds per
+-- category.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), held_keys AS (
@@ -165,6 +166,8 @@ SELECT si.instance_id, si.service_name, si.host_name, si.process_id, si.started_
        si.instance_id IN (SELECT instance_id FROM live) AS live,
        ('workpump-' || si.instance_id::text) IN (SELECT application_name FROM listeners)
            AS listening,
+       -- outcome flushers of the instance that cannot write, as of its last heartbeat
+       coalesce(si.metadata -> 'stalled_flushers', '{}'::jsonb) AS stalled_flushers,
        (SELECT count(*) FROM workpump_outbox t WHERE t.instance_id = si.instance_id)
            AS held_outbox,
        (SELECT count(*) FROM workpump_inbox t WHERE t.instance_id = si.instance_id)

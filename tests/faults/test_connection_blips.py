@@ -21,14 +21,13 @@ from tests.faults.harness import Backlog, Database, Pump, wait_for
 pytestmark = pytest.mark.faults
 
 LISTENER = "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
-# A worker connection of an instance, found by what it ran last: the query text carries
-# the instance id (client-side binding) or, for the handlers' writes, the process id.
-WORKER_QUERIES = {
-    "heartbeat": "(query LIKE '%%record_heartbeat%%' OR query LIKE '%%last_heartbeat_at <%%')"
-    " AND query LIKE '%%' || %(instance)s || '%%'",
-    "claim": "query LIKE '%%claim_work%%' AND query LIKE '%%' || %(instance)s || '%%'",
-    "completion": "query LIKE '%%complete_work%%' AND query LIKE '%%' || %(instance)s || '%%'",
-    "handler": "query LIKE '%%INTO fx_effect%%' AND query LIKE '%%, ' || %(pid)s || ')%%'",
+# A worker connection of an instance, found by its role: every connection the pump opens
+# is named workpump:<first 8 hex digits of the instance id>:<role>.
+WORKER_ROLES = {
+    "heartbeat": "heartbeat",
+    "claim": "claim",
+    "completion": "completions",
+    "handler": "handler-%",
 }
 
 
@@ -40,9 +39,8 @@ def listener_pid(db: Database, pump: Pump) -> int | None:
 def worker_pid(db: Database, pump: Pump, kind: str) -> int | None:
     rows = db.sql(
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-        " AND pid <> pg_backend_pid() AND application_name NOT LIKE 'workpump-%%'"
-        f" AND application_name <> 'fx-log' AND {WORKER_QUERIES[kind]} LIMIT 1",
-        {"instance": pump.instance_id.hex, "pid": str(pump.pid)},
+        " AND application_name LIKE %(name)s ORDER BY backend_start LIMIT 1",
+        {"name": f"workpump:{pump.instance_id.hex[:8]}:{WORKER_ROLES[kind]}"},
     )
     return rows[0]["pid"] if rows else None
 

@@ -14,6 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError, connections
 
 from django_workpump.conf import get_settings
+from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.supervisor import (
     EXIT_OK,
     PumpOptions,
@@ -92,6 +93,8 @@ class Command(BaseCommand):
                 drain=options["drain"],
             )
         )
+        # This thread registers the instance and waits for it: name its connection too.
+        name_thread_connections(application_name(supervisor.identity.instance_id, "main"))
         try:
             supervisor.start()
         except SchemaNotReady as exc:
@@ -109,6 +112,7 @@ class Command(BaseCommand):
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+        name_thread_connections(None)
         self.stdout.write(
             f"workpump {supervisor.identity.instance_id} stopped: {supervisor.stop_reason} "
             f"(exit {code}); {reporter.totals()}"
@@ -223,7 +227,8 @@ class _StatusReporter:
             f"renewed={sup.renewal.renewed} abandoned={sup.dispatcher.stats.abandoned} "
             f"lost={sup.dispatcher.stats.lost_leases} gate={gate_state} "
             f"alive_lock={'held' if gate is not None and gate.alive_lock_held else 'no'} "
-            f"poll_wait_ms={'signal' if wait_ms is None else wait_ms}"
+            f"poll_wait_ms={'signal' if wait_ms is None else wait_ms} "
+            f"flushers={flushers_state(sup)}"
         )
 
     def totals(self) -> str:
@@ -232,3 +237,9 @@ class _StatusReporter:
             f"claimed={self.supervisor.claim.claimed_total} done={stats.completed} "
             f"failed={stats.failed} abandoned={stats.abandoned} released={stats.released}"
         )
+
+
+def flushers_state(supervisor: Supervisor) -> str:
+    """'ok', or each stalled flusher with its failures, age, backlog and last error."""
+    stalled = [h.summary() for h in supervisor.flusher_health() if h.stalled]
+    return "STALLED " + "; ".join(stalled) if stalled else "ok"

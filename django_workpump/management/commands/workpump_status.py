@@ -111,7 +111,18 @@ def render_text(report: status.StatusReport) -> list[str]:
     lines += ["", f"instances: {len(report.instances)}"]
     if report.instances:
         lines += _table(
-            ["instance", "service", "host", "pid", "heartbeat", "lock", "live", "listen", "held"],
+            [
+                "instance",
+                "service",
+                "host",
+                "pid",
+                "heartbeat",
+                "lock",
+                "live",
+                "listen",
+                "flushers",
+                "held",
+            ],
             [
                 [
                     str(i.instance_id),
@@ -122,6 +133,7 @@ def render_text(report: status.StatusReport) -> list[str]:
                     _yes(i.alive_lock_held),
                     _yes(i.live),
                     _yes(i.listening),
+                    _flushers(i.stalled_flushers),
                     " ".join(f"{k}={v}" for k, v in i.rows_held.items() if v) or "0",
                 ]
                 for i in report.instances
@@ -138,6 +150,13 @@ def render_text(report: status.StatusReport) -> list[str]:
             ],
         )
     return lines
+
+
+def _flushers(stalled: dict[str, Any]) -> str:
+    """'ok', or which outcome flushers cannot write (e.g. 'STALLED completions')."""
+    if not stalled:
+        return "ok"
+    return "STALLED " + ",".join(name.removeprefix("workpump-") for name in sorted(stalled))
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:

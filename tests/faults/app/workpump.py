@@ -8,7 +8,10 @@ was lost. The payload steers the behaviour:
 - ``exit``: the process kills itself (``os._exit``) once the start is logged (poison);
 - ``hang_seconds`` with ``hang_attempts``: attempts up to that number hang, deaf to the
   lease's cancellation (a hung handler);
-- ``fail``: raise (a plain failing handler).
+- ``fail``: raise (a plain failing handler);
+- ``bad_error`` (``nul`` or ``surrogate``): raise with that character in the message on
+  attempts up to ``fail_attempts`` (1 unless given);
+- ``bad_result`` (``nul``, ``surrogate`` or ``unjson``): return that in the result.
 
 Handlers return ``{"attempt": n, "instance": id}``, stored as the row's result.
 """
@@ -25,6 +28,9 @@ from django.db import connection, connections
 import django_workpump as workpump
 
 _pause = threading.Event()  # never set: wait() simulates work without time.sleep
+# Text PostgreSQL cannot store, and a result that is not JSON.
+BAD_TEXT = {"nul": "nul \x00 here", "surrogate": "lone \ud800 here"}
+BAD_RESULT: dict[str, Any] = {**BAD_TEXT, "unjson": {"a", "set"}}
 _log = threading.local()
 
 
@@ -84,6 +90,8 @@ def _run(work: Any) -> dict[str, Any]:
             _pause.wait(payload.get("seconds", 0))
         if payload.get("fail"):
             raise RuntimeError(f"fx: failing on purpose (attempt {work.attempts})")
+        if payload.get("bad_error") and work.attempts <= payload.get("fail_attempts", 1):
+            raise RuntimeError(f"fx: {BAD_TEXT[payload['bad_error']]} (attempt {work.attempts})")
         if payload.get("effect"):
             with connection.cursor() as cursor:
                 cursor.execute(
@@ -100,7 +108,10 @@ def _run(work: Any) -> dict[str, Any]:
             "WHERE work_id = %s AND attempt = %s AND pid = %s",
             [outcome, *key],
         )
-    return {"attempt": work.attempts, "instance": str(work.instance_id)}
+    result: dict[str, Any] = {"attempt": work.attempts, "instance": str(work.instance_id)}
+    if payload.get("bad_result"):
+        result["bad"] = BAD_RESULT[payload["bad_result"]]
+    return result
 
 
 @workpump.outbox_handler("fx.outbox")
