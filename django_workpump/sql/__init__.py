@@ -7,7 +7,11 @@ from functools import cache
 from importlib.resources import files
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
-_FUNCTION = re.compile(r"^CREATE FUNCTION workpump\.(\w+)\(.*?^\$\$;$", re.MULTILINE | re.DOTALL)
+# A dollar-quoted function, up to its closing line; never across the next CREATE, so a
+# function with a SQL-standard body (no $$) does not swallow the one after it.
+_FUNCTION = re.compile(
+    r"^CREATE FUNCTION workpump\.(\w+)\((?:(?!^CREATE ).)*?^\$\$;$", re.MULTILINE | re.DOTALL
+)
 
 
 def read(path: str) -> str:
