@@ -53,12 +53,12 @@ TIME_DEPENDENT = {
 # DESIGN §3: the parameters an operator must pass; every other one has a default.
 REQUIRED_PARAMETERS = {
     "claim_work": ["p_instance_id"],
-    "renew_leases": ["p_category", "p_ids"],
+    "renew_leases": ["p_category", "p_ids", "p_lease_tokens"],
     "record_heartbeat": ["p_instance_id", "p_service_name", "p_host_name", "p_process_id"],
     "cleanup_stale_instances": ["p_stale_cutoff"],
-    "complete_work": ["p_instance_id", "p_category", "p_ids"],
-    "fail_work": ["p_instance_id", "p_category", "p_ids", "p_errors"],
-    "release_work": ["p_instance_id", "p_category", "p_ids"],
+    "complete_work": ["p_instance_id", "p_category", "p_ids", "p_lease_tokens"],
+    "fail_work": ["p_instance_id", "p_category", "p_ids", "p_lease_tokens", "p_errors"],
+    "release_work": ["p_instance_id", "p_category", "p_ids", "p_lease_tokens"],
     "deregister_instance": ["p_instance_id"],
 }
 

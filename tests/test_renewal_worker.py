@@ -14,6 +14,7 @@ import uuid
 import pytest
 
 from django_workpump.clock import FrozenClock
+from django_workpump.db import InstanceRefused
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from tests.fakes import FakeCoordinator, ServiceThread
@@ -41,7 +42,12 @@ def make_worker(coordinator, leases, clock, **kwargs):
 
 def register(leases, clock, *, seconds_left=50.0, max_renewals=6, category="outbox"):
     handle = LeaseHandle(
-        category, uuid.uuid4(), clock.monotonic() + seconds_left, max_renewals, clock
+        category,
+        uuid.uuid4(),
+        clock.monotonic() + seconds_left,
+        max_renewals,
+        clock,
+        lease_token=uuid.uuid4(),
     )
     leases.register(handle)
     return handle
@@ -105,13 +111,14 @@ def test_disposed_handle_is_not_renewed(clock, leases):
 def test_without_a_registry_every_request_reaches_the_database(clock):
     coordinator = FakeCoordinator()
     worker = make_worker(coordinator, None, clock)
-    work_id = uuid.uuid4()
+    work_id, token = uuid.uuid4(), uuid.uuid4()
 
     for _ in range(3):
-        worker.enqueue("inbox", work_id)
+        worker.enqueue("inbox", work_id, token)
         worker.flusher.flush_once()
 
     assert coordinator.renewals == [("inbox", [work_id])] * 3
+    assert coordinator.renewal_tokens == [token] * 3
     assert worker.renewed == 3
     assert worker.run_once() == (0, 0)  # no registry: nothing to tick over
 
@@ -293,3 +300,47 @@ def test_run_ticks_until_stop(clock, leases):
     assert expired.wait(5)
     worker.stop()
     thread.finish()
+
+
+# lease tokens and refusals
+
+
+def test_a_renewal_sends_the_token_of_the_handle_in_flight(clock, leases):
+    handle = register(leases, clock, seconds_left=50)
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, leases, clock)
+
+    worker.run_once()
+    worker.flusher.flush_once()
+
+    assert coordinator.renewals == [("outbox", [handle.work_id])]
+    assert coordinator.renewal_tokens == [handle.lease_token]
+
+
+def test_a_renewal_asked_for_an_older_claim_of_the_row_is_not_sent(clock, leases):
+    newer = register(leases, clock, seconds_left=50)
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, leases, clock)
+
+    worker.enqueue("outbox", newer.work_id, uuid.uuid4())  # asked by the superseded attempt
+    worker.flusher.flush_once()
+
+    assert coordinator.renewals == []
+    assert worker.skipped_gone == 1
+
+
+def test_a_refused_renewal_stops_the_instance_once_and_renews_nothing_more(clock, leases):
+    handles = [register(leases, clock, seconds_left=50, category=c) for c in ("outbox", "inbox")]
+    refusal = InstanceRefused("renew_leases refused instance x: it is not registered.")
+    coordinator = FakeCoordinator(renew_refusal=refusal)
+    stops: list[str] = []
+    worker = make_worker(coordinator, leases, clock, on_refused=stops.append)
+
+    worker.run_once()
+    worker.flusher.flush_once()
+    worker.run_once()
+    worker.flusher.flush_once()
+
+    assert stops == [str(refusal)]
+    assert coordinator.calls.count("renew") == 1  # the other category was not even tried
+    assert all(h.renewal_count == 0 for h in handles)

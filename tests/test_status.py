@@ -156,6 +156,7 @@ def test_a_stream_whose_head_died_in_fail_work_is_blocked_with_its_waiting_rows(
         instance_id=HOLDER,
         category="outbox",
         ids=ids[:1],
+        lease_tokens=[claimed[0].lease_token],
         errors=["ValueError: bad address\n  File 'x.py', line 1"],
         now=at(5),
     )

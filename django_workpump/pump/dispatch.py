@@ -1,6 +1,7 @@
 """Dispatcher: runs claimed rows on ``CONCURRENCY`` threads under a lease each (DESIGN §5, §6).
 
-Outcomes go through two batch flushers to the fenced ``complete_work``/``fail_work``.
+Outcomes go through two batch flushers to ``complete_work``/``fail_work``, each fenced
+by the lease token of the claim it reports on.
 A handler still running at its lease deadline is abandoned: its slot is freed (a
 replacement thread starts), the attempt is failed with reason ``lease_expired``, and
 whatever it reports later is dropped here and would be fenced out by the database.
@@ -56,6 +57,7 @@ class Work:
     lease_expiry: datetime
     lease: LeaseHandle
     instance_id: uuid.UUID | None = None  # the instance running it
+    lease_token: uuid.UUID | None = None  # the claim this attempt belongs to
 
     @property
     def cancelled(self) -> bool:
@@ -124,7 +126,8 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
         self._thread_ids = itertools.count(1)
         self._local = threading.local()
-        self.completions: BatchFlusher[tuple[str, uuid.UUID, str | None]] = BatchFlusher(
+        # (category, work id, lease token, result JSON)
+        self.completions: BatchFlusher[tuple[str, uuid.UUID, uuid.UUID, str | None]] = BatchFlusher(
             "workpump-completions",
             self._flush_completions,
             max_batch=500,
@@ -133,7 +136,8 @@ class Dispatcher:
             capacity=10_000,
             on_thread_exit=connections.close_all,
         )
-        self.failures: BatchFlusher[tuple[str, uuid.UUID, str, str]] = BatchFlusher(
+        # (category, work id, lease token, error, reason)
+        self.failures: BatchFlusher[tuple[str, uuid.UUID, uuid.UUID, str, str]] = BatchFlusher(
             "workpump-failures",
             self._flush_failures,
             max_batch=100,
@@ -174,7 +178,14 @@ class Dispatcher:
             # Local deadline from the DB's own lease length, so clock skew cannot matter.
             lease_length = (row.lease_expiry - row.claimed_at).total_seconds()
             deadline = received_at + lease_length - self.lease_grace_seconds
-            handle = LeaseHandle(row.category, row.work_id, deadline, self.max_renewals, self.clock)
+            handle = LeaseHandle(
+                row.category,
+                row.work_id,
+                deadline,
+                self.max_renewals,
+                self.clock,
+                lease_token=row.lease_token,
+            )
             with self._lock:
                 previous = self._jobs.get((row.category, row.work_id))
             if previous is not None:
@@ -282,11 +293,13 @@ class Dispatcher:
         value: Any = outcome[1]
         if kind == "done":
             self._outcome_queued(1)
-            self.completions.put((job.row.category, job.row.work_id, value))
+            self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, value))
         elif kind == "fail":
             self._outcome_queued(1)
             error, reason = value
-            self.failures.put((job.row.category, job.row.work_id, error, reason))
+            self.failures.put(
+                (job.row.category, job.row.work_id, job.row.lease_token, error, reason)
+            )
         elif kind == "lost":
             self.stats.lost_leases += 1
             logger.warning("%s", value, extra={"action": "lease_lost"})
@@ -311,6 +324,7 @@ class Dispatcher:
             row.lease_expiry,
             job.handle,
             self.coordinator.identity.instance_id,
+            row.lease_token,
         )
 
     def _call(self, handler: Handler, job: _Job) -> str | None:
@@ -329,15 +343,16 @@ class Dispatcher:
         with transaction.atomic(using=self.alias):
             result = self._call(handler, job)
             with job.lock:
-                # Abandoned at its deadline: the attempt was failed and the row may be
-                # this instance's again as a new attempt, which the instance fence alone
-                # cannot tell apart. Roll back instead of completing.
+                # Abandoned at its deadline, or claimed again: the lease token fences the
+                # completion out anyway; rolling back here spares the round trip.
                 if job.state in ("abandoned", "superseded"):
                     raise LeaseLost(
                         f"{job.row.category} {job.row.work_id}: attempt {job.row.attempts} "
                         f"was {job.state} before it committed; its transaction was rolled back"
                     )
-            outcome = self.coordinator.complete(job.row.category, [job.row.work_id], [result])
+            outcome = self.coordinator.complete(
+                job.row.category, [job.row.work_id], [job.row.lease_token], [result]
+            )
             if not outcome or outcome[0].status != "done":
                 raise LeaseLost(
                     f"{job.row.category} {job.row.work_id}: lease lost before the atomic "
@@ -380,7 +395,7 @@ class Dispatcher:
 
     def _release_unstarted(self, job: _Job) -> None:
         try:
-            self.coordinator.release(job.row.category, [job.row.work_id])
+            self.coordinator.release(job.row.category, [job.row.work_id], [job.row.lease_token])
             self.stats.released += 1
         except Exception:
             logger.exception(
@@ -411,6 +426,7 @@ class Dispatcher:
             (
                 handle.category,
                 handle.work_id,
+                job.row.lease_token,
                 "the handler was still running at its lease deadline and was abandoned",
                 "lease_expired",
             )
@@ -425,27 +441,31 @@ class Dispatcher:
         return True
 
     # -- outcomes ------------------------------------------------------------------
-    def _flush_completions(self, batch: list[tuple[str, uuid.UUID, str | None]]) -> None:
-        by_category: dict[str, list[tuple[uuid.UUID, str | None]]] = defaultdict(list)
-        for category, work_id, result in batch:
-            by_category[category].append((work_id, result))
+    def _flush_completions(self, batch: list[tuple[str, uuid.UUID, uuid.UUID, str | None]]) -> None:
+        by_category: dict[str, list[tuple[uuid.UUID, uuid.UUID, str | None]]] = defaultdict(list)
+        for category, work_id, token, result in batch:
+            by_category[category].append((work_id, token, result))
         for category, items in by_category.items():
             outcomes = self.coordinator.complete(
-                category, [i for i, _ in items], [r for _, r in items]
+                category,
+                [i for i, _, _ in items],
+                [t for _, t, _ in items],
+                [r for _, _, r in items],
             )
             self._count(outcomes, "completed")
         self._outcome_queued(-len(batch))
 
-    def _flush_failures(self, batch: list[tuple[str, uuid.UUID, str, str]]) -> None:
-        by_category: dict[str, list[tuple[uuid.UUID, str, str]]] = defaultdict(list)
-        for category, work_id, error, reason in batch:
-            by_category[category].append((work_id, error, reason))
+    def _flush_failures(self, batch: list[tuple[str, uuid.UUID, uuid.UUID, str, str]]) -> None:
+        by_category: dict[str, list[tuple[uuid.UUID, uuid.UUID, str, str]]] = defaultdict(list)
+        for category, work_id, token, error, reason in batch:
+            by_category[category].append((work_id, token, error, reason))
         for category, items in by_category.items():
             outcomes = self.coordinator.fail(
                 category,
-                [i for i, _, _ in items],
-                [e for _, e, _ in items],
-                [r for _, _, r in items],
+                [i for i, _, _, _ in items],
+                [t for _, t, _, _ in items],
+                [e for _, _, e, _ in items],
+                [r for _, _, _, r in items],
             )
             self._count(outcomes, "failed")
         self._outcome_queued(-len(batch))

@@ -17,12 +17,14 @@ from functools import partial
 from django.db import close_old_connections
 
 from django_workpump import db
+from django_workpump.conf import MIN_TOMBSTONE_RETENTION_SECONDS
 from django_workpump.registry import CATEGORIES
 
 logger = logging.getLogger("django_workpump.maintenance")
 
-# Tombstones must outlive any zombie that could still wake up and beat.
-TOMBSTONE_RETENTION_SECONDS = 24 * 3600
+# Tombstones must outlive any zombie that could still wake up and beat (the pump passes
+# conf.tombstone_retention_seconds, which is never less).
+TOMBSTONE_RETENTION_SECONDS = MIN_TOMBSTONE_RETENTION_SECONDS
 
 
 @dataclass
@@ -43,6 +45,7 @@ class MaintenanceWorker:
         stale_after_seconds: int,
         definitively_dead_after_seconds: int,
         lock_loss_grace_seconds: float = 0,
+        tombstone_retention_seconds: int = TOMBSTONE_RETENTION_SECONDS,
         batch: int = 1_000,
         max_batches_per_pass: int = 50,
     ) -> None:
@@ -52,6 +55,9 @@ class MaintenanceWorker:
         self.stale_after_seconds = stale_after_seconds
         self.definitively_dead_after_seconds = definitively_dead_after_seconds
         self.lock_loss_grace_seconds = lock_loss_grace_seconds
+        self.tombstone_retention_seconds = max(
+            tombstone_retention_seconds, TOMBSTONE_RETENTION_SECONDS
+        )
         self.batch = batch
         self.max_batches_per_pass = max_batches_per_pass
         self.passes = 0
@@ -101,7 +107,7 @@ class MaintenanceWorker:
                 lambda: db.purge_idle_streams(batch=self.batch, using=using)
             )
             result.purged["eviction"] = db.purge_evictions(
-                retention_seconds=TOMBSTONE_RETENTION_SECONDS, using=using
+                retention_seconds=self.tombstone_retention_seconds, using=using
             )
             stuck = db.stuck_rows(using=using)
             result.stuck = len(stuck)

@@ -2,9 +2,11 @@
 
 Each tick it (1) abandons dispatches whose local deadline passed, and (2) enqueues a
 renewal for each dispatch whose deadline is near. Renewals are coalesced by a
-``BatchFlusher`` into one fenced ``renew_leases`` call per category; a handle's deadline
-moves only for the ids the database confirmed. A handle that used its renewals (or was
-disposed) is skipped: its lease expires and the row surfaces through a re-claim.
+``BatchFlusher`` into one ``renew_leases`` call per category, fenced by each dispatch's
+lease token; a handle's deadline moves only for the ids the database confirmed. A handle
+that used its renewals (or was disposed, or superseded by a newer claim of its row) is
+skipped: its lease expires and the row surfaces through a re-claim. A refused instance
+(evicted, or no longer registered) stops: ``on_refused`` is called.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from django.db import connections
 
 from django_workpump.clock import Clock, SystemClock
+from django_workpump.db import InstanceRefused
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
@@ -40,6 +43,7 @@ class LeaseRenewalWorker:
         capacity: int = 5_000,
         tick_seconds: float = 0.5,
         on_deadline: Callable[[LeaseHandle], Any] | None = None,
+        on_refused: Callable[[str], Any] | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.coordinator = coordinator
@@ -48,6 +52,8 @@ class LeaseRenewalWorker:
         self.lease_grace_seconds = lease_grace_seconds
         self.tick_seconds = tick_seconds
         self.on_deadline = on_deadline
+        self.on_refused = on_refused
+        self.refused: str | None = None  # why the database refused this instance
         self.clock = clock or SystemClock()
         # Renew once a third of the local lease is left: two more chances before the end.
         self.renew_when_left = max((lease_seconds - lease_grace_seconds) / 3, 1.0)
@@ -58,7 +64,7 @@ class LeaseRenewalWorker:
         self.request_retry_seconds = max(coalesce_window * 10, 5.0)
         self._requested_lock = threading.Lock()
         self._stop = threading.Event()
-        self.flusher: BatchFlusher[tuple[str, uuid.UUID]] = BatchFlusher(
+        self.flusher: BatchFlusher[tuple[str, uuid.UUID, uuid.UUID | None]] = BatchFlusher(
             "workpump-renewals",
             self.flush,
             max_batch=max_batch,
@@ -69,22 +75,32 @@ class LeaseRenewalWorker:
             on_thread_exit=connections.close_all,
         )
 
-    def enqueue(self, category: str, work_id: uuid.UUID) -> bool:
-        """Ask for a renewal of one row's lease (coalesced with others)."""
-        return self.flusher.put((category, work_id))
+    def enqueue(
+        self, category: str, work_id: uuid.UUID, lease_token: uuid.UUID | None = None
+    ) -> bool:
+        """Ask for a renewal of one row's lease (coalesced with others).
 
-    def flush(self, batch: list[tuple[str, uuid.UUID]]) -> None:
+        ``lease_token`` is the attempt's; None means the one of the handle in flight.
+        """
+        return self.flusher.put((category, work_id, lease_token))
+
+    def flush(self, batch: list[tuple[str, uuid.UUID, uuid.UUID | None]]) -> None:
         """Renew a batch: one fenced call per category, for handles that may still renew."""
-        by_category: dict[str, list[uuid.UUID]] = defaultdict(list)
-        for category, work_id in dict.fromkeys(batch):  # de-duplicated, order kept
+        by_category: dict[str, dict[uuid.UUID, uuid.UUID]] = defaultdict(dict)
+        for category, work_id, token in dict.fromkeys(batch):  # de-duplicated, order kept
             with self._requested_lock:
                 self._requested.pop((category, work_id), None)
             if self.leases is None:
-                by_category[category].append(work_id)  # no registry: renew unconditionally
+                if token is not None:  # no registry: renew what was asked
+                    by_category[category][work_id] = token
                 continue
             handle = self.leases.get(category, work_id)
-            if handle is None:
-                self.skipped_gone += 1  # finished (disposed) since it asked
+            if (
+                handle is None
+                or handle.lease_token is None
+                or token not in (None, handle.lease_token)
+            ):
+                self.skipped_gone += 1  # finished, or superseded by a newer claim
                 continue
             if not handle.can_renew():
                 self.skipped_at_cap += 1
@@ -97,11 +113,17 @@ class LeaseRenewalWorker:
                     extra={"action": "renewal_cap"},
                 )
                 continue
-            by_category[category].append(work_id)
-        for category, ids in by_category.items():
+            by_category[category][work_id] = handle.lease_token
+        for category, tokens in by_category.items():
+            if self.refused is not None:
+                return
+            ids = list(tokens)
             sent_at = self.clock.monotonic()
             try:
-                renewed = self.coordinator.renew(category, ids)
+                renewed = self.coordinator.renew(category, ids, list(tokens.values()))
+            except InstanceRefused as exc:
+                self._refuse(str(exc))
+                return
             except Exception:
                 # Retry only this category: the others' renewals already counted.
                 logger.exception(
@@ -110,8 +132,8 @@ class LeaseRenewalWorker:
                     category,
                     extra={"action": "renewal_failed"},
                 )
-                for work_id in ids:
-                    self.enqueue(category, work_id)
+                for work_id, token in tokens.items():
+                    self.enqueue(category, work_id, token)
                 continue
             # The DB set expiry = its now + lease; its now is after sent_at, so this
             # local deadline is on the safe side.
@@ -120,7 +142,7 @@ class LeaseRenewalWorker:
                 self.renewed += 1
                 if self.leases is not None:
                     handle = self.leases.get(category, work_id)
-                    if handle is not None:
+                    if handle is not None and handle.lease_token == tokens[work_id]:
                         handle.confirm_renewal(deadline)
             lost = set(ids) - set(renewed)
             for work_id in lost:
@@ -132,9 +154,22 @@ class LeaseRenewalWorker:
                 )
                 if self.leases is not None:
                     handle = self.leases.get(category, work_id)
-                    if handle is not None:
+                    if handle is not None and handle.lease_token == tokens[work_id]:
                         # work.cancelled tells the handler; no more renewals are asked.
                         handle.cancel("lost")
+
+    def _refuse(self, reason: str) -> None:
+        """The database refused this instance: stop renewing and say so, once."""
+        if self.refused is not None:
+            return
+        self.refused = reason
+        logger.error(
+            "renew_leases refused this instance: %s; it stops",
+            reason,
+            extra={"action": "instance_refused"},
+        )
+        if self.on_refused is not None:
+            self.on_refused(reason)
 
     def run_once(self) -> tuple[int, int]:
         """One tick: abandon expired dispatches, request due renewals; return the counts."""
@@ -157,7 +192,7 @@ class LeaseRenewalWorker:
                 if asked_at is not None and now - asked_at < self.request_retry_seconds:
                     continue
                 self._requested[key] = now
-            if self.enqueue(*key):
+            if self.enqueue(*key, handle.lease_token):
                 requested += 1
             else:
                 with self._requested_lock:
