@@ -404,3 +404,22 @@ def test_a_handler_sees_the_id_of_the_instance_running_it(handlers, pump):
     supervisor = pump(drain=True)
     assert drain(supervisor) == EXIT_OK
     assert seen == [supervisor.identity.instance_id]
+
+
+@override_settings(WORKPUMP=FAST)
+def test_a_refusal_stops_the_pump_and_tells_every_running_handler_at_once():
+    from django_workpump.clock import FrozenClock
+    from django_workpump.pump.lease import LeaseHandle
+    from django_workpump.pump.supervisor import Supervisor
+
+    supervisor = Supervisor()
+    clock = FrozenClock()
+    deadline = clock.monotonic() + 100
+    handle = LeaseHandle("outbox", uuid.uuid4(), deadline, 6, clock, lease_token=uuid.uuid4())
+    supervisor.leases.register(handle)
+
+    supervisor._refused("renew_leases refused instance x: it was evicted at t (by peers).")
+
+    assert supervisor.wait(0)
+    assert supervisor.exit_code == EXIT_EVICTED
+    assert handle.cancel_reason == "lost"

@@ -173,8 +173,13 @@ class Supervisor:
         self.claim.request_immediate_poll()
 
     def _refused(self, reason: str) -> None:
-        """The database refused a claim or renewal: stop as on a refused heartbeat."""
+        """The database refused a claim or renewal: stop as on a refused heartbeat.
+
+        The instance holds no lease any more: every running handler is told at once
+        (``work.cancelled``, reason ``lost``).
+        """
         self.request_stop(f"evicted: {reason}", EXIT_EVICTED)
+        self.leases.cancel_all("lost")
 
     def _signal(self, signal: str) -> None:
         if signal in self.options.categories or signal == "orphan":
