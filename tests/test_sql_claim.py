@@ -694,10 +694,13 @@ def explaining_connection(raw_connect: Any) -> tuple[Any, list[str]]:
 
 def test_the_guard_probes_use_the_partial_indexes(raw_connect):
     conn, plans = explaining_connection(raw_connect)
-    register_on(conn, A)
-    plans.clear()
+    with conn.transaction(force_rollback=True):  # the registration must not outlive the test
+        register_on(conn, A)
+        plans.clear()
 
-    rows = conn.execute("SELECT * FROM workpump.claim_work(%s, p_now => %s)", [A, T0]).fetchall()
+        rows = conn.execute(
+            "SELECT * FROM workpump.claim_work(%s, p_now => %s)", [A, T0]
+        ).fetchall()
 
     assert rows == []
     text = "\n".join(plans)
