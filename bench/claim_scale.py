@@ -25,7 +25,10 @@ SELECT gen_random_uuid(), 'bench.noop', jsonb_build_object('i', g), g %% 10000, 
        %(attempts)s::integer, %(processed_at)s::timestamptz, %(processed_at)s::timestamptz, now()
 FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) g
 """
-COMPLETE_SQL = "SELECT count(*) FROM workpump.complete_work(%s, 'outbox', %s::uuid[])"
+COMPLETE_SQL = (
+    "SELECT count(*) FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[])"
+)
+REGISTER_SQL = "SELECT workpump.record_heartbeat(%s, 'bench', 'localhost', 1)"
 CHUNK = 500_000
 
 
@@ -90,18 +93,21 @@ def measure(server: h.Server, database: str, calls: int, batch: int = 100) -> di
         "stale_after_seconds": 30,
         "definitively_dead_after_seconds": 300,
         "now": None,
+        "topics": None,
     }
     timings: list[float] = []
     claimed = 0
     with server.connect(database) as conn:
+        conn.execute(REGISTER_SQL, [instance])  # claim_work refuses unregistered instances
         for i in range(calls):
             t0 = time.perf_counter_ns()
             rows = conn.execute(query, params).fetchall()
             timings.append((time.perf_counter_ns() - t0) / 1e6)
             ids = [row[1] for row in rows]
+            tokens = [row[12] for row in rows]  # lease_token, as the named query orders it
             claimed += len(ids)
             if ids:
-                conn.execute(COMPLETE_SQL, [instance, ids])
+                conn.execute(COMPLETE_SQL, [instance, ids, tokens])
             conn.execute(
                 INSERT_SQL,
                 {
@@ -145,10 +151,12 @@ def explain(server: h.Server, database: str, batch: int = 100) -> list[str]:
         ):
             conn.execute(setting)
         conn.execute("BEGIN")
+        instance = uuid.uuid4()
+        conn.execute(REGISTER_SQL, [instance])
         conn.execute(
             query,
             {
-                "instance_id": uuid.uuid4(),
+                "instance_id": instance,
                 "max_rows": batch,
                 "lease_seconds": 300,
                 "partition_count": 10_000,
@@ -156,6 +164,7 @@ def explain(server: h.Server, database: str, batch: int = 100) -> list[str]:
                 "stale_after_seconds": 30,
                 "definitively_dead_after_seconds": 300,
                 "now": None,
+                "topics": None,
             },
         ).fetchall()
         conn.execute("ROLLBACK")

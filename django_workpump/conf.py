@@ -93,6 +93,25 @@ def lock_loss_grace_seconds(settings: Mapping[str, Any]) -> float:
     return float(settings["HEARTBEAT_INTERVAL_SECONDS"])
 
 
+# Tombstones are kept at least a day, whatever the lease settings.
+MIN_TOMBSTONE_RETENTION_SECONDS = 24 * 3600
+
+
+def tombstone_retention_seconds(settings: Mapping[str, Any]) -> int:
+    """Seconds a tombstone of an evicted instance is kept before maintenance purges it.
+
+    While it exists the instance's heartbeats, claims and renewals are refused; once it
+    is gone a zombie that wakes up would register again. So it must outlive the longest
+    lease the instance could still believe it holds (the lease and every renewal) plus
+    the definitive-dead cutoff, the latest its peers can have evicted it.
+    """
+    longest_lease = int(settings["LEASE_SECONDS"]) * (int(settings["MAX_RENEWALS_PER_WORK"]) + 1)
+    cutoff = max(
+        int(settings["STALE_AFTER_SECONDS"]), int(settings["DEFINITIVELY_DEAD_AFTER_SECONDS"])
+    )
+    return max(MIN_TOMBSTONE_RETENTION_SECONDS, longest_lease + cutoff)
+
+
 @receiver(setting_changed)
 def _reset_cache(*, setting: str, **kwargs: Any) -> None:
     global _cache

@@ -8,13 +8,14 @@ caller's transaction. ``now`` is for tests only: production lets the database cl
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import ProgrammingError, connections
+from django.db import DatabaseError, ProgrammingError, connections
 from psycopg.types.string import TextLoader
 
 from django_workpump.conf import setting
@@ -38,6 +39,7 @@ class ClaimedWork:
     event_type: str | None
     priority: int
     claimed_at: datetime
+    lease_token: uuid.UUID  # this claim's token: every later write about the row names it
     has_more: bool
     # Why the payload could not be decoded (then ``payload`` is empty): the row must be
     # dead-lettered, not run.
@@ -51,6 +53,23 @@ class Outcome:
     work_id: uuid.UUID
     status: str  # done | retry | dead | released | lost
     scheduled_for: datetime | None = None
+
+
+# SQLSTATE of claim_work and renew_leases refusing an evicted or unregistered instance.
+INSTANCE_REFUSED_SQLSTATE = "WP001"
+
+
+class InstanceRefused(Exception):
+    """The database refused this instance (evicted or not registered): it must stop."""
+
+
+def _refused(exc: DatabaseError) -> InstanceRefused | None:
+    """The InstanceRefused a database error stands for, or None for any other error."""
+    if getattr(exc.__cause__, "sqlstate", None) != INSTANCE_REFUSED_SQLSTATE:
+        return None
+    diagnostic = getattr(exc.__cause__, "diag", None)
+    message = getattr(diagnostic, "message_primary", None) or str(exc).strip()
+    return InstanceRefused(message)
 
 
 def _alias(using: str | None) -> str:
@@ -143,14 +162,26 @@ def claim_work(
     lease_seconds: int,
     partition_count: int,
     categories: Sequence[str] | None = None,
+    topics: Mapping[str, Sequence[str]] | None = None,
     stale_after_seconds: int = 30,
     definitively_dead_after_seconds: int = 300,
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[ClaimedWork]:
-    """Lease rows; a row whose payload cannot be decoded comes back with ``payload_error``."""
-    params = locals() | {"categories": list(categories) if categories else None}
-    return [_claimed(row) for row in _fetch("claim_work", params, using, jsonb_as_text=True)]
+    """Lease rows of ``topics`` (``{category: [topic, ...]}``; None: every topic).
+
+    Raise InstanceRefused when this instance is evicted or not registered. A row whose
+    payload cannot be decoded comes back with ``payload_error``.
+    """
+    params = locals() | {
+        "categories": list(categories) if categories else None,
+        "topics": None if topics is None else json.dumps({c: list(t) for c, t in topics.items()}),
+    }
+    try:
+        rows = _fetch("claim_work", params, using, jsonb_as_text=True)
+    except DatabaseError as exc:
+        raise (_refused(exc) or exc) from exc
+    return [_claimed(row) for row in rows]
 
 
 def _claimed(row: tuple[Any, ...]) -> ClaimedWork:
@@ -170,14 +201,21 @@ def renew_leases(
     *,
     category: str,
     ids: Sequence[uuid.UUID],
+    lease_tokens: Sequence[uuid.UUID],
     lease_seconds: int,
     instance_id: uuid.UUID | None,
     now: datetime | None = None,
     using: str | None = None,
 ) -> dict[uuid.UUID, datetime]:
-    """Renew; return ``{id: new lease_expiry}`` for the rows that were renewed."""
-    params = locals() | {"ids": list(ids)}
-    return dict(_fetch("renew_leases", params, using))
+    """Renew; return ``{id: new lease_expiry}`` for the rows that were renewed.
+
+    Raise InstanceRefused when ``instance_id`` is evicted or not registered.
+    """
+    params = locals() | {"ids": list(ids), "lease_tokens": list(lease_tokens)}
+    try:
+        return dict(_fetch("renew_leases", params, using))
+    except DatabaseError as exc:
+        raise (_refused(exc) or exc) from exc
 
 
 def complete_work(
@@ -185,12 +223,17 @@ def complete_work(
     instance_id: uuid.UUID,
     category: str,
     ids: Sequence[uuid.UUID],
+    lease_tokens: Sequence[uuid.UUID],
     results: Sequence[str | None] | None = None,
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[Outcome]:
     """Complete; ``results`` are JSON texts (or None), one per id."""
-    params = locals() | {"ids": list(ids), "results": list(results) if results else None}
+    params = locals() | {
+        "ids": list(ids),
+        "lease_tokens": list(lease_tokens),
+        "results": list(results) if results else None,
+    }
     return [Outcome(*row) for row in _fetch("complete_work", params, using)]
 
 
@@ -199,6 +242,7 @@ def fail_work(
     instance_id: uuid.UUID,
     category: str,
     ids: Sequence[uuid.UUID],
+    lease_tokens: Sequence[uuid.UUID],
     errors: Sequence[str],
     reasons: Sequence[str] | None = None,
     retry_base_seconds: int = 30,
@@ -208,6 +252,7 @@ def fail_work(
 ) -> list[Outcome]:
     params = locals() | {
         "ids": list(ids),
+        "lease_tokens": list(lease_tokens),
         "errors": list(errors),
         "reasons": list(reasons) if reasons else None,
     }
@@ -232,10 +277,11 @@ def release_work(
     instance_id: uuid.UUID,
     category: str,
     ids: Sequence[uuid.UUID],
+    lease_tokens: Sequence[uuid.UUID],
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[Outcome]:
-    params = locals() | {"ids": list(ids)}
+    params = locals() | {"ids": list(ids), "lease_tokens": list(lease_tokens)}
     return [Outcome(*row) for row in _fetch("release_work", params, using)]
 
 

@@ -40,6 +40,9 @@ class WorkRow(models.Model):
     lease_expiry = models.DateTimeField(null=True, blank=True, editable=False)
     lease_renewals = models.IntegerField(db_default=0, editable=False)
     claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Issued afresh by every claim; every later write about the row must name it, so an
+    # older attempt's outcome cannot land on a newer attempt of the same instance.
+    lease_token = models.UUIDField(null=True, blank=True, editable=False)
     last_error = models.TextField(null=True, blank=True)
     failure_reason = models.CharField(max_length=40, null=True, blank=True)
     dead_lettered_at = models.DateTimeField(null=True, blank=True)
@@ -310,6 +313,7 @@ class TaskAttempt(models.Model):
     message_id = models.UUIDField()  # the inbox row's message_id, which is TaskResult.id
     attempt = models.IntegerField()  # the row's claim count when this run started
     instance_id = models.UUIDField()  # the runworkpump instance that ran it
+    lease_token = models.UUIDField(null=True, blank=True)  # the claim this run belongs to
     started_at = models.DateTimeField(db_default=Now())
     finished_at = models.DateTimeField(null=True, blank=True)
     error_class = models.TextField(null=True, blank=True)  # exception class path; NULL: success

@@ -18,6 +18,9 @@ TOPIC_NOUNS = {
     "receptor": "receptor",
 }
 
+# Inbox handler names of django.tasks queues: "django.tasks:<backend alias>:<queue>".
+TASK_TOPIC_PREFIX = "django.tasks"
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -95,6 +98,61 @@ class Registry:
         """Perspectives and receptors subscribed to ``event_type``, in a stable order."""
         found = [h for h in self._handlers.values() if event_type in h.events]
         return sorted(found, key=lambda h: (h.category, h.topic))
+
+
+class TopicSelectionError(ValueError):
+    """A topic or queue named to ``runworkpump`` has no handler in this process."""
+
+
+def task_queue_of(topic: str) -> str | None:
+    """The django.tasks queue an inbox handler name stands for, or None for other topics."""
+    prefix, _, rest = topic.partition(":")
+    if prefix != TASK_TOPIC_PREFIX or ":" not in rest:
+        return None
+    return rest.partition(":")[2]
+
+
+def claim_topics(
+    handlers: Registry,
+    categories: Iterable[str],
+    *,
+    topics: Iterable[str] | None = None,
+    queues: Iterable[str] | None = None,
+) -> dict[str, list[str]]:
+    """The topics this process claims, per category: those it has a handler for.
+
+    ``topics`` (handler topics, any category) and ``queues`` (django.tasks queue names)
+    narrow the choice: with either given, only what they name is claimed. A name with
+    no handler raises TopicSelectionError.
+    """
+    available = {c: sorted(h.topic for h in handlers.handlers(c)) for c in categories}
+    if topics is None and queues is None:
+        return available
+    wanted_topics = set(topics or ())
+    wanted_queues = set(queues or ())
+    chosen = {
+        category: [t for t in names if t in wanted_topics or task_queue_of(t) in wanted_queues]
+        for category, names in available.items()
+    }
+    known_topics = {t for names in available.values() for t in names}
+    known_queues = {q for t in known_topics if (q := task_queue_of(t)) is not None}
+    where = ", ".join(available)
+    missing_topics = sorted(wanted_topics - known_topics)
+    if missing_topics:
+        plain = sorted(t for t in known_topics if task_queue_of(t) is None)
+        raise TopicSelectionError(
+            f"No handler for topic {', '.join(map(repr, missing_topics))} in categories "
+            f"{where}: this process has handlers for {', '.join(plain) or 'no topic'}. "
+            "Check the name, or register its handler in <app>/workpump.py."
+        )
+    missing_queues = sorted(wanted_queues - known_queues)
+    if missing_queues:
+        raise TopicSelectionError(
+            f"No task backend runs queue {', '.join(map(repr, missing_queues))}: this "
+            f"process has queues {', '.join(sorted(known_queues)) or 'none'}. Check the "
+            "name, or add it to the QUEUES of a WorkPumpBackend in TASKS."
+        )
+    return chosen
 
 
 def _check_name(what: str, value: object) -> None:

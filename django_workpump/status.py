@@ -117,6 +117,16 @@ class InstanceStatus:
 
 
 @dataclass(frozen=True)
+class UnhandledTopic:
+    """Rows of a topic that no live instance runs: they wait, spending no attempt."""
+
+    category: str
+    topic: str
+    rows: int
+    oldest_age_seconds: float
+
+
+@dataclass(frozen=True)
 class Tombstone:
     """An evicted instance: its heartbeats are refused from then on."""
 
@@ -139,6 +149,7 @@ class StatusReport:
     dead_rows: list[DeadRow]
     instances: list[InstanceStatus]
     tombstones: list[Tombstone]
+    unhandled: list[UnhandledTopic] = field(default_factory=list)  # no live handler
     dead_counts: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -213,6 +224,20 @@ def instances(*, now: datetime | None = None, using: str | None = None) -> list[
     return result
 
 
+def unhandled_topics(
+    *, now: datetime | None = None, using: str | None = None
+) -> list[UnhandledTopic]:
+    """Return the topics with waiting rows that no live instance advertises it runs."""
+    settings = get_settings()
+    params = {
+        "now": now,
+        "stale_after_seconds": settings["STALE_AFTER_SECONDS"],
+        "definitively_dead_after_seconds": settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+    }
+    rows = db.fetch_named(QUERIES, "unhandled_topics", params, using=using)
+    return [UnhandledTopic(**{**row, "rows": int(row["rows"])}) for row in rows]
+
+
 def tombstones(
     *, now: datetime | None = None, limit: int = TOMBSTONES_LIMIT, using: str | None = None
 ) -> list[Tombstone]:
@@ -222,7 +247,7 @@ def tombstones(
 
 
 def collect(*, now: datetime | None = None, using: str | None = None) -> StatusReport:
-    """Gather the whole status report (five queries)."""
+    """Gather the whole status report (six queries)."""
     settings = get_settings()
     using = using or settings["DATABASE_ALIAS"]
     counts = state_counts(now=now, using=using)
@@ -237,6 +262,7 @@ def collect(*, now: datetime | None = None, using: str | None = None) -> StatusR
         dead_rows=dead_rows(using=using),
         instances=instances(now=now, using=using),
         tombstones=tombstones(now=now, using=using),
+        unhandled=unhandled_topics(now=now, using=using),
     )
 
 
@@ -264,6 +290,7 @@ def as_json(report: StatusReport) -> dict[str, Any]:
         "dead_rows": [_plain(asdict(r)) for r in report.dead_rows],
         "instances": [_plain(asdict(i)) | {"total_held": i.total_held} for i in report.instances],
         "tombstones": [_plain(asdict(t)) for t in report.tombstones],
+        "no_live_handler": [_plain(asdict(u)) for u in report.unhandled],
     }
 
 

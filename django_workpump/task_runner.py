@@ -46,7 +46,7 @@ from django.utils.module_loading import import_string
 
 from django_workpump import db, producer
 from django_workpump.conf import setting
-from django_workpump.registry import Handler, registry
+from django_workpump.registry import TASK_TOPIC_PREFIX, Handler, registry
 from django_workpump.storable import ascii_text, is_transient, storable_text
 
 try:  # Django >= 6.0
@@ -85,7 +85,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_workpump.tasks")
 
-TOPIC_PREFIX = "django.tasks"
+TOPIC_PREFIX = TASK_TOPIC_PREFIX
 OPTION_KEYS = ("MAX_ATTEMPTS", "TASK_MODULES")
 # Per-instance settings a user may look for in OPTIONS: they live in WORKPUMP.
 INSTANCE_KEYS = (
@@ -591,7 +591,10 @@ class AttemptRunner:
         )
         try:
             TaskAttempt.objects.using(self.using).create(
-                message_id=work.id, attempt=work.attempts, instance_id=self.instance_id
+                message_id=work.id,
+                attempt=work.attempts,
+                instance_id=self.instance_id,
+                lease_token=work.lease_token,
             )
         except IntegrityError:
             # The same claim count again (an operator re-queued a dead row): start over.
@@ -599,6 +602,7 @@ class AttemptRunner:
                 message_id=work.id, attempt=work.attempts
             ).update(
                 instance_id=self.instance_id,
+                lease_token=work.lease_token,
                 started_at=Now(),
                 finished_at=None,
                 error_class=None,
@@ -643,12 +647,16 @@ class AttemptRunner:
         self._finish(exc)
 
     def _spend_attempts(self) -> None:
-        if self.work.instance_id is None:
+        if self.work.instance_id is None or self.work.lease_token is None:
             return
         db.fetch_named(
             "tasks.sql",
             "spend_attempts",
-            {"message_id": self.work.id, "instance_id": self.work.instance_id},
+            {
+                "message_id": self.work.id,
+                "instance_id": self.work.instance_id,
+                "lease_token": self.work.lease_token,
+            },
             using=self.using,
         )
 
@@ -662,10 +670,15 @@ class AttemptRunner:
             traceback = storable_text(text)
 
         def record(error_class: str | None, traceback: str | None) -> None:
-            # First outcome wins: a late one (an abandoned thread) does not overwrite it.
-            TaskAttempt.objects.using(self.using).filter(
+            # First outcome wins: a late one (an abandoned thread) does not overwrite it,
+            # nor does an older claim's run that reached the same attempt number (a
+            # re-queued row).
+            attempt = TaskAttempt.objects.using(self.using).filter(
                 message_id=self.work.id, attempt=self.work.attempts, finished_at__isnull=True
-            ).update(finished_at=Now(), error_class=error_class, traceback=traceback)
+            )
+            if self.work.lease_token is not None:
+                attempt = attempt.filter(lease_token=self.work.lease_token)
+            attempt.update(finished_at=Now(), error_class=error_class, traceback=traceback)
 
         try:
             record(error_class, traceback)

@@ -77,6 +77,47 @@ def scalar(query: str, params: dict[str, Any] | tuple[Any, ...] | None = None) -
     return next(iter(rows[0].values()))
 
 
+# category -> (table, key column) of the four work tables
+WORK_TABLES = {
+    "outbox": ("workpump_outbox", "message_id"),
+    "inbox": ("workpump_inbox", "message_id"),
+    "perspective_event": ("workpump_perspective_event", "event_work_id"),
+    "receptor": ("workpump_receptor_processing", "id"),
+}
+
+
+def enroll(instance: uuid.UUID | None, now: datetime = T0) -> None:
+    """Register ``instance`` (heartbeat at ``now``) unless it is registered or tombstoned.
+
+    claim_work refuses unregistered instances. Unlike record_heartbeat this reaps nobody,
+    so tests that set up stale peers keep them.
+    """
+    if instance is None:
+        return
+    run_sql(
+        "INSERT INTO workpump_service_instance (instance_id, service_name, host_name,"
+        " process_id, started_at, last_heartbeat_at, alive_lock_key)"
+        " SELECT %(id)s, 'tests', 'localhost', 1, %(now)s, %(now)s,"
+        "        nextval('workpump.alive_lock_key_seq')"
+        " WHERE NOT EXISTS (SELECT 1 FROM workpump_eviction WHERE instance_id = %(id)s)"
+        " ON CONFLICT (instance_id) DO NOTHING",
+        {"id": instance, "now": now},
+    )
+
+
+def current_tokens(category: str, ids: Any) -> list[uuid.UUID] | None:
+    """The lease tokens the rows hold now, parallel to ``ids`` (a random one where none).
+
+    Tests of other fences pass these: the current attempt's token.
+    """
+    if ids is None:
+        return None
+    table, key = WORK_TABLES.get(category, WORK_TABLES["outbox"])
+    rows = run_sql(f"SELECT {key} AS id, lease_token FROM {table} WHERE {key} = ANY (%s)", [ids])
+    held = {r["id"]: r["lease_token"] for r in rows}
+    return [held.get(i) or uuid.uuid4() for i in ids]
+
+
 @pytest.fixture
 def sql() -> Callable[..., list[dict[str, Any]]]:
     return run_sql

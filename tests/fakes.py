@@ -43,6 +43,7 @@ def make_row(
         event_type=None,
         priority=0,
         claimed_at=CLAIMED_AT,
+        lease_token=uuid.uuid4(),
         has_more=has_more,
     )
 
@@ -74,6 +75,7 @@ class FakeCoordinator:
         reap: Sequence[uuid.UUID] = (),
         refuse_renewal: Iterable[uuid.UUID] = (),
         renew_errors: int = 0,
+        renew_refusal: BaseException | None = None,
         on_heartbeat: Callable[[], Any] | None = None,
     ) -> None:
         self.identity = InstanceIdentity(host_name="test-host", process_id=4242)
@@ -81,14 +83,18 @@ class FakeCoordinator:
         self.claims: list[int] = []  # max_rows of each claim call
         self.heartbeats: list[dict[str, Any]] = []
         self.renewals: list[tuple[str, list[uuid.UUID]]] = []
+        self.renewal_tokens: list[uuid.UUID] = []  # every token sent to renew, in order
         self.completed: list[tuple[uuid.UUID, str | None]] = []  # (work id, result)
         self.released: list[uuid.UUID] = []
         self.dead_lettered: list[tuple[uuid.UUID, str]] = []  # (id, error)
+        # (method, work id, lease token) of every outcome and release, in call order
+        self.tokens: list[tuple[str, uuid.UUID, uuid.UUID]] = []
         self.reap_calls = 0
         self.eviction_due_in = eviction_due_in  # what next_eviction_in answers
         self.reap_result = list(reap)
         self.refused = set(refuse_renewal)
         self.renew_errors = renew_errors
+        self.renew_refusal = renew_refusal  # raised by every renew (e.g. InstanceRefused)
         self.on_heartbeat = on_heartbeat
         self._claim_script: deque[Any] = deque(claims)
         self._heartbeat_script: deque[Any] = deque(heartbeats)
@@ -129,39 +135,65 @@ class FakeCoordinator:
             self._cond.notify_all()
         return self._resolve(step)
 
-    def renew(self, category: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Any]:
+    def renew(
+        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
+    ) -> dict[uuid.UUID, Any]:
         self._record("renew")
         if self.renew_errors > 0:
             self.renew_errors -= 1
             raise OperationalError("renew_leases failed: connection lost")
+        if isinstance(self.renew_refusal, BaseException):
+            raise self.renew_refusal
         self.renewals.append((category, list(ids)))
+        self.renewal_tokens.extend(tokens)
         return {work_id: CLAIMED_AT for work_id in ids if work_id not in self.refused}
 
     def complete(
-        self, category: str, ids: Sequence[uuid.UUID], results: Sequence[str | None]
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        results: Sequence[str | None],
     ) -> list[Outcome]:
         with self._cond:
             self.completed.extend(zip(ids, results, strict=True))
+            self.tokens.extend(("complete", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("complete")
         return [Outcome(work_id, "done") for work_id in ids]
 
     def fail(
-        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reasons: Sequence[str]
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        errors: Sequence[str],
+        reasons: Sequence[str],
     ) -> list[Outcome]:
+        with self._cond:
+            self.tokens.extend(("fail", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("fail")
         return [Outcome(work_id, "retry") for work_id in ids]
 
-    def release(self, category: str, ids: Sequence[uuid.UUID]) -> list[Outcome]:
+    def release(
+        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
+    ) -> list[Outcome]:
         with self._cond:
             self.released.extend(ids)
+            self.tokens.extend(("release", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("release")
         return [Outcome(work_id, "released") for work_id in ids]
 
     def dead_letter(
-        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reason: str
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        errors: Sequence[str],
+        reason: str,
     ) -> list[Outcome]:
         with self._cond:
             self.dead_lettered.extend(zip(ids, errors, strict=True))
+            self.tokens.extend(("dead_letter", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("dead_letter")
         return [Outcome(work_id, "dead") for work_id in ids]
 

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from django_workpump.clock import FrozenClock
+from django_workpump.db import InstanceRefused
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker, poll_wait_ms
 from tests.fakes import (
     FakeCoordinator,
@@ -486,3 +487,36 @@ def test_slow_work_is_claimed_for_the_free_slots_only():
     claims, worker = claim_at_rates(1, 0.5, rounds=4)
     assert claims == [6, 6, 6, 6]
     assert worker.start_rate == pytest.approx(2.0)
+
+
+# a refused claim: the instance was evicted, or is not registered
+
+
+def test_a_refused_claim_stops_the_instance_and_the_loop():
+    refusal = InstanceRefused("claim_work refused instance x: it was evicted at t (by peers).")
+    coordinator = FakeCoordinator(claims=[refusal, [make_row()]])
+    sink = FakeSink(free=4)
+    stops: list[str] = []
+    worker = make_worker(coordinator, sink, MINUTE, on_refused=stops.append)
+
+    with watching("django_workpump.claim") as log:
+        thread = ServiceThread(worker)
+        thread.start()
+        thread.finish()  # run() returned by itself: no stop() was needed
+        assert log.wait_for("instance_refused", 0)
+
+    assert stops == [str(refusal)]
+    assert worker.refused == str(refusal)
+    assert coordinator.claims == [6]  # never claimed again
+    assert sink.batches == []
+
+
+def test_after_a_refusal_run_once_claims_nothing_more():
+    coordinator = FakeCoordinator(claims=[InstanceRefused("not registered"), [make_row()]])
+    worker = make_worker(coordinator, FakeSink(free=4))
+
+    first = worker.run_once()
+    second = worker.run_once()
+
+    assert (first.refused, second.refused) == (True, True)
+    assert len(coordinator.claims) == 1

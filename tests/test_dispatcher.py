@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,7 +55,8 @@ def setup() -> Iterator[tuple[Dispatcher, FakeCoordinator, Attempts, LeaseRegist
 
 
 def _again(row: Any) -> Any:
-    return dataclasses.replace(row, attempts=row.attempts + 1)
+    """The row as the next claim returns it: one attempt more, a new lease token."""
+    return dataclasses.replace(row, attempts=row.attempts + 1, lease_token=uuid.uuid4())
 
 
 def test_a_row_claimed_again_while_it_runs_supersedes_the_older_attempt(setup):
@@ -78,8 +80,10 @@ def test_a_row_claimed_again_while_it_runs_supersedes_the_older_attempt(setup):
     handler.release[2].set()
     assert coordinator.wait_for_call("complete")
     assert dispatcher.wait_idle(WAIT)
-    # Only the newer attempt's outcome reaches the database.
+    # Only the newer attempt's outcome reaches the database, under the newer claim's token.
     assert coordinator.completed == [(first.work_id, '"attempt 2"')]
+    assert coordinator.tokens == [("complete", first.work_id, handler.seen[2].lease_token)]
+    assert handler.seen[2].lease_token != first.lease_token
     assert dispatcher.stats.superseded == 1
     assert dispatcher.in_flight == 0
     assert len(leases) == 0
@@ -126,3 +130,36 @@ def test_a_finished_attempt_whose_handle_is_not_yet_disposed_does_not_block_the_
     handler.release[2].set()
     assert dispatcher.wait_idle(WAIT)
     assert len(leases) == 0
+
+
+def test_every_outcome_and_release_names_the_lease_token_of_its_own_claim():
+    coordinator = FakeCoordinator()
+    handlers = Registry()
+    handlers.register(Handler("outbox", "ok", lambda work: None))
+
+    def boom(work: Work) -> None:
+        raise RuntimeError("boom")
+
+    handlers.register(Handler("outbox", "boom", boom))
+    clock = FrozenClock()
+    dispatcher = Dispatcher(
+        coordinator, handlers, LeaseRegistry(), concurrency=1, lease_grace_seconds=5, clock=clock
+    )
+    done = dataclasses.replace(make_row(), topic="ok")
+    failed = dataclasses.replace(make_row(), topic="boom")
+    # A lease shorter than the grace: the row's deadline has passed before it could start.
+    unstarted = make_row(lease_seconds=1)
+    dispatcher.submit([done, failed, unstarted])
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+
+    assert sorted(coordinator.tokens) == sorted(
+        [
+            ("complete", done.work_id, done.lease_token),
+            ("fail", failed.work_id, failed.lease_token),
+            ("release", unstarted.work_id, unstarted.lease_token),
+        ]
+    )

@@ -23,7 +23,7 @@ import django_workpump
 import django_workpump.migrations
 from django_workpump import models
 from django_workpump.partitions import partition_of
-from django_workpump.sql import named_queries, read
+from django_workpump.sql import PIN_SEARCH_PATH, named_queries, read
 from tests import factories
 from tests.conftest import T0, at, run_sql, scalar
 
@@ -59,12 +59,12 @@ TIME_DEPENDENT = {
 # DESIGN §3: the parameters an operator must pass; every other one has a default.
 REQUIRED_PARAMETERS = {
     "claim_work": ["p_instance_id"],
-    "renew_leases": ["p_category", "p_ids"],
+    "renew_leases": ["p_category", "p_ids", "p_lease_tokens"],
     "record_heartbeat": ["p_instance_id", "p_service_name", "p_host_name", "p_process_id"],
     "cleanup_stale_instances": ["p_stale_cutoff"],
-    "complete_work": ["p_instance_id", "p_category", "p_ids"],
-    "fail_work": ["p_instance_id", "p_category", "p_ids", "p_errors"],
-    "release_work": ["p_instance_id", "p_category", "p_ids"],
+    "complete_work": ["p_instance_id", "p_category", "p_ids", "p_lease_tokens"],
+    "fail_work": ["p_instance_id", "p_category", "p_ids", "p_lease_tokens", "p_errors"],
+    "release_work": ["p_instance_id", "p_category", "p_ids", "p_lease_tokens"],
     "deregister_instance": ["p_instance_id"],
 }
 
@@ -128,7 +128,10 @@ def test_a_migration_runs_every_sql_file_it_lists():
                 operation.sql if isinstance(operation.sql, list | tuple) else [operation.sql]
             )
         ]
-        assert statements == [read(path) for path in files], module.__name__
+        # the files, in order; then, from schema v6 on, the search_path pin
+        listed = [read(path) for path in files]
+        assert statements[: len(listed)] == listed, module.__name__
+        assert statements[len(listed) :] in ([], [PIN_SEARCH_PATH]), module.__name__
 
 
 @pytest.mark.django_db

@@ -15,7 +15,7 @@ import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.maintenance import MaintenanceWorker
 from django_workpump.pump.supervisor import EXIT_SERVICE_DIED, PumpOptions, Supervisor
-from tests.conftest import run_sql, scalar
+from tests.conftest import enroll, run_sql, scalar
 from tests.factories import EvictionFactory, OutboxFactory, ServiceInstanceFactory
 
 DAY = 24 * 3600
@@ -97,9 +97,11 @@ def test_only_one_instance_runs_maintenance_at_a_time(raw_connect):
 def test_idle_stream_ownership_rows_are_dropped():
     message_id = workpump.send("m.x", {}, stream="s-1")
     me = uuid.uuid4()
-    run_sql("SELECT * FROM workpump.claim_work(%s)", [me])
+    enroll(me)
+    [claimed] = run_sql("SELECT * FROM workpump.claim_work(%s)", [me])
     run_sql(
-        "SELECT * FROM workpump.complete_work(%s, 'outbox', ARRAY[%s]::uuid[])", [me, message_id]
+        "SELECT * FROM workpump.complete_work(%s, 'outbox', ARRAY[%s]::uuid[], ARRAY[%s]::uuid[])",
+        [me, message_id, claimed["lease_token"]],
     )
     assert scalar("SELECT count(*) FROM workpump_active_stream") == 1
 

@@ -341,7 +341,9 @@ def test_the_claim_decodes_each_row_and_flags_only_the_undecodable_ones():
     good = [workpump.send("pl.good", {"n": n}) for n in range(3)]
     deep = insert_outbox(DEEP_PAYLOAD)
     huge = scalar("SELECT workpump.send('pl.good', %s::jsonb)", [HUGE_PAYLOAD])
-    rows = db.claim_work(instance_id=uuid.uuid4(), max_rows=10, lease_seconds=300,
+    instance_id = uuid.uuid4()
+    scalar("SELECT workpump.record_heartbeat(%s, 'tests', 'host', 1)", [instance_id])
+    rows = db.claim_work(instance_id=instance_id, max_rows=10, lease_seconds=300,
                          partition_count=10_000)  # fmt: skip
     by_id = {row.work_id: row for row in rows}
     assert set(by_id) == {*good, deep, huge}
@@ -359,7 +361,9 @@ def test_the_claim_worker_hands_over_the_good_rows_and_dead_letters_only_the_bad
     huge = scalar("SELECT workpump.send('pl.good', %s::jsonb)", [HUGE_PAYLOAD])
     event_work = insert_event_work(nested(DEEP))
     sink = FakeSink(free=10)
-    worker = ClaimWorker(DatabaseCoordinator(InstanceIdentity()), sink, ClaimPolicy())
+    coordinator = DatabaseCoordinator(InstanceIdentity())
+    coordinator.heartbeat({})  # registered: only a registered instance may claim
+    worker = ClaimWorker(coordinator, sink, ClaimPolicy())
 
     result = worker.run_once()
 

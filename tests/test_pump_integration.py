@@ -123,12 +123,42 @@ def test_a_raising_handler_is_retried_then_dead_lettered_with_its_last_error(han
 
 
 @override_settings(WORKPUMP=FAST)
-def test_work_with_no_handler_fails_with_a_clear_error(pump):
+def test_work_with_no_handler_here_is_not_claimed_and_keeps_its_attempts(pump):
     workpump.send("it.nobody", {}, max_attempts=1)
     assert drain(pump(drain=True)) == EXIT_OK
     row = models.Outbox.objects.get()
-    assert row.last_error == "no handler registered for outbox destination 'it.nobody'"
-    assert row.dead_lettered_at is not None
+    assert (row.attempts, row.instance_id, row.dead_lettered_at, row.last_error) == (
+        0,
+        None,
+        None,
+        None,
+    )
+
+
+@override_settings(WORKPUMP=FAST)
+def test_a_pump_narrowed_to_some_topics_claims_no_other(handlers, pump):
+    ran: list[str] = []
+    handlers("outbox_handler", "it.a", lambda work: ran.append("a"))
+    handlers("outbox_handler", "it.b", lambda work: ran.append("b"))
+    handlers("perspective", "it.totals", lambda work: ran.append("totals"), events=["it.placed"])
+    workpump.send("it.b", {}, stream="s")  # the stream's head: the it.a row behind it waits
+    workpump.send("it.a", {}, stream="s")
+    workpump.send("it.a", {})
+    workpump.emit("it.placed", {}, stream="order-1")
+
+    supervisor = pump(drain=True, topics=["it.a"])
+    assert drain(supervisor) == EXIT_OK
+
+    assert ran == ["a"]
+    assert supervisor.topics == {
+        "outbox": ["it.a"],
+        "inbox": [],
+        "perspective_event": [],
+        "receptor": [],
+    }
+    waiting = models.Outbox.objects.filter(processed_at__isnull=True).order_by("seq")
+    assert [(r.destination, r.attempts) for r in waiting] == [("it.b", 0), ("it.a", 0)]
+    assert models.PerspectiveEvent.objects.get().attempts == 0
 
 
 @override_settings(WORKPUMP={**FAST, "CONCURRENCY": 4})
@@ -309,8 +339,35 @@ def test_an_evicted_instance_stops_claiming_and_exits_non_zero(pump, raw_connect
     )
     assert supervisor.wait(10), "the evicted instance did not stop"
     assert supervisor.shutdown() == EXIT_EVICTED
-    assert supervisor.heartbeat.evicted
+    assert supervisor.heartbeat.evicted or supervisor.claim.refused
     assert not models.ServiceInstance.objects.filter(instance_id=instance_id).exists()
+
+
+# Beats a minute apart: only a refused claim can stop the instance within the test.
+SLOW_BEATS = {
+    **FAST,
+    "HEARTBEAT_INTERVAL_SECONDS": 60,
+    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 60,
+    "STALE_AFTER_SECONDS": 120,
+    "DEFINITIVELY_DEAD_AFTER_SECONDS": 300,
+    "STALE_PEER_PROBE_INTERVAL_SECONDS": 60,
+}
+
+
+@override_settings(WORKPUMP=SLOW_BEATS)
+def test_an_evicted_instance_stops_at_its_next_claim_without_waiting_for_a_beat(pump):
+    supervisor = pump()
+    assert wait_until(lambda: supervisor.claim.polls >= 1)
+    run_sql(
+        "SELECT workpump.evict_instance(%s, 'evicted by the test')",
+        [supervisor.identity.instance_id],
+    )
+
+    assert supervisor.wait(10), "the evicted instance did not stop"
+    assert supervisor.shutdown() == EXIT_EVICTED
+    assert "evicted by the test" in (supervisor.claim.refused or "")
+    assert supervisor.stop_reason is not None and "claim_work refused" in supervisor.stop_reason
+    assert supervisor.heartbeat.beats == 1  # only the registering beat: the claim stopped it
 
 
 @override_settings(WORKPUMP={**FAST, "SHUTDOWN_TIMEOUT_SECONDS": 10})
@@ -347,3 +404,22 @@ def test_a_handler_sees_the_id_of_the_instance_running_it(handlers, pump):
     supervisor = pump(drain=True)
     assert drain(supervisor) == EXIT_OK
     assert seen == [supervisor.identity.instance_id]
+
+
+@override_settings(WORKPUMP=FAST)
+def test_a_refusal_stops_the_pump_and_tells_every_running_handler_at_once():
+    from django_workpump.clock import FrozenClock
+    from django_workpump.pump.lease import LeaseHandle
+    from django_workpump.pump.supervisor import Supervisor
+
+    supervisor = Supervisor()
+    clock = FrozenClock()
+    deadline = clock.monotonic() + 100
+    handle = LeaseHandle("outbox", uuid.uuid4(), deadline, 6, clock, lease_token=uuid.uuid4())
+    supervisor.leases.register(handle)
+
+    supervisor._refused("renew_leases refused instance x: it was evicted at t (by peers).")
+
+    assert supervisor.wait(0)
+    assert supervisor.exit_code == EXIT_EVICTED
+    assert handle.cancel_reason == "lost"

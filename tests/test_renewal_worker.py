@@ -15,6 +15,7 @@ import pytest
 from django.db import OperationalError
 
 from django_workpump.clock import FrozenClock
+from django_workpump.db import InstanceRefused
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from tests.fakes import FakeCoordinator, ServiceThread
@@ -42,7 +43,12 @@ def make_worker(coordinator, leases, clock, **kwargs):
 
 def register(leases, clock, *, seconds_left=50.0, max_renewals=6, category="outbox"):
     handle = LeaseHandle(
-        category, uuid.uuid4(), clock.monotonic() + seconds_left, max_renewals, clock
+        category,
+        uuid.uuid4(),
+        clock.monotonic() + seconds_left,
+        max_renewals,
+        clock,
+        lease_token=uuid.uuid4(),
     )
     leases.register(handle)
     return handle
@@ -106,13 +112,14 @@ def test_disposed_handle_is_not_renewed(clock, leases):
 def test_without_a_registry_every_request_reaches_the_database(clock):
     coordinator = FakeCoordinator()
     worker = make_worker(coordinator, None, clock)
-    work_id = uuid.uuid4()
+    work_id, token = uuid.uuid4(), uuid.uuid4()
 
     for _ in range(3):
-        worker.enqueue("inbox", work_id)
+        worker.enqueue("inbox", work_id, token)
         worker.flusher.flush_once()
 
     assert coordinator.renewals == [("inbox", [work_id])] * 3
+    assert coordinator.renewal_tokens == [token] * 3
     assert worker.renewed == 3
     assert worker.run_once() == (0, 0)  # no registry: nothing to tick over
 
@@ -199,11 +206,11 @@ def test_a_category_that_renewed_is_not_renewed_again_when_another_fails(clock, 
     worker.run_once()
     real_renew = coordinator.renew
 
-    def renew(category, ids):
+    def renew(category, ids, tokens):
         if category == "inbox" and coordinator.renew_errors == 0:
             coordinator.renew_errors = -1  # once
             raise OperationalError("server closed the connection unexpectedly")
-        return real_renew(category, ids)
+        return real_renew(category, ids, tokens)
 
     coordinator.renew = renew
     assert worker.flusher.flush_once() == 1  # outbox renewed, inbox put back
@@ -319,3 +326,47 @@ def test_run_ticks_until_stop(clock, leases):
     assert expired.wait(5)
     worker.stop()
     thread.finish()
+
+
+# lease tokens and refusals
+
+
+def test_a_renewal_sends_the_token_of_the_handle_in_flight(clock, leases):
+    handle = register(leases, clock, seconds_left=50)
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, leases, clock)
+
+    worker.run_once()
+    worker.flusher.flush_once()
+
+    assert coordinator.renewals == [("outbox", [handle.work_id])]
+    assert coordinator.renewal_tokens == [handle.lease_token]
+
+
+def test_a_renewal_asked_for_an_older_claim_of_the_row_is_not_sent(clock, leases):
+    newer = register(leases, clock, seconds_left=50)
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, leases, clock)
+
+    worker.enqueue("outbox", newer.work_id, uuid.uuid4())  # asked by the superseded attempt
+    worker.flusher.flush_once()
+
+    assert coordinator.renewals == []
+    assert worker.skipped_gone == 1
+
+
+def test_a_refused_renewal_stops_the_instance_once_and_renews_nothing_more(clock, leases):
+    handles = [register(leases, clock, seconds_left=50, category=c) for c in ("outbox", "inbox")]
+    refusal = InstanceRefused("renew_leases refused instance x: it is not registered.")
+    coordinator = FakeCoordinator(renew_refusal=refusal)
+    stops: list[str] = []
+    worker = make_worker(coordinator, leases, clock, on_refused=stops.append)
+
+    worker.run_once()
+    worker.flusher.flush_once()
+    worker.run_once()
+    worker.flusher.flush_once()
+
+    assert stops == [str(refusal)]
+    assert coordinator.calls.count("renew") == 1  # the other category was not even tried
+    assert all(h.renewal_count == 0 for h in handles)

@@ -82,6 +82,48 @@ def test_categories_limit_what_is_claimed(echo_handler):
 
 
 @pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_topics_narrow_the_claim_to_the_named_handlers(echo_handler):
+    workpump.outbox_handler("cmd.other")(lambda work: None)
+    try:
+        echo = workpump.send("cmd.echo", {})
+        other = workpump.send("cmd.other", {})
+        out = StringIO()
+        call_command("runworkpump", "--drain", "--topics", "cmd.echo", stdout=out)
+    finally:
+        registry.unregister("outbox", "cmd.other")
+
+    assert "topics=1 " in out.getvalue().splitlines()[0]
+    assert models.Outbox.objects.get(message_id=echo).processed_at is not None
+    waiting = models.Outbox.objects.get(message_id=other)
+    assert (waiting.attempts, waiting.instance_id, waiting.processed_at) == (0, None, None)
+
+
+@pytest.mark.django_db
+def test_a_topic_with_no_handler_here_is_refused_with_the_known_ones_named(echo_handler):
+    with pytest.raises(
+        CommandError,
+        match=r"No handler for topic 'cmd.typo' in categories outbox, inbox, perspective_event, "
+        r"receptor: this process has handlers for .*cmd\.echo.*Check the name, or register",
+    ):
+        call_command("runworkpump", "--topics", "cmd.echo,cmd.typo")
+
+
+@pytest.mark.django_db
+def test_a_queue_no_task_backend_runs_is_refused_with_the_known_ones_named():
+    with pytest.raises(
+        CommandError, match=r"No task backend runs queue 'nightly': this process has queues "
+    ):
+        call_command("runworkpump", "--queues", "nightly")
+
+
+@pytest.mark.django_db
+def test_an_empty_topics_flag_is_refused():
+    with pytest.raises(CommandError, match="--topics names nothing"):
+        call_command("runworkpump", "--topics", " , ")
+
+
+@pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP={**FAST, "STATUS_INTERVAL_SECONDS": 1})
 def test_a_status_line_is_printed_every_status_interval(echo_handler):
     # A handler that takes a little over a second keeps the pump busy past one interval.

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from django.db import DatabaseError, connection, transaction
 
-from tests.conftest import T0, at, run_sql, scalar
+from tests.conftest import T0, at, current_tokens, enroll, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
 
@@ -90,6 +90,7 @@ def emit(event_type: str, payload_json: str, stream: str | None, subscribers_jso
 
 def claim(instance: uuid.UUID | None = A, now: Any = T0, **params: Any) -> list[dict[str, Any]]:
     """Call claim_work with named parameters; return its rows."""
+    enroll(instance, now)
     named = "".join(f", {name} => %({name})s" for name in params)
     rows = run_sql(
         "SELECT * FROM workpump.claim_work("
@@ -109,8 +110,8 @@ def row(category: str, work_id: uuid.UUID) -> dict[str, Any]:
 
 def complete(instance: uuid.UUID, category: str, ids: list[uuid.UUID], now: Any) -> list[str]:
     rows = run_sql(
-        "SELECT * FROM workpump.complete_work(%s, %s, %s::uuid[], p_now => %s)",
-        [instance, category, ids, now],
+        "SELECT * FROM workpump.complete_work(%s, %s, %s::uuid[], %s::uuid[], p_now => %s)",
+        [instance, category, ids, current_tokens(category, ids), now],
     )
     return [r["status"] for r in rows]
 
@@ -119,9 +120,17 @@ def fail(
     instance: uuid.UUID, category: str, ids: list[uuid.UUID], now: Any, retry_base: int
 ) -> list[str]:
     rows = run_sql(
-        "SELECT * FROM workpump.fail_work(%s, %s, %s::uuid[], %s::text[],"
+        "SELECT * FROM workpump.fail_work(%s, %s, %s::uuid[], %s::uuid[], %s::text[],"
         " p_retry_base_seconds => %s, p_now => %s)",
-        [instance, category, ids, ["boom"] * len(ids), retry_base, now],
+        [
+            instance,
+            category,
+            ids,
+            current_tokens(category, ids),
+            ["boom"] * len(ids),
+            retry_base,
+            now,
+        ],
     )
     return [r["status"] for r in rows]
 
@@ -230,7 +239,8 @@ def test_claim_work_has_the_documented_parameters_all_defaulted_but_the_instance
     ]:
         assert name in names
     assert names[0] == "p_instance_id"
-    assert names[-1] == "p_now"
+    # v5 appended p_topics after p_now, so v1's positional callers keep working
+    assert names[-2:] == ["p_now", "p_topics"]
     assert args[0] == "p_instance_id uuid"
     assert all(" DEFAULT " in a for a in args[1:]), args
     assert rows[0]["pronargdefaults"] == rows[0]["pronargs"] - 1
@@ -238,6 +248,7 @@ def test_claim_work_has_the_documented_parameters_all_defaulted_but_the_instance
 
 def test_claim_work_can_be_called_with_only_the_instance_id():
     work_id = make("outbox")
+    enroll(A)
     rows = run_sql("SELECT * FROM workpump.claim_work(p_instance_id => %s)", [A])
     assert ids(rows) == [work_id]
     assert row("outbox", work_id)["instance_id"] == A
@@ -299,8 +310,8 @@ def test_reclaiming_resets_the_renewals_of_the_previous_lease():
     work_id = make("outbox")
     claim(A, T0, p_lease_seconds=10)
     run_sql(
-        "SELECT * FROM workpump.renew_leases('outbox', %s::uuid[], 10, %s, %s)",
-        [[work_id], A, at(5)],
+        "SELECT * FROM workpump.renew_leases('outbox', %s::uuid[], %s::uuid[], 10, %s, %s)",
+        [[work_id], current_tokens("outbox", [work_id]), A, at(5)],
     )
     assert row("outbox", work_id)["lease_renewals"] == 1
 
@@ -419,6 +430,7 @@ def test_concurrent_claimers_skip_each_others_rows_without_waiting(raw_connect):
     made = {make("outbox") for _ in range(4)}
     first, second = raw_connect(), raw_connect()
     second.execute("SET lock_timeout = '2s'")
+    register_on(first, A, B)
     query = "SELECT work_id FROM workpump.claim_work(%s, p_max_rows => %s, p_now => %s)"
 
     with first.transaction():
@@ -626,6 +638,7 @@ def test_a_slow_subscriber_does_not_hold_back_another_on_the_same_stream(categor
 
 
 def test_an_empty_system_costs_no_writes_and_no_category_claim():
+    enroll(A)
     with counted() as delta:
         assert claim(A, T0) == []
 
@@ -636,6 +649,7 @@ def test_an_empty_system_costs_no_writes_and_no_category_claim():
 
 def test_only_a_category_with_work_is_claimed_from():
     made = [make("outbox") for _ in range(2)]
+    enroll(A)
 
     with counted() as delta:
         assert sorted(ids(claim(A, T0))) == sorted(made)
@@ -647,12 +661,22 @@ def test_only_a_category_with_work_is_claimed_from():
 def test_a_leased_row_that_has_not_expired_does_not_trigger_a_category_claim():
     make("inbox", "s-1")
     claim(A, T0, p_lease_seconds=60)
+    enroll(B)
 
     with counted() as delta:
         assert claim(B, at(30)) == []
 
     assert delta["calls"].get("claim_category", 0) == 0
     assert delta["writes"] == {}
+
+
+def register_on(conn: Any, *instances: uuid.UUID) -> None:
+    """Register instances through a raw connection (claim_work refuses unregistered ones)."""
+    for instance in instances:
+        conn.execute(
+            "SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1, p_now => %s)",
+            [instance, T0],
+        )
 
 
 def explaining_connection(raw_connect: Any) -> tuple[Any, list[str]]:
@@ -670,8 +694,13 @@ def explaining_connection(raw_connect: Any) -> tuple[Any, list[str]]:
 
 def test_the_guard_probes_use_the_partial_indexes(raw_connect):
     conn, plans = explaining_connection(raw_connect)
+    with conn.transaction(force_rollback=True):  # the registration must not outlive the test
+        register_on(conn, A)
+        plans.clear()
 
-    rows = conn.execute("SELECT * FROM workpump.claim_work(%s, p_now => %s)", [A, T0]).fetchall()
+        rows = conn.execute(
+            "SELECT * FROM workpump.claim_work(%s, p_now => %s)", [A, T0]
+        ).fetchall()
 
     assert rows == []
     text = "\n".join(plans)
@@ -692,6 +721,7 @@ def test_the_claim_scans_the_ready_and_timer_indexes(raw_connect):
     conn, plans = explaining_connection(raw_connect)
     with conn.transaction(force_rollback=True):
         conn.execute("SELECT workpump.send('emails.welcome', '{}', 's-1')")
+        register_on(conn, A)
         plans.clear()
 
         rows = conn.execute(

@@ -47,9 +47,16 @@ def claim(conn: Conn, instance_id: uuid.UUID, max_rows: int) -> list[dict[str, A
 
 
 def complete(conn: Conn, instance_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> None:
+    """Complete rows this session's instance holds, under the tokens of their claims."""
+    held = conn.execute(
+        "SELECT message_id, lease_token FROM workpump_outbox WHERE message_id = ANY (%s)",
+        (list(ids),),
+    ).fetchall()
+    tokens = {row["message_id"]: row["lease_token"] for row in held}
     rows = conn.execute(
-        "SELECT work_id, status FROM workpump.complete_work(%s, 'outbox', %s::uuid[], p_now => %s)",
-        (instance_id, list(ids), T0),
+        "SELECT work_id, status FROM workpump.complete_work(%s, 'outbox', %s::uuid[],"
+        " %s::uuid[], p_now => %s)",
+        (instance_id, list(ids), [tokens[i] for i in ids], T0),
     ).fetchall()
     assert {row["work_id"]: row["status"] for row in rows} == dict.fromkeys(ids, "done")
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import DataError, IntegrityError, transaction
+from django.db import DatabaseError, DataError, IntegrityError, transaction
 
 from django_workpump import models
-from tests.conftest import T0, at, run_sql, scalar
+from tests.conftest import T0, at, current_tokens, enroll, run_sql, scalar
 from tests.factories import EvictionFactory, OutboxFactory, ServiceInstanceFactory
 
 pytestmark = pytest.mark.django_db
@@ -445,6 +445,7 @@ def test_rows_released_by_eviction_are_claimable_at_once_by_a_peer():
     beat(A, T0)
     leased = lease_one_of_each(A, T0)
     cleanup(at(30), now=at(60))
+    enroll(B, at(61))
 
     rows = run_sql(
         "SELECT category, work_id, attempts FROM workpump.claim_work(%s, p_max_rows => 10,"
@@ -464,30 +465,38 @@ def test_rows_released_by_eviction_are_claimable_at_once_by_a_peer():
 # --- fencing of the evicted instance ------------------------------------------------------
 
 
-def late_outcomes(category: str, work_id: uuid.UUID, now: datetime) -> dict[str, Any]:
-    """What the evicted instance A gets back for a late renew, complete, fail and release."""
+def late_outcomes(
+    category: str, work_id: uuid.UUID, token: uuid.UUID, now: datetime
+) -> dict[str, Any]:
+    """What the evicted instance A gets back for a late renew, complete, fail and release
+    of the attempt it was running (lease token ``token``)."""
+    try:
+        with transaction.atomic():
+            renewed: Any = run_sql(
+                "SELECT * FROM workpump.renew_leases(%s, %s, %s, 300, %s, %s)",
+                [category, [work_id], [token], A, now],
+            )
+    except DatabaseError as exc:
+        renewed = "refused" if "it was evicted" in str(exc) else str(exc)
     return {
-        "renew": run_sql(
-            "SELECT * FROM workpump.renew_leases(%s, %s, 300, %s, %s)",
-            [category, [work_id], A, now],
-        ),
+        "renew": renewed,
         "complete": run_sql(
-            "SELECT status FROM workpump.complete_work(%s, %s, %s, p_now => %s)",
-            [A, category, [work_id], now],
+            "SELECT status FROM workpump.complete_work(%s, %s, %s, %s, p_now => %s)",
+            [A, category, [work_id], [token], now],
         ),
         "fail": run_sql(
-            "SELECT status FROM workpump.fail_work(%s, %s, %s, %s, p_now => %s)",
-            [A, category, [work_id], ["boom"], now],
+            "SELECT status FROM workpump.fail_work(%s, %s, %s, %s, %s, p_now => %s)",
+            [A, category, [work_id], [token], ["boom"], now],
         ),
         "release": run_sql(
-            "SELECT status FROM workpump.release_work(%s, %s, %s, %s)",
-            [A, category, [work_id], now],
+            "SELECT status FROM workpump.release_work(%s, %s, %s, %s, %s)",
+            [A, category, [work_id], [token], now],
         ),
     }
 
 
 LOST = {
-    "renew": [],
+    "renew": "refused",  # an evicted instance may not renew at all (schema v7)
     "complete": [{"status": "lost"}],
     "fail": [{"status": "lost"}],
     "release": [{"status": "lost"}],
@@ -498,10 +507,11 @@ LOST = {
 def test_evicted_instance_cannot_renew_complete_or_fail_its_released_rows(category):
     beat(A, T0)
     work_id = lease_one_of_each(A, T0)[category]
+    [token] = current_tokens(category, [work_id])
     cleanup(at(30), now=at(60))
     before = work_row(category, work_id, now=at(61))
 
-    assert late_outcomes(category, work_id, at(61)) == LOST
+    assert late_outcomes(category, work_id, token, at(61)) == LOST
 
     assert work_row(category, work_id, now=at(61)) == before
 
@@ -510,12 +520,14 @@ def test_evicted_instance_cannot_renew_complete_or_fail_its_released_rows(catego
 def test_evicted_instance_cannot_touch_rows_a_peer_reclaimed(category):
     beat(A, T0)
     work_id = lease_one_of_each(A, T0)[category]
+    [token] = current_tokens(category, [work_id])
     cleanup(at(30), now=at(60))
+    enroll(B, at(61))
     run_sql("SELECT * FROM workpump.claim_work(%s, p_max_rows => 10, p_now => %s)", [B, at(61)])
     before = work_row(category, work_id, now=at(62))
     assert before["instance_id"] == B
 
-    assert late_outcomes(category, work_id, at(62)) == LOST
+    assert late_outcomes(category, work_id, token, at(62)) == LOST
 
     after = work_row(category, work_id, now=at(62))
     assert after == before

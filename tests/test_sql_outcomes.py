@@ -19,7 +19,7 @@ import pytest
 from django.db import DataError, transaction
 
 from tests import factories
-from tests.conftest import T0, at, run_sql, scalar
+from tests.conftest import T0, at, current_tokens, enroll, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
 
@@ -84,6 +84,7 @@ def produce(
 def claim(
     instance: uuid.UUID, now: datetime = T0, *, lease_seconds: int = 300
 ) -> list[dict[str, Any]]:
+    enroll(instance, now)
     return run_sql(
         "SELECT * FROM workpump.claim_work(p_instance_id => %s, p_lease_seconds => %s,"
         " p_now => %s)",
@@ -146,10 +147,13 @@ def renew(
     seconds: int = 300,
     instance: uuid.UUID | None = None,
     now: datetime = T0,
+    tokens: list[uuid.UUID] | None = None,
 ) -> list[dict[str, Any]]:
+    if tokens is None and ids is not None and None not in ids:
+        tokens = current_tokens(category, ids)
     return run_sql(
-        "SELECT * FROM workpump.renew_leases(%s, %s::uuid[], %s, %s, %s)",
-        [category, ids, seconds, instance, now],
+        "SELECT * FROM workpump.renew_leases(%s, %s::uuid[], %s::uuid[], %s, %s, %s)",
+        [category, ids, tokens, seconds, instance, now],
     )
 
 
@@ -159,11 +163,15 @@ def complete(
     ids: list[uuid.UUID],
     results: list[Any] | None = None,
     now: datetime = T0,
+    tokens: list[uuid.UUID] | None = None,
 ) -> dict[uuid.UUID, str]:
     encoded = None if results is None else [json.dumps(r) for r in results]
+    if tokens is None:
+        tokens = current_tokens(category, ids)
     rows = run_sql(
-        "SELECT * FROM workpump.complete_work(%s, %s, %s::uuid[], %s::text[]::jsonb[], %s)",
-        [instance, category, ids, encoded, now],
+        "SELECT * FROM workpump.complete_work(%s, %s, %s::uuid[], %s::uuid[],"
+        " %s::text[]::jsonb[], %s)",
+        [instance, category, ids, tokens, encoded, now],
     )
     return {r["work_id"]: r["status"] for r in rows}
 
@@ -178,22 +186,32 @@ def fail(
     base: int = 30,
     cap: int = 300,
     now: datetime = T0,
+    tokens: list[uuid.UUID] | None = None,
 ) -> dict[uuid.UUID, dict[str, Any]]:
     if errors is None:
         errors = ["boom"] * len(ids)
+    if tokens is None:
+        tokens = current_tokens(category, ids)
     rows = run_sql(
-        "SELECT * FROM workpump.fail_work(%s, %s, %s::uuid[], %s::text[], %s::text[], %s, %s, %s)",
-        [instance, category, ids, errors, reasons, base, cap, now],
+        "SELECT * FROM workpump.fail_work(%s, %s, %s::uuid[], %s::uuid[], %s::text[],"
+        " %s::text[], %s, %s, %s)",
+        [instance, category, ids, tokens, errors, reasons, base, cap, now],
     )
     return {r["work_id"]: r for r in rows}
 
 
 def release(
-    instance: uuid.UUID, category: str, ids: list[uuid.UUID], now: datetime = T0
+    instance: uuid.UUID,
+    category: str,
+    ids: list[uuid.UUID],
+    now: datetime = T0,
+    tokens: list[uuid.UUID] | None = None,
 ) -> dict[uuid.UUID, str]:
+    if tokens is None:
+        tokens = current_tokens(category, ids)
     rows = run_sql(
-        "SELECT * FROM workpump.release_work(%s, %s, %s::uuid[], %s)",
-        [instance, category, ids, now],
+        "SELECT * FROM workpump.release_work(%s, %s, %s::uuid[], %s::uuid[], %s)",
+        [instance, category, ids, tokens, now],
     )
     return {r["work_id"]: r["status"] for r in rows}
 
@@ -230,7 +248,7 @@ def raises_invalid(match: str) -> Iterator[pytest.ExceptionInfo[DataError]]:
 def test_renew_leases_exists_with_the_documented_parameters_and_defaults():
     arguments = scalar("SELECT pg_get_function_arguments('workpump.renew_leases'::regproc)")
     assert arguments == (
-        "p_category text, p_ids uuid[], p_lease_seconds integer DEFAULT 300,"
+        "p_category text, p_ids uuid[], p_lease_tokens uuid[], p_lease_seconds integer DEFAULT 300,"
         " p_instance_id uuid DEFAULT NULL::uuid, p_now timestamp with time zone DEFAULT NULL::"
         "timestamp with time zone"
     )
@@ -287,6 +305,7 @@ def test_renewal_fenced_by_another_instance_renews_nothing():
     me, other = uuid.uuid4(), uuid.uuid4()
     work_id = produce("outbox")
     claim(me)
+    enroll(other)
     before = row("outbox", work_id)
 
     assert renew("outbox", [work_id], seconds=900, instance=other, now=at(100)) == []
@@ -481,17 +500,21 @@ def test_promoting_a_new_stream_head_notifies_the_category_channel(raw_connect):
     single = call("SELECT workpump.send('emails.welcome', '{}'::jsonb)")
     head = call("SELECT workpump.send('emails.welcome', '{}'::jsonb, p_stream => 's')")
     call("SELECT workpump.send('emails.welcome', '{}'::jsonb, p_stream => 's')")
+    call("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1, p_now => %s)", me, T0)
     claimed = worker.execute(
-        "SELECT work_id FROM workpump.claim_work(p_instance_id => %s, p_now => %s)", [me, T0]
+        "SELECT work_id, lease_token FROM workpump.claim_work(p_instance_id => %s, p_now => %s)",
+        [me, T0],
     ).fetchall()
     assert sorted(r["work_id"] for r in claimed) == sorted([single, head])
+    tokens = {r["work_id"]: r["lease_token"] for r in claimed}
     # listen only now: the inserts above notified before this session listened
     listener.execute("LISTEN workpump_outbox")
 
     def complete_one(work_id: uuid.UUID) -> None:
         status = worker.execute(
-            "SELECT status FROM workpump.complete_work(%s, 'outbox', %s::uuid[], p_now => %s)",
-            [me, [work_id], at(10)],
+            "SELECT status FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[],"
+            " p_now => %s)",
+            [me, [work_id], [tokens[work_id]], at(10)],
         ).fetchone()
         assert status == {"status": "done"}
 

@@ -156,6 +156,7 @@ def test_a_stream_whose_head_died_in_fail_work_is_blocked_with_its_waiting_rows(
         instance_id=HOLDER,
         category="outbox",
         ids=ids[:1],
+        lease_tokens=[claimed[0].lease_token],
         errors=["ValueError: bad address\n  File 'x.py', line 1"],
         now=at(5),
     )
@@ -367,9 +368,9 @@ def populate(count: int) -> None:
 
 
 @pytest.mark.parametrize("count", [5, 50])
-def test_the_report_runs_five_queries_whatever_the_row_count(count, django_assert_num_queries):
+def test_the_report_runs_six_queries_whatever_the_row_count(count, django_assert_num_queries):
     populate(count)
-    with django_assert_num_queries(5):
+    with django_assert_num_queries(6):
         report = status.collect(now=NOW)
     assert len(report.instances) == count
     assert report.blocked_streams_total == count
@@ -487,3 +488,61 @@ def test_the_command_refuses_to_run_without_the_migrations():
     run_sql("DROP SCHEMA workpump CASCADE")
     with pytest.raises(CommandError, match=re.escape(MISSING_MIGRATIONS)):
         run_command("--json")
+
+
+# --- rows no live instance can run ----------------------------------------------------------
+
+
+def advertising(topics: dict[str, list[str]] | None, *, heartbeat_at: datetime = NOW) -> None:
+    """A live instance whose heartbeat metadata says what it claims (None: an older
+    version that names only its categories)."""
+    metadata: dict[str, Any] = {"categories": ["outbox", "inbox"]}
+    if topics is not None:
+        metadata["topics"] = topics
+    factories.ServiceInstanceFactory(last_heartbeat_at=heartbeat_at, metadata=metadata)
+
+
+def test_waiting_rows_whose_topic_no_live_instance_advertises_are_listed_by_topic():
+    advertising({"outbox": ["emails.welcome"], "inbox": []})
+    make("outbox", destination="emails.welcome", created_at=at(-10))
+    make("outbox", destination="emails.new", created_at=at(-30))
+    make("outbox", destination="emails.new", created_at=at(-20))
+    make("inbox", handler_name="stripe.webhook", created_at=at(-5))
+    make("outbox", destination="emails.gone", processed_at=T0)  # done: not waiting
+    make("outbox", destination="emails.held", instance_id=HOLDER, lease_expiry=FAR_FUTURE)
+
+    unhandled = status.unhandled_topics(now=NOW)
+
+    assert [(u.category, u.topic, u.rows, u.oldest_age_seconds) for u in unhandled] == [
+        ("outbox", "emails.new", 2, 90.0),
+        ("inbox", "stripe.webhook", 1, 65.0),
+    ]
+
+
+def test_an_instance_that_advertises_no_topics_runs_every_topic_of_its_categories():
+    advertising(None)
+    make("outbox", destination="emails.new")
+    make("perspective_event", perspective_name="totals")
+
+    assert [(u.category, u.topic) for u in status.unhandled_topics(now=NOW)] == [
+        ("perspective_event", "totals")
+    ]
+
+
+def test_a_stale_instances_topics_do_not_count():
+    advertising({"outbox": ["emails.new"]}, heartbeat_at=at(-600))
+    make("outbox", destination="emails.new")
+
+    assert [(u.topic, u.rows) for u in status.unhandled_topics(now=NOW)] == [("emails.new", 1)]
+
+
+def test_the_text_report_shows_the_rows_with_no_live_handler():
+    advertising({"outbox": ["emails.welcome"]})
+    make("outbox", destination="emails.new", created_at=at(-60))
+    out = io.StringIO()
+
+    call_command("workpump_status", stdout=out)
+
+    text = out.getvalue()
+    assert "no live handler: 1 rows" in text
+    assert re.search(r"outbox\s+\|?\s*emails\.new", text), text

@@ -578,7 +578,7 @@ def test_a_row_with_malformed_arguments_is_dead_lettered(pump):
 
 
 @pumped
-def test_a_queue_no_worker_handles_fails_with_the_pumps_error(pump):
+def test_a_queue_no_worker_handles_waits_unclaimed_and_shows_as_no_live_handler(pump):
     message_id = uuid.uuid4()
     workpump.receive(
         message_id,
@@ -586,17 +586,30 @@ def test_a_queue_no_worker_handles_fails_with_the_pumps_error(pump):
         {"task": "tests.task_funcs.add", "args": [1], "kwargs": {}},
         max_attempts=1,
     )
-    assert drain(pump(drain=True)) == EXIT_OK
-    # A row on a queue this backend no longer lists still reads back, as failed.
-    failed = task_backends["default"].get_result(str(message_id))
-    assert failed.status == TaskResultStatus.FAILED
-    assert [e.exception_class_path for e in failed.errors] == [
-        "django_workpump.task_runner.WorkFailed"
-    ]
-    assert failed.errors[0].traceback == (
-        "no handler registered for inbox handler 'django.tasks:default:retired'"
+    supervisor = pump(drain=True)
+    assert drain(supervisor) == EXIT_OK
+    # No worker claims a row of a queue this backend no longer lists: it waits, unspent.
+    waiting = task_backends["default"].get_result(str(message_id))
+    assert waiting.status == TaskResultStatus.READY
+    assert (waiting.attempts, waiting.errors) == (0, [])
+    assert "django.tasks:default:retired" not in supervisor.topics["inbox"]
+    assert {"django.tasks:default:default", "django.tasks:default:emails"} <= set(
+        supervisor.topics["inbox"]
     )
-    assert failed.attempts == 0
+
+
+@pumped
+def test_queues_narrow_a_worker_to_the_named_task_queues(pump):
+    on_default = task_funcs.add.enqueue(1)
+    on_emails = task_funcs.send_email.enqueue("ada@example.com")
+
+    supervisor = pump(drain=True, queues=["emails"])
+    assert drain(supervisor) == EXIT_OK
+
+    assert supervisor.topics["inbox"] == ["django.tasks:default:emails"]
+    assert task_funcs.send_email.get_result(on_emails.id).status == TaskResultStatus.SUCCESSFUL
+    assert task_funcs.add.get_result(on_default.id).status == TaskResultStatus.READY
+    assert row(on_default.id).attempts == 0
 
 
 @db

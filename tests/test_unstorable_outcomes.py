@@ -180,16 +180,20 @@ def test_unstorable_results_and_errors_are_settled_and_every_good_row_completes(
 
 
 @pytest.fixture
-def held() -> Callable[[int], tuple[DatabaseCoordinator, list[uuid.UUID]]]:
-    """A registered instance holding ``count`` claimed outbox rows."""
+def held() -> Callable[
+    [int], tuple[DatabaseCoordinator, list[uuid.UUID], dict[uuid.UUID, uuid.UUID]]
+]:
+    """A registered instance holding ``count`` claimed outbox rows, and their lease tokens."""
 
-    def claim(count: int) -> tuple[DatabaseCoordinator, list[uuid.UUID]]:
+    def claim(
+        count: int,
+    ) -> tuple[DatabaseCoordinator, list[uuid.UUID], dict[uuid.UUID, uuid.UUID]]:
         coordinator = DatabaseCoordinator(InstanceIdentity())
         assert coordinator.heartbeat({})
         ids = [workpump.send("uo.raw", {"n": n}) for n in range(count)]
         claimed = coordinator.claim(count)
         assert sorted(r.work_id for r in claimed) == sorted(ids)
-        return coordinator, ids
+        return coordinator, ids, {r.work_id: r.lease_token for r in claimed}
 
     return claim
 
@@ -200,13 +204,13 @@ def make_dispatcher(coordinator: DatabaseCoordinator) -> Dispatcher:
 
 @pytest.mark.django_db(transaction=True)
 def test_a_completion_the_database_refuses_is_completed_with_a_note_and_the_batch_lands(held):
-    coordinator, ids = held(6)
+    coordinator, ids, tokens = held(6)
     dispatcher = make_dispatcher(coordinator)
     results = [json.dumps({"n": n}) for n in range(6)]
     results[2] = '{"text": "a\\u0000b"}'  # jsonb refuses it: \u0000 cannot be text
     results[4] = '"lone \ud800"'  # psycopg cannot even encode it
     for work_id, result in zip(ids, results, strict=True):
-        dispatcher.completions.put(("outbox", work_id, result))
+        dispatcher.completions.put(("outbox", work_id, tokens[work_id], result))
 
     assert dispatcher.completions.flush_once() == 6
 
@@ -222,11 +226,11 @@ def test_a_completion_the_database_refuses_is_completed_with_a_note_and_the_batc
 
 @pytest.mark.django_db(transaction=True)
 def test_a_failure_the_database_refuses_is_recorded_as_plain_ascii_and_the_batch_lands(held):
-    coordinator, ids = held(4)
+    coordinator, ids, tokens = held(4)
     dispatcher = make_dispatcher(coordinator)
     errors = ["plain error 0", "nul \x00 error", "lone \udfff error", "plain error 3"]
     for work_id, error in zip(ids, errors, strict=True):
-        dispatcher.failures.put(("outbox", work_id, error, "handler_error"))
+        dispatcher.failures.put(("outbox", work_id, tokens[work_id], error, "handler_error"))
 
     assert dispatcher.failures.flush_once() == 4
 
@@ -244,12 +248,13 @@ def test_a_failure_the_database_refuses_is_recorded_as_plain_ascii_and_the_batch
 
 @pytest.mark.django_db(transaction=True)
 def test_a_renewal_the_database_refuses_is_dropped_and_the_others_are_renewed(held):
-    coordinator, ids = held(3)
+    coordinator, ids, tokens = held(3)
     before = dict(models.Outbox.objects.values_list("message_id", "lease_expiry"))
     worker = LeaseRenewalWorker(coordinator, None)
-    worker.enqueue("outbox", ids[0])
-    worker.enqueue("no-such-category", ids[1])  # workpump.renew_leases raises 22023
-    worker.enqueue("outbox", ids[2])
+    worker.enqueue("outbox", ids[0], tokens[ids[0]])
+    # workpump.renew_leases raises 22023
+    worker.enqueue("no-such-category", ids[1], tokens[ids[1]])
+    worker.enqueue("outbox", ids[2], tokens[ids[2]])
 
     assert worker.flusher.flush_once() == 3
 
@@ -262,10 +267,10 @@ def test_a_renewal_the_database_refuses_is_dropped_and_the_others_are_renewed(he
 
 @pytest.mark.django_db(transaction=True)
 def test_a_completion_whose_connection_was_killed_is_retried_on_a_new_one(held, raw_connect):
-    coordinator, ids = held(2)
+    coordinator, ids, tokens = held(2)
     dispatcher = make_dispatcher(coordinator)
     for work_id in ids:
-        dispatcher.completions.put(("outbox", work_id, None))
+        dispatcher.completions.put(("outbox", work_id, tokens[work_id], None))
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid()")
         pid = cursor.fetchone()[0]
@@ -285,7 +290,7 @@ def test_a_stalled_flusher_shows_in_the_heartbeat_and_in_workpump_status(held):
     from django_workpump import status
     from django_workpump.management.commands.workpump_status import render_text
 
-    coordinator, _ = held(1)
+    coordinator, _, _ = held(1)
     stalled = {"workpump-completions": {"failures": 4, "pending": 7, "last_error": "x"}}
     assert coordinator.heartbeat({"stalled_flushers": stalled})
 

@@ -301,6 +301,11 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
             "totals": totals,
             "grand_total": sum(c.total for c in report.categories),
             "dead_total": sum(report.dead_counts.values()),
+            "unhandled_total": sum(u.rows for u in report.unhandled),
+            "unhandled": [
+                {"topic": u, "oldest": display.duration(u.oldest_age_seconds)}
+                for u in report.unhandled
+            ],
             "live_instances": sum(1 for i in report.instances if i.live),
             "instances": instances,
             "instances_url": changelist_url(ServiceInstance),

@@ -1,8 +1,10 @@
 """ClaimWorker: the only caller of ``claim_work`` (DESIGN §7).
 
-It claims at most the free dispatch slots (plus a small prefetch), hands rows to the
-dispatcher, and waits between polls by an adaptive backoff that NOTIFY wakes can cut
-short at any depth.
+It claims at most the free dispatch slots (plus a small prefetch), of the topics this
+process has handlers for, hands rows to the dispatcher, and waits between polls by an
+adaptive backoff that NOTIFY wakes can cut short at any depth. When the database refuses
+the claim because this instance was evicted (or is not registered), it stops claiming for
+good and calls ``on_refused``: the instance stops as on a refused heartbeat.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from django_workpump.clock import Clock, SystemClock
-from django_workpump.db import ClaimedWork
+from django_workpump.db import ClaimedWork, InstanceRefused
 from django_workpump.pump.coordinator import Coordinator
 
 logger = logging.getLogger("django_workpump.claim")
@@ -86,6 +88,7 @@ class ClaimResult:
     has_more: bool
     skipped_busy: bool = False
     error: BaseException | None = None
+    refused: bool = False  # this instance was evicted (or is not registered): stop
 
 
 class ClaimWorker:
@@ -101,6 +104,7 @@ class ClaimWorker:
         clock: Clock | None = None,
         enabled: bool = True,
         before_first_claim: Callable[[], Any] | None = None,
+        on_refused: Callable[[str], Any] | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.sink = sink
@@ -109,6 +113,8 @@ class ClaimWorker:
         self.clock = clock or SystemClock()
         self.enabled = enabled
         self.before_first_claim = before_first_claim
+        self.on_refused = on_refused
+        self.refused: str | None = None  # why the database refused this instance
         self.empty_polls = 0
         self.polls = 0
         self.claimed_total = 0
@@ -157,6 +163,8 @@ class ClaimWorker:
     # -- one pass ------------------------------------------------------------------
     def run_once(self) -> ClaimResult:
         """Claim once for the free slots and hand the rows over."""
+        if self.refused is not None:
+            return ClaimResult(claimed=0, has_more=False, refused=True)
         free = self.sink.free_slots()
         if free <= 0:
             # Nothing could run now; the dispatcher wakes us when a slot frees.
@@ -166,6 +174,10 @@ class ClaimWorker:
         poll_number = self.polls
         try:
             rows = self.coordinator.claim(max_rows)
+        except InstanceRefused as exc:
+            self.last_poll = (poll_number, None)
+            self._refuse(str(exc))
+            return ClaimResult(claimed=0, has_more=False, error=exc, refused=True)
         except Exception as exc:
             self.last_poll = (poll_number, None)
             self.empty_polls += 1
@@ -207,7 +219,11 @@ class ClaimWorker:
             errors = [f"the payload cannot be decoded: {row.payload_error}" for row in group]
             try:
                 outcomes = self.coordinator.dead_letter(
-                    category, [row.work_id for row in group], errors, UNDECODABLE_PAYLOAD
+                    category,
+                    [row.work_id for row in group],
+                    [row.lease_token for row in group],
+                    errors,
+                    UNDECODABLE_PAYLOAD,
                 )
             except Exception as exc:
                 logger.warning(
@@ -230,6 +246,16 @@ class ClaimWorker:
                     error,
                     extra={"action": UNDECODABLE_PAYLOAD},
                 )
+
+    def _refuse(self, reason: str) -> None:
+        self.refused = reason
+        logger.error(
+            "claim_work refused this instance: %s; it stops claiming and exits",
+            reason,
+            extra={"action": "instance_refused"},
+        )
+        if self.on_refused is not None:
+            self.on_refused(reason)
 
     def _batch_size(self, free: int) -> int:
         """Free slots plus the prefetch, or what the dispatcher starts in QUEUE_SECONDS.
@@ -274,6 +300,8 @@ class ClaimWorker:
         while not stop.is_set():
             self._wake.clear()
             result = self.run_once()
+            if result.refused:
+                return
             if result.has_more and not stop.is_set() and self.sink.free_slots() > 0:
                 continue  # drain mode: more is waiting and we can take it
             wait_ms = None if result.skipped_busy else self.current_wait_ms()

@@ -39,16 +39,34 @@ class Coordinator(Protocol):
 
     def schema_ready(self) -> bool: ...
     def claim(self, max_rows: int) -> list[ClaimedWork]: ...
-    def renew(self, category: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Any]: ...
+    def renew(
+        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
+    ) -> dict[uuid.UUID, Any]: ...
     def complete(
-        self, category: str, ids: Sequence[uuid.UUID], results: Sequence[str | None]
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        results: Sequence[str | None],
     ) -> list[Outcome]: ...
     def fail(
-        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reasons: Sequence[str]
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        errors: Sequence[str],
+        reasons: Sequence[str],
     ) -> list[Outcome]: ...
-    def release(self, category: str, ids: Sequence[uuid.UUID]) -> list[Outcome]: ...
+    def release(
+        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
+    ) -> list[Outcome]: ...
     def dead_letter(
-        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reason: str
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        errors: Sequence[str],
+        reason: str,
     ) -> list[Outcome]: ...
     def heartbeat(self, metadata: Mapping[str, Any]) -> bool: ...
     def next_eviction_in(self) -> float | None: ...
@@ -66,6 +84,7 @@ REQUIRED_FUNCTIONS = (
     "record_heartbeat",
     "cleanup_stale_instances",
     "next_eviction_in",  # schema v4: an older schema must be migrated first
+    "check_lease_tokens",  # schema v7: claims by topic, lease tokens
     "deregister_instance",
 )
 
@@ -94,10 +113,17 @@ class DatabaseCoordinator:
     closes it, so a service thread recovers from connection loss on its next turn.
     """
 
-    def __init__(self, identity: InstanceIdentity, categories: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        identity: InstanceIdentity,
+        categories: Sequence[str] | None = None,
+        topics: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
         self.identity = identity
         self.settings = dict(get_settings())
         self.categories = list(categories) if categories else list(CATEGORIES)
+        # {category: topics this process has handlers for}; None claims every topic.
+        self.topics = None if topics is None else {c: list(t) for c, t in topics.items()}
         self.alias: str = self.settings["DATABASE_ALIAS"]
 
     def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -131,41 +157,56 @@ class DatabaseCoordinator:
             lease_seconds=self.settings["LEASE_SECONDS"],
             partition_count=self.settings["PARTITION_COUNT"],
             categories=self.categories,
+            topics=self.topics,
             stale_after_seconds=self.stale_after_seconds,
             definitively_dead_after_seconds=self.dead_after_seconds,
             using=self.alias,
         )
 
-    def renew(self, category: str, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Any]:
+    def renew(
+        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
+    ) -> dict[uuid.UUID, Any]:
         return self._call(
             db.renew_leases,
             category=category,
             ids=ids,
+            lease_tokens=tokens,
             lease_seconds=self.settings["LEASE_SECONDS"],
             instance_id=self.identity.instance_id,
             using=self.alias,
         )
 
     def complete(
-        self, category: str, ids: Sequence[uuid.UUID], results: Sequence[str | None]
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        results: Sequence[str | None],
     ) -> list[Outcome]:
         return self._call(
             db.complete_work,
             instance_id=self.identity.instance_id,
             category=category,
             ids=ids,
+            lease_tokens=tokens,
             results=results if any(r is not None for r in results) else None,
             using=self.alias,
         )
 
     def fail(
-        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reasons: Sequence[str]
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        errors: Sequence[str],
+        reasons: Sequence[str],
     ) -> list[Outcome]:
         return self._call(
             db.fail_work,
             instance_id=self.identity.instance_id,
             category=category,
             ids=ids,
+            lease_tokens=tokens,
             errors=errors,
             reasons=reasons,
             retry_base_seconds=self.settings["RETRY_BACKOFF_BASE_SECONDS"],
@@ -173,17 +214,25 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
-    def release(self, category: str, ids: Sequence[uuid.UUID]) -> list[Outcome]:
+    def release(
+        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
+    ) -> list[Outcome]:
         return self._call(
             db.release_work,
             instance_id=self.identity.instance_id,
             category=category,
             ids=ids,
+            lease_tokens=tokens,
             using=self.alias,
         )
 
     def dead_letter(
-        self, category: str, ids: Sequence[uuid.UUID], errors: Sequence[str], reason: str
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        errors: Sequence[str],
+        reason: str,
     ) -> list[Outcome]:
         """Park rows this instance holds as dead with ``reason`` without running them.
 
@@ -198,6 +247,7 @@ class DatabaseCoordinator:
                     instance_id=self.identity.instance_id,
                     category=category,
                     ids=ids,
+                    lease_tokens=tokens,
                     errors=errors,
                     reasons=[reason] * len(ids),
                     retry_base_seconds=self.settings["RETRY_BACKOFF_BASE_SECONDS"],

@@ -1,6 +1,7 @@
 """Dispatcher: runs claimed rows on ``CONCURRENCY`` threads under a lease each (DESIGN §5, §6).
 
-Outcomes go through two batch flushers to the fenced ``complete_work``/``fail_work``.
+Outcomes go through two batch flushers to ``complete_work``/``fail_work``, each fenced
+by the lease token of the claim it reports on.
 A handler still running at its lease deadline is abandoned: its slot is freed (a
 replacement thread starts), the attempt is failed with reason ``lease_expired``, and
 whatever it reports later is dropped here and would be fenced out by the database.
@@ -63,6 +64,7 @@ class Work:
     lease_expiry: datetime
     lease: LeaseHandle
     instance_id: uuid.UUID | None = None  # the instance running it
+    lease_token: uuid.UUID | None = None  # the claim this attempt belongs to
 
     @property
     def cancelled(self) -> bool:
@@ -131,7 +133,8 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
         self._thread_ids = itertools.count(1)
         self._local = threading.local()
-        self.completions: BatchFlusher[tuple[str, uuid.UUID, str | None]] = BatchFlusher(
+        # (category, work id, lease token, result JSON)
+        self.completions: BatchFlusher[tuple[str, uuid.UUID, uuid.UUID, str | None]] = BatchFlusher(
             "workpump-completions",
             self._flush_completions,
             max_batch=500,
@@ -143,7 +146,8 @@ class Dispatcher:
             group_by=_category_of,
             on_rejected=self._completion_rejected,
         )
-        self.failures: BatchFlusher[tuple[str, uuid.UUID, str, str]] = BatchFlusher(
+        # (category, work id, lease token, error, reason)
+        self.failures: BatchFlusher[tuple[str, uuid.UUID, uuid.UUID, str, str]] = BatchFlusher(
             "workpump-failures",
             self._flush_failures,
             max_batch=100,
@@ -187,7 +191,14 @@ class Dispatcher:
             # Local deadline from the DB's own lease length, so clock skew cannot matter.
             lease_length = (row.lease_expiry - row.claimed_at).total_seconds()
             deadline = received_at + lease_length - self.lease_grace_seconds
-            handle = LeaseHandle(row.category, row.work_id, deadline, self.max_renewals, self.clock)
+            handle = LeaseHandle(
+                row.category,
+                row.work_id,
+                deadline,
+                self.max_renewals,
+                self.clock,
+                lease_token=row.lease_token,
+            )
             with self._lock:
                 previous = self._jobs.get((row.category, row.work_id))
             if previous is not None:
@@ -301,11 +312,13 @@ class Dispatcher:
         value: Any = outcome[1]
         if kind == "done":
             self._outcome_queued(1)
-            self.completions.put((job.row.category, job.row.work_id, value))
+            self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, value))
         elif kind == "fail":
             self._outcome_queued(1)
             error, reason = value
-            self.failures.put((job.row.category, job.row.work_id, error, reason))
+            self.failures.put(
+                (job.row.category, job.row.work_id, job.row.lease_token, error, reason)
+            )
         elif kind == "lost":
             self.stats.lost_leases += 1
             logger.warning("%s", value, extra={"action": "lease_lost"})
@@ -330,6 +343,7 @@ class Dispatcher:
             row.lease_expiry,
             job.handle,
             self.coordinator.identity.instance_id,
+            row.lease_token,
         )
 
     def _call(self, handler: Handler, job: _Job) -> str | None:
@@ -359,15 +373,16 @@ class Dispatcher:
         with transaction.atomic(using=self.alias):
             result = self._call(handler, job)
             with job.lock:
-                # Abandoned at its deadline: the attempt was failed and the row may be
-                # this instance's again as a new attempt, which the instance fence alone
-                # cannot tell apart. Roll back instead of completing.
+                # Abandoned at its deadline, or claimed again: the lease token fences the
+                # completion out anyway; rolling back here spares the round trip.
                 if job.state in ("abandoned", "superseded"):
                     raise LeaseLost(
                         f"{job.row.category} {job.row.work_id}: attempt {job.row.attempts} "
                         f"was {job.state} before it committed; its transaction was rolled back"
                     )
-            outcome = self.coordinator.complete(job.row.category, [job.row.work_id], [result])
+            outcome = self.coordinator.complete(
+                job.row.category, [job.row.work_id], [job.row.lease_token], [result]
+            )
             if not outcome or outcome[0].status != "done":
                 raise LeaseLost(
                     f"{job.row.category} {job.row.work_id}: lease lost before the atomic "
@@ -410,7 +425,7 @@ class Dispatcher:
 
     def _release_unstarted(self, job: _Job) -> None:
         try:
-            self.coordinator.release(job.row.category, [job.row.work_id])
+            self.coordinator.release(job.row.category, [job.row.work_id], [job.row.lease_token])
             self.stats.released += 1
         except Exception:
             logger.exception(
@@ -441,6 +456,7 @@ class Dispatcher:
             (
                 handle.category,
                 handle.work_id,
+                job.row.lease_token,
                 "the handler was still running at its lease deadline and was abandoned",
                 "lease_expired",
             )
@@ -456,36 +472,41 @@ class Dispatcher:
 
     # -- outcomes ------------------------------------------------------------------
     # Each flush gets the items of one category (group_by): one SQL call each.
-    def _flush_completions(self, batch: list[tuple[str, uuid.UUID, str | None]]) -> None:
+    def _flush_completions(self, batch: list[tuple[str, uuid.UUID, uuid.UUID, str | None]]) -> None:
         category = batch[0][0]
         outcomes = self.coordinator.complete(
-            category, [work_id for _, work_id, _ in batch], [result for _, _, result in batch]
+            category,
+            [work_id for _, work_id, _, _ in batch],
+            [token for _, _, token, _ in batch],
+            [result for _, _, _, result in batch],
         )
         self._count(outcomes, "completed")
         self._outcome_queued(-len(batch))
 
-    def _flush_failures(self, batch: list[tuple[str, uuid.UUID, str, str]]) -> None:
+    def _flush_failures(self, batch: list[tuple[str, uuid.UUID, uuid.UUID, str, str]]) -> None:
         category = batch[0][0]
         outcomes = self.coordinator.fail(
             category,
-            [work_id for _, work_id, _, _ in batch],
-            [error for _, _, error, _ in batch],
-            [reason for _, _, _, reason in batch],
+            [work_id for _, work_id, _, _, _ in batch],
+            [token for _, _, token, _, _ in batch],
+            [error for _, _, _, error, _ in batch],
+            [reason for _, _, _, _, reason in batch],
         )
         self._count(outcomes, "failed")
         self._outcome_queued(-len(batch))
 
     def _completion_rejected(
-        self, item: tuple[str, uuid.UUID, str | None], error: Exception
+        self, item: tuple[str, uuid.UUID, uuid.UUID, str | None], error: Exception
     ) -> None:
         """Complete a row whose result the database refused, with a note instead of it."""
-        category, work_id, _ = item
+        category, work_id, token, _ = item
         note = result_note(
             f"the database refused it ({type(error).__name__}: {_first_line(error)})"
         )
         try:
             self._settle(
-                lambda: self.coordinator.complete(category, [work_id], [note]), "completed"
+                lambda: self.coordinator.complete(category, [work_id], [token], [note]),
+                "completed",
             )
         except Exception as exc:
             if is_transient(exc):
@@ -494,19 +515,23 @@ class Dispatcher:
             failure = (
                 category,
                 work_id,
+                token,
                 f"The handler finished but its outcome could not be stored "
                 f"({type(error).__name__}: {_first_line(error)}).",
                 "unstorable_outcome",
             )
             self._failure_rejected(failure, exc)
 
-    def _failure_rejected(self, item: tuple[str, uuid.UUID, str, str], error: Exception) -> None:
+    def _failure_rejected(
+        self, item: tuple[str, uuid.UUID, uuid.UUID, str, str], error: Exception
+    ) -> None:
         """Fail a row whose error text the database refused, with a plain ASCII one."""
-        category, work_id, text, reason = item
+        category, work_id, token, text, reason = item
         plain = ascii_text(text)[-8000:]
         try:
             self._settle(
-                lambda: self.coordinator.fail(category, [work_id], [plain], [reason]), "failed"
+                lambda: self.coordinator.fail(category, [work_id], [token], [plain], [reason]),
+                "failed",
             )
         except Exception as exc:
             if is_transient(exc):

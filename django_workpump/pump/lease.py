@@ -35,11 +35,16 @@ class LeaseHandle:
         deadline: float,
         max_renewals: int,
         clock: Clock,
+        *,
+        lease_token: uuid.UUID | None = None,
     ) -> None:
         if max_renewals < 0:
             raise ValueError(f"max_renewals ({max_renewals}) must be zero or more.")
         self.category = category
         self.work_id = work_id
+        # The claim's token: renewals and outcomes of this dispatch name it, so the
+        # database tells this attempt from any other of the same row.
+        self.lease_token = lease_token
         self.max_renewals = max_renewals
         self.cancelled = threading.Event()
         self._clock = clock

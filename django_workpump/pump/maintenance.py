@@ -20,12 +20,14 @@ from functools import partial
 from django.db import close_old_connections
 
 from django_workpump import db
+from django_workpump.conf import MIN_TOMBSTONE_RETENTION_SECONDS
 from django_workpump.registry import CATEGORIES
 
 logger = logging.getLogger("django_workpump.maintenance")
 
-# Tombstones must outlive any zombie that could still wake up and beat.
-TOMBSTONE_RETENTION_SECONDS = 24 * 3600
+# Tombstones must outlive any zombie that could still wake up and beat (the pump passes
+# conf.tombstone_retention_seconds, which is never less).
+TOMBSTONE_RETENTION_SECONDS = MIN_TOMBSTONE_RETENTION_SECONDS
 
 
 @dataclass
@@ -48,6 +50,7 @@ class MaintenanceWorker:
         lock_loss_grace_seconds: float = 0,
         dead_retention_seconds: int | None = None,
         inbox_dedup_retention_seconds: int | None = None,
+        tombstone_retention_seconds: int = TOMBSTONE_RETENTION_SECONDS,
         batch: int = 1_000,
     ) -> None:
         self.alias = alias
@@ -58,6 +61,9 @@ class MaintenanceWorker:
         self.lock_loss_grace_seconds = lock_loss_grace_seconds
         self.dead_retention_seconds = dead_retention_seconds
         self.inbox_dedup_retention_seconds = inbox_dedup_retention_seconds
+        self.tombstone_retention_seconds = max(
+            tombstone_retention_seconds, TOMBSTONE_RETENTION_SECONDS
+        )
         self.batch = batch
         self.passes = 0
         self._stop = threading.Event()
@@ -138,7 +144,7 @@ class MaintenanceWorker:
             )
             result.purged = self._purge_until_caught_up()
             result.purged["eviction"] = db.purge_evictions(
-                retention_seconds=TOMBSTONE_RETENTION_SECONDS, using=using
+                retention_seconds=self.tombstone_retention_seconds, using=using
             )
             stuck = db.stuck_rows(using=using)
             result.stuck = len(stuck)

@@ -1,12 +1,14 @@
-"""LeaseRenewalWorker: keeps the leases of running handlers alive, within the cap (DESIGN §5).
+"""LeaseRenewalWorker: keeps the leases of running handlers alive, within the cap.
 
 Each tick it (1) abandons dispatches whose local deadline passed, and (2) enqueues a
 renewal for each dispatch whose deadline is near. Renewals are coalesced by a
-``BatchFlusher`` into one fenced ``renew_leases`` call per category; a handle's deadline
-moves only for the ids the database confirmed. A call that fails on the connection is
-retried by the flusher (only that category's ids); an id the database refuses for its
-data is dropped and logged, and its lease runs out. A handle that used its renewals (or was
-disposed) is skipped: its lease expires and the row surfaces through a re-claim.
+``BatchFlusher`` into one ``renew_leases`` call per category, fenced by each dispatch's
+lease token; a handle's deadline moves only for the ids the database confirmed. A call
+that fails on the connection is retried by the flusher (only that category's ids); an id
+the database refuses for its data is dropped and logged, and its lease runs out. A handle
+that used its renewals (or was disposed, or superseded by a newer claim of its row) is
+skipped: its lease expires and the row surfaces through a re-claim. A refused instance
+(evicted, or no longer registered) stops: ``on_refused`` is called.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from django.db import connections
 
 from django_workpump.clock import Clock, SystemClock
+from django_workpump.db import InstanceRefused
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
@@ -42,6 +45,7 @@ class LeaseRenewalWorker:
         capacity: int = 5_000,
         tick_seconds: float = 0.5,
         on_deadline: Callable[[LeaseHandle], Any] | None = None,
+        on_refused: Callable[[str], Any] | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.coordinator = coordinator
@@ -50,6 +54,8 @@ class LeaseRenewalWorker:
         self.lease_grace_seconds = lease_grace_seconds
         self.tick_seconds = tick_seconds
         self.on_deadline = on_deadline
+        self.on_refused = on_refused
+        self.refused: str | None = None  # why the database refused this instance
         self.clock = clock or SystemClock()
         # Renew once a third of the local lease is left: two more chances before the end.
         self.renew_when_left = max((lease_seconds - lease_grace_seconds) / 3, 1.0)
@@ -60,7 +66,8 @@ class LeaseRenewalWorker:
         self.request_retry_seconds = max(coalesce_window * 10, 5.0)
         self._requested_lock = threading.Lock()
         self._stop = threading.Event()
-        self.flusher: BatchFlusher[tuple[str, uuid.UUID]] = BatchFlusher(
+        # (category, work id, the attempt's lease token or None for the handle's)
+        self.flusher: BatchFlusher[tuple[str, uuid.UUID, uuid.UUID | None]] = BatchFlusher(
             "workpump-renewals",
             self.flush,
             max_batch=max_batch,
@@ -76,21 +83,32 @@ class LeaseRenewalWorker:
             on_rejected=self._rejected,
         )
 
-    def enqueue(self, category: str, work_id: uuid.UUID) -> bool:
-        """Ask for a renewal of one row's lease (coalesced with others)."""
-        return self.flusher.put((category, work_id))
+    def enqueue(
+        self, category: str, work_id: uuid.UUID, lease_token: uuid.UUID | None = None
+    ) -> bool:
+        """Ask for a renewal of one row's lease (coalesced with others).
 
-    def flush(self, batch: list[tuple[str, uuid.UUID]]) -> None:
+        ``lease_token`` is the attempt's; None means the one of the handle in flight.
+        """
+        return self.flusher.put((category, work_id, lease_token))
+
+    def flush(self, batch: list[tuple[str, uuid.UUID, uuid.UUID | None]]) -> None:
         """Renew a batch of one category: one fenced call, for handles that may still renew."""
         category = batch[0][0]
-        ids: list[uuid.UUID] = []
-        for _, work_id in dict.fromkeys(batch):  # de-duplicated, order kept
+        tokens: dict[uuid.UUID, uuid.UUID] = {}  # work id -> the token renewed
+        for _, work_id, token in dict.fromkeys(batch):  # de-duplicated, order kept
             if self.leases is None:
-                ids.append(work_id)  # no registry: renew unconditionally
+                if token is not None:  # no registry: renew what was asked
+                    tokens[work_id] = token
+                self._answered(category, work_id)
                 continue
             handle = self.leases.get(category, work_id)
-            if handle is None:
-                self.skipped_gone += 1  # finished (disposed) since it asked
+            if (
+                handle is None
+                or handle.lease_token is None
+                or token not in (None, handle.lease_token)
+            ):
+                self.skipped_gone += 1  # finished, or superseded by a newer claim
                 self._answered(category, work_id)
                 continue
             if not handle.can_renew():
@@ -105,13 +123,18 @@ class LeaseRenewalWorker:
                     extra={"action": "renewal_cap"},
                 )
                 continue
-            ids.append(work_id)
-        if not ids:
+            tokens[work_id] = handle.lease_token
+        if not tokens or self.refused is not None:
             return
+        ids = list(tokens)
         sent_at = self.clock.monotonic()
         # A failure raises: the flusher retries a connection error (this category's ids
         # only, so others do not spend a second capped renewal) and splits a data error.
-        renewed = self.coordinator.renew(category, ids)
+        try:
+            renewed = self.coordinator.renew(category, ids, list(tokens.values()))
+        except InstanceRefused as exc:
+            self._refuse(str(exc))
+            return
         for work_id in ids:
             self._answered(category, work_id)
         # The DB set expiry = its now + lease; its now is after sent_at, so this
@@ -121,7 +144,7 @@ class LeaseRenewalWorker:
             self.renewed += 1
             if self.leases is not None:
                 handle = self.leases.get(category, work_id)
-                if handle is not None:
+                if handle is not None and handle.lease_token == tokens[work_id]:
                     handle.confirm_renewal(deadline)
         lost = set(ids) - set(renewed)
         for work_id in lost:
@@ -133,7 +156,7 @@ class LeaseRenewalWorker:
             )
             if self.leases is not None:
                 handle = self.leases.get(category, work_id)
-                if handle is not None:
+                if handle is not None and handle.lease_token == tokens[work_id]:
                     # work.cancelled tells the handler; no more renewals are asked.
                     handle.cancel("lost")
 
@@ -142,9 +165,22 @@ class LeaseRenewalWorker:
         with self._requested_lock:
             self._requested.pop((category, work_id), None)
 
-    def _rejected(self, item: tuple[str, uuid.UUID], error: Exception) -> None:
+    def _refuse(self, reason: str) -> None:
+        """The database refused this instance: stop renewing and say so, once."""
+        if self.refused is not None:
+            return
+        self.refused = reason
+        logger.error(
+            "renew_leases refused this instance: %s; it stops",
+            reason,
+            extra={"action": "instance_refused"},
+        )
+        if self.on_refused is not None:
+            self.on_refused(reason)
+
+    def _rejected(self, item: tuple[str, uuid.UUID, uuid.UUID | None], error: Exception) -> None:
         """Drop a renewal the database refuses for its data; the lease may run out."""
-        category, work_id = item
+        category, work_id, _ = item
         # Still marked as asked: a later tick asks again only after the retry window.
         logger.error(
             "renewal of %s %s refused by the database (%s); dropped, asked again in %.0f s "
@@ -178,7 +214,7 @@ class LeaseRenewalWorker:
                 if asked_at is not None and now - asked_at < self.request_retry_seconds:
                     continue
                 self._requested[key] = now
-            if self.enqueue(*key):
+            if self.enqueue(*key, handle.lease_token):
                 requested += 1
             else:
                 with self._requested_lock:

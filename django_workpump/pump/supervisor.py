@@ -4,7 +4,8 @@ Start: schema gate -> first heartbeat (registers the instance) -> NOTIFY gate (t
 alive-lock) -> dispatcher, renewals, heartbeat, maintenance -> claiming.
 Stop: stop claiming -> wait for in-flight handlers (bounded) -> flush outcomes and
 renewals -> deregister (own timeout) -> stop the rest. If any service dies, or the
-instance is evicted, everything stops and the exit code says why.
+instance is evicted (its heartbeat, claim or renewal is refused), everything stops and
+the exit code says why.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ import psycopg
 from django.db import connections
 
 from django_workpump.clock import Clock, SystemClock
-from django_workpump.conf import get_settings, lock_loss_grace_seconds
+from django_workpump.conf import (
+    get_settings,
+    lock_loss_grace_seconds,
+    tombstone_retention_seconds,
+)
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.coordinator import (
     DatabaseCoordinator,
@@ -34,7 +39,7 @@ from django_workpump.pump.maintenance import MaintenanceWorker
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.notify import NotifyGate
 from django_workpump.pump.renewal import LeaseRenewalWorker
-from django_workpump.registry import CATEGORIES, Registry, registry
+from django_workpump.registry import CATEGORIES, Registry, claim_topics, registry
 
 logger = logging.getLogger("django_workpump.supervisor")
 
@@ -57,6 +62,8 @@ class PumpOptions:
     service_name: str = "workpump"
     listen: bool = True
     drain: bool = False
+    topics: Sequence[str] | None = None  # None: every topic with a handler here
+    queues: Sequence[str] | None = None  # django.tasks queues; None: as topics says
 
 
 def listen_conninfo(settings: dict[str, Any]) -> str:
@@ -84,7 +91,15 @@ class Supervisor:
         self.clock = clock or SystemClock()
         self.alias: str = self.settings["DATABASE_ALIAS"]
         s = self.settings
-        self.coordinator = DatabaseCoordinator(self.identity, self.options.categories)
+        # Claim only what this process can run (raises TopicSelectionError for a name
+        # that has no handler here).
+        self.topics = claim_topics(
+            handlers,
+            self.options.categories,
+            topics=self.options.topics,
+            queues=self.options.queues,
+        )
+        self.coordinator = DatabaseCoordinator(self.identity, self.options.categories, self.topics)
         self.leases = LeaseRegistry()
         self.dispatcher = Dispatcher(
             self.coordinator,
@@ -109,6 +124,7 @@ class Supervisor:
             immediate_flush_at=s["RENEWAL_IMMEDIATE_FLUSH_AT"],
             capacity=s["RENEWAL_CAPACITY"],
             on_deadline=self.dispatcher.abandon,
+            on_refused=self._refused,
             clock=self.clock,
         )
         self.gate: NotifyGate | None = None
@@ -137,6 +153,7 @@ class Supervisor:
             gate=self.gate,
             clock=self.clock,
             enabled=s["CLAIM_ENABLED"],
+            on_refused=self._refused,
         )
         self.maintenance = MaintenanceWorker(
             alias=self.alias,
@@ -147,6 +164,7 @@ class Supervisor:
             lock_loss_grace_seconds=lock_loss_grace_seconds(s),
             dead_retention_seconds=s["DEAD_RETENTION_SECONDS"],
             inbox_dedup_retention_seconds=s["INBOX_DEDUP_RETENTION_SECONDS"],
+            tombstone_retention_seconds=tombstone_retention_seconds(s),
         )
         self.exit_code: int | None = None
         self.stop_reason: str | None = None
@@ -157,6 +175,15 @@ class Supervisor:
     # -- wiring callbacks ----------------------------------------------------------
     def _slot_freed(self) -> None:
         self.claim.request_immediate_poll()
+
+    def _refused(self, reason: str) -> None:
+        """The database refused a claim or renewal: stop as on a refused heartbeat.
+
+        The instance holds no lease any more: every running handler is told at once
+        (``work.cancelled``, reason ``lost``).
+        """
+        self.request_stop(f"evicted: {reason}", EXIT_EVICTED)
+        self.leases.cancel_all("lost")
 
     def _signal(self, signal: str) -> None:
         if signal in self.options.categories or signal == "orphan":
@@ -170,6 +197,8 @@ class Supervisor:
     def _metadata(self) -> dict[str, Any]:
         return {
             "categories": list(self.options.categories),
+            # What this instance claims: status and the admin count the rows nobody runs.
+            "topics": self.topics,
             "concurrency": self.dispatcher.concurrency,
             "listener": None if self.gate is None else self.gate.available,
             "alive_lock": None if self.gate is None else self.gate.alive_lock_held,
@@ -218,6 +247,12 @@ class Supervisor:
         logger.info(
             "workpump instance %s started", self.identity.instance_id, extra={"action": "started"}
         )
+        if not any(self.topics.values()):
+            logger.warning(
+                "no handler is registered for categories %s: this instance claims nothing",
+                ", ".join(self.options.categories),
+                extra={"action": "no_handlers"},
+            )
 
     def _spawn(self, name: str, target: Callable[[], Any]) -> None:
         def service() -> None:

@@ -7,9 +7,15 @@ from functools import cache
 from importlib.resources import files
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
+# A dollar-quoted function, up to its closing line; never across the next CREATE, so a
+# function with a SQL-standard body (no $$) does not swallow the one after it.
 _FUNCTION = re.compile(
-    r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(.*?^\$\$;$", re.MULTILINE | re.DOTALL
+    r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\((?:(?!^CREATE ).)*?^\$\$;$",
+    re.MULTILINE | re.DOTALL,
 )
+
+# Every migration that creates or restores functions ends with this (schema v6 on).
+PIN_SEARCH_PATH = "SELECT workpump.pin_search_path();"
 
 
 def read(path: str) -> str:

@@ -42,7 +42,7 @@ SELECT workpump.emit(
 
 -- name: claim_work
 SELECT category, work_id, topic, payload, stream, attempts, max_attempts, lease_expiry,
-       event_id, event_type, priority, claimed_at, has_more
+       event_id, event_type, priority, claimed_at, lease_token, has_more
 FROM workpump.claim_work(
     p_instance_id => %(instance_id)s,
     p_max_rows => %(max_rows)s,
@@ -51,13 +51,15 @@ FROM workpump.claim_work(
     p_categories => %(categories)s,
     p_stale_after_seconds => %(stale_after_seconds)s,
     p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
-    p_now => %(now)s)
+    p_now => %(now)s,
+    p_topics => %(topics)s::jsonb)
 
 -- name: renew_leases
 SELECT work_id, lease_expiry
 FROM workpump.renew_leases(
     p_category => %(category)s,
     p_ids => %(ids)s::uuid[],
+    p_lease_tokens => %(lease_tokens)s::uuid[],
     p_lease_seconds => %(lease_seconds)s,
     p_instance_id => %(instance_id)s,
     p_now => %(now)s)
@@ -68,6 +70,7 @@ FROM workpump.complete_work(
     p_instance_id => %(instance_id)s,
     p_category => %(category)s,
     p_ids => %(ids)s::uuid[],
+    p_lease_tokens => %(lease_tokens)s::uuid[],
     p_results => %(results)s::jsonb[],
     p_now => %(now)s)
 
@@ -77,6 +80,7 @@ FROM workpump.fail_work(
     p_instance_id => %(instance_id)s,
     p_category => %(category)s,
     p_ids => %(ids)s::uuid[],
+    p_lease_tokens => %(lease_tokens)s::uuid[],
     p_errors => %(errors)s::text[],
     p_reasons => %(reasons)s::text[],
     p_retry_base_seconds => %(retry_base_seconds)s,
@@ -97,6 +101,7 @@ FROM workpump.release_work(
     p_instance_id => %(instance_id)s,
     p_category => %(category)s,
     p_ids => %(ids)s::uuid[],
+    p_lease_tokens => %(lease_tokens)s::uuid[],
     p_now => %(now)s)
 
 -- name: record_heartbeat

@@ -187,3 +187,66 @@ SELECT e.instance_id, e.evicted_at, e.reason,
 FROM workpump_eviction e
 ORDER BY e.evicted_at DESC, e.instance_id
 LIMIT %(limit)s
+
+-- name: unhandled_topics
+-- Topics with rows waiting for a claimer that no live instance runs: a claimer leases
+-- only the topics it has handlers for, so these rows wait (no attempt is spent) until an
+-- instance that runs them starts. Instances advertise their topics in their heartbeat
+-- metadata ({"topics": {category: [topic, ...]}}); one that advertises none (an older
+-- version) is taken to run every topic of its categories.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), live AS (
+    -- the metadata of live instances (the liveness rule with the configured cutoffs)
+    SELECT si.metadata
+    FROM workpump_service_instance si, clock c
+    WHERE si.instance_id IN (
+        SELECT workpump.live_instances(
+            c.now - make_interval(secs => %(stale_after_seconds)s),
+            c.now - make_interval(secs => %(definitively_dead_after_seconds)s)))
+), handled AS (
+    -- (category, topic) pairs some live instance runs; topic NULL: every topic
+    SELECT t.category, x.topic
+    FROM live l
+    CROSS JOIN LATERAL jsonb_each(CASE jsonb_typeof(l.metadata -> 'topics')
+                                  WHEN 'object' THEN l.metadata -> 'topics'
+                                  ELSE '{}' END) t(category, topics)
+    CROSS JOIN LATERAL jsonb_array_elements_text(CASE jsonb_typeof(t.topics)
+                                                 WHEN 'array' THEN t.topics
+                                                 ELSE '[]' END) x(topic)
+    UNION ALL
+    SELECT c.category, NULL
+    FROM live l
+    CROSS JOIN LATERAL jsonb_array_elements_text(
+        CASE jsonb_typeof(l.metadata -> 'categories') WHEN 'array' THEN l.metadata -> 'categories'
+             ELSE '["outbox", "inbox", "perspective_event", "receptor"]' END) c(category)
+    WHERE jsonb_typeof(l.metadata -> 'topics') IS DISTINCT FROM 'object'
+), waiting AS (
+    -- undone rows, not dead, that no unexpired lease holds, by topic
+    SELECT 'outbox' AS category, t.destination AS topic, t.created_at
+    FROM workpump_outbox t, clock c
+    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+      AND (t.instance_id IS NULL OR t.lease_expiry <= c.now)
+    UNION ALL
+    SELECT 'inbox', t.handler_name, t.created_at
+    FROM workpump_inbox t, clock c
+    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+      AND (t.instance_id IS NULL OR t.lease_expiry <= c.now)
+    UNION ALL
+    SELECT 'perspective_event', t.perspective_name, t.created_at
+    FROM workpump_perspective_event t, clock c
+    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+      AND (t.instance_id IS NULL OR t.lease_expiry <= c.now)
+    UNION ALL
+    SELECT 'receptor', t.receptor_name, t.created_at
+    FROM workpump_receptor_processing t, clock c
+    WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+      AND (t.instance_id IS NULL OR t.lease_expiry <= c.now)
+)
+SELECT w.category, w.topic, count(*) AS rows,
+       extract(epoch FROM max(c.now - w.created_at))::double precision AS oldest_age_seconds
+FROM waiting w CROSS JOIN clock c
+WHERE NOT EXISTS (SELECT 1 FROM handled h
+                  WHERE h.category = w.category AND (h.topic IS NULL OR h.topic = w.topic))
+GROUP BY w.category, w.topic
+ORDER BY count(*) DESC, w.category, w.topic

@@ -115,25 +115,44 @@ SQL_ERRORS = [
     ("claim: zero partitions",
      f"SELECT * FROM workpump.claim_work('{STRANGER}', p_partition_count => 0)", "22023",
      "p_partition_count >= 1"),
-    ("renew: unknown category", "SELECT * FROM workpump.renew_leases('bogus', ARRAY[%(id)s])",
+    ("claim: topics not an object of lists",
+     "SELECT * FROM workpump.claim_work(%(holder)s, p_topics => '[\"fx.outbox\"]')", "22023",
+     "p_topics as an object"),
+    ("claim: an unregistered instance", f"SELECT * FROM workpump.claim_work('{STRANGER}')",
+     "WP001", "it is not registered"),
+    ("renew: unknown category",
+     "SELECT * FROM workpump.renew_leases('bogus', ARRAY[%(id)s], ARRAY[%(id)s])",
      "22023", "Unknown workpump category"),
-    ("renew: negative lease", "SELECT * FROM workpump.renew_leases('outbox', ARRAY[%(id)s], -5)",
+    ("renew: negative lease",
+     "SELECT * FROM workpump.renew_leases('outbox', ARRAY[%(id)s], ARRAY[%(id)s], -5)",
      "22023", "p_lease_seconds >= 1"),
-    ("renew: a NULL id", "SELECT * FROM workpump.renew_leases('outbox', ARRAY[NULL]::uuid[])",
+    ("renew: a NULL id",
+     "SELECT * FROM workpump.renew_leases('outbox', ARRAY[NULL]::uuid[], ARRAY[%(id)s])",
      "22023", "NULL work id"),
+    ("renew: no lease tokens", "SELECT * FROM workpump.renew_leases('outbox', ARRAY[%(id)s], NULL)",
+     "22023", "one lease token per id"),
+    ("renew: an unregistered instance",
+     f"SELECT * FROM workpump.renew_leases('outbox', ARRAY[%(id)s], ARRAY[%(id)s], 300,"
+     f" '{STRANGER}')", "WP001", "it is not registered"),
     ("complete: NULL instance",
-     "SELECT * FROM workpump.complete_work(NULL, 'outbox', ARRAY[%(id)s])", "22023",
-     "p_instance_id"),
+     "SELECT * FROM workpump.complete_work(NULL, 'outbox', ARRAY[%(id)s], ARRAY[%(id)s])",
+     "22023", "p_instance_id"),
     ("complete: unknown category",
-     f"SELECT * FROM workpump.complete_work('{STRANGER}', 'nonsense', ARRAY[%(id)s])",
-     "22023", "Unknown workpump category 'nonsense'"),
+     f"SELECT * FROM workpump.complete_work('{STRANGER}', 'nonsense', ARRAY[%(id)s],"
+     " ARRAY[%(id)s])", "22023", "Unknown workpump category 'nonsense'"),
     ("complete: results of another length",
      f"SELECT * FROM workpump.complete_work('{STRANGER}', 'outbox', ARRAY[%(id)s],"
-     " ARRAY['1', '2']::jsonb[])", "22023", "1 ids but 2 results"),
+     " ARRAY[%(id)s], ARRAY['1', '2']::jsonb[])", "22023", "1 ids but 2 results"),
+    ("complete: a NULL lease token",
+     f"SELECT * FROM workpump.complete_work('{STRANGER}', 'outbox', ARRAY[%(id)s],"
+     " ARRAY[NULL]::uuid[])", "22023", "NULL lease token"),
     ("fail: no errors", f"SELECT * FROM workpump.fail_work('{STRANGER}', 'outbox',"
-     " ARRAY[%(id)s], '{}')", "22023", "one error"),
+     " ARRAY[%(id)s], ARRAY[%(id)s], '{}')", "22023", "one error"),
     ("fail: negative backoff", f"SELECT * FROM workpump.fail_work('{STRANGER}', 'outbox',"
-     " ARRAY[%(id)s], ARRAY['e'], NULL, -1)", "22023", "retry seconds >= 0"),
+     " ARRAY[%(id)s], ARRAY[%(id)s], ARRAY['e'], NULL, -1)", "22023", "retry seconds >= 0"),
+    ("release: tokens of another length",
+     f"SELECT * FROM workpump.release_work('{STRANGER}', 'outbox', ARRAY[%(id)s], '{{}}')",
+     "22023", "one lease token per id"),
     ("heartbeat: NULL instance",
      "SELECT workpump.record_heartbeat(NULL, 's', 'h', 1)", "22023", "p_instance_id"),
     ("heartbeat: negative stale cutoff",
@@ -191,22 +210,30 @@ SQL_ERRORS = [
 
 # (case, SQL, the rows it must return): defined no-ops.
 SQL_NOOPS = [
-    ("claim: no categories", f"SELECT * FROM workpump.claim_work('{STRANGER}', "
+    ("claim: no categories", "SELECT * FROM workpump.claim_work(%(holder)s, "
      "p_categories => '{}')", []),
-    ("renew: empty ids", "SELECT * FROM workpump.renew_leases('outbox', '{}')", []),
-    ("renew: NULL ids", "SELECT * FROM workpump.renew_leases('outbox', NULL)", []),
-    ("renew: a stranger's renewal",
-     f"SELECT * FROM workpump.renew_leases('outbox', ARRAY[%(id)s], 300, '{STRANGER}')", []),
-    ("complete: empty ids", f"SELECT * FROM workpump.complete_work('{STRANGER}', 'outbox', '{{}}')",
-     []),
+    ("claim: no topics", "SELECT * FROM workpump.claim_work(%(holder)s, p_topics => '{}')", []),
+    ("renew: empty ids", "SELECT * FROM workpump.renew_leases('outbox', '{}', '{}')", []),
+    ("renew: NULL ids", "SELECT * FROM workpump.renew_leases('outbox', NULL, NULL)", []),
+    ("renew: the holder with another attempt's token",
+     "SELECT * FROM workpump.renew_leases('outbox', ARRAY[%(id)s], ARRAY[gen_random_uuid()],"
+     " 300, %(holder)s)", []),
+    ("complete: empty ids",
+     f"SELECT * FROM workpump.complete_work('{STRANGER}', 'outbox', '{{}}', '{{}}')", []),
     ("complete: a stranger's completion",
-     f"SELECT status FROM workpump.complete_work('{STRANGER}', 'outbox', ARRAY[%(id)s])",
-     [{"status": "lost"}]),
+     f"SELECT status FROM workpump.complete_work('{STRANGER}', 'outbox', ARRAY[%(id)s],"
+     " ARRAY[%(token)s])", [{"status": "lost"}]),
+    ("complete: the holder with another attempt's token",
+     "SELECT status FROM workpump.complete_work(%(holder)s, 'outbox', ARRAY[%(id)s],"
+     " ARRAY[gen_random_uuid()])", [{"status": "lost"}]),
     ("fail: a stranger's failure", f"SELECT status FROM workpump.fail_work('{STRANGER}', "
-     "'outbox', ARRAY[%(id)s], ARRAY['e'])", [{"status": "lost"}]),
+     "'outbox', ARRAY[%(id)s], ARRAY[%(token)s], ARRAY['e'])", [{"status": "lost"}]),
     ("release: a stranger's release",
-     f"SELECT status FROM workpump.release_work('{STRANGER}', 'outbox', ARRAY[%(id)s])",
-     [{"status": "lost"}]),
+     f"SELECT status FROM workpump.release_work('{STRANGER}', 'outbox', ARRAY[%(id)s],"
+     " ARRAY[%(token)s])", [{"status": "lost"}]),
+    ("release: the holder with another attempt's token",
+     "SELECT status FROM workpump.release_work(%(holder)s, 'outbox', ARRAY[%(id)s],"
+     " ARRAY[gen_random_uuid()])", [{"status": "lost"}]),
     ("deregister: an unknown instance", f"SELECT workpump.deregister_instance('{STRANGER}') AS n",
      [{"n": 0}]),
     ("cleanup: nobody stale",
@@ -217,18 +244,18 @@ SQL_NOOPS = [
 ]  # fmt: skip
 
 
-def held_row(db: Database) -> tuple[uuid.UUID, uuid.UUID]:
-    """An outbox row leased to a live instance, and that instance."""
+def held_row(db: Database) -> dict[str, uuid.UUID]:
+    """An outbox row leased to a live instance: its id, the holder and the lease token."""
     holder = uuid.uuid4()
     work_id = send_outbox(db, "fx.outbox", {"n": 0}, stream="held")
     db.sql("SELECT workpump.record_heartbeat(%s, 'fx', 'host', 1)", [holder])
-    claimed = db.sql("SELECT work_id FROM workpump.claim_work(%s, 10)", [holder])
+    claimed = db.sql("SELECT work_id, lease_token FROM workpump.claim_work(%s, 10)", [holder])
     assert [r["work_id"] for r in claimed] == [work_id]
-    return work_id, holder
+    return {"id": work_id, "holder": holder, "token": claimed[0]["lease_token"]}
 
 
 def test_sql_functions_reject_nonsense_with_a_clear_error_and_keep_the_transaction(db):
-    work_id, _ = held_row(db)
+    held = held_row(db)
     send_outbox(db, "fx.outbox", {"n": 1})  # one more row, unleased
     with db.connect(autocommit=False) as conn, conn.cursor(row_factory=tuple_row) as cursor:
         before = snapshot(cursor)
@@ -237,7 +264,7 @@ def test_sql_functions_reject_nonsense_with_a_clear_error_and_keep_the_transacti
         for case, query, sqlstate, words in SQL_ERRORS:
             cursor.execute("SAVEPOINT nonsense")
             with pytest.raises(psycopg.Error) as raised:
-                cursor.execute(query, {"id": work_id})
+                cursor.execute(query, held)
             error = raised.value
             cursor.execute("ROLLBACK TO SAVEPOINT nonsense")
             assert error.sqlstate == sqlstate, (case, error.sqlstate, str(error))
@@ -254,12 +281,13 @@ def test_sql_functions_reject_nonsense_with_a_clear_error_and_keep_the_transacti
 
 
 def test_sql_nonsense_no_ops_change_nothing(db):
-    work_id, holder = held_row(db)
+    held = held_row(db)
+    work_id, holder = held["id"], held["holder"]
     with db.connect(autocommit=False) as conn:
         cursor = conn.cursor()
         before = snapshot(conn.cursor(row_factory=tuple_row))
         for case, query, expected in SQL_NOOPS:
-            cursor.execute(query, {"id": work_id})
+            cursor.execute(query, held)
             assert cursor.fetchall() == expected, case
             if case != "emit: no subscribers":  # it stores the event, by design
                 assert snapshot(conn.cursor(row_factory=tuple_row)) == before, case
@@ -275,7 +303,7 @@ def test_sql_nonsense_no_ops_change_nothing(db):
 
 def test_an_unknown_category_error_hints_at_the_valid_ones(db):
     with pytest.raises(psycopg.Error) as raised:
-        db.sql("SELECT * FROM workpump.renew_leases('bogus', '{}')")
+        db.sql("SELECT * FROM workpump.renew_leases('bogus', '{}', '{}')")
     assert raised.value.diag.message_hint == (
         "Valid categories: outbox, inbox, perspective_event, receptor."
     )
@@ -313,9 +341,7 @@ def test_a_wrong_typed_setting_stops_runworkpump_before_it_registers(db):
 
 
 @pytest.mark.timeout(180)
-def test_work_for_unknown_topics_is_parked_dead_with_the_reason_and_nothing_else_stops(
-    db, make_fleet
-):
+def test_work_for_unknown_topics_waits_unclaimed_and_nothing_else_stops(db, make_fleet):
     nobody = send_outbox(db, "fx.nobody", {"n": 0}, stream="nobody", max_attempts=2)
     db.sql("SELECT workpump.receive(%s, 'fx.ghost', '{}', NULL, p_max_attempts => 2)",
            [uuid.uuid4()])  # fmt: skip
@@ -328,23 +354,23 @@ def test_work_for_unknown_topics_is_parked_dead_with_the_reason_and_nothing_else
     fleet = make_fleet(db, harness.FAST)
     pump = fleet.spawn("--drain", "--concurrency", "2")
     assert pump.wait_exit(120) == 0, pump.output()
-    dead = db.sql(
-        "SELECT failure_reason, last_error FROM workpump_outbox WHERE dead_lettered_at IS NOT NULL"
-        " UNION ALL SELECT failure_reason, last_error FROM workpump_inbox"
-        " WHERE dead_lettered_at IS NOT NULL"
-        " UNION ALL SELECT failure_reason, last_error FROM workpump_perspective_event"
-        " WHERE dead_lettered_at IS NOT NULL"
+    # No instance has a handler for them: never claimed, no attempt spent, nothing dead.
+    waiting = db.sql(
+        "SELECT destination AS topic, attempts, dead_lettered_at FROM workpump_outbox"
+        " WHERE processed_at IS NULL"
+        " UNION ALL SELECT handler_name, attempts, dead_lettered_at FROM workpump_inbox"
+        " WHERE processed_at IS NULL"
+        " UNION ALL SELECT perspective_name, attempts, dead_lettered_at"
+        " FROM workpump_perspective_event WHERE processed_at IS NULL"
     )
-    errors = sorted(r["last_error"].splitlines()[0] for r in dead)
-    assert errors == [
-        "no handler registered for inbox handler 'fx.ghost'",
-        "no handler registered for outbox destination 'fx.nobody'",
-        "no handler registered for perspective 'fx.ghost'",
+    assert sorted((r["topic"], r["attempts"], r["dead_lettered_at"]) for r in waiting) == [
+        ("fx.ghost", 0, None),
+        ("fx.ghost", 0, None),
+        ("fx.nobody", 0, None),
     ]
-    assert {r["failure_reason"] for r in dead} == {"max_attempts"}
-    assert db.undone() == 0  # the rest was processed
-    assert db.scalar("SELECT attempts FROM workpump_outbox WHERE message_id = %s", [nobody]) == 2
-    harness.report("bad-input-unknown-topics", parked=len(dead), rest_processed=backlog.total)
+    assert db.undone() == 3  # the rest was processed
+    assert db.scalar("SELECT attempts FROM workpump_outbox WHERE message_id = %s", [nobody]) == 0
+    harness.report("bad-input-unknown-topics", waiting=len(waiting), rest_processed=backlog.total)
 
 
 # -- hostile payloads written through SQL, run by real pumps --------------------------------

@@ -21,7 +21,7 @@ from django_workpump.pump.supervisor import (
     SchemaNotReady,
     Supervisor,
 )
-from django_workpump.registry import CATEGORIES
+from django_workpump.registry import CATEGORIES, TopicSelectionError
 
 logger = logging.getLogger("django_workpump")
 
@@ -55,6 +55,16 @@ class Command(BaseCommand):
             help=f"Comma-separated categories to claim (default all: {','.join(CATEGORIES)}).",
         )
         parser.add_argument(
+            "--topics",
+            help="Comma-separated topics to claim (outbox destinations, inbox handler names, "
+            "perspective and receptor names); default: every topic with a handler here.",
+        )
+        parser.add_argument(
+            "--queues",
+            help="Comma-separated django.tasks queues to run. With --topics or --queues, "
+            "only what they name is claimed.",
+        )
+        parser.add_argument(
             "--service-name", default="workpump", help="Name shown for this instance."
         )
         parser.add_argument(
@@ -83,16 +93,23 @@ class Command(BaseCommand):
             raise CommandError(f"--concurrency must be at least 1, not {options['concurrency']}.")
         settings = get_settings()
         alias = settings["DATABASE_ALIAS"]
+        topics = self._names("--topics", options["topics"])
+        queues = self._names("--queues", options["queues"])
         self._check_database(alias)
-        supervisor = Supervisor(
-            PumpOptions(
-                categories=categories,
-                concurrency=options["concurrency"],
-                service_name=options["service_name"],
-                listen=not options["no_listen"],
-                drain=options["drain"],
+        try:
+            supervisor = Supervisor(
+                PumpOptions(
+                    categories=categories,
+                    concurrency=options["concurrency"],
+                    service_name=options["service_name"],
+                    listen=not options["no_listen"],
+                    drain=options["drain"],
+                    topics=topics,
+                    queues=queues,
+                )
             )
-        )
+        except TopicSelectionError as exc:
+            raise CommandError(str(exc)) from None
         # This thread registers the instance and waits for it: name its connection too.
         name_thread_connections(application_name(supervisor.identity.instance_id, "main"))
         try:
@@ -133,6 +150,14 @@ class Command(BaseCommand):
                 f"choose from {', '.join(CATEGORIES)}."
             )
         return chosen
+
+    def _names(self, flag: str, value: str | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        names = tuple(part.strip() for part in value.split(",") if part.strip())
+        if not names:
+            raise CommandError(f"{flag} names nothing; give comma-separated names or leave it out.")
+        return names
 
     def _check_database(self, alias: str) -> None:
         connection = connections[alias]
@@ -191,6 +216,7 @@ class Command(BaseCommand):
             f"workpump {supervisor.identity.instance_id} started: "
             f"service={supervisor.identity.service_name} pid={supervisor.identity.process_id} "
             f"categories={','.join(supervisor.options.categories)} "
+            f"topics={sum(len(t) for t in supervisor.topics.values())} "
             f"concurrency={supervisor.dispatcher.concurrency} database={alias}:{database} "
             f"liveness={s['LIVENESS_SOURCE_MODE']} "
             f"listener={'off' if gate is None else 'starting'} "

@@ -88,6 +88,21 @@ def render_text(report: status.StatusReport) -> list[str]:
         if report.blocked_streams_total > len(report.blocked_streams):
             lines.append(f"  ... and {report.blocked_streams_total - len(report.blocked_streams)}")
 
+    waiting = sum(u.rows for u in report.unhandled)
+    lines += ["", f"no live handler: {waiting} rows"]
+    if report.unhandled:
+        lines += _table(
+            ["category", "topic", "rows", "oldest"],
+            [
+                [u.category, u.topic, str(u.rows), _age(u.oldest_age_seconds)]
+                for u in report.unhandled
+            ],
+        )
+        lines.append(
+            "  no live instance runs these topics: they wait, spending no attempt, until one "
+            "with their handler starts (runworkpump --topics may leave them out)."
+        )
+
     dead_total = sum(report.dead_counts.values())
     per_category = ", ".join(f"{k} {v}" for k, v in report.dead_counts.items() if v)
     lines += ["", f"dead rows: {dead_total}" + (f" ({per_category})" if per_category else "")]

@@ -142,3 +142,12 @@ def fx_poison(work: Any) -> dict[str, Any]:
 @workpump.outbox_handler("fx.atomic", atomic=True)
 def fx_atomic(work: Any) -> dict[str, Any]:
     return _run(work)
+
+
+# New code in a rolling deploy: only processes started with FX_NEW_CODE=1 have a handler
+# for fx.v2; the others run the code from before it existed.
+if os.environ.get("FX_NEW_CODE"):
+
+    @workpump.outbox_handler("fx.v2")
+    def fx_v2(work: Any) -> dict[str, Any]:
+        return _run(work)
