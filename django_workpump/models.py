@@ -56,6 +56,7 @@ class WorkRow(models.Model):
 WORK_PERMISSIONS: list[tuple[str, str | StrPromise]] = [
     ("retry_work", "Can retry scheduled work now"),
     ("release_work_lease", "Can release work leases"),
+    ("force_release_work_lease", "Can force-release work leases held by live instances"),
     ("dead_letter_work", "Can dead-letter work"),
     ("requeue_work", "Can re-queue dead work"),
 ]

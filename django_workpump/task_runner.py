@@ -42,7 +42,7 @@ from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models.functions import Now
 from django.dispatch import receiver
 from django.utils import timezone
-from django.utils.module_loading import import_string
+from django.utils.module_loading import autodiscover_modules, import_string
 
 from django_workpump import db, producer
 from django_workpump.conf import setting
@@ -139,6 +139,9 @@ class WorkPumpBackend(BaseTaskBackend):
         super().__init__(alias, params)
         # The workers of this process must run what any process enqueues.
         register_queues(alias, self.queues)
+        # Task paths are resolved among loaded modules only: load the ones tasks may
+        # live in now, never because a row names one.
+        import_task_modules(self.options.get("TASK_MODULES", ()))
 
     # -- validation ----------------------------------------------------------------
     def validate_task(self, task: Task) -> None:
@@ -169,7 +172,7 @@ class WorkPumpBackend(BaseTaskBackend):
                 f"'{self.alias}'; enqueue it with task.using(backend='{self.alias}')."
             )
         try:
-            declared = resolve_task(task.module_path, self, importing=False)
+            declared = resolve_task(task.module_path, self)
         except TaskRefused as exc:
             raise InvalidTask(str(exc)) from None
         if declared.func is not task.func:
@@ -397,28 +400,62 @@ def _may_import(module_name: str, backend: WorkPumpBackend) -> bool:
     return any(module_name == root or module_name.startswith(root + ".") for root in roots)
 
 
-def resolve_task(module_path: Any, backend: WorkPumpBackend, *, importing: bool = True) -> Task:
+def import_task_modules(task_modules: Iterable[Any] = ()) -> None:
+    """Import the modules tasks may live in: each installed app's ``tasks`` module and
+    ``task_modules`` (a backend's ``OPTIONS["TASK_MODULES"]``).
+
+    Called when a backend is built (``runworkpump`` builds every WorkPumpBackend at
+    start), so that resolving a row's task path never imports anything: the code a worker
+    may run is fixed by configuration, not by what a row names.
+    """
+    autodiscover_modules("tasks")
+    if isinstance(task_modules, str):
+        return  # not a list: the backend's check() reports it
+    for name in task_modules:
+        if isinstance(name, str) and name not in sys.modules:
+            import_module(name)
+
+
+def load_task_code() -> list[str]:
+    """Build every WorkPumpBackend of ``TASKS`` (importing their task modules); return the
+    aliases. ``runworkpump`` calls it before it claims anything."""
+    configured = getattr(settings, "TASKS", None) or {}
+    aliases = [
+        alias
+        for alias, params in configured.items()
+        if isinstance(params, Mapping) and _is_workpump_backend(params.get("BACKEND"))
+    ]
+    for alias in aliases:
+        task_backends[alias]
+    return aliases
+
+
+def resolve_task(module_path: Any, backend: WorkPumpBackend) -> Task:
     """Return the task ``module_path`` names, or raise ``TaskRefused`` (never run blindly).
 
-    Its module is imported only if it is already loaded or belongs to an installed app
-    or to ``OPTIONS["TASK_MODULES"]`` (``importing=False`` checks that rule even for a
-    loaded module, as enqueue does, so that a worker will accept the row). The attribute
-    must be a ``Task`` declared for a ``WorkPumpBackend``.
+    Nothing is imported: the module must already be loaded (each installed app's
+    ``tasks`` module and ``OPTIONS["TASK_MODULES"]`` are, once the backend is built) and
+    belong to an installed app or to ``TASK_MODULES``, as enqueue checks too, so that a
+    worker will accept the row. The attribute must be a ``Task`` declared for a
+    ``WorkPumpBackend``.
     """
     if not isinstance(module_path, str) or "." not in module_path.strip("."):
         raise TaskRefused(f"{module_path!r} is not the module path of a task.")
     module_name, _, name = module_path.rpartition(".")
-    loaded = importing and module_name in sys.modules
-    if not loaded and not _may_import(module_name, backend):
+    if not _may_import(module_name, backend):
         raise TaskRefused(
             f"Task '{module_path}' is refused: its module is not part of an installed app "
-            f"or of TASKS['{backend.alias}']['OPTIONS']['TASK_MODULES'], so it is not "
-            "imported. Define tasks in an installed app, or list the module there."
+            f"or of TASKS['{backend.alias}']['OPTIONS']['TASK_MODULES']. Define tasks in "
+            "an installed app, or list the module there."
         )
-    try:
-        module = import_module(module_name)
-    except ImportError as exc:
-        raise TaskRefused(f"Task '{module_path}' is refused: {exc}.") from None
+    module = sys.modules.get(module_name)
+    if module is None:
+        raise TaskRefused(
+            f"Task '{module_path}' is refused: its module was not loaded when this process "
+            "started, and a worker never imports a module a row names. Put the task in "
+            f"its app's tasks.py, or list '{module_name}' in TASKS['{backend.alias}']"
+            "['OPTIONS']['TASK_MODULES']."
+        )
     found = getattr(module, name, None)
     if not isinstance(found, Task):
         raise TaskRefused(

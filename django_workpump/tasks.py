@@ -23,6 +23,7 @@ try:
         WorkFailed,
         WorkPumpBackend,
         WorkPumpTask,
+        load_task_code,
         read_result,
         register_backends,
         resolve_task,
@@ -38,6 +39,7 @@ try:
         "WorkFailed",
         "WorkPumpBackend",
         "WorkPumpTask",
+        "load_task_code",
         "read_result",
         "register_backends",
         "resolve_task",
@@ -70,4 +72,14 @@ except ModuleNotFoundError as exc:
     def unregister_backends() -> None:
         return None
 
-    __all__ = ["TASKS_AVAILABLE", "WorkPumpBackend", "register_backends", "unregister_backends"]
+    def load_task_code() -> list[str]:
+        """No task code to load without ``django.tasks``."""
+        return []
+
+    __all__ = [
+        "TASKS_AVAILABLE",
+        "WorkPumpBackend",
+        "load_task_code",
+        "register_backends",
+        "unregister_backends",
+    ]

@@ -33,6 +33,7 @@ from django.utils import timezone
 
 from django_workpump import models
 from django_workpump.admin import display
+from django_workpump.admin import work as work_admin
 from tests import factories
 from tests.conftest import scalar
 
@@ -40,7 +41,13 @@ pytestmark = pytest.mark.django_db
 
 ALIVE_NAMESPACE = 1464877377  # workpump.lock_namespace('alive')
 WORK_MODELS = [models.Outbox, models.Inbox, models.PerspectiveEvent, models.ReceptorProcessing]
-OPERATOR_CODENAMES = ["retry_work", "release_work_lease", "dead_letter_work", "requeue_work"]
+OPERATOR_CODENAMES = [
+    "retry_work",
+    "release_work_lease",
+    "force_release_work_lease",
+    "dead_letter_work",
+    "requeue_work",
+]
 VIEWABLE = [*WORK_MODELS, models.ServiceInstance, models.Eviction, models.ActiveStream]
 OUTBOX_URL = "/admin/workpump/outbox/"
 INBOX_URL = "/admin/workpump/inbox/"
@@ -630,6 +637,52 @@ def test_force_release_asks_first_then_takes_the_lease_from_a_live_holder(
     assert messages_of(confirmed) == [
         "Released the leases of 1 outbox message; they can be claimed again."
     ]
+
+
+def test_force_release_needs_its_own_permission(world: World) -> None:
+    releaser = client_for(staff("releaser", *view_all(), (models.Outbox, "release_work_lease")))
+    assert action_names(releaser.get(OUTBOX_URL)) == {"release_lease"}
+
+    row = world.rows["leased_live"]
+    response = releaser.post(
+        OUTBOX_URL,
+        {"action": "force_release_lease", "_selected_action": [row.pk], "post": "yes"},
+    )
+    assert messages_of(response) == ["No action selected."]
+    assert refresh(row).instance_id == world.live.instance_id
+
+
+def test_dead_letter_asks_first_for_rows_a_live_instance_holds(
+    admin_client: Client, world: World
+) -> None:
+    row = world.rows["leased_live"]
+    asked = run_action(admin_client, OUTBOX_URL, "dead_letter", [row, world.rows["pending"]])
+    assert asked.status_code == 200
+    assert "may be running them now" in asked.content.decode()
+    assert refresh(row).dead_lettered_at is None
+
+    confirmed = admin_client.post(
+        OUTBOX_URL, {"action": "dead_letter", "_selected_action": [row.pk], "post": "yes"}
+    )
+    assert confirmed.status_code == 302
+    parked = refresh(row)
+    assert parked.dead_lettered_at is not None and parked.instance_id is None
+
+
+def test_an_action_over_too_many_rows_is_refused_with_a_message(
+    admin_client: Client, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(work_admin, "MAX_ACTION_ROWS", 2)
+    chosen = [world.rows[n] for n in ("pending", "leased_stale", "dead")]
+    for action in ("retry_now", "release_lease", "dead_letter", "requeue_dead"):
+        response = run_action(admin_client, OUTBOX_URL, action, chosen)
+        assert set(messages_of(response)) == {
+            "More than 2 outbox messages selected: an action changes at most 2 at a time. "
+            "Narrow the selection with the filters, or use manage.py workpump_action for "
+            "bulk changes."
+        }, action
+    assert refresh(world.rows["pending"]).dead_lettered_at is None
+    assert refresh(world.rows["dead"]).dead_lettered_at is not None
 
 
 def test_dead_letter_parks_undone_rows_and_leaves_done_ones(

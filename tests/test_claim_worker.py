@@ -14,7 +14,14 @@ import pytest
 
 from django_workpump.clock import FrozenClock
 from django_workpump.db import InstanceRefused
-from django_workpump.pump.claim import ClaimPolicy, ClaimWorker, poll_wait_ms
+from django_workpump.pump.claim import (
+    FREE_FRUITLESS_WAKES,
+    WAKE_FLOOD_QUIET_SECONDS,
+    ClaimPolicy,
+    ClaimResult,
+    ClaimWorker,
+    poll_wait_ms,
+)
 from tests.fakes import (
     FakeCoordinator,
     FakeGate,
@@ -520,3 +527,79 @@ def test_after_a_refusal_run_once_claims_nothing_more():
 
     assert (first.refused, second.refused) == (True, True)
     assert len(coordinator.claims) == 1
+
+
+# wake flood control: a NOTIFY flood must not become a claim flood
+
+
+@pytest.fixture
+def clock():
+    return FrozenClock(start=1000.0)
+
+
+def fruitless_wakes(worker, count):
+    for _ in range(count):
+        worker.note_wake_claim(ClaimResult(claimed=0, has_more=False))
+
+
+def test_wakes_that_claim_nothing_are_spaced_out_after_a_free_run(clock):
+    worker = make_worker(policy=ClaimPolicy(polling_interval_ms=250), clock=clock)
+
+    spacings = []
+    for _ in range(FREE_FRUITLESS_WAKES + 8):
+        spacings.append(worker.wake_spacing_seconds())
+        fruitless_wakes(worker, 1)
+
+    assert spacings[:FREE_FRUITLESS_WAKES] == [0.0] * FREE_FRUITLESS_WAKES
+    # then doubling from the base, never past the tight poll interval
+    assert spacings[FREE_FRUITLESS_WAKES:] == [0.01, 0.02, 0.04, 0.08, 0.16, 0.25, 0.25, 0.25]
+
+
+def test_a_wake_that_claims_something_ends_the_spacing(clock):
+    worker = make_worker(clock=clock)
+    fruitless_wakes(worker, FREE_FRUITLESS_WAKES + 3)
+    assert worker.wake_spacing_seconds() > 0
+
+    worker.note_wake_claim(ClaimResult(claimed=2, has_more=False))
+
+    assert worker.wake_spacing_seconds() == 0.0
+
+
+def test_a_quiet_second_ends_the_spacing(clock):
+    worker = make_worker(clock=clock)
+    fruitless_wakes(worker, FREE_FRUITLESS_WAKES + 3)
+    clock.advance(0.5)
+    assert worker.wake_spacing_seconds() > 0
+
+    clock.advance(WAKE_FLOOD_QUIET_SECONDS)
+
+    assert worker.wake_spacing_seconds() == 0.0
+
+
+def test_a_failed_or_busy_claim_is_not_counted_as_a_fruitless_wake(clock):
+    worker = make_worker(clock=clock)
+    fruitless_wakes(worker, FREE_FRUITLESS_WAKES + 3)
+    worker.note_wake_claim(ClaimResult(claimed=0, has_more=False, error=RuntimeError("x")))
+    assert worker.fruitless_wakes == 0
+    fruitless_wakes(worker, 2)
+    worker.note_wake_claim(ClaimResult(claimed=0, has_more=False, skipped_busy=True))
+    assert worker.fruitless_wakes == 0
+
+
+def test_a_loop_flooded_with_wakes_spaces_its_claims():
+    worker = None
+
+    def claim_and_get_woken_again():
+        worker.request_immediate_poll()  # a NOTIFY for every claim, and never any work
+        return []
+
+    coordinator = FakeCoordinator(claims=[claim_and_get_woken_again] * 40)
+    worker = make_worker(
+        coordinator, policy=ClaimPolicy(polling_interval_ms=20), gate=FakeGate(available=True)
+    )
+
+    with running(worker):
+        assert coordinator.wait_for_claims(FREE_FRUITLESS_WAKES + 12)
+
+    # every wake past the free run waited before it claimed
+    assert worker.wakes_spaced >= 10

@@ -546,10 +546,11 @@ def test_a_return_value_that_is_not_json_fails_the_task_without_retries(pump):
         ("tests.task_funcs.plain_function", "is not a task (a function decorated with @task)"),
         ("tests.task_funcs.inline_only", "declared for backend 'inline'"),
         ("this.s", "its module is not part of an installed app"),
+        ("tests.app.never_loaded.add", "a worker never imports a module a row names"),
         ("tests.task_funcs.nothing_here", "is not a task"),
         ("no_dots", "is not the module path of a task"),
     ],
-    ids=["plain-function", "other-backend", "foreign-module", "missing", "no-module"],
+    ids=["plain-function", "other-backend", "foreign-module", "unloaded", "missing", "no-module"],
 )
 def test_a_row_naming_anything_but_a_workpump_task_is_dead_lettered_unrun(pump, task_path, error):
     message_id = forge(task_path)
@@ -564,6 +565,7 @@ def test_a_row_naming_anything_but_a_workpump_task_is_dead_lettered_unrun(pump, 
     assert attempt.error_class == "django_workpump.task_runner.TaskRefused"
     assert task_funcs.calls == []
     assert "this" not in sys.modules  # never imported: it prints on import
+    assert "tests.app.never_loaded" not in sys.modules
     with pytest.raises(TaskResultDoesNotExist):
         task_backends["default"].get_result(str(message_id))
 

@@ -34,6 +34,10 @@ from django_workpump.conf import get_settings
 from django_workpump.models import ServiceInstance
 from django_workpump.status import STATES
 
+# The most rows one admin action changes: "select all" over a large table is refused
+# with a message instead of one statement that locks every row.
+MAX_ACTION_ROWS = 1_000
+
 NEIGHBOURS = 5  # rows shown on each side of a row of an ordered stream
 STUCK = "stuck"
 
@@ -118,6 +122,9 @@ class WorkAdmin(admin.ModelAdmin):
 
     def has_release_work_lease_permission(self, request: HttpRequest) -> bool:
         return has_model_permission(request, self.model, "release_work_lease")
+
+    def has_force_release_work_lease_permission(self, request: HttpRequest) -> bool:
+        return has_model_permission(request, self.model, "force_release_work_lease")
 
     def has_dead_letter_work_permission(self, request: HttpRequest) -> bool:
         return has_model_permission(request, self.model, "dead_letter_work")
@@ -412,6 +419,20 @@ class WorkAdmin(admin.ModelAdmin):
     def _ids(self, queryset: QuerySet[Any]) -> list[Any]:
         return list(queryset.values_list(self.spec.key_field, flat=True))
 
+    def _too_many(self, request: HttpRequest, queryset: QuerySet[Any]) -> bool:
+        """Refuse (with a message) a selection over MAX_ACTION_ROWS, e.g. "select all"."""
+        selected = len(queryset.values_list("pk", flat=True)[: MAX_ACTION_ROWS + 1])
+        if selected <= MAX_ACTION_ROWS:
+            return False
+        self.message_user(
+            request,
+            f"More than {MAX_ACTION_ROWS:,} {model_ngettext(self.opts, 2)} selected: an action "
+            f"changes at most {MAX_ACTION_ROWS:,} at a time. Narrow the selection with the "
+            "filters, or use manage.py workpump_action for bulk changes.",
+            messages.ERROR,
+        )
+        return True
+
     def _run(self, name: str, **params: Any) -> set[Any]:
         rows = db.fetch_named(ADMIN_QUERIES, name, {"category": self.spec.category, **params})
         return {row["id"] for row in rows}
@@ -421,6 +442,8 @@ class WorkAdmin(admin.ModelAdmin):
 
     @admin.action(permissions=["retry_work"], description="Retry now (scheduled → pending)")
     def retry_now(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        if self._too_many(request, queryset):
+            return
         ids = self._ids(queryset)
         changed = self._run("retry_now", ids=ids)
         if changed:
@@ -438,15 +461,19 @@ class WorkAdmin(admin.ModelAdmin):
         description="Release lease (held → pending; not from a live instance)",
     )
     def release_lease(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        if self._too_many(request, queryset):
+            return
         self._release(request, queryset, force=False)
 
     @admin.action(
-        permissions=["release_work_lease"],
+        permissions=["force_release_work_lease"],
         description="Force-release lease, even from a live instance (asks first)",
     )
     def force_release_lease(
         self, request: HttpRequest, queryset: QuerySet[Any]
     ) -> TemplateResponse | None:
+        if self._too_many(request, queryset):
+            return None
         if request.POST.get("post") != "yes":
             return self._confirm(
                 request,
@@ -496,8 +523,33 @@ class WorkAdmin(admin.ModelAdmin):
                 request, f"{self._rows(unheld)} had no lease to release.", messages.WARNING
             )
 
-    @admin.action(permissions=["dead_letter_work"], description="Dead-letter (park as dead)")
-    def dead_letter(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+    @admin.action(
+        permissions=["dead_letter_work"],
+        description="Dead-letter (park as dead; asks first for rows a live instance holds)",
+    )
+    def dead_letter(self, request: HttpRequest, queryset: QuerySet[Any]) -> TemplateResponse | None:
+        if self._too_many(request, queryset):
+            return None
+        held_live = any(
+            obj.instance_id is not None and obj.wp_holder == HOLDER_LIVE for obj in queryset
+        )
+        if held_live and request.POST.get("post") != "yes":
+            return self._confirm(
+                request,
+                queryset,
+                action="dead_letter",
+                title="Dead-letter rows a live instance is running?",
+                warning=(
+                    "A live instance holds some of these rows and may be running them now: "
+                    "dead-lettered, their handlers' outcomes are fenced out, but what the "
+                    "handlers already did is not undone."
+                ),
+                button="Yes, dead-letter these rows",
+            )
+        self._dead_letter(request, queryset)
+        return None
+
+    def _dead_letter(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         ids = self._ids(queryset)
         reason = f"dead-lettered in the admin by {request.user.get_username()}"
         changed = self._run("dead_letter", ids=ids, reason=reason)
@@ -517,6 +569,8 @@ class WorkAdmin(admin.ModelAdmin):
 
     @admin.action(permissions=["requeue_work"], description="Re-queue dead rows (attempts reset)")
     def requeue_dead(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        if self._too_many(request, queryset):
+            return
         ids = self._ids(queryset)
         changed = self._run("requeue_dead", ids=ids)
         if changed:

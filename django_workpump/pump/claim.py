@@ -23,6 +23,13 @@ logger = logging.getLogger("django_workpump.claim")
 
 # The failure reason of a row whose payload Python cannot decode.
 UNDECODABLE_PAYLOAD = "undecodable_payload"
+# Wake-ups (NOTIFY, freed slots) that claimed nothing, in a row, before further wakes are
+# spaced out: a NOTIFY flood must not become a claim flood. The spacing doubles from the
+# base up to the tight poll interval; a wake that claims something, or a quiet second,
+# ends it.
+FREE_FRUITLESS_WAKES = 10
+WAKE_SPACING_BASE_SECONDS = 0.01
+WAKE_FLOOD_QUIET_SECONDS = 1.0
 # A claim may take what the dispatcher starts in this long (beyond the free slots).
 QUEUE_SECONDS = 0.25
 RATE_SAMPLE_SECONDS = 0.1
@@ -126,6 +133,9 @@ class ClaimWorker:
         self.startup_catch_up_count = 0
         self.reconnect_catch_up_count = 0
         self.wake_requests = 0
+        self.fruitless_wakes = 0  # wake-triggered claims in a row that found nothing
+        self._last_fruitless_wake_at = 0.0
+        self.wakes_spaced = 0  # wake-ups that waited because of a flood
         self._wake = threading.Event()
         self._last_gate_state: bool | None = None
         self._gate_lost_at: float | None = None
@@ -159,6 +169,25 @@ class ClaimWorker:
 
     def current_wait_ms(self) -> int | None:
         return poll_wait_ms(self.policy, self.empty_polls, self.gate_available())
+
+    # -- wake flood control --------------------------------------------------------
+    def wake_spacing_seconds(self) -> float:
+        """How long a wake-up waits before its claim: 0 unless wakes keep finding nothing."""
+        if self.clock.monotonic() - self._last_fruitless_wake_at > WAKE_FLOOD_QUIET_SECONDS:
+            self.fruitless_wakes = 0  # the flood is over
+        excess = self.fruitless_wakes - FREE_FRUITLESS_WAKES
+        if excess < 0:
+            return 0.0
+        cap = self.policy.polling_interval_ms / 1000
+        return min(cap, WAKE_SPACING_BASE_SECONDS * 2 ** min(excess, 16))
+
+    def note_wake_claim(self, result: ClaimResult) -> None:
+        """Count a wake-triggered claim: one that found nothing feeds the flood control."""
+        if result.claimed or result.error is not None or result.skipped_busy:
+            self.fruitless_wakes = 0
+            return
+        self.fruitless_wakes += 1
+        self._last_fruitless_wake_at = self.clock.monotonic()
 
     # -- one pass ------------------------------------------------------------------
     def run_once(self) -> ClaimResult:
@@ -297,16 +326,26 @@ class ClaimWorker:
                 self.before_first_claim()
             except Exception:
                 logger.exception("initial heartbeat failed", extra={"action": "heartbeat_failed"})
+        woken = False
         while not stop.is_set():
+            if woken:
+                spacing = self.wake_spacing_seconds()
+                if spacing:
+                    self.wakes_spaced += 1
+                    if stop.wait(spacing):  # wakes meanwhile coalesce into this claim
+                        return
             self._wake.clear()
             result = self.run_once()
+            if woken:
+                self.note_wake_claim(result)
             if result.refused:
                 return
             if result.has_more and not stop.is_set() and self.sink.free_slots() > 0:
+                woken = False
                 continue  # drain mode: more is waiting and we can take it
             wait_ms = None if result.skipped_busy else self.current_wait_ms()
             # One Event serves wake and stop: stop() sets it too.
-            self._wake.wait(None if wait_ms is None else wait_ms / 1000)
+            woken = self._wake.wait(None if wait_ms is None else wait_ms / 1000)
 
     def stop(self) -> None:
         """Stop the loop (idempotent, safe before start)."""

@@ -22,6 +22,7 @@ from django_workpump.pump.supervisor import (
     Supervisor,
 )
 from django_workpump.registry import CATEGORIES, TopicSelectionError
+from django_workpump.tasks import load_task_code
 
 logger = logging.getLogger("django_workpump")
 
@@ -96,6 +97,8 @@ class Command(BaseCommand):
         topics = self._names("--topics", options["topics"])
         queues = self._names("--queues", options["queues"])
         self._check_database(alias)
+        # Task code is loaded now, once: a task row never makes a worker import a module.
+        load_task_code()
         try:
             supervisor = Supervisor(
                 PumpOptions(
