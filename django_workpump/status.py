@@ -15,6 +15,7 @@ from typing import Any
 
 from django_workpump import db
 from django_workpump.conf import get_settings
+from django_workpump.periodic import ScheduleRegistry, schedules
 from django_workpump.registry import CATEGORIES
 
 STATES = ("pending", "scheduled", "leased", "orphaned", "done", "dead")
@@ -124,6 +125,22 @@ class Tombstone:
 
 
 @dataclass(frozen=True)
+class PeriodicStatus:
+    """A periodic schedule: its rule, when it fires next, and the slot it handled last."""
+
+    name: str
+    schedule: str  # "cron 30 2 * * * (Europe/Berlin)" or "every 60s"
+    catch_up: str
+    paused: bool
+    registered: bool  # defined by the code this process runs; False: a leftover row
+    next_fire_at: datetime | None
+    last_slot: datetime | None
+    last_fired_at: datetime | None
+    last_message_id: uuid.UUID | None
+    registered_at: datetime
+
+
+@dataclass(frozen=True)
 class StatusReport:
     """Everything ``workpump_status`` shows."""
 
@@ -136,6 +153,7 @@ class StatusReport:
     dead_rows: list[DeadRow]
     instances: list[InstanceStatus]
     tombstones: list[Tombstone]
+    periodic: list[PeriodicStatus] = field(default_factory=list)
     dead_counts: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -215,8 +233,22 @@ def tombstones(
     return [Tombstone(**row) for row in rows]
 
 
+def periodic_schedules(
+    *, using: str | None = None, registry: ScheduleRegistry = schedules
+) -> list[PeriodicStatus]:
+    """Return every periodic schedule row, marking those the code no longer defines."""
+    result = []
+    for row in db.fetch_named(QUERIES, "periodic_schedules", using=using):
+        cron, every = row.pop("cron"), row.pop("every_seconds")
+        timezone = row.pop("timezone")
+        rule = f"cron {cron} ({timezone})" if cron is not None else f"every {every}s"
+        registered = registry.get(row["name"]) is not None
+        result.append(PeriodicStatus(**row, schedule=rule, registered=registered))
+    return result
+
+
 def collect(*, now: datetime | None = None, using: str | None = None) -> StatusReport:
-    """Gather the whole status report (five queries)."""
+    """Gather the whole status report (six queries)."""
     settings = get_settings()
     using = using or settings["DATABASE_ALIAS"]
     counts = state_counts(now=now, using=using)
@@ -231,6 +263,7 @@ def collect(*, now: datetime | None = None, using: str | None = None) -> StatusR
         dead_rows=dead_rows(using=using),
         instances=instances(now=now, using=using),
         tombstones=tombstones(now=now, using=using),
+        periodic=periodic_schedules(using=using),
     )
 
 
@@ -258,6 +291,7 @@ def as_json(report: StatusReport) -> dict[str, Any]:
         "dead_rows": [_plain(asdict(r)) for r in report.dead_rows],
         "instances": [_plain(asdict(i)) | {"total_held": i.total_held} for i in report.instances],
         "tombstones": [_plain(asdict(t)) for t in report.tombstones],
+        "periodic": [_plain(asdict(p)) for p in report.periodic],
     }
 
 

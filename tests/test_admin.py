@@ -65,7 +65,7 @@ OUTBOX_CHANGELIST_QUERIES = 6  # session, user, count, page, destination filter,
 OPERATOR_EXTRA_QUERIES = 3  # user perms, group perms, per-model workpump perms (non-superuser)
 INSTANCES_CHANGELIST_QUERIES = 6  # session, user, count, page, service filter, host filter
 STREAMS_CHANGELIST_QUERIES = 5  # session, user, count, page, category filter
-SUMMARY_QUERIES = 7  # session, user, and status.collect()'s five
+SUMMARY_QUERIES = 8  # session, user, and status.collect()'s six
 DETAIL_QUERIES = 5  # session, user, row, neighbours before, neighbours after
 
 

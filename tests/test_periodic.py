@@ -524,3 +524,97 @@ def test_the_migration_reverses_to_0008_and_applies_again():
     finally:
         call_command("migrate", "workpump", verbosity=0)
     assert present() == (True, 4)
+
+
+# --- the admin and workpump_status ------------------------------------------------------
+
+ADMIN_URL = "/admin/workpump/periodicschedule/"
+
+
+@pytest.fixture
+def two_schedules() -> Iterator[None]:
+    """reports.tick is registered (defined by the code), reports.gone is a leftover row."""
+    schedules.register(schedule(every=timedelta(minutes=1)))
+    upsert(next_fire_at=at(120))
+    fire(at(60), now=at(61))
+    upsert("reports.gone", every_seconds=None, cron="0 3 * * *", timezone="Europe/Berlin")
+    yield
+    schedules.unregister("reports.tick")
+
+
+@pytest.mark.django_db
+def test_the_admin_lists_schedules_with_next_fire_last_slot_and_registration(
+    admin_client, two_schedules
+):
+    html = admin_client.get(ADMIN_URL).content.decode()
+    assert "every 1m" in html and "cron 0 3 * * * (Europe/Berlin)" in html
+    assert "not registered" in html
+    assert "2026-01-01 12:01:00" in html  # the last slot
+    assert "2026-01-01 12:02:00" in html  # the next fire time
+    detail = admin_client.get(f"{ADMIN_URL}reports.tick/change/").content.decode()
+    assert "daily" in detail and "not registered" not in detail
+
+
+@pytest.mark.django_db
+def test_the_admin_pause_switch_goes_through_pause_periodic(admin_client, two_schedules):
+    # the list's checkbox (list_editable), as the changelist form posts it
+    form = {
+        "form-TOTAL_FORMS": "2",
+        "form-INITIAL_FORMS": "2",
+        "form-0-name": "reports.gone",
+        "form-1-name": "reports.tick",
+        "form-1-paused": "on",
+        "_save": "Save",
+    }
+    response = admin_client.post(ADMIN_URL, form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    paused = dict(models.PeriodicSchedule.objects.values_list("name", "paused"))
+    assert paused == {"reports.gone": False, "reports.tick": True}
+    assert models.PeriodicSchedule.objects.get(name="reports.tick").last_slot == at(60)
+    # the actions
+    admin_client.post(
+        ADMIN_URL,
+        {"action": "pause", "_selected_action": ["reports.gone", "reports.tick"]},
+    )
+    assert set(models.PeriodicSchedule.objects.values_list("paused", flat=True)) == {True}
+    response = admin_client.post(
+        ADMIN_URL, {"action": "resume", "_selected_action": ["reports.tick"]}, follow=True
+    )
+    assert "Resumed 1 schedule(s): reports.tick." in response.content.decode()
+    assert not models.PeriodicSchedule.objects.get(name="reports.tick").paused
+
+
+@pytest.mark.django_db
+def test_only_a_schedule_the_code_no_longer_defines_can_be_deleted(admin_client, two_schedules):
+    assert admin_client.get(f"{ADMIN_URL}reports.tick/delete/").status_code == 403
+    assert admin_client.get(f"{ADMIN_URL}reports.gone/delete/").status_code == 200
+
+
+@pytest.mark.django_db
+def test_workpump_status_shows_the_schedules(two_schedules):
+    import io
+    import json
+
+    out = io.StringIO()
+    call_command("workpump_status", "--json", stdout=out)
+    periodic = {p["name"]: p for p in json.loads(out.getvalue())["periodic"]}
+    assert periodic["reports.tick"] | {"registered_at": None} == {
+        "name": "reports.tick",
+        "schedule": "every 60s",
+        "catch_up": "latest",
+        "paused": False,
+        "registered": True,
+        "next_fire_at": at(120).isoformat(),
+        "last_slot": at(60).isoformat(),
+        "last_fired_at": at(61).isoformat(),
+        "last_message_id": str(rows()[0].message_id),
+        "registered_at": None,
+    }
+    assert periodic["reports.gone"]["registered"] is False
+    assert periodic["reports.gone"]["schedule"] == "cron 0 3 * * * (Europe/Berlin)"
+    out = io.StringIO()
+    call_command("workpump_status", stdout=out)
+    text = out.getvalue()
+    assert "periodic schedules: 2" in text
+    assert "reports.gone  cron 0 3 * * * (Europe/Berlin)" in text
+    assert "no (not registered)" in text

@@ -184,3 +184,11 @@ SELECT e.instance_id, e.evicted_at, e.reason,
 FROM workpump_eviction e
 ORDER BY e.evicted_at DESC, e.instance_id
 LIMIT %(limit)s
+
+-- name: periodic_schedules
+-- Every periodic schedule, also those no longer in the code, with when it fires next
+-- and the slot it handled last.
+SELECT s.name, s.cron, s.every_seconds, s.timezone, s.catch_up, s.paused, s.last_slot,
+       s.next_fire_at, s.last_fired_at, s.last_message_id, s.registered_at
+FROM workpump_periodic_schedule s
+ORDER BY s.name
