@@ -618,3 +618,15 @@ def test_workpump_status_shows_the_schedules(two_schedules):
     assert "periodic schedules: 2" in text
     assert "reports.gone  cron 0 3 * * * (Europe/Berlin)" in text
     assert "no (not registered)" in text
+
+
+def test_periodic_enabled_must_be_a_boolean():
+    from django.test import override_settings
+
+    from django_workpump.checks import validate_settings
+
+    with override_settings(WORKPUMP={"PERIODIC_ENABLED": "no"}):
+        (message,) = validate_settings()
+    assert message.id == "workpump.E003"
+    assert message.msg == "WORKPUMP['PERIODIC_ENABLED'] ('no') must be True or False."
+    assert message.hint == "Set it to a boolean; the default is True."
