@@ -1,21 +1,32 @@
 """django-workpump: PostgreSQL as a reliable work pump for Django.
 
 Produce work inside your transaction with ``send``, ``receive`` and ``emit``; handle it
-with the decorators; run it with ``manage.py runworkpump``.
+with the decorators, ``periodic`` schedules it; run it with ``manage.py runworkpump``;
+``retry_now``, ``requeue_dead``, ``dead_letter``, ``release`` and ``evict`` are the
+operator's actions.
 """
 
+from django_workpump.actions import dead_letter, evict, release, requeue_dead, retry_now
+from django_workpump.periodic import InvalidSchedule, periodic
 from django_workpump.producer import InvalidWork, emit, receive, send
 from django_workpump.pump.dispatch import Work
 from django_workpump.registry import inbox_handler, outbox_handler, perspective, receptor
 
 __all__ = [
+    "InvalidSchedule",
     "InvalidWork",
     "Work",
+    "dead_letter",
     "emit",
+    "evict",
     "inbox_handler",
     "outbox_handler",
+    "periodic",
     "perspective",
     "receive",
     "receptor",
+    "release",
+    "requeue_dead",
+    "retry_now",
     "send",
 ]

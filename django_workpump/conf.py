@@ -57,6 +57,8 @@ DEFAULTS: dict[str, Any] = {
     "STATUS_INTERVAL_SECONDS": 60,
     # Producer limits.
     "MAX_PAYLOAD_BYTES": 1_048_576,  # a larger JSON payload is refused at send/receive/emit
+    # Periodic work (docs/periodic.md).
+    "PERIODIC_ENABLED": True,  # False: this instance fires no periodic slots
 }
 
 _cache: dict[str, Any] | None = None

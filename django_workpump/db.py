@@ -444,3 +444,150 @@ def evict_instance(
 ) -> int:
     """Evict one instance now (operator action); return the number of rows released."""
     return int(_scalar("evict_instance", locals(), using))
+
+
+# -- periodic schedules (sql/v8/periodic.sql) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class PeriodicState:
+    """What the periodic worker reads of one schedule before firing its slots."""
+
+    name: str
+    paused: bool
+    last_slot: datetime | None
+    created_at: datetime
+
+
+def periodic_states(
+    *, now: datetime | None = None, using: str | None = None
+) -> tuple[datetime, dict[str, PeriodicState]]:
+    """The database clock (``now`` if given) and every schedule's state, by name."""
+    rows = _fetch("periodic_states", {"now": now}, using)
+    states = {row[1]: PeriodicState(*row[1:]) for row in rows if row[1] is not None}
+    return rows[0][0], states
+
+
+def upsert_periodic(
+    *,
+    name: str,
+    cron: str | None,
+    every_seconds: int | None,
+    timezone: str,
+    catch_up: str,
+    payload_json: str,
+    priority: int,
+    max_attempts: int,
+    next_fire_at: datetime | None,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> bool:
+    """Register a schedule's definition; True when its row was created."""
+    return bool(_scalar("upsert_periodic", locals() | {"payload": payload_json}, using))
+
+
+def fire_periodic(
+    *,
+    name: str,
+    slot: datetime,
+    next_fire_at: datetime | None,
+    partition_count: int,
+    max_payload_bytes: int,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> uuid.UUID | None:
+    """Fire one slot; the outbox message id, or None when another caller had fired it."""
+    result: uuid.UUID | None = _scalar("fire_periodic", locals(), using)
+    return result
+
+
+def skip_periodic(
+    *,
+    name: str,
+    slot: datetime,
+    next_fire_at: datetime | None,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> bool:
+    """Mark one slot handled without firing it; True when last_slot moved."""
+    return bool(_scalar("skip_periodic", locals(), using))
+
+
+def pause_periodic(
+    *,
+    names: Sequence[str],
+    paused: bool,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[str]:
+    """Pause or resume schedules; return the names whose flag changed."""
+    params = locals() | {"names": list(names)}
+    return [row[0] for row in _fetch("pause_periodic", params, using)]
+
+
+# -- operator actions (django_workpump.actions) --------------------------------------
+
+
+@dataclass(frozen=True)
+class SelectedWork:
+    """A work row as an operator selects it."""
+
+    category: str
+    work_id: uuid.UUID
+    topic: str
+    state: str
+    created_at: datetime
+
+
+def select_work(
+    *,
+    ids: Sequence[uuid.UUID] | None = None,
+    category: str | None = None,
+    topic: str | None = None,
+    state: str | None = None,
+    older_than_seconds: float | None = None,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[SelectedWork]:
+    """Work rows by id and/or filters (None matches everything), oldest first."""
+    params = locals() | {"ids": None if ids is None else list(ids)}
+    return [SelectedWork(*row) for row in _fetch("select_work", params, using)]
+
+
+def retry_now(
+    *,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[uuid.UUID]:
+    """Make scheduled rows claimable now; return the ids that changed."""
+    params = locals() | {"ids": list(ids)}
+    return [row[0] for row in _fetch("retry_now", params, using)]
+
+
+def requeue_dead(
+    *,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[uuid.UUID]:
+    """Give dead rows a fresh set of attempts; return the ids that changed."""
+    params = locals() | {"ids": list(ids)}
+    return [row[0] for row in _fetch("requeue_dead", params, using)]
+
+
+def release_leases(
+    *,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    force: bool,
+    stale_after_seconds: int,
+    definitively_dead_after_seconds: int,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[uuid.UUID]:
+    """Release leases (of live holders only if ``force``); return the released ids."""
+    params = locals() | {"ids": list(ids)}
+    return [row[0] for row in _fetch("release_leases", params, using)]

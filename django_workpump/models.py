@@ -332,3 +332,54 @@ class TaskAttempt(models.Model):
 
     def __str__(self) -> str:
         return f"task {self.message_id} attempt {self.attempt}"
+
+
+CATCH_UP_CHOICES = [
+    ("latest", "latest: fire the most recent missed slot once"),
+    ("none", "none: skip missed slots"),
+    ("all", "all: fire every missed slot"),
+]
+
+
+class PeriodicSchedule(models.Model):
+    """A periodic schedule as last registered by a pump, and the slot it fired last.
+
+    Rows are written by the SQL functions of ``sql/v8/periodic.sql`` (registered at pump
+    start, advanced by ``fire_periodic``); a schedule removed from the code keeps its row.
+    """
+
+    name = models.TextField(primary_key=True)  # the outbox destination of its rows
+    cron = models.TextField(null=True, blank=True)  # 5-field expression, or NULL
+    every_seconds = models.IntegerField(null=True, blank=True)  # interval, or NULL
+    timezone = models.TextField(db_default="UTC")  # the zone cron is evaluated in
+    catch_up = models.TextField(choices=CATCH_UP_CHOICES, db_default="latest")
+    payload = models.JSONField(db_default={})
+    priority = models.SmallIntegerField(db_default=0)
+    max_attempts = models.IntegerField(db_default=10)
+    paused = models.BooleanField(db_default=False)  # a paused schedule fires nothing
+    last_slot = models.DateTimeField(null=True, blank=True)  # fired or skipped last
+    next_fire_at = models.DateTimeField(null=True, blank=True)  # for display
+    last_fired_at = models.DateTimeField(null=True, blank=True)  # when a row was last made
+    last_message_id = models.UUIDField(null=True, blank=True)  # the outbox row it made
+    created_at = models.DateTimeField(db_default=Now())  # slots count from here
+    registered_at = models.DateTimeField(db_default=Now())  # last registered by a pump
+    updated_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "workpump_periodic_schedule"
+        verbose_name = "periodic schedule"
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(cron__isnull=False, every_seconds__isnull=True)
+                | Q(cron__isnull=True, every_seconds__gte=1),
+                name="workpump_periodic_one_rule",
+            ),
+            models.CheckConstraint(
+                condition=Q(catch_up__in=["latest", "none", "all"]),
+                name="workpump_periodic_catch_up",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name

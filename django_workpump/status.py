@@ -16,6 +16,7 @@ from typing import Any
 
 from django_workpump import db
 from django_workpump.conf import get_settings
+from django_workpump.periodic import ScheduleRegistry, schedules
 from django_workpump.registry import CATEGORIES
 
 STATES = ("pending", "scheduled", "leased", "orphaned", "done", "dead")
@@ -137,6 +138,22 @@ class Tombstone:
 
 
 @dataclass(frozen=True)
+class PeriodicStatus:
+    """A periodic schedule: its rule, when it fires next, and the slot it handled last."""
+
+    name: str
+    schedule: str  # "cron 30 2 * * * (Europe/Berlin)" or "every 60s"
+    catch_up: str
+    paused: bool
+    registered: bool  # defined by the code this process runs; False: a leftover row
+    next_fire_at: datetime | None
+    last_slot: datetime | None
+    last_fired_at: datetime | None
+    last_message_id: uuid.UUID | None
+    registered_at: datetime
+
+
+@dataclass(frozen=True)
 class StatusReport:
     """Everything ``workpump_status`` shows."""
 
@@ -150,6 +167,7 @@ class StatusReport:
     instances: list[InstanceStatus]
     tombstones: list[Tombstone]
     unhandled: list[UnhandledTopic] = field(default_factory=list)  # no live handler
+    periodic: list[PeriodicStatus] = field(default_factory=list)
     dead_counts: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -246,8 +264,22 @@ def tombstones(
     return [Tombstone(**row) for row in rows]
 
 
+def periodic_schedules(
+    *, using: str | None = None, registry: ScheduleRegistry = schedules
+) -> list[PeriodicStatus]:
+    """Return every periodic schedule row, marking those the code no longer defines."""
+    result = []
+    for row in db.fetch_named(QUERIES, "periodic_schedules", using=using):
+        cron, every = row.pop("cron"), row.pop("every_seconds")
+        timezone = row.pop("timezone")
+        rule = f"cron {cron} ({timezone})" if cron is not None else f"every {every}s"
+        registered = registry.get(row["name"]) is not None
+        result.append(PeriodicStatus(**row, schedule=rule, registered=registered))
+    return result
+
+
 def collect(*, now: datetime | None = None, using: str | None = None) -> StatusReport:
-    """Gather the whole status report (six queries)."""
+    """Gather the whole status report (seven queries)."""
     settings = get_settings()
     using = using or settings["DATABASE_ALIAS"]
     counts = state_counts(now=now, using=using)
@@ -263,6 +295,7 @@ def collect(*, now: datetime | None = None, using: str | None = None) -> StatusR
         instances=instances(now=now, using=using),
         tombstones=tombstones(now=now, using=using),
         unhandled=unhandled_topics(now=now, using=using),
+        periodic=periodic_schedules(using=using),
     )
 
 
@@ -291,6 +324,7 @@ def as_json(report: StatusReport) -> dict[str, Any]:
         "instances": [_plain(asdict(i)) | {"total_held": i.total_held} for i in report.instances],
         "tombstones": [_plain(asdict(t)) for t in report.tombstones],
         "no_live_handler": [_plain(asdict(u)) for u in report.unhandled],
+        "periodic": [_plain(asdict(p)) for p in report.periodic],
     }
 
 

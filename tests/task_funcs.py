@@ -115,3 +115,10 @@ def _unbound() -> None:
 
 # A task whose module path ("..._unbound") names the plain function, not the task.
 unbound_task = task(_unbound)
+
+
+@task
+def on_slot(slot: str, label: str = "") -> str:
+    """Run by a periodic schedule (tests/test_periodic_tasks.py): each slot once."""
+    calls.append((label, slot))
+    return slot

@@ -72,7 +72,7 @@ OUTBOX_CHANGELIST_QUERIES = 6  # session, user, count, page, destination filter,
 OPERATOR_EXTRA_QUERIES = 3  # user perms, group perms, per-model workpump perms (non-superuser)
 INSTANCES_CHANGELIST_QUERIES = 6  # session, user, count, page, service filter, host filter
 STREAMS_CHANGELIST_QUERIES = 5  # session, user, count, page, category filter
-SUMMARY_QUERIES = 8  # session, user, and status.collect()'s six
+SUMMARY_QUERIES = 9  # session, user, and status.collect()'s seven
 DETAIL_QUERIES = 5  # session, user, row, neighbours before, neighbours after
 
 

@@ -54,6 +54,10 @@ TIME_DEPENDENT = {
     "retry_now",
     "dead_letter",
     "requeue_dead",
+    "upsert_periodic",
+    "fire_periodic",
+    "skip_periodic",
+    "pause_periodic",
 }
 
 # DESIGN §3: the parameters an operator must pass; every other one has a default.
@@ -66,6 +70,10 @@ REQUIRED_PARAMETERS = {
     "fail_work": ["p_instance_id", "p_category", "p_ids", "p_lease_tokens", "p_errors"],
     "release_work": ["p_instance_id", "p_category", "p_ids", "p_lease_tokens"],
     "deregister_instance": ["p_instance_id"],
+    "upsert_periodic": ["p_name"],
+    "fire_periodic": ["p_name", "p_slot"],
+    "skip_periodic": ["p_name", "p_slot"],
+    "pause_periodic": ["p_names"],
 }
 
 

@@ -368,9 +368,9 @@ def populate(count: int) -> None:
 
 
 @pytest.mark.parametrize("count", [5, 50])
-def test_the_report_runs_six_queries_whatever_the_row_count(count, django_assert_num_queries):
+def test_the_report_runs_seven_queries_whatever_the_row_count(count, django_assert_num_queries):
     populate(count)
-    with django_assert_num_queries(6):
+    with django_assert_num_queries(7):
         report = status.collect(now=NOW)
     assert len(report.instances) == count
     assert report.blocked_streams_total == count
@@ -389,7 +389,7 @@ def test_an_empty_system_reports_zeros_and_empty_lists():
     assert report.dead_counts == dict.fromkeys(CATEGORIES, 0)
     assert report.blocked_streams == []
     assert report.blocked_streams_total == 0
-    assert report.dead_rows == report.instances == report.tombstones == []
+    assert report.dead_rows == report.instances == report.tombstones == report.periodic == []
 
     data = json.loads(run_command("--json"))
     assert data["categories"]["receptor"] == {
@@ -398,9 +398,10 @@ def test_an_empty_system_reports_zeros_and_empty_lists():
         "oldest_pending_age_seconds": None,
     }
     assert data["blocked_streams"] == {"total": 0, "streams": []}
-    assert data["dead_rows"] == data["instances"] == data["tombstones"] == []
+    assert data["dead_rows"] == data["instances"] == data["tombstones"] == data["periodic"] == []
     text = run_command()
-    for section in ("blocked streams: 0", "dead rows: 0", "instances: 0", "tombstones: 0"):
+    sections = ("blocked streams: 0", "dead rows: 0", "instances: 0", "tombstones: 0")
+    for section in (*sections, "periodic schedules: 0"):
         assert section in text
 
 

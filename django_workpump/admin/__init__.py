@@ -16,6 +16,7 @@ from django_workpump.admin.instances import (
     ServiceInstanceAdmin,
     can_view_summary,
 )
+from django_workpump.admin.periodic import PeriodicScheduleAdmin
 from django_workpump.admin.work import (
     InboxAdmin,
     OutboxAdmin,
@@ -28,6 +29,7 @@ from django_workpump.models import (
     Eviction,
     Inbox,
     Outbox,
+    PeriodicSchedule,
     PerspectiveEvent,
     ReceptorProcessing,
     ServiceInstance,
@@ -40,12 +42,14 @@ admin.site.register(ReceptorProcessing, ReceptorProcessingAdmin)
 admin.site.register(ServiceInstance, ServiceInstanceAdmin)
 admin.site.register(Eviction, EvictionAdmin)
 admin.site.register(ActiveStream, ActiveStreamAdmin)
+admin.site.register(PeriodicSchedule, PeriodicScheduleAdmin)
 
 __all__ = [
     "ActiveStreamAdmin",
     "EvictionAdmin",
     "InboxAdmin",
     "OutboxAdmin",
+    "PeriodicScheduleAdmin",
     "PerspectiveEventAdmin",
     "ReceptorProcessingAdmin",
     "ServiceInstanceAdmin",

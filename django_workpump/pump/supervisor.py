@@ -1,7 +1,7 @@
 """Supervisor: starts the pump's services and stops them all, in order (DESIGN §8).
 
 Start: schema gate -> first heartbeat (registers the instance) -> NOTIFY gate (takes the
-alive-lock) -> dispatcher, renewals, heartbeat, maintenance -> claiming.
+alive-lock) -> dispatcher, renewals, heartbeat, maintenance, periodic -> claiming.
 Stop: stop claiming -> wait for in-flight handlers (bounded) -> flush outcomes and
 renewals -> deregister (own timeout) -> stop the rest. If any service dies, or the
 instance is evicted (its heartbeat, claim or renewal is refused), everything stops and
@@ -25,6 +25,7 @@ from django_workpump.conf import (
     lock_loss_grace_seconds,
     tombstone_retention_seconds,
 )
+from django_workpump.periodic import ScheduleRegistry, schedules
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.coordinator import (
     DatabaseCoordinator,
@@ -38,6 +39,7 @@ from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.maintenance import MaintenanceWorker
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.notify import NotifyGate
+from django_workpump.pump.periodic import PeriodicWorker
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from django_workpump.registry import CATEGORIES, Registry, claim_topics, registry
 
@@ -84,6 +86,7 @@ class Supervisor:
         handlers: Registry = registry,
         identity: InstanceIdentity | None = None,
         clock: Clock | None = None,
+        periodic_schedules: ScheduleRegistry = schedules,
     ) -> None:
         self.options = options or PumpOptions()
         self.settings = dict(get_settings())
@@ -166,6 +169,17 @@ class Supervisor:
             inbox_dedup_retention_seconds=s["INBOX_DEDUP_RETENTION_SECONDS"],
             tombstone_retention_seconds=tombstone_retention_seconds(s),
         )
+        # Started only where there is something to fire (and it is not switched off).
+        self.periodic: PeriodicWorker | None = None
+        if s["PERIODIC_ENABLED"] and periodic_schedules.all():
+            self.periodic = PeriodicWorker(
+                alias=self.alias,
+                partition_count=s["PARTITION_COUNT"],
+                max_payload_bytes=s["MAX_PAYLOAD_BYTES"],
+                default_max_attempts=s["MAX_ATTEMPTS"],
+                registry=periodic_schedules,
+                clock=self.clock,
+            )
         self.exit_code: int | None = None
         self.stop_reason: str | None = None
         self._stopping = threading.Event()
@@ -233,6 +247,8 @@ class Supervisor:
             first = self.heartbeat.beat()  # registers the instance before the first claim
             if first.accepted is False:
                 raise RuntimeError(f"instance {self.identity.instance_id} is tombstoned")
+        if self.periodic is not None:
+            self.periodic.register()  # schedules as the code defines them, before any fires
         self._started = True
         if self.gate is not None:
             self._spawn("notify", self.gate.run)
@@ -241,6 +257,8 @@ class Supervisor:
         self._spawn("renewal", self.renewal.run)
         self._spawn("heartbeat", self.heartbeat.run)
         self._spawn("maintenance", self.maintenance.run)
+        if self.periodic is not None:
+            self._spawn("periodic", self.periodic.run)
         self._spawn("claim", self.claim.run)
         if self.options.drain:
             self._spawn("drain", self._drain_watch)
@@ -318,6 +336,8 @@ class Supervisor:
         if self.exit_code != EXIT_EVICTED:
             self._deregister(timeout=5)
         self.maintenance.stop()
+        if self.periodic is not None:
+            self.periodic.stop()
         self.heartbeat.stop()
         if self.gate is not None:
             self.gate.stop()

@@ -232,3 +232,109 @@ LIMIT %(limit)s
 
 -- name: evict_instance
 SELECT workpump.evict_instance(p_instance_id => %(instance_id)s, p_reason => %(reason)s)
+
+-- Periodic schedules (sql/v8/periodic.sql, docs/periodic.md).
+
+-- name: upsert_periodic
+SELECT workpump.upsert_periodic(
+    p_name => %(name)s,
+    p_cron => %(cron)s,
+    p_every_seconds => %(every_seconds)s,
+    p_timezone => %(timezone)s,
+    p_catch_up => %(catch_up)s,
+    p_payload => %(payload)s::jsonb,
+    p_priority => %(priority)s,
+    p_max_attempts => %(max_attempts)s,
+    p_next_fire_at => %(next_fire_at)s,
+    p_now => %(now)s)
+
+-- name: fire_periodic
+SELECT workpump.fire_periodic(
+    p_name => %(name)s,
+    p_slot => %(slot)s,
+    p_next_fire_at => %(next_fire_at)s,
+    p_partition_count => %(partition_count)s,
+    p_max_payload_bytes => %(max_payload_bytes)s,
+    p_now => %(now)s)
+
+-- name: skip_periodic
+SELECT workpump.skip_periodic(
+    p_name => %(name)s,
+    p_slot => %(slot)s,
+    p_next_fire_at => %(next_fire_at)s,
+    p_now => %(now)s)
+
+-- name: pause_periodic
+SELECT r.name
+FROM workpump.pause_periodic(
+    p_names => %(names)s::text[], p_paused => %(paused)s, p_now => %(now)s) AS r(name)
+
+-- name: periodic_states
+-- The database clock (one row even with no schedules) and each schedule's race state.
+SELECT c.now, s.name, s.paused, s.last_slot, s.created_at
+FROM (SELECT coalesce(%(now)s::timestamptz, now()) AS now) c
+LEFT JOIN workpump_periodic_schedule s ON true
+ORDER BY s.name
+
+-- Operator actions of django_workpump.actions and manage.py workpump_action: each runs
+-- the SQL function the admin uses, and returns the ids it changed.
+
+-- name: retry_now
+SELECT r.id
+FROM workpump.retry_now(
+    p_category => %(category)s, p_ids => %(ids)s::uuid[], p_now => %(now)s) AS r(id)
+
+-- name: requeue_dead
+SELECT r.id
+FROM workpump.requeue_dead(
+    p_category => %(category)s, p_ids => %(ids)s::uuid[], p_now => %(now)s) AS r(id)
+
+-- name: release_leases
+SELECT r.id
+FROM workpump.release_leases(
+    p_category => %(category)s,
+    p_ids => %(ids)s::uuid[],
+    p_force => %(force)s,
+    p_stale_after_seconds => %(stale_after_seconds)s,
+    p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
+    p_now => %(now)s) AS r(id)
+
+-- name: select_work
+-- Work rows by id and/or filters (each NULL filter matches everything), oldest first:
+-- category, id, topic, state (workpump.state_of) and created_at.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), work AS (
+    -- the four tables reduced to the columns an operator selects by
+    SELECT 'outbox' AS category, t.message_id AS id, t.destination AS topic, t.created_at,
+           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+                             t.claimed_at, t.scheduled_for, c.now) AS state
+    FROM workpump_outbox t CROSS JOIN clock c
+    WHERE %(ids)s::uuid[] IS NULL OR t.message_id = ANY (%(ids)s::uuid[])
+    UNION ALL
+    SELECT 'inbox', t.message_id, t.handler_name, t.created_at,
+           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+                             t.claimed_at, t.scheduled_for, c.now)
+    FROM workpump_inbox t CROSS JOIN clock c
+    WHERE %(ids)s::uuid[] IS NULL OR t.message_id = ANY (%(ids)s::uuid[])
+    UNION ALL
+    SELECT 'perspective_event', t.event_work_id, t.perspective_name, t.created_at,
+           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+                             t.claimed_at, t.scheduled_for, c.now)
+    FROM workpump_perspective_event t CROSS JOIN clock c
+    WHERE %(ids)s::uuid[] IS NULL OR t.event_work_id = ANY (%(ids)s::uuid[])
+    UNION ALL
+    SELECT 'receptor', t.id, t.receptor_name, t.created_at,
+           workpump.state_of(t.completed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+                             t.claimed_at, t.scheduled_for, c.now)
+    FROM workpump_receptor_processing t CROSS JOIN clock c
+    WHERE %(ids)s::uuid[] IS NULL OR t.id = ANY (%(ids)s::uuid[])
+)
+SELECT w.category, w.id, w.topic, w.state, w.created_at
+FROM work w CROSS JOIN clock c
+WHERE (%(category)s::text IS NULL OR w.category = %(category)s::text)
+  AND (%(topic)s::text IS NULL OR w.topic = %(topic)s::text)
+  AND (%(state)s::text IS NULL OR w.state = %(state)s::text)
+  AND (%(older_than_seconds)s::double precision IS NULL
+       OR w.created_at <= c.now - make_interval(secs => %(older_than_seconds)s::double precision))
+ORDER BY w.created_at, w.id

@@ -250,3 +250,11 @@ WHERE NOT EXISTS (SELECT 1 FROM handled h
                   WHERE h.category = w.category AND (h.topic IS NULL OR h.topic = w.topic))
 GROUP BY w.category, w.topic
 ORDER BY count(*) DESC, w.category, w.topic
+
+-- name: periodic_schedules
+-- Every periodic schedule, also those no longer in the code, with when it fires next
+-- and the slot it handled last.
+SELECT s.name, s.cron, s.every_seconds, s.timezone, s.catch_up, s.paused, s.last_slot,
+       s.next_fire_at, s.last_fired_at, s.last_message_id, s.registered_at
+FROM workpump_periodic_schedule s
+ORDER BY s.name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -17,7 +18,7 @@ ABBREVIATED_STATES = {"scheduled": "sched", "orphaned": "orphan"}
 class Command(BaseCommand):
     help = (
         "Show the work pump's state: rows per category and state, oldest pending age, "
-        "blocked streams, dead rows, instances and tombstones."
+        "blocked streams, dead rows, instances, tombstones and periodic schedules."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -164,6 +165,24 @@ def render_text(report: status.StatusReport) -> list[str]:
                 for t in report.tombstones
             ],
         )
+
+    lines += ["", f"periodic schedules: {len(report.periodic)}"]
+    if report.periodic:
+        lines += _table(
+            ["name", "schedule", "catch-up", "next fire", "last slot", "paused", "registered"],
+            [
+                [
+                    p.name,
+                    p.schedule,
+                    p.catch_up,
+                    _when(p.next_fire_at),
+                    _when(p.last_slot),
+                    _yes(p.paused),
+                    _yes(p.registered) if p.registered else "no (not registered)",
+                ]
+                for p in report.periodic
+            ],
+        )
     return lines
 
 
@@ -209,6 +228,10 @@ def _age(seconds: float | None) -> str:
     if minutes:
         return f"{minutes}m {secs}s"
     return f"{secs}s"
+
+
+def _when(value: datetime | None) -> str:
+    return value.isoformat() if value is not None else "-"
 
 
 def _short(text: str | None, width: int = 60) -> str:
