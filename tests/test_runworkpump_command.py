@@ -212,3 +212,44 @@ def test_a_failing_system_check_stops_it_before_anything_starts():
 
     with pytest.raises(SystemCheckError, match=r"workpump\.E008"):
         call_command("runworkpump", skip_checks=False)
+
+
+ROOT_HANDLER_LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": "INFO"},
+}
+
+
+@pytest.mark.parametrize(
+    ("logging_setting", "adds_handler"),
+    [
+        (None, True),  # nothing configured: the readable default
+        (ROOT_HANDLER_LOGGING, False),  # a root handler: ours would print every line twice
+        ({"version": 1, "loggers": {"django_workpump": {"handlers": []}}}, False),
+        ({"version": 1, "loggers": {"django_workpump.claim": {"level": "DEBUG"}}}, False),
+        ({"version": 1, "loggers": {"django": {"handlers": ["x"]}}}, True),
+    ],
+)
+def test_the_command_leaves_logging_to_a_project_that_configures_it(logging_setting, adds_handler):
+    from django_workpump.management.commands.runworkpump import Command
+
+    logger = logging.getLogger("django_workpump")
+    before = list(logger.handlers)
+    with override_settings(LOGGING=logging_setting):
+        added = Command()._configure_logging("text")
+    try:
+        assert (added is not None) == adds_handler
+        assert (logger.handlers != before) == adds_handler
+    finally:
+        if added is not None:
+            logger.removeHandler(added)
+
+
+def test_with_a_root_handler_each_line_prints_once(pump_process):
+    process = pump_process("--drain", settings_module="tests.settings_root_logging")
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    started = [line for line in output.splitlines() if "started" in line and "instance" in line]
+    assert len(started) == 1, output

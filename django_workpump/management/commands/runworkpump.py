@@ -10,6 +10,7 @@ import sys
 import threading
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError, connections
 
@@ -25,6 +26,18 @@ from django_workpump.registry import CATEGORIES, TopicSelectionError
 from django_workpump.tasks import load_task_code
 
 logger = logging.getLogger("django_workpump")
+
+
+def project_configures_logging() -> bool:
+    """Whether settings.LOGGING gives the root logger or a django_workpump logger handlers."""
+    config = getattr(settings, "LOGGING", None)
+    if not isinstance(config, dict):
+        return False
+    loggers = config.get("loggers") or {}
+    if any(name == "django_workpump" or name.startswith("django_workpump.") for name in loggers):
+        return True
+    root = config.get("root") or loggers.get("") or {}
+    return bool(isinstance(root, dict) and root.get("handlers"))
 
 
 class JsonFormatter(logging.Formatter):
@@ -175,9 +188,10 @@ class Command(BaseCommand):
             ) from None
 
     def _configure_logging(self, log_format: str) -> logging.Handler | None:
-        """Log to stderr unless the project configured the logger; return what was added."""
-        if logger.handlers:
-            return None  # the project configured it
+        """Log to stderr unless the project configured logging for the package or the root
+        logger (a handler of ours would print every line twice); return what was added."""
+        if logger.handlers or project_configures_logging():
+            return None
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(
             JsonFormatter()
