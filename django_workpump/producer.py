@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.core.exceptions import ImproperlyConfigured
+from django.db import ProgrammingError, transaction
 
 from django_workpump import db
 from django_workpump.conf import setting
@@ -106,6 +108,25 @@ def _check_payload_values(what: str, payload: Mapping[str, Any]) -> None:
                     f"The payload of {what} has {problem} in a key of {_location(path)}. {fix}"
                 )
             stack.append((child, depth + 1, (*path, key)))
+
+
+# SQLSTATEs of a database the workpump migrations have not reached: no schema workpump,
+# or not its current functions.
+_SCHEMA_MISSING = {"3F000", "42883"}
+
+
+@contextmanager
+def _schema_required(alias: str) -> Iterator[None]:
+    """Turn "schema workpump does not exist" into a sentence that says what to run."""
+    try:
+        yield
+    except ProgrammingError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) not in _SCHEMA_MISSING:
+            raise
+        raise ImproperlyConfigured(
+            f"The database {alias!r} lacks the workpump schema (or its current version): run "
+            "`python manage.py migrate` before producing work."
+        ) from exc
 
 
 def _payload_json(what: str, payload: Any) -> str:
@@ -215,19 +236,20 @@ def send(
     destination = _name("outbox destination", destination)
     what = f"outbox message to {destination!r}"
     alias = using or setting("DATABASE_ALIAS")
-    result = db.send(
-        destination=destination,
-        payload_json=_payload_json(what, payload),
-        stream=_stream_key(what, stream),
-        priority=_priority(what, priority),
-        scheduled_for=_when(what, run_after),
-        max_attempts=_max_attempts("outbox", destination, max_attempts),
-        message_id=message_id,
-        partition_count=setting("PARTITION_COUNT"),
-        max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
-        max_payload_depth=MAX_DEPTH,
-        using=alias,
-    )
+    with _schema_required(alias):
+        result = db.send(
+            destination=destination,
+            payload_json=_payload_json(what, payload),
+            stream=_stream_key(what, stream),
+            priority=_priority(what, priority),
+            scheduled_for=_when(what, run_after),
+            max_attempts=_max_attempts("outbox", destination, max_attempts),
+            message_id=message_id,
+            partition_count=setting("PARTITION_COUNT"),
+            max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
+            max_payload_depth=MAX_DEPTH,
+            using=alias,
+        )
     _announce("outbox", alias)
     return result
 
@@ -259,20 +281,21 @@ def receive(
             f"The message id of {what} must be a UUID (or its string), not {message_id!r}."
         ) from exc
     alias = using or setting("DATABASE_ALIAS")
-    stored = db.receive(
-        message_id=message_uuid,
-        handler_name=handler_name,
-        payload_json=_payload_json(what, payload),
-        stream=_stream_key(what, stream),
-        priority=_priority(what, priority),
-        scheduled_for=_when(what, run_after),
-        max_attempts=_max_attempts("inbox", handler_name, max_attempts),
-        partition_count=setting("PARTITION_COUNT"),
-        max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
-        max_payload_depth=MAX_DEPTH,
-        deduplicate=deduplicate,
-        using=alias,
-    )
+    with _schema_required(alias):
+        stored = db.receive(
+            message_id=message_uuid,
+            handler_name=handler_name,
+            payload_json=_payload_json(what, payload),
+            stream=_stream_key(what, stream),
+            priority=_priority(what, priority),
+            scheduled_for=_when(what, run_after),
+            max_attempts=_max_attempts("inbox", handler_name, max_attempts),
+            partition_count=setting("PARTITION_COUNT"),
+            max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
+            max_payload_depth=MAX_DEPTH,
+            deduplicate=deduplicate,
+            using=alias,
+        )
     if stored:
         _announce("inbox", alias)
     return stored
@@ -299,18 +322,19 @@ def emit(
         for handler in registry.subscribers(event_type)
     ]
     alias = using or setting("DATABASE_ALIAS")
-    result = db.emit(
-        event_type=event_type,
-        payload_json=_payload_json(what, payload),
-        stream=_stream_key(what, stream),
-        subscribers_json=json.dumps(subscribers),
-        event_id=event_id,
-        priority=_priority(what, priority),
-        partition_count=setting("PARTITION_COUNT"),
-        max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
-        max_payload_depth=MAX_DEPTH,
-        using=alias,
-    )
+    with _schema_required(alias):
+        result = db.emit(
+            event_type=event_type,
+            payload_json=_payload_json(what, payload),
+            stream=_stream_key(what, stream),
+            subscribers_json=json.dumps(subscribers),
+            event_id=event_id,
+            priority=_priority(what, priority),
+            partition_count=setting("PARTITION_COUNT"),
+            max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
+            max_payload_depth=MAX_DEPTH,
+            using=alias,
+        )
     for category in sorted({handler.category for handler in registry.subscribers(event_type)}):
         _announce(category, alias)
     return result

@@ -200,3 +200,28 @@ def test_produced_work_wakes_in_process_listeners_only_after_commit(
     finally:
         remove_produced_listener(woken.append)
     assert woken == ["outbox", "inbox"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "unmigrate",
+    [
+        "DROP SCHEMA workpump CASCADE",  # never migrated
+        "DROP FUNCTION workpump.receive(uuid, text, jsonb, text, integer, timestamptz, integer,"
+        " integer, bigint, integer, boolean)",  # migrated, but not to the current version
+    ],
+    ids=["no-schema", "old-schema"],
+)
+def test_producing_before_migrate_says_what_to_run(unmigrate):
+    from django.core.exceptions import ImproperlyConfigured
+
+    from tests.conftest import run_sql
+
+    # the savepoint rolls back: the schema comes back
+    with (
+        pytest.raises(ImproperlyConfigured, match=r"run `python manage.py migrate`"),
+        transaction.atomic(),
+    ):
+        run_sql(unmigrate)
+        workpump.receive(uuid.uuid4(), "p.inbox", {"n": 1})
+    assert workpump.receive(uuid.uuid4(), "p.inbox", {"n": 1}) is True

@@ -185,7 +185,8 @@ def test_missing_migrations_stop_it_with_the_migrate_hint():
         call_command("runworkpump")
 
 
-def test_an_unreachable_database_stops_it_with_one_sentence(django_db_blocker):
+@pytest.mark.parametrize("command", ["runworkpump", "workpump_status"])
+def test_an_unreachable_database_stops_it_with_one_sentence(django_db_blocker, command):
     from django.db import connections
 
     connection = connections["default"]
@@ -195,14 +196,14 @@ def test_an_unreachable_database_stops_it_with_one_sentence(django_db_blocker):
         connection.settings_dict.update(HOST="127.0.0.1", PORT="1")
         try:
             with pytest.raises(CommandError) as raised:
-                call_command("runworkpump")
+                call_command(command)
         finally:
             connection.close()
             connection.settings_dict.clear()
             connection.settings_dict.update(original)
     message = str(raised.value)
     assert message.startswith("Cannot reach the database 'default' (")
-    assert message.endswith("Check DATABASES (or DATABASE_URL) and that PostgreSQL is running.")
+    assert message.endswith("Check settings.DATABASES['default'] and that PostgreSQL is running.")
     assert "\n" not in message
 
 

@@ -12,9 +12,10 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import OperationalError, connections
+from django.db import connections
 
 from django_workpump.conf import get_settings
+from django_workpump.management.database import ensure_reachable
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.supervisor import (
     EXIT_OK,
@@ -109,7 +110,7 @@ class Command(BaseCommand):
         alias = settings["DATABASE_ALIAS"]
         topics = self._names("--topics", options["topics"])
         queues = self._names("--queues", options["queues"])
-        self._check_database(alias)
+        ensure_reachable(alias)
         # Task code is loaded now, once: a task row never makes a worker import a module.
         load_task_code()
         try:
@@ -174,18 +175,6 @@ class Command(BaseCommand):
         if not names:
             raise CommandError(f"{flag} names nothing; give comma-separated names or leave it out.")
         return names
-
-    def _check_database(self, alias: str) -> None:
-        connection = connections[alias]
-        try:
-            connection.ensure_connection()
-        except OperationalError as exc:
-            where = connection.settings_dict.get("NAME") or alias
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CommandError(
-                f"Cannot reach the database {alias!r} ({where}): {reason}. "
-                "Check DATABASES (or DATABASE_URL) and that PostgreSQL is running."
-            ) from None
 
     def _configure_logging(self, log_format: str) -> logging.Handler | None:
         """Log to stderr unless the project configured logging for the package or the root

@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_workpump import status
 from django_workpump.conf import get_settings
+from django_workpump.management.database import ensure_reachable
 from django_workpump.pump.supervisor import MISSING_MIGRATIONS
 
 ABBREVIATED_STATES = {"scheduled": "sched", "orphaned": "orphan"}
@@ -28,6 +29,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         using = get_settings()["DATABASE_ALIAS"]
+        ensure_reachable(using)
         if not status.schema_ready(using=using):
             raise CommandError(MISSING_MIGRATIONS)
         report = status.collect(using=using)
