@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -111,3 +112,27 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(
         exc, OperationalError | InterfaceError | psycopg.OperationalError | psycopg.InterfaceError
     )
+
+
+_TRACEBACK_HEAD = "Traceback (most recent call last):"
+
+
+def error_text(exc: BaseException, limit: int = 8000) -> str:
+    """The stored text of a failed attempt: the exception line first (what every summary
+    shows: status, admin lists, logs), then the end of the traceback, storable."""
+    headline = "".join(traceback.format_exception_only(exc)).strip().splitlines()
+    trace = "".join(traceback.format_exception(exc))[-limit:]
+    return storable_text(f"{headline[0] if headline else type(exc).__name__}\n\n{trace}")
+
+
+def error_headline(text: str | None) -> str:
+    """The line that says what went wrong: the first line, or for a bare traceback (rows
+    stored before the exception line came first) the exception line after its frames."""
+    lines = (text or "").strip().splitlines()
+    if not lines:
+        return ""
+    if lines[0] != _TRACEBACK_HEAD:
+        return lines[0]
+    frames = [i for i, line in enumerate(lines) if line.startswith(" ")]
+    after = frames[-1] + 1 if frames else 1
+    return lines[after] if after < len(lines) else lines[-1]

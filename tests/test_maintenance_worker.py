@@ -65,7 +65,8 @@ def test_a_pass_reaps_purges_in_batches_and_keeps_undone_rows(caplog):
 @pytest.mark.django_db
 def test_rows_using_up_their_attempts_are_logged(caplog):
     caplog.set_level(logging.WARNING, logger="django_workpump.maintenance")
-    stuck = OutboxFactory(attempts=6, max_attempts=10, last_error="Traceback...\nKeyError: 'x'")
+    trace = 'Traceback (most recent call last):\n  File "h.py", line 3, in h\n    x()\n'
+    stuck = OutboxFactory(attempts=6, max_attempts=10, last_error=trace + "KeyError: 'x'\n")
     OutboxFactory(attempts=1, max_attempts=10)
 
     result = worker().run_once()
@@ -74,6 +75,7 @@ def test_rows_using_up_their_attempts_are_logged(caplog):
     [record] = [r for r in caplog.records if getattr(r, "action", "") == "stuck_row"]
     assert str(stuck.message_id) in record.getMessage()
     assert "6 of 10" in record.getMessage()
+    assert record.getMessage().endswith("last error: KeyError: 'x'")  # the line, no list repr
 
 
 @pytest.mark.django_db(transaction=True)

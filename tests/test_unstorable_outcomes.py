@@ -29,6 +29,8 @@ from django_workpump.registry import Registry, registry
 from django_workpump.storable import (
     NOTE_KEY,
     ascii_text,
+    error_headline,
+    error_text,
     is_transient,
     storable_result,
     storable_text,
@@ -173,7 +175,9 @@ def test_unstorable_results_and_errors_are_settled_and_every_good_row_completes(
     ):
         for row in by_topic[topic]:
             assert row.dead_lettered_at is not None and row.failure_reason == "max_attempts"
-            assert text in row.last_error and NOTE_1 in row.last_error
+            # the exception line leads, then the trace: the bad character is in both
+            assert row.last_error.startswith(text)
+            assert "2 characters PostgreSQL cannot store" in row.last_error
 
 
 # -- the flushers on the database: what gets past the sanitizing is split around ----------
@@ -327,3 +331,26 @@ def test_the_status_line_and_the_heartbeat_name_a_stalled_flusher(monkeypatch):
             "last_error": "OperationalError: gone",
         }
     }
+
+
+def test_a_stored_error_leads_with_the_exception_line_and_keeps_the_trace():
+    try:
+        raise KeyError("order-42")
+    except KeyError as exc:
+        text = error_text(exc)
+    first, blank, rest = text.split("\n", 2)
+    assert (first, blank) == ("KeyError: 'order-42'", "")
+    assert rest.startswith("Traceback (most recent call last):")
+    assert error_headline(text) == "KeyError: 'order-42'"
+
+
+def test_the_headline_of_a_bare_traceback_is_its_exception_line():
+    bare = (
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "    boom()\n"
+        "ValueError: boom\n"
+    )
+    assert error_headline(bare) == "ValueError: boom"
+    assert error_headline("plain error") == "plain error"
+    assert error_headline(None) == ""

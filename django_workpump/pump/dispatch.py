@@ -19,7 +19,6 @@ import itertools
 import logging
 import queue
 import threading
-import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,10 +37,10 @@ from django_workpump.pump.naming import application_name, name_thread_connection
 from django_workpump.registry import TOPIC_NOUNS, Handler, Registry
 from django_workpump.storable import (
     ascii_text,
+    error_text,
     is_transient,
     result_note,
     storable_result,
-    storable_text,
 )
 
 logger = logging.getLogger("django_workpump.dispatch")
@@ -585,6 +584,6 @@ def _category_of(item: tuple[Any, ...]) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(exc))
-    # The head is boilerplate; keep the end of a long trace, in a form the database takes.
-    return storable_text(text[-8000:])
+    # The exception line first (every summary shows the first line), then the end of a
+    # long trace, in a form the database takes.
+    return error_text(exc)

@@ -22,6 +22,7 @@ from django.db import close_old_connections
 from django_workpump import db
 from django_workpump.conf import MIN_TOMBSTONE_RETENTION_SECONDS
 from django_workpump.registry import CATEGORIES
+from django_workpump.storable import error_headline
 
 logger = logging.getLogger("django_workpump.maintenance")
 
@@ -156,7 +157,7 @@ class MaintenanceWorker:
                     row.topic,
                     row.attempts,
                     row.max_attempts,
-                    (row.last_error or "").splitlines()[-1:] or "-",
+                    error_headline(row.last_error) or "-",
                     extra={"action": "stuck_row"},
                 )
             logger.info(
