@@ -47,6 +47,21 @@ def remove_produced_listener(listener: Callable[[str], None]) -> None:
         _on_commit_listeners.remove(listener)
 
 
+# Listeners of django_workpump.testing.captured(): told of every send, receive and emit.
+capture_listeners: list[Callable[..., None]] = []
+
+
+def _tell_capture(kind: str, topic: str, payload: Any, stream: Any, id: Any) -> None:
+    for listener in list(capture_listeners):
+        listener(
+            kind=kind,
+            topic=topic,
+            payload=payload,
+            stream=None if stream is None else str(stream),
+            id=id,
+        )
+
+
 def _announce(category: str, using: str) -> None:
     if not _on_commit_listeners:
         return
@@ -251,6 +266,7 @@ def send(
             using=alias,
         )
     _announce("outbox", alias)
+    _tell_capture("send", destination, payload, stream, result)
     return result
 
 
@@ -298,6 +314,7 @@ def receive(
         )
     if stored:
         _announce("inbox", alias)
+        _tell_capture("receive", handler_name, payload, stream, message_uuid)
     return stored
 
 
@@ -337,4 +354,5 @@ def emit(
         )
     for category in sorted({handler.category for handler in registry.subscribers(event_type)}):
         _announce(category, alias)
+    _tell_capture("emit", event_type, payload, stream, result)
     return result

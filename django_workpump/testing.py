@@ -1,0 +1,251 @@
+"""Test helpers: run pending work in the test's own transaction, and capture what was produced.
+
+``runworkpump`` runs in its own process on its own connections, so it never sees the
+uncommitted rows of a Django ``TestCase``. ``run_pending()`` claims and runs them in the
+calling thread, on the test's connection, through the same SQL as the pump (claims by
+topic, per-stream order, lease tokens, fenced completion), so it works inside ``TestCase``
+and ``TransactionTestCase`` alike. ``captured()`` records what the code under test sent,
+received and emitted. See docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import transaction
+
+from django_workpump import db, producer
+from django_workpump.clock import SystemClock
+from django_workpump.conf import setting
+from django_workpump.pump.dispatch import Work
+from django_workpump.pump.lease import LeaseHandle
+from django_workpump.registry import CATEGORIES, claim_topics, registry
+from django_workpump.storable import error_text, storable_result
+
+# The instance id run_pending claims as: registered in the test's transaction, like any
+# instance (a claim by an unregistered instance is refused).
+TEST_INSTANCE_ID = uuid.UUID("00000000-0000-4000-8000-00000000face")
+TEST_LEASE_SECONDS = 300
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A handler failure recorded by ``run_pending(raise_errors=False)``."""
+
+    category: str
+    work_id: uuid.UUID
+    topic: str
+    error: BaseException
+
+
+@dataclass
+class RunReport:
+    """What one ``run_pending`` call did (also returned as an int: the rows run)."""
+
+    ran: int = 0
+    failures: list[Failure] = field(default_factory=list)
+
+
+def run_pending(
+    *,
+    categories: Iterable[str] | None = None,
+    topics: Iterable[str] | None = None,
+    max_rounds: int = 100,
+    raise_errors: bool = True,
+    using: str | None = None,
+    report: RunReport | None = None,
+) -> int:
+    """Run every row that is claimable now, in rounds, until none is left; return how many.
+
+    Each round claims what is claimable (stream heads only, so streams run in order; the
+    next row of a stream becomes claimable once its head completed), runs each handler in
+    a savepoint, and completes or fails the row through the same fenced SQL as the pump.
+    Events' perspective and receptor rows are followed in later rounds. Rows scheduled for
+    later (a deferral, a retry's backoff) are not due, so they do not run.
+
+    The first handler exception is raised (its row is failed first, as the pump would);
+    with ``raise_errors=False`` failures are recorded in ``report`` and the run goes on.
+    Raises RuntimeError when work is still claimable after ``max_rounds`` rounds (a
+    handler that keeps producing work for itself).
+    """
+    alias = using or setting("DATABASE_ALIAS")
+    chosen = [c for c in (categories or CATEGORIES)]
+    wanted = claim_topics(registry, chosen, topics=list(topics) if topics is not None else None)
+    report = report if report is not None else RunReport()
+    _register(alias)
+    for _ in range(max_rounds):
+        rows = db.claim_work(
+            instance_id=TEST_INSTANCE_ID,
+            max_rows=1_000,
+            lease_seconds=TEST_LEASE_SECONDS,
+            partition_count=setting("PARTITION_COUNT"),
+            categories=chosen,
+            topics=wanted,
+            using=alias,
+        )
+        if not rows:
+            return report.ran
+        for row in rows:
+            _run_one(row, alias, raise_errors, report)
+    raise RuntimeError(
+        f"run_pending: work was still claimable after {max_rounds} rounds; a handler may be "
+        "producing work for itself. Raise max_rounds if that is intended."
+    )
+
+
+def _register(alias: str) -> None:
+    db.record_heartbeat(
+        instance_id=TEST_INSTANCE_ID,
+        service_name="run_pending",
+        host_name="test",
+        process_id=0,
+        using=alias,
+    )
+
+
+def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport) -> None:
+    handler = registry.get(row.category, row.topic)
+    if handler is None:  # not claimed by topic; a row a test wrote by hand
+        raise LookupError(f"No handler registered for {row.category} {row.topic!r}.")
+    handle = LeaseHandle(
+        row.category,
+        row.work_id,
+        deadline=float("inf"),
+        max_renewals=0,
+        clock=SystemClock(),
+        lease_token=row.lease_token,
+    )
+    work = Work(
+        id=row.work_id,
+        category=row.category,
+        topic=row.topic,
+        payload=row.payload,
+        stream=row.stream,
+        attempts=row.attempts,
+        max_attempts=row.max_attempts,
+        event_id=row.event_id,
+        event_type=row.event_type,
+        priority=row.priority,
+        lease_expiry=row.lease_expiry,
+        lease=handle,
+        instance_id=TEST_INSTANCE_ID,
+        lease_token=row.lease_token,
+    )
+    try:
+        # A savepoint: a failing handler's writes go, the test's transaction stays usable.
+        with transaction.atomic(using=alias):
+            result = handler.func(work)
+            if inspect.isawaitable(result):
+                result = asyncio.run(_awaited(result))
+    except Exception as exc:
+        db.fail_work(
+            instance_id=TEST_INSTANCE_ID,
+            category=row.category,
+            ids=[row.work_id],
+            lease_tokens=[row.lease_token],
+            errors=[error_text(exc)],
+            reasons=["handler_error"],
+            retry_base_seconds=setting("RETRY_BACKOFF_BASE_SECONDS"),
+            retry_max_seconds=setting("RETRY_BACKOFF_MAX_SECONDS"),
+            using=alias,
+        )
+        if raise_errors:
+            raise
+        report.failures.append(Failure(row.category, row.work_id, row.topic, exc))
+        return
+    db.complete_work(
+        instance_id=TEST_INSTANCE_ID,
+        category=row.category,
+        ids=[row.work_id],
+        lease_tokens=[row.lease_token],
+        results=[storable_result(result)],
+        using=alias,
+    )
+    report.ran += 1
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+# -- capturing what was produced -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Produced:
+    """One send, receive or emit, as the code under test made it."""
+
+    kind: str  # "send", "receive" or "emit"
+    topic: str  # destination, handler name or event type
+    payload: Mapping[str, Any]
+    stream: str | None
+    id: uuid.UUID | None
+
+
+class Captured:
+    """What was sent, received and emitted while ``captured()`` was active."""
+
+    def __init__(self) -> None:
+        self.items: list[Produced] = []
+
+    def __call__(self, **item: Any) -> None:
+        self.items.append(Produced(**item))
+
+    def of(self, kind: str, topic: str | None = None) -> list[Produced]:
+        return [i for i in self.items if i.kind == kind and (topic is None or i.topic == topic)]
+
+    @property
+    def sent(self) -> list[Produced]:
+        return self.of("send")
+
+    @property
+    def received(self) -> list[Produced]:
+        return self.of("receive")
+
+    @property
+    def emitted(self) -> list[Produced]:
+        return self.of("emit")
+
+    def _assert(self, kind: str, topic: str, subset: Mapping[str, Any]) -> Produced:
+        for item in self.of(kind, topic):
+            if all(item.payload.get(k) == v for k, v in subset.items()):
+                return item
+        seen = [(i.topic, dict(i.payload)) for i in self.of(kind)]
+        want = f" with payload ⊇ {json.dumps(dict(subset), default=str)}" if subset else ""
+        raise AssertionError(f"Nothing was {_PAST[kind]} to {topic!r}{want}; {_PAST[kind]}: {seen}")
+
+    def assert_sent(self, destination: str, **payload_subset: Any) -> Produced:
+        """The outbox message to ``destination`` whose payload holds ``payload_subset``."""
+        return self._assert("send", destination, payload_subset)
+
+    def assert_received(self, handler_name: str, **payload_subset: Any) -> Produced:
+        return self._assert("receive", handler_name, payload_subset)
+
+    def assert_emitted(self, event_type: str, **payload_subset: Any) -> Produced:
+        return self._assert("emit", event_type, payload_subset)
+
+    def assert_nothing_sent(self, destination: str | None = None) -> None:
+        found = self.of("send", destination)
+        if found:
+            raise AssertionError(f"Expected nothing sent, got {[i.topic for i in found]}.")
+
+
+_PAST = {"send": "sent", "receive": "received", "emit": "emitted"}
+
+
+@contextmanager
+def captured() -> Iterator[Captured]:
+    """Record every send, receive and emit made in the block (rows are still written)."""
+    capture = Captured()
+    producer.capture_listeners.append(capture)
+    try:
+        yield capture
+    finally:
+        producer.capture_listeners.remove(capture)

@@ -1,0 +1,140 @@
+"""django_workpump.testing: run_pending inside TestCase, captured(), the pytest fixture."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from django.test import TestCase
+
+import django_workpump as workpump
+from django_workpump import models
+from django_workpump.registry import registry
+from django_workpump.testing import RunReport, captured, run_pending
+
+CALLS: list[tuple[str, object]] = []
+
+
+@pytest.fixture(autouse=True)
+def handlers() -> Iterator[None]:
+    """Handlers of this module's topics, registered for each test and removed after."""
+    CALLS.clear()
+
+    @workpump.outbox_handler("tt.record")
+    def record(work):
+        CALLS.append(("record", work.payload["n"]))
+        if work.payload.get("then_send"):
+            workpump.send("tt.record", {"n": work.payload["then_send"]})
+        return {"seen": work.payload["n"]}
+
+    @workpump.outbox_handler("tt.fail")
+    def fail(work):
+        models.Outbox.objects.filter(destination="tt.record").delete()  # rolled back
+        raise ValueError(f"cannot handle {work.payload['n']}")
+
+    @workpump.outbox_handler("tt.async")
+    async def in_a_loop(work):
+        CALLS.append(("async", work.payload["n"]))
+
+    @workpump.perspective("tt.totals", events=["tt.placed"])
+    def totals(work):
+        CALLS.append(("perspective", work.payload["order"]))
+
+    @workpump.receptor("tt.warehouse", events=["tt.placed"])
+    def warehouse(work):
+        CALLS.append(("receptor", work.payload["order"]))
+
+    yield
+    for category, topic in [
+        ("outbox", "tt.record"),
+        ("outbox", "tt.fail"),
+        ("outbox", "tt.async"),
+        ("perspective_event", "tt.totals"),
+        ("receptor", "tt.warehouse"),
+    ]:
+        registry.unregister(category, topic)
+
+
+class RunPendingInATestCase(TestCase):
+    """The test's transaction never commits: runworkpump could not see these rows."""
+
+    def test_it_runs_sent_work_in_stream_order_and_follows_events(self):
+        for n in range(5):
+            workpump.send("tt.record", {"n": n}, stream="s-1")
+        workpump.send("tt.async", {"n": 9})
+        workpump.emit("tt.placed", {"order": 42}, stream="order-42")
+
+        ran = run_pending()
+
+        assert ran == 8
+        assert [value for kind, value in CALLS if kind == "record"] == [0, 1, 2, 3, 4]
+        assert ("async", 9) in CALLS
+        assert ("perspective", 42) in CALLS and ("receptor", 42) in CALLS
+        assert not models.Outbox.objects.filter(processed_at__isnull=True).exists()
+        assert models.Outbox.objects.get(payload__n=3).result == {"seen": 3}
+
+    def test_it_runs_nothing_twice_and_follows_work_the_handlers_produce(self):
+        workpump.send("tt.record", {"n": 1, "then_send": 2})
+        assert run_pending() == 2  # the second row was sent by the first handler
+        assert run_pending() == 0
+        assert CALLS == [("record", 1), ("record", 2)]
+
+    def test_a_handlers_exception_is_raised_after_its_attempt_is_failed(self):
+        workpump.send("tt.record", {"n": 1})
+        workpump.send("tt.fail", {"n": 7})
+
+        with pytest.raises(ValueError, match="cannot handle 7"):
+            run_pending()
+
+        failed = models.Outbox.objects.get(destination="tt.fail")
+        assert failed.attempts == 1 and failed.instance_id is None
+        assert failed.last_error.startswith("ValueError: cannot handle 7")
+        # the failing handler's own writes were rolled back; the test's transaction lives
+        assert models.Outbox.objects.filter(destination="tt.record").exists()
+
+    def test_failures_can_be_recorded_instead_as_production_would(self):
+        workpump.send("tt.fail", {"n": 7})
+        workpump.send("tt.record", {"n": 1})
+        report = RunReport()
+
+        ran = run_pending(raise_errors=False, report=report)
+
+        assert ran == 1
+        [failure] = report.failures
+        assert (failure.topic, str(failure.error)) == ("tt.fail", "cannot handle 7")
+
+    def test_topics_narrow_what_runs(self):
+        workpump.send("tt.record", {"n": 1})
+        workpump.send("tt.async", {"n": 2})
+        assert run_pending(topics=["tt.async"]) == 1
+        assert CALLS == [("async", 2)]
+
+
+@pytest.mark.django_db
+def test_captured_records_what_was_produced_and_asserts_on_it():
+    message_id = uuid.uuid4()
+    with captured() as produced:
+        workpump.send("tt.record", {"n": 1, "user": 7}, stream=7)
+        workpump.receive(message_id, "tt.inbox", {"body": "x"})
+        workpump.emit("tt.placed", {"order": 42})
+
+    sent = produced.assert_sent("tt.record", user=7)
+    assert (sent.stream, sent.payload["n"]) == ("7", 1)
+    assert produced.assert_received("tt.inbox").id == message_id
+    assert produced.assert_emitted("tt.placed", order=42).kind == "emit"
+    with pytest.raises(AssertionError, match=r"Nothing was sent to 'tt.record' with payload"):
+        produced.assert_sent("tt.record", user=8)
+    with pytest.raises(AssertionError, match="Expected nothing sent"):
+        produced.assert_nothing_sent()
+    workpump.send("tt.record", {"n": 2})  # after the block: not captured
+    assert len(produced.sent) == 1
+
+
+@pytest.mark.django_db
+def test_the_pytest_plugins_fixture_runs_and_captures(request):
+    fixture = request.getfixturevalue("workpump")  # the plugin's, through its entry point
+    workpump.send("tt.record", {"n": 3})
+    fixture.assert_sent("tt.record", n=3)
+    assert fixture.run_pending() == 1
+    assert CALLS == [("record", 3)]
