@@ -110,6 +110,8 @@ class InstanceStatus:
     listening: bool  # a session named workpump-<instance id> is connected
     # flusher name -> {failures, failing_seconds, pending, last_error}, as of its last beat
     stalled_flushers: dict[str, Any]
+    # seconds its NOTIFY listener had been down at its last beat; None while it is up
+    listener_down_seconds: float | None
     rows_held: dict[str, int]  # per category
 
     @property
@@ -343,3 +345,56 @@ def _plain(values: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def health_problems(
+    report: StatusReport,
+    *,
+    host_name: str | None = None,
+    max_pending_age_seconds: float | None = None,
+    max_listener_down_seconds: float = 60,
+) -> list[str]:
+    """What makes the pump unhealthy, one sentence each; empty when healthy.
+
+    ``host_name``: judge that host's instances (its instance missing or stale is a
+    problem); None: the whole fleet (no live instance at all is a problem).
+    ``max_pending_age_seconds``: a pending row older than this is a problem (None: not
+    checked). A NOTIFY listener down for longer than ``max_listener_down_seconds`` (as of
+    the instance's last beat, plus the beat's age) is a problem.
+    """
+    problems = []
+    if host_name is not None:
+        mine = [i for i in report.instances if i.host_name == host_name]
+        live = [i for i in mine if i.live]
+        if not mine:
+            problems.append(f"No workpump instance of host {host_name} is registered.")
+        elif not live:
+            freshest = min(mine, key=lambda i: i.heartbeat_age_seconds)
+            problems.append(
+                f"The workpump instance {freshest.instance_id} of host {host_name} is stale: "
+                f"its last heartbeat is {freshest.heartbeat_age_seconds:.0f} s old "
+                f"(stale after {report.stale_after_seconds} s)."
+            )
+    else:
+        live = [i for i in report.instances if i.live]
+        if not live:
+            problems.append("No live workpump instance is registered.")
+    for instance in live:
+        if instance.listener_down_seconds is None:
+            continue
+        down = instance.listener_down_seconds + instance.heartbeat_age_seconds
+        if down > max_listener_down_seconds:
+            problems.append(
+                f"The NOTIFY listener of instance {instance.instance_id} "
+                f"({instance.host_name}) has been down for {down:.0f} s "
+                f"(bound {max_listener_down_seconds:.0f} s)."
+            )
+    if max_pending_age_seconds is not None:
+        for category in report.categories:
+            age = category.oldest_pending_age_seconds
+            if age is not None and age > max_pending_age_seconds:
+                problems.append(
+                    f"The oldest pending {category.category} row is {age:.0f} s old "
+                    f"(bound {max_pending_age_seconds:.0f} s)."
+                )
+    return problems

@@ -547,3 +547,78 @@ def test_the_text_report_shows_the_rows_with_no_live_handler():
     text = out.getvalue()
     assert "no live handler: 1 rows" in text
     assert re.search(r"outbox\s+\|?\s*emails\.new", text), text
+
+
+# --- workpump_status --check: a health check an orchestrator can call ----------------------
+
+
+def check(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    try:
+        call_command("workpump_status", "--check", *args, stdout=out)
+    except SystemExit as exc:
+        return int(exc.code), out.getvalue().strip()
+    return 0, out.getvalue().strip()
+
+
+def fresh_instance(**fields: Any) -> Any:
+    from django.utils import timezone
+
+    return factories.ServiceInstanceFactory(last_heartbeat_at=timezone.now(), **fields)
+
+
+@pytest.mark.django_db
+def test_check_passes_with_a_live_instance_and_nothing_old():
+    fresh_instance()
+    assert check() == (0, "OK: 1 live instance")
+
+
+@pytest.mark.django_db
+def test_check_fails_with_no_live_instance():
+    factories.ServiceInstanceFactory()  # last beat at T0: long stale
+    assert check() == (1, "UNHEALTHY: No live workpump instance is registered.")
+
+
+@pytest.mark.django_db
+def test_check_of_this_host_fails_when_its_instance_is_missing_or_stale():
+    import socket
+
+    host = socket.gethostname()
+    fresh_instance(host_name="another-host")
+    code, line = check("--instance-of-this-host")
+    assert (code, line) == (1, f"UNHEALTHY: No workpump instance of host {host} is registered.")
+
+    stale = factories.ServiceInstanceFactory(host_name=host)
+    code, line = check("--instance-of-this-host")
+    assert code == 1
+    assert line.startswith(f"UNHEALTHY: The workpump instance {stale.instance_id} of host")
+    assert "is stale: its last heartbeat is" in line
+
+    fresh_instance(host_name=host)
+    assert check("--instance-of-this-host")[0] == 0
+
+
+@pytest.mark.django_db
+def test_check_fails_when_a_listener_has_been_down_too_long():
+    down = fresh_instance(metadata={"listener": False, "listener_down_seconds": 90})
+    code, line = check()
+    assert code == 1
+    assert line.startswith(f"UNHEALTHY: The NOTIFY listener of instance {down.instance_id}")
+    assert "(bound 60 s)" in line
+    assert check("--max-listener-down", "300")[0] == 0
+
+
+@pytest.mark.django_db
+def test_check_fails_when_the_oldest_pending_row_is_older_than_max_age():
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    fresh_instance()
+    factories.OutboxFactory(created_at=timezone.now() - timedelta(seconds=600))
+    assert check()[0] == 0  # no bound given
+    code, line = check("--max-age", "60")
+    assert code == 1
+    assert re.fullmatch(
+        r"UNHEALTHY: The oldest pending outbox row is \d+ s old \(bound 60 s\)\.", line
+    )

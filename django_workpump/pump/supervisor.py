@@ -92,6 +92,7 @@ class Supervisor:
         self.settings = dict(get_settings())
         self.identity = identity or InstanceIdentity(service_name=self.options.service_name)
         self.clock = clock or SystemClock()
+        self._gate_down_since: float | None = None  # monotonic; None while the gate is up
         self.alias: str = self.settings["DATABASE_ALIAS"]
         s = self.settings
         # Claim only what this process can run (raises TopicSelectionError for a name
@@ -204,6 +205,7 @@ class Supervisor:
             self.claim.request_immediate_poll()
 
     def _gate_changed(self, available: bool) -> None:
+        self._gate_down_since = None if available else self.clock.monotonic()
         if not available:
             self.heartbeat.request_beat()  # the alive-lock went with the connection
         self.claim.on_gate_changed(available)
@@ -215,6 +217,7 @@ class Supervisor:
             "topics": self.topics,
             "concurrency": self.dispatcher.concurrency,
             "listener": None if self.gate is None else self.gate.available,
+            "listener_down_seconds": self._listener_down_seconds(),
             "alive_lock": None if self.gate is None else self.gate.alive_lock_held,
             "in_flight": self.dispatcher.in_flight,
             # workpump_status shows these: outcomes this instance cannot write
@@ -229,6 +232,14 @@ class Supervisor:
                 if h.stalled
             },
         }
+
+    def _listener_down_seconds(self) -> float | None:
+        """How long the NOTIFY listener has been down (None: up, or not listening)."""
+        if self.gate is None or self.gate.available:
+            return None
+        if self._gate_down_since is None:  # never up since the start
+            self._gate_down_since = self.clock.monotonic()
+        return round(self.clock.monotonic() - self._gate_down_since, 1)
 
     def flusher_health(self) -> list[FlusherHealth]:
         """Return the health of the outcome and renewal flushers."""

@@ -168,6 +168,11 @@ SELECT si.instance_id, si.service_name, si.host_name, si.process_id, si.started_
            AS listening,
        -- outcome flushers of the instance that cannot write, as of its last heartbeat
        coalesce(si.metadata -> 'stalled_flushers', '{}'::jsonb) AS stalled_flushers,
+       -- how long its NOTIFY listener had been down at its last heartbeat (NULL: up, or
+       -- an instance that does not listen)
+       CASE jsonb_typeof(si.metadata -> 'listener_down_seconds') WHEN 'number'
+            THEN (si.metadata ->> 'listener_down_seconds')::double precision END
+           AS listener_down_seconds,
        (SELECT count(*) FROM workpump_outbox t WHERE t.instance_id = si.instance_id)
            AS held_outbox,
        (SELECT count(*) FROM workpump_inbox t WHERE t.instance_id = si.instance_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from datetime import datetime
 from typing import Any
 
@@ -26,6 +27,31 @@ class Command(BaseCommand):
         parser.add_argument(
             "--json", action="store_true", help="Print one JSON object (for monitoring)."
         )
+        parser.add_argument(
+            "--check",
+            action="store_true",
+            help="Health check: print one line and exit 1 when something is wrong, else 0 "
+            "(a Kubernetes exec probe, cron monitoring).",
+        )
+        parser.add_argument(
+            "--max-age",
+            type=float,
+            metavar="SECONDS",
+            help="With --check: a pending row older than this is unhealthy.",
+        )
+        parser.add_argument(
+            "--max-listener-down",
+            type=float,
+            default=60,
+            metavar="SECONDS",
+            help="With --check: a NOTIFY listener down longer than this is unhealthy (60).",
+        )
+        parser.add_argument(
+            "--instance-of-this-host",
+            action="store_true",
+            help="With --check: judge this host's instance (missing or stale is unhealthy) "
+            "rather than the whole fleet.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         using = get_settings()["DATABASE_ALIAS"]
@@ -33,10 +59,27 @@ class Command(BaseCommand):
         if not status.schema_ready(using=using):
             raise CommandError(MISSING_MIGRATIONS)
         report = status.collect(using=using)
+        if options["check"]:
+            self._check(report, options)
+            return
         if options["json"]:
             self.stdout.write(json.dumps(status.as_json(report), sort_keys=True))
         else:
             self.stdout.write("\n".join(render_text(report)))
+
+    def _check(self, report: status.StatusReport, options: dict[str, Any]) -> None:
+        problems = status.health_problems(
+            report,
+            host_name=socket.gethostname() if options["instance_of_this_host"] else None,
+            max_pending_age_seconds=options["max_age"],
+            max_listener_down_seconds=options["max_listener_down"],
+        )
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            self.stdout.write(f"UNHEALTHY: {problems[0]}{more}")
+            raise SystemExit(1)
+        live = sum(1 for i in report.instances if i.live)
+        self.stdout.write(f"OK: {live} live instance{'s' if live != 1 else ''}")
 
 
 def render_text(report: status.StatusReport) -> list[str]:
