@@ -24,3 +24,74 @@ def test_the_sql_api_page_matches_the_installed_functions():
     assert (DOCS / "sql-api.md").read_text(encoding="utf-8") == rendered, (
         "docs/sql-api.md is out of date: DATABASE_URL=... python docs/sql_api.py > docs/sql-api.md"
     )
+
+
+# --- the Python snippets of the README and the docs name what exists ----------------------
+
+PAGES = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+# names a snippet imports the package as
+PACKAGE_ALIASES = {"workpump", "django_workpump"}
+
+
+def python_snippets(page: Path) -> list[tuple[int, str]]:
+    """(line, code) of each ```python block of a page."""
+    snippets, lines, start = [], page.read_text(encoding="utf-8").splitlines(), None
+    for number, line in enumerate(lines, 1):
+        if line.strip() == "```python" and start is None:
+            start, body = number, []
+        elif line.strip() == "```" and start is not None:
+            snippets.append((start, "\n".join(body)))
+            start = None
+        elif start is not None:
+            body.append(line)
+    return snippets
+
+
+def referenced_names(code: str) -> tuple[set[str], set[tuple[str, str]]]:
+    """``workpump.X`` attributes, and (module, name) of ``from django_workpump… import``."""
+    import ast
+
+    tree = ast.parse(code)
+    # a parameter named workpump is the pytest fixture, not the package
+    parameters = {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)}
+    aliases = PACKAGE_ALIASES - parameters
+    attributes = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in aliases
+    }
+    imports = {
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.split(".")[0] == "django_workpump"
+        for alias in node.names
+    }
+    return attributes, imports
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_snippets(p)], ids=lambda p: p.name)
+def test_the_python_snippets_of_a_page_use_only_what_exists(page):
+    import importlib
+
+    import django_workpump
+
+    missing = []
+    for line, code in python_snippets(page):
+        attributes, imports = referenced_names(code)
+        missing += [
+            f"{page.name}:{line}: workpump.{name}"
+            for name in sorted(attributes)
+            if not hasattr(django_workpump, name)
+        ]
+        for module, name in sorted(imports):
+            found = importlib.import_module(module)
+            if not hasattr(found, name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    missing.append(f"{page.name}:{line}: from {module} import {name}")
+    assert missing == [], "snippets name things the package does not have: " + ", ".join(missing)
