@@ -1,4 +1,8 @@
-"""SQL sources: migrations load ``v<N>/*.sql``; ``db.py`` loads the named queries."""
+"""SQL sources.
+
+``schema.sql`` is the current workpump schema, whole; migrations load the deltas that
+build it, ``v<N>/*.sql``; ``db.py`` loads the named queries.
+"""
 
 from __future__ import annotations
 

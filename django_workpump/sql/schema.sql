@@ -1,0 +1,2343 @@
+-- The workpump schema as it is now, whole: read this file to know what a function does.
+--
+-- The migrations build the same schema from delta files, sql/v<N>/*.sql, applied in
+-- order (a later version drops or replaces functions of an earlier one). Every change
+-- to the schema is a new migration with its own delta file AND the same change here;
+-- released delta files are never edited. tests/test_schema.py builds one database with
+-- the migrations and one with this file and fails when their catalogs differ.
+--
+-- Not here: the tables, their indexes and their constraints. Django's model migrations
+-- create them (django_workpump/models.py), and this file expects them to exist; what it
+-- adds to them is the insert triggers of the four work tables.
+--
+-- Functions say SET search_path FROM CURRENT, and the statement at the end pins each of
+-- them to pg_catalog, <the schema of the tables>, pg_temp, as the migrations do. (The
+-- few pure expressions that name no table set no search_path, so the planner can
+-- inline them.)
+
+-- --------------------------------------------------------------------------------------
+-- The schema and its sequences
+-- --------------------------------------------------------------------------------------
+
+CREATE SCHEMA workpump;
+
+-- The second half of each instance's alive-lock key, drawn when it registers.
+CREATE SEQUENCE workpump.alive_lock_key_seq AS integer MINVALUE 1 CYCLE;
+
+-- Round-robin start of claim_work's category loop, so a small budget starves none.
+CREATE SEQUENCE workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 CYCLE;
+
+-- --------------------------------------------------------------------------------------
+-- Types
+-- --------------------------------------------------------------------------------------
+-- The row a claim leases. claimed_work is the same row without its lease token: no
+-- function returns it any more, but the migrations never dropped it.
+
+CREATE TYPE workpump.claimed_work AS (
+    category text,
+    work_id uuid,
+    topic text,
+    payload jsonb,
+    stream text,
+    attempts integer,
+    max_attempts integer,
+    lease_expiry timestamptz,
+    event_id uuid,
+    event_type text,
+    priority integer,
+    claimed_at timestamptz
+);
+
+CREATE TYPE workpump.leased_work AS (
+    category text,
+    work_id uuid,
+    topic text,
+    payload jsonb,
+    stream text,
+    attempts integer,
+    max_attempts integer,
+    lease_expiry timestamptz,
+    event_id uuid,
+    event_type text,
+    priority integer,
+    claimed_at timestamptz,
+    lease_token uuid
+);
+
+-- --------------------------------------------------------------------------------------
+-- Shared helpers
+-- --------------------------------------------------------------------------------------
+-- Categories and their tables, the partition hash, advisory-lock keys, row states, and
+-- the checks the claim and the outcome functions share.
+
+-- Raise unless p_category names one of the four work categories; return it.
+CREATE FUNCTION workpump.check_category(p_category text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_category IS NULL
+       OR p_category NOT IN ('outbox', 'inbox', 'perspective_event', 'receptor') THEN
+        RAISE EXCEPTION 'Unknown workpump category %.', coalesce(quote_literal(p_category), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Valid categories: outbox, inbox, perspective_event, receptor.';
+    END IF;
+    RETURN p_category;
+END
+$$;
+
+-- The table behind a category and the names of its key, done-marker, topic and
+-- ordering-scope columns (scope_col is NULL where the stream alone orders rows).
+CREATE FUNCTION workpump.work_table(
+    p_category text,
+    OUT tbl text, OUT key_col text, OUT done_col text, OUT topic_col text, OUT scope_col text
+)
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    CASE workpump.check_category(p_category)
+        WHEN 'outbox' THEN
+            tbl := 'workpump_outbox'; key_col := 'message_id'; done_col := 'processed_at';
+            topic_col := 'destination'; scope_col := NULL;
+        WHEN 'inbox' THEN
+            tbl := 'workpump_inbox'; key_col := 'message_id'; done_col := 'processed_at';
+            topic_col := 'handler_name'; scope_col := NULL;
+        WHEN 'perspective_event' THEN
+            tbl := 'workpump_perspective_event'; key_col := 'event_work_id';
+            done_col := 'processed_at'; topic_col := 'perspective_name';
+            scope_col := 'perspective_name';
+        ELSE
+            tbl := 'workpump_receptor_processing'; key_col := 'id'; done_col := 'completed_at';
+            topic_col := 'receptor_name'; scope_col := 'receptor_name';
+    END CASE;
+END
+$$;
+
+-- A documented, portable hash of a stream key into [0, p_partition_count): the first 32
+-- bits of its MD5, so application code can compute the same number
+-- (int(md5(key).hexdigest()[:8], 16) % count).
+CREATE FUNCTION workpump.partition_of(p_key text, p_partition_count integer DEFAULT 10000)
+RETURNS integer
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+RETURN (('x' || left(md5(p_key), 8))::bit(32)::bigint % p_partition_count)::integer;
+
+-- Advisory-lock namespaces (first half of the two-int key; objsubid 2 in pg_locks keeps
+-- them apart from single-bigint application locks).
+CREATE FUNCTION workpump.lock_namespace(p_purpose text) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE p_purpose
+    WHEN 'alive' THEN 1464877377        -- instance alive-locks; second half: alive_lock_key
+    WHEN 'stream' THEN 1464877395       -- producers and completions of one ordered stream
+    WHEN 'maintenance' THEN 1464877421  -- one maintenance pass at a time
+END;
+
+-- Serialize the writers of one ordered stream until the end of the transaction, so its
+-- rows become heads in commit order. A hash collision only serializes two streams more.
+CREATE FUNCTION workpump.lock_stream(p_category text, p_scope text, p_stream text) RETURNS void
+LANGUAGE sql
+SET search_path FROM CURRENT
+AS $$
+    SELECT pg_advisory_xact_lock(
+        workpump.lock_namespace('stream'),
+        hashtext(p_category || chr(31) || coalesce(p_scope, '') || chr(31) || p_stream)
+    );
+$$;
+
+-- The state of a work row, from its columns (admin, status and tests use the same names).
+CREATE FUNCTION workpump.state_of(
+    p_done_at timestamptz,
+    p_dead_lettered_at timestamptz,
+    p_instance_id uuid,
+    p_lease_expiry timestamptz,
+    p_claimed_at timestamptz,
+    p_scheduled_for timestamptz,
+    p_now timestamptz DEFAULT NULL
+) RETURNS text
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN CASE
+    WHEN p_done_at IS NOT NULL THEN 'done'
+    WHEN p_dead_lettered_at IS NOT NULL THEN 'dead'
+    -- the claim takes a row over once lease_expiry <= now: so expired means <=
+    WHEN p_instance_id IS NOT NULL AND p_lease_expiry > coalesce(p_now, now()) THEN 'leased'
+    WHEN p_instance_id IS NOT NULL THEN 'orphaned'
+    WHEN p_claimed_at IS NOT NULL THEN 'orphaned'  -- holder evicted mid-attempt
+    WHEN p_scheduled_for > coalesce(p_now, now()) THEN 'scheduled'
+    ELSE 'pending'
+END;
+
+-- Raise SQLSTATE WP001 unless p_instance_id is registered and not tombstoned. Eviction
+-- takes effect at the evicted instance's next claim or renewal, not only at its next
+-- heartbeat; an instance that never registered is invisible to the peers that would
+-- evict it, so it may not hold leases either.
+CREATE FUNCTION workpump.check_instance(p_function text, p_instance_id uuid) RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_evicted_at timestamptz;
+    v_reason text;
+BEGIN
+    IF p_instance_id IS NULL THEN
+        RAISE EXCEPTION '% needs p_instance_id.', p_function
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT e.evicted_at, e.reason INTO v_evicted_at, v_reason
+    FROM workpump_eviction e WHERE e.instance_id = p_instance_id;
+    IF FOUND THEN
+        RAISE EXCEPTION '% refused instance %: it was evicted at % (%).',
+            p_function, p_instance_id, v_evicted_at, v_reason
+            USING ERRCODE = 'WP001',
+                  HINT = 'An evicted instance must stop; a restarted process registers under a new id.';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM workpump_service_instance si
+                   WHERE si.instance_id = p_instance_id) THEN
+        RAISE EXCEPTION '% refused instance %: it is not registered.', p_function, p_instance_id
+            USING ERRCODE = 'WP001',
+                  HINT = 'Register it with workpump.record_heartbeat first (runworkpump does at start).';
+    END IF;
+END
+$$;
+
+-- Raise unless p_lease_tokens holds one non-NULL token per id of p_ids: every write after
+-- a claim names the attempt it reports on, so an older attempt cannot stand for a newer.
+CREATE FUNCTION workpump.check_lease_tokens(
+    p_function text, p_ids uuid[], p_lease_tokens uuid[]
+) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF coalesce(cardinality(p_lease_tokens), 0) <> coalesce(cardinality(p_ids), 0) THEN
+        RAISE EXCEPTION '% needs one lease token per id: got % ids and % tokens.',
+            p_function, coalesce(cardinality(p_ids), 0), coalesce(cardinality(p_lease_tokens), 0)
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass p_lease_tokens, parallel to p_ids, as claim_work returned them.';
+    END IF;
+    IF array_position(p_lease_tokens, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION '% got a NULL lease token.', p_function
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass the lease_token claim_work returned with each row.';
+    END IF;
+END
+$$;
+
+-- Raise when p_ids holds a NULL work id.
+CREATE FUNCTION workpump.check_ids(p_function text, p_ids uuid[]) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF array_position(p_ids, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION '% got a NULL work id.', p_function
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass the ids of rows claimed by claim_work.';
+    END IF;
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Producers
+-- --------------------------------------------------------------------------------------
+-- Producing work: one call per message, inside the caller's transaction (transactional
+-- outbox). Everything a producer passes is validated here too, so a non-Django producer
+-- gets the same clear errors as django_workpump.send/receive/emit; payloads over a size
+-- or nesting limit are refused at the door, so no row is stored that the pump cannot
+-- decode.
+
+-- Raise unless the topic, payload, priority, max_attempts and partition count of new
+-- work are valid.
+CREATE FUNCTION workpump.check_new_work(
+    p_what text, p_topic text, p_payload jsonb, p_priority integer, p_max_attempts integer,
+    p_partition_count integer
+) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_topic IS NULL OR btrim(p_topic) = '' THEN
+        RAISE EXCEPTION 'The % of new work must be a non-empty name.', p_what
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_payload IS NULL OR jsonb_typeof(p_payload) <> 'object' THEN
+        RAISE EXCEPTION 'The payload of % % must be a JSON object, not %.',
+            p_what, quote_literal(p_topic), coalesce(jsonb_typeof(p_payload), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_priority IS NULL OR p_priority NOT BETWEEN -32768 AND 32767 THEN
+        RAISE EXCEPTION 'The priority of % % must be a smallint, not %.',
+            p_what, quote_literal(p_topic), coalesce(p_priority::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_max_attempts IS NULL OR p_max_attempts < 1 THEN
+        RAISE EXCEPTION 'max_attempts of % % must be at least 1, not %.',
+            p_what, quote_literal(p_topic), coalesce(p_max_attempts::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_partition_count IS NULL OR p_partition_count < 1 THEN
+        RAISE EXCEPTION 'p_partition_count must be at least 1, not %.',
+            coalesce(p_partition_count::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass WORKPUMP[''PARTITION_COUNT''] (10000 by default).';
+    END IF;
+END
+$$;
+
+-- Refuse a payload over p_max_bytes bytes of JSON text (as PostgreSQL prints it) or with
+-- objects and arrays nested more than p_max_depth levels deep (the payload object is
+-- level 1). The depth probe walks at most p_max_depth levels, whatever lies below.
+CREATE FUNCTION workpump.check_payload(
+    p_what text, p_topic text, p_payload jsonb, p_max_bytes bigint, p_max_depth integer
+) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_bytes bigint;
+BEGIN
+    IF p_max_bytes IS NULL OR p_max_bytes < 1 THEN
+        RAISE EXCEPTION 'p_max_payload_bytes must be at least 1, not %.',
+            coalesce(p_max_bytes::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass WORKPUMP[''MAX_PAYLOAD_BYTES''] (1048576 by default).';
+    END IF;
+    IF p_max_depth IS NULL OR p_max_depth NOT BETWEEN 1 AND 512 THEN
+        RAISE EXCEPTION 'p_max_payload_depth must be between 1 and 512 (the deepest payload the pump decodes), not %.',
+            coalesce(p_max_depth::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Leave it out for the default of 100.';
+    END IF;
+    v_bytes := octet_length(p_payload::text);
+    IF v_bytes > p_max_bytes THEN
+        RAISE EXCEPTION 'The payload of % % is % bytes of JSON, over p_max_payload_bytes (%): store large data elsewhere and send a reference to it.',
+            p_what, quote_literal(p_topic), v_bytes, p_max_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- a container at level p_max_depth (the root is level 0) is one level too deep
+    IF jsonb_path_exists(p_payload, format(
+            'strict $.**{%s} ? (@.type() == "object" || @.type() == "array")',
+            p_max_depth)::jsonpath) THEN
+        RAISE EXCEPTION 'The payload of % % nests objects and arrays more than p_max_payload_depth (%) levels deep: flatten it, e.g. into a list of records that name their parent.',
+            p_what, quote_literal(p_topic), p_max_depth
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END
+$$;
+
+-- Store an outbox message for p_destination; return its message id.
+CREATE FUNCTION workpump.send(
+    p_destination text,
+    p_payload jsonb,
+    p_stream text DEFAULT NULL,
+    p_priority integer DEFAULT 0,
+    p_scheduled_for timestamptz DEFAULT NULL,
+    p_max_attempts integer DEFAULT 10,
+    p_message_id uuid DEFAULT NULL,
+    p_partition_count integer DEFAULT 10000,
+    p_max_payload_bytes bigint DEFAULT 1048576,
+    p_max_payload_depth integer DEFAULT 100
+) RETURNS uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_id uuid := coalesce(p_message_id, gen_random_uuid());
+BEGIN
+    PERFORM workpump.check_new_work('outbox destination', p_destination, p_payload,
+                                    p_priority, p_max_attempts, p_partition_count);
+    PERFORM workpump.check_payload('outbox destination', p_destination, p_payload,
+                                   p_max_payload_bytes, p_max_payload_depth);
+    INSERT INTO workpump_outbox (message_id, destination, payload, stream, partition_number,
+                                 priority, scheduled_for, max_attempts)
+    VALUES (v_id, p_destination, p_payload, p_stream,
+            workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
+            p_priority, p_scheduled_for, p_max_attempts);
+    RETURN v_id;
+END
+$$;
+
+-- Store an inbox message once per message id: false, with nothing written, when the id
+-- was received before (within the de-duplication window). p_deduplicate => false skips
+-- the de-duplication row, for producers whose ids are fresh UUIDs (task enqueues): a
+-- repeated id then fails on the inbox's unique message_id instead.
+CREATE FUNCTION workpump.receive(
+    p_message_id uuid,
+    p_handler_name text,
+    p_payload jsonb,
+    p_stream text DEFAULT NULL,
+    p_priority integer DEFAULT 0,
+    p_scheduled_for timestamptz DEFAULT NULL,
+    p_max_attempts integer DEFAULT 10,
+    p_partition_count integer DEFAULT 10000,
+    p_max_payload_bytes bigint DEFAULT 1048576,
+    p_max_payload_depth integer DEFAULT 100,
+    p_deduplicate boolean DEFAULT true
+) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_message_id IS NULL THEN
+        RAISE EXCEPTION 'An inbox message needs a message id: it is what deduplicates it.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.check_new_work('inbox handler', p_handler_name, p_payload,
+                                    p_priority, p_max_attempts, p_partition_count);
+    PERFORM workpump.check_payload('inbox handler', p_handler_name, p_payload,
+                                   p_max_payload_bytes, p_max_payload_depth);
+    IF coalesce(p_deduplicate, true) THEN
+        -- A concurrent receive of the same id waits here for the first one's transaction.
+        INSERT INTO workpump_inbox_dedup (message_id) VALUES (p_message_id)
+        ON CONFLICT (message_id) DO NOTHING;
+        IF NOT FOUND THEN
+            RETURN false;
+        END IF;
+    END IF;
+    INSERT INTO workpump_inbox (message_id, handler_name, payload, stream, partition_number,
+                                priority, scheduled_for, max_attempts)
+    VALUES (p_message_id, p_handler_name, p_payload, p_stream,
+            workpump.partition_of(coalesce(p_stream, p_message_id::text), p_partition_count),
+            p_priority, p_scheduled_for, p_max_attempts);
+    RETURN true;
+END
+$$;
+
+-- Store an event and one work row per subscriber. p_subscribers is a JSON array of
+-- {"category": "perspective_event"|"receptor", "name": ..., "max_attempts": n}.
+-- With no subscribers the event is stored and no work is created.
+CREATE FUNCTION workpump.emit(
+    p_event_type text,
+    p_payload jsonb,
+    p_stream text DEFAULT NULL,
+    p_subscribers jsonb DEFAULT '[]',
+    p_event_id uuid DEFAULT NULL,
+    p_priority integer DEFAULT 0,
+    p_partition_count integer DEFAULT 10000,
+    p_max_payload_bytes bigint DEFAULT 1048576,
+    p_max_payload_depth integer DEFAULT 100
+) RETURNS uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_id uuid := coalesce(p_event_id, gen_random_uuid());
+    v_partition integer;
+    v_bad jsonb;
+BEGIN
+    PERFORM workpump.check_new_work('event type', p_event_type, p_payload, p_priority, 1,
+                                    p_partition_count);
+    PERFORM workpump.check_payload('event type', p_event_type, p_payload,
+                                   p_max_payload_bytes, p_max_payload_depth);
+    v_partition := workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count);
+    IF p_subscribers IS NULL OR jsonb_typeof(p_subscribers) <> 'array' THEN
+        RAISE EXCEPTION 'p_subscribers must be a JSON array of {"category", "name", "max_attempts"}.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT s INTO v_bad FROM jsonb_array_elements(p_subscribers) s
+    WHERE s->>'category' IS DISTINCT FROM 'perspective_event'
+      AND s->>'category' IS DISTINCT FROM 'receptor'
+       OR coalesce(btrim(s->>'name'), '') = ''
+       OR coalesce((s->>'max_attempts')::integer, 10) < 1
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'Bad subscriber % of event %: it needs a category (perspective_event or receptor), a name and max_attempts >= 1.',
+            v_bad, quote_literal(p_event_type)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+
+    INSERT INTO workpump_event (event_id, event_type, payload, stream)
+    VALUES (v_id, p_event_type, p_payload, p_stream);
+
+    INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id, stream,
+                                            partition_number, priority, max_attempts)
+    SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
+           coalesce((s->>'max_attempts')::integer, 10)
+    FROM jsonb_array_elements(p_subscribers) s
+    WHERE s->>'category' = 'perspective_event';
+
+    INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, stream,
+                                              partition_number, priority, max_attempts)
+    SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
+           coalesce((s->>'max_attempts')::integer, 10)
+    FROM jsonb_array_elements(p_subscribers) s
+    WHERE s->>'category' = 'receptor';
+    RETURN v_id;
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Insert triggers of the work tables
+-- --------------------------------------------------------------------------------------
+-- Before each row: fill partition_number and decide stream_head. A row is its stream's
+-- head iff no undone row of its ordering scope exists; the stream lock makes that check
+-- and complete_work's promotion of the next head mutually exclusive, so exactly one
+-- undone row per stream is a head, and rows become heads in commit order.
+--
+-- After each statement: one NOTIFY per category, delivered at commit.
+
+-- Before each row of a work table; TG_ARGV[0] is its category.
+CREATE FUNCTION workpump.before_insert_work() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_category text := TG_ARGV[0];
+BEGIN
+    IF NEW.partition_number IS NULL THEN
+        NEW.partition_number := workpump.partition_of(
+            coalesce(NEW.stream, NEW.seq::text),
+            coalesce(nullif(current_setting('workpump.partition_count', true), '')::integer, 10000)
+        );
+    END IF;
+    IF NEW.stream IS NULL THEN
+        NEW.stream_head := true;
+        RETURN NEW;
+    END IF;
+    -- Each branch is its own statement so plpgsql only parses the columns of this table.
+    IF v_category = 'outbox' THEN
+        PERFORM workpump.lock_stream(v_category, '', NEW.stream);
+        NEW.stream_head := NOT EXISTS (
+            SELECT 1 FROM workpump_outbox
+            WHERE stream = NEW.stream AND processed_at IS NULL);
+    ELSIF v_category = 'inbox' THEN
+        PERFORM workpump.lock_stream(v_category, '', NEW.stream);
+        NEW.stream_head := NOT EXISTS (
+            SELECT 1 FROM workpump_inbox
+            WHERE stream = NEW.stream AND processed_at IS NULL);
+    ELSIF v_category = 'perspective_event' THEN
+        PERFORM workpump.lock_stream(v_category, NEW.perspective_name, NEW.stream);
+        NEW.stream_head := NOT EXISTS (
+            SELECT 1 FROM workpump_perspective_event
+            WHERE perspective_name = NEW.perspective_name AND stream = NEW.stream
+              AND processed_at IS NULL);
+    ELSE
+        PERFORM workpump.lock_stream(v_category, NEW.receptor_name, NEW.stream);
+        NEW.stream_head := NOT EXISTS (
+            SELECT 1 FROM workpump_receptor_processing
+            WHERE receptor_name = NEW.receptor_name AND stream = NEW.stream
+              AND completed_at IS NULL);
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+-- After each INSERT statement on a work table: NOTIFY workpump_<category>.
+CREATE FUNCTION workpump.notify_inserted_work() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    -- Statement-level: fires once per INSERT statement, and not at all for an empty one.
+    IF EXISTS (SELECT 1 FROM inserted_rows) THEN
+        PERFORM pg_notify('workpump_' || TG_ARGV[0], TG_ARGV[0]);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER workpump_outbox_before_insert BEFORE INSERT ON workpump_outbox
+    FOR EACH ROW EXECUTE FUNCTION workpump.before_insert_work('outbox');
+CREATE TRIGGER workpump_inbox_before_insert BEFORE INSERT ON workpump_inbox
+    FOR EACH ROW EXECUTE FUNCTION workpump.before_insert_work('inbox');
+CREATE TRIGGER workpump_perspective_event_before_insert BEFORE INSERT ON workpump_perspective_event
+    FOR EACH ROW EXECUTE FUNCTION workpump.before_insert_work('perspective_event');
+CREATE TRIGGER workpump_receptor_processing_before_insert BEFORE INSERT ON workpump_receptor_processing
+    FOR EACH ROW EXECUTE FUNCTION workpump.before_insert_work('receptor');
+
+CREATE TRIGGER workpump_outbox_notify AFTER INSERT ON workpump_outbox
+    REFERENCING NEW TABLE AS inserted_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.notify_inserted_work('outbox');
+CREATE TRIGGER workpump_inbox_notify AFTER INSERT ON workpump_inbox
+    REFERENCING NEW TABLE AS inserted_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.notify_inserted_work('inbox');
+CREATE TRIGGER workpump_perspective_event_notify AFTER INSERT ON workpump_perspective_event
+    REFERENCING NEW TABLE AS inserted_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.notify_inserted_work('perspective_event');
+CREATE TRIGGER workpump_receptor_processing_notify AFTER INSERT ON workpump_receptor_processing
+    REFERENCING NEW TABLE AS inserted_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.notify_inserted_work('receptor');
+
+-- --------------------------------------------------------------------------------------
+-- Liveness
+-- --------------------------------------------------------------------------------------
+-- The alive-lock, the rule that says who is live, the heartbeat, eviction of dead
+-- instances and graceful deregistration.
+--
+-- An instance is live iff its heartbeat is fresher than the stale cutoff, or its
+-- alive-lock is held and its heartbeat is fresher than the definitive-dead cutoff. A lock
+-- seen missing is stamped on the instance row (alive_lock_lost_at) and counts only once
+-- a grace (one fast heartbeat interval) has passed: a live instance that lost its
+-- listener beats at once and proves itself. An instance whose lock has been missing for
+-- the grace, with no beat since it was first seen missing, is evicted however fresh its
+-- heartbeat; instance_evictable holds the whole rule. A grace of 0 turns the lock-loss
+-- rules off (heartbeat_table_only observers).
+
+-- alive_lock_key values whose alive-lock some session of this database holds now.
+CREATE FUNCTION workpump.held_alive_lock_keys() RETURNS SETOF integer
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT l.objid::text::integer
+    FROM pg_locks l
+    WHERE l.locktype = 'advisory'
+      AND l.granted
+      AND l.objsubid = 2
+      AND l.classid = workpump.lock_namespace('alive')::oid
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database());
+$$;
+
+-- Take this instance's alive-lock on the calling session (the instance's dedicated
+-- LISTEN connection). False when the instance is not registered yet or another session
+-- holds the lock (a duplicate start). The lock lives as long as the session.
+CREATE FUNCTION workpump.take_alive_lock(p_instance_id uuid) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_key integer;
+BEGIN
+    SELECT alive_lock_key INTO v_key FROM workpump_service_instance
+    WHERE instance_id = p_instance_id;
+    IF v_key IS NULL THEN
+        RETURN false;
+    END IF;
+    RETURN pg_try_advisory_lock(workpump.lock_namespace('alive'), v_key);
+END
+$$;
+
+-- Is this instance's alive-lock held by any session (read from pg_locks)?
+CREATE FUNCTION workpump.alive_lock_held(p_instance_id uuid) RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM workpump_service_instance si
+        WHERE si.instance_id = p_instance_id
+          AND si.alive_lock_key IN (SELECT workpump.held_alive_lock_keys())
+    );
+$$;
+
+-- The live instances under the liveness rule.
+CREATE FUNCTION workpump.live_instances(
+    p_stale_cutoff timestamptz,
+    p_definitive_dead_cutoff timestamptz DEFAULT NULL
+) RETURNS SETOF uuid
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT si.instance_id
+    FROM workpump_service_instance si
+    WHERE si.last_heartbeat_at >= p_stale_cutoff
+       OR (si.last_heartbeat_at >= coalesce(p_definitive_dead_cutoff, '-infinity')
+           AND si.alive_lock_key IN (SELECT workpump.held_alive_lock_keys()));
+$$;
+
+-- The eviction rule, in one place: may an instance with this heartbeat and alive-lock
+-- state be evicted at the given cutoffs? p_lock_lost_cutoff is now minus the grace;
+-- p_fast_lock_loss turns on the rule for a lock lost with no beat since (grace > 0).
+CREATE FUNCTION workpump.instance_evictable(
+    p_last_heartbeat_at timestamptz,
+    p_alive_lock_lost_at timestamptz,
+    p_alive_lock_held boolean,
+    p_stale_cutoff timestamptz,
+    p_definitive_dead_cutoff timestamptz,
+    p_lock_lost_cutoff timestamptz,
+    p_fast_lock_loss boolean
+) RETURNS boolean
+LANGUAGE sql IMMUTABLE
+RETURN coalesce(
+        -- stale, and silent past the definitive cutoff (nothing protects it) or its lock
+        -- missing for the whole grace
+        (p_last_heartbeat_at < p_stale_cutoff
+         AND ((p_definitive_dead_cutoff IS NOT NULL
+               AND p_last_heartbeat_at < p_definitive_dead_cutoff)
+              OR (NOT p_alive_lock_held AND p_alive_lock_lost_at <= p_lock_lost_cutoff)))
+        -- the fast rule: its lock missing for the whole grace, and no beat since the lock
+        -- was first seen missing
+        OR (p_fast_lock_loss AND NOT p_alive_lock_held
+            AND p_alive_lock_lost_at <= p_lock_lost_cutoff
+            AND p_last_heartbeat_at < p_alive_lock_lost_at),
+        false);
+
+-- Stamp alive_lock_lost_at on instances whose alive-lock is not held and clear it on
+-- those that hold it again. A read unless some instance's lock state changed since it
+-- was last seen: the probe that calls it runs every few seconds on every instance.
+CREATE FUNCTION workpump.observe_alive_locks(p_now timestamptz DEFAULT NULL) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_held integer[] := ARRAY(SELECT workpump.held_alive_lock_keys());
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM workpump_service_instance si
+        WHERE (si.alive_lock_lost_at IS NULL) <> (si.alive_lock_key = ANY (v_held))
+    ) THEN
+        RETURN;
+    END IF;
+    UPDATE workpump_service_instance si
+    SET alive_lock_lost_at = CASE WHEN si.alive_lock_key = ANY (v_held) THEN NULL
+                                  ELSE coalesce(p_now, now()) END
+    WHERE (si.alive_lock_lost_at IS NULL) <> (si.alive_lock_key = ANY (v_held));
+END
+$$;
+
+-- The short-cadence probe: note alive-lock changes, then say whether any instance other
+-- than p_instance_id has a heartbeat older than the stale cutoff. The pump now probes
+-- with next_eviction_in; this one stays for instances of an older release during a
+-- rolling deploy.
+CREATE FUNCTION workpump.stale_peer_exists(
+    p_instance_id uuid,
+    p_stale_after_seconds integer,
+    p_now timestamptz DEFAULT NULL
+) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+BEGIN
+    PERFORM workpump.observe_alive_locks(v_now);
+    RETURN EXISTS (
+        SELECT 1 FROM workpump_service_instance
+        WHERE last_heartbeat_at < v_now - make_interval(secs => p_stale_after_seconds)
+          AND instance_id <> p_instance_id);
+END
+$$;
+
+-- The short-cadence probe: note alive-lock changes, then say in how many seconds the
+-- first peer other than p_instance_id becomes evictable: 0 when one is evictable now,
+-- NULL when no peer is on its way (every lock held, every heartbeat fresh). A read
+-- unless some lock state changed. The probe reaps at 0 and otherwise looks again no
+-- later than the answer, so a lost lock is acted on when its grace ends, not at the
+-- next regular probe.
+CREATE FUNCTION workpump.next_eviction_in(
+    p_instance_id uuid,
+    p_stale_after_seconds integer,
+    p_definitively_dead_after_seconds integer,
+    p_lock_loss_grace_seconds double precision,
+    p_now timestamptz DEFAULT NULL
+) RETURNS double precision
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_stale interval := make_interval(secs => p_stale_after_seconds);
+    v_dead interval := make_interval(secs => p_definitively_dead_after_seconds);
+    v_grace interval := make_interval(secs => p_lock_loss_grace_seconds);
+    v_fast boolean := p_lock_loss_grace_seconds > 0;
+    v_held integer[];
+    v_due timestamptz;
+BEGIN
+    IF p_stale_after_seconds IS NULL OR p_stale_after_seconds <= 0
+       OR p_definitively_dead_after_seconds IS NULL
+       OR p_definitively_dead_after_seconds < p_stale_after_seconds
+       OR p_lock_loss_grace_seconds IS NULL OR p_lock_loss_grace_seconds < 0 THEN
+        RAISE EXCEPTION 'next_eviction_in needs 0 < p_stale_after_seconds (%) <= p_definitively_dead_after_seconds (%) and p_lock_loss_grace_seconds >= 0 (%).',
+            p_stale_after_seconds, p_definitively_dead_after_seconds,
+            coalesce(p_lock_loss_grace_seconds::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.observe_alive_locks(v_now);
+    v_held := ARRAY(SELECT workpump.held_alive_lock_keys());
+
+    SELECT min(CASE
+        WHEN workpump.instance_evictable(si.last_heartbeat_at, si.alive_lock_lost_at,
+                                         si.alive_lock_key = ANY (v_held),
+                                         v_now - v_stale, v_now - v_dead, v_now - v_grace,
+                                         v_fast)
+            THEN v_now
+        -- otherwise the earliest time the rule could hold, if nothing changes meanwhile
+        ELSE least(
+            si.last_heartbeat_at + v_dead,
+            CASE WHEN si.alive_lock_key = ANY (v_held) THEN NULL
+                 WHEN v_fast AND si.last_heartbeat_at < si.alive_lock_lost_at
+                     THEN si.alive_lock_lost_at + v_grace
+                 ELSE greatest(si.alive_lock_lost_at + v_grace, si.last_heartbeat_at + v_stale)
+            END)
+        END)
+    INTO v_due
+    FROM workpump_service_instance si
+    WHERE si.instance_id <> p_instance_id;
+
+    -- (greatest ignores a NULL: no peer on its way must stay NULL, not become 0)
+    RETURN CASE WHEN v_due IS NOT NULL
+                THEN greatest(extract(epoch FROM v_due - v_now), 0)::double precision END;
+END
+$$;
+
+-- Evict the instances instance_evictable names at these cutoffs (grace counted from
+-- when each alive-lock was first seen missing). For each evicted instance: a tombstone,
+-- every lease it held released (the open attempt stamped), its streams released, and
+-- one NOTIFY on workpump_orphan so live peers claim the work at once. Returns the
+-- evicted ids. A server that started after p_stale_cutoff evicts nobody: a restart drops
+-- every alive-lock and interrupts every heartbeat, so neither is evidence of death yet.
+CREATE FUNCTION workpump.cleanup_stale_instances(
+    p_stale_cutoff timestamptz,
+    p_definitive_dead_cutoff timestamptz DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL,
+    p_lock_loss_grace_seconds double precision DEFAULT 0
+) RETURNS TABLE (instance_id uuid)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_lock_lost_cutoff timestamptz;
+    v_fast boolean := p_lock_loss_grace_seconds > 0;
+    v_held integer[];
+    v_evicted uuid[];
+    v_category text;
+    v_meta record;
+BEGIN
+    IF p_stale_cutoff IS NULL THEN
+        RAISE EXCEPTION 'cleanup_stale_instances needs p_stale_cutoff.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_lock_loss_grace_seconds IS NULL OR p_lock_loss_grace_seconds < 0 THEN
+        RAISE EXCEPTION 'cleanup_stale_instances needs p_lock_loss_grace_seconds >= 0, not %.',
+            coalesce(p_lock_loss_grace_seconds::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- (a p_now before the server's start, as in tests, is a time before the restart)
+    IF pg_postmaster_start_time() <= v_now AND pg_postmaster_start_time() > p_stale_cutoff THEN
+        RETURN;
+    END IF;
+    v_lock_lost_cutoff := v_now - make_interval(secs => p_lock_loss_grace_seconds);
+    IF NOT EXISTS (SELECT 1 FROM workpump_service_instance si
+                   WHERE si.last_heartbeat_at < p_stale_cutoff
+                      OR (v_fast AND si.last_heartbeat_at < si.alive_lock_lost_at
+                          AND si.alive_lock_lost_at <= v_lock_lost_cutoff)) THEN
+        RETURN;  -- nobody to evict: a no-op, stamps included (the probe takes them)
+    END IF;
+    PERFORM workpump.observe_alive_locks(v_now);
+    v_held := ARRAY(SELECT workpump.held_alive_lock_keys());
+
+    WITH evicted AS (
+        -- every instance the rule names
+        DELETE FROM workpump_service_instance si
+        WHERE workpump.instance_evictable(si.last_heartbeat_at, si.alive_lock_lost_at,
+                                          si.alive_lock_key = ANY (v_held), p_stale_cutoff,
+                                          p_definitive_dead_cutoff, v_lock_lost_cutoff, v_fast)
+        RETURNING si.instance_id, si.service_name, si.host_name, si.process_id,
+                  si.last_heartbeat_at, si.alive_lock_lost_at
+    ), tombstones AS (
+        -- a tombstone per evicted instance: its next heartbeat is refused
+        INSERT INTO workpump_eviction (instance_id, evicted_at, reason)
+        SELECT e.instance_id, v_now,
+               CASE WHEN e.last_heartbeat_at >= p_stale_cutoff
+                    THEN format('%s@%s pid %s: its alive-lock has been missing since %s with no heartbeat since (last %s)',
+                                e.service_name, e.host_name, e.process_id,
+                                e.alive_lock_lost_at, e.last_heartbeat_at)
+                    ELSE format('%s@%s pid %s: last heartbeat %s is older than the stale cutoff %s%s',
+                                e.service_name, e.host_name, e.process_id, e.last_heartbeat_at,
+                                p_stale_cutoff,
+                                CASE WHEN e.alive_lock_lost_at IS NOT NULL
+                                     THEN format(' and its alive-lock has been missing since %s',
+                                                 e.alive_lock_lost_at)
+                                     ELSE '' END)
+               END
+        FROM evicted e
+        ON CONFLICT ON CONSTRAINT workpump_eviction_pkey DO NOTHING
+    )
+    SELECT coalesce(array_agg(e.instance_id ORDER BY e.instance_id), '{}') INTO v_evicted
+    FROM evicted e;
+
+    IF cardinality(v_evicted) = 0 THEN
+        RETURN;
+    END IF;
+
+    FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
+        v_meta := workpump.work_table(v_category);
+        -- release every lease of the evicted instances; claimed_at stays set so the
+        -- attempt still reads as open (orphaned) until the row is claimed again
+        EXECUTE format(
+            $q$UPDATE %1$I t
+               SET instance_id = NULL, lease_expiry = NULL, lease_renewals = 0,
+                   failure_reason = 'instance_evicted',
+                   last_error = format('attempt %%s ended without a reported outcome: instance %%s was evicted at %%s',
+                                       t.attempts, t.instance_id, $2)
+               WHERE t.instance_id = ANY ($1)$q$,
+            v_meta.tbl)
+        USING v_evicted, v_now;
+    END LOOP;
+
+    UPDATE workpump_active_stream s
+    SET owner_instance_id = NULL, lease_expiry = NULL
+    WHERE s.owner_instance_id = ANY (v_evicted);
+
+    PERFORM pg_notify('workpump_orphan', 'evicted');
+    RETURN QUERY SELECT unnest(v_evicted);
+END
+$$;
+
+-- cleanup_stale_instances with a 100 ms lock timeout, restored when this returns (a SET
+-- clause, so the caller's own lock_timeout is untouched either way).
+CREATE FUNCTION workpump.reap_without_waiting(
+    p_stale_cutoff timestamptz,
+    p_definitive_dead_cutoff timestamptz,
+    p_now timestamptz DEFAULT NULL,
+    p_lock_loss_grace_seconds double precision DEFAULT 0
+) RETURNS SETOF uuid
+LANGUAGE sql
+SET search_path FROM CURRENT
+SET lock_timeout = '100ms'
+AS $$
+    SELECT instance_id
+    FROM workpump.cleanup_stale_instances(p_stale_cutoff, p_definitive_dead_cutoff, p_now,
+                                          p_lock_loss_grace_seconds);
+$$;
+
+-- Record a heartbeat: upsert the instance row with last_heartbeat_at = now, and stamp
+-- alive_lock_lost_at with now when this instance's alive-lock is not held (clear it when
+-- it is): a beat without the lock proves the instance outlived the loss, so only its
+-- heartbeat's age can evict it from here on. False, with nothing written, when the
+-- instance was evicted (it must stop claiming and exit). Then, if another instance may
+-- be evictable, evict without waiting on row locks.
+CREATE FUNCTION workpump.record_heartbeat(
+    p_instance_id uuid,
+    p_service_name text,
+    p_host_name text,
+    p_process_id integer,
+    p_metadata jsonb DEFAULT '{}',
+    p_stale_after_seconds integer DEFAULT 30,
+    p_definitively_dead_after_seconds integer DEFAULT 300,
+    p_now timestamptz DEFAULT NULL,
+    p_lock_loss_grace_seconds double precision DEFAULT 0
+) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_stale_cutoff timestamptz := v_now - make_interval(secs => p_stale_after_seconds);
+    v_dead_cutoff timestamptz := v_now - make_interval(secs => p_definitively_dead_after_seconds);
+    v_held integer[];
+BEGIN
+    IF p_instance_id IS NULL THEN
+        RAISE EXCEPTION 'record_heartbeat needs p_instance_id.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_stale_after_seconds IS NULL OR p_stale_after_seconds <= 0
+       OR p_definitively_dead_after_seconds IS NULL
+       OR p_definitively_dead_after_seconds < p_stale_after_seconds THEN
+        RAISE EXCEPTION 'record_heartbeat needs 0 < p_stale_after_seconds (%) <= p_definitively_dead_after_seconds (%).',
+            p_stale_after_seconds, p_definitively_dead_after_seconds
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_lock_loss_grace_seconds IS NULL OR p_lock_loss_grace_seconds < 0 THEN
+        RAISE EXCEPTION 'record_heartbeat needs p_lock_loss_grace_seconds >= 0, not %.',
+            coalesce(p_lock_loss_grace_seconds::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF EXISTS (SELECT 1 FROM workpump_eviction WHERE instance_id = p_instance_id) THEN
+        RETURN false;
+    END IF;
+    v_held := ARRAY(SELECT workpump.held_alive_lock_keys());
+
+    UPDATE workpump_service_instance
+    SET last_heartbeat_at = v_now, metadata = coalesce(p_metadata, '{}'),
+        service_name = p_service_name, host_name = p_host_name, process_id = p_process_id,
+        alive_lock_lost_at = CASE WHEN alive_lock_key = ANY (v_held) THEN NULL ELSE v_now END
+    WHERE instance_id = p_instance_id;
+    IF NOT FOUND THEN
+        -- only a new registration draws an alive-lock key, so keys are not burnt per beat;
+        -- its lock is taken after this beat, so it starts stamped as missing
+        INSERT INTO workpump_service_instance (instance_id, service_name, host_name, process_id,
+                                               started_at, last_heartbeat_at, metadata,
+                                               alive_lock_key, alive_lock_lost_at)
+        VALUES (p_instance_id, p_service_name, p_host_name, p_process_id, v_now, v_now,
+                coalesce(p_metadata, '{}'), nextval('workpump.alive_lock_key_seq'), v_now)
+        ON CONFLICT (instance_id) DO UPDATE
+            SET last_heartbeat_at = excluded.last_heartbeat_at, metadata = excluded.metadata,
+                alive_lock_lost_at = CASE WHEN workpump_service_instance.alive_lock_key = ANY (v_held)
+                                          THEN NULL ELSE excluded.last_heartbeat_at END;
+    END IF;
+
+    -- An eviction that committed while this beat waited for the row must still win:
+    -- look again with a fresh snapshot and undo the resurrection.
+    IF EXISTS (SELECT 1 FROM workpump_eviction WHERE instance_id = p_instance_id) THEN
+        DELETE FROM workpump_service_instance WHERE instance_id = p_instance_id;
+        RETURN false;
+    END IF;
+
+    -- a peer is stale, or (the fast rule) lost its lock a grace ago with no beat since
+    IF EXISTS (SELECT 1 FROM workpump_service_instance si
+               WHERE si.instance_id <> p_instance_id
+                 AND (si.last_heartbeat_at < v_stale_cutoff
+                      OR (p_lock_loss_grace_seconds > 0
+                          AND si.last_heartbeat_at < si.alive_lock_lost_at
+                          AND si.alive_lock_lost_at
+                              <= v_now - make_interval(secs => p_lock_loss_grace_seconds)))) THEN
+        BEGIN
+            -- a heartbeat never waits on a claim's row locks: give up and let the next
+            -- beat or maintenance reap
+            PERFORM workpump.reap_without_waiting(v_stale_cutoff, v_dead_cutoff, v_now,
+                                                  p_lock_loss_grace_seconds);
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            NULL;
+        END;
+    END IF;
+    RETURN true;
+END
+$$;
+
+-- Graceful shutdown: release every row this instance holds (they never started, so the
+-- attempt is given back) and its streams, then delete its instance row. Returns the
+-- number of rows released.
+CREATE FUNCTION workpump.deregister_instance(
+    p_instance_id uuid,
+    p_now timestamptz DEFAULT NULL
+) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_category text;
+    v_meta record;
+    v_count integer;
+    v_total integer := 0;
+BEGIN
+    FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
+        v_meta := workpump.work_table(v_category);
+        EXECUTE format(
+            $q$UPDATE %1$I t
+               SET instance_id = NULL, lease_expiry = NULL, lease_renewals = 0,
+                   claimed_at = NULL, attempts = greatest(t.attempts - 1, 0)
+               WHERE t.instance_id = $1 AND t.%2$I IS NULL$q$,
+            v_meta.tbl, v_meta.done_col)
+        USING p_instance_id;
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        v_total := v_total + v_count;
+    END LOOP;
+    UPDATE workpump_active_stream SET owner_instance_id = NULL, lease_expiry = NULL
+    WHERE owner_instance_id = p_instance_id;
+    DELETE FROM workpump_service_instance WHERE instance_id = p_instance_id;
+    IF v_total > 0 THEN
+        PERFORM pg_notify('workpump_orphan', 'released');
+    END IF;
+    RETURN v_total;
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Claiming
+-- --------------------------------------------------------------------------------------
+-- A row is claimable iff it is its stream's head, not done, not dead, of a topic the
+-- claimer names, and either ready (unowned, not scheduled) or its timer passed (lease
+-- expired, or retry/deferral due). Ready rows are found through the _ready index, timers
+-- through the _timer index; both are partial indexes whose predicates the queries below
+-- repeat word for word. A stream whose head the claimer cannot run waits whole. Each
+-- claimed row gets a fresh lease token; an evicted or unregistered instance claims
+-- nothing (SQLSTATE WP001).
+
+-- Lease up to p_limit claimable rows of one category whose topic is in p_topics (NULL:
+-- any topic) to p_instance_id, in three passes: expired leases and due timers first,
+-- then ready rows of this instance's partition share, then (only if the budget is not
+-- used up) ready rows of anyone's share. Each leased row gets a new lease token. Rows
+-- that already used max_attempts are dead-lettered instead of leased.
+CREATE FUNCTION workpump.claim_category(
+    p_category text,
+    p_instance_id uuid,
+    p_limit integer,
+    p_lease_expiry timestamptz,
+    p_now timestamptz,
+    p_rank integer DEFAULT 0,
+    p_live_count integer DEFAULT 1,
+    p_topics text[] DEFAULT NULL
+) RETURNS SETOF workpump.leased_work
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_has_event boolean := v_meta.scope_col IS NOT NULL;
+    v_topic_filter text := CASE WHEN p_topics IS NULL THEN ''
+                                ELSE format('AND t.%I = ANY ($8)', v_meta.topic_col) END;
+    v_candidates text[];
+    v_candidate text;
+    v_statement text;
+    v_remaining integer := p_limit;
+    v_count integer;
+BEGIN
+    v_candidates := ARRAY[
+        -- timers: leases that expired, retries and deferrals that fell due
+        format($q$
+            SELECT t.seq FROM %1$I t
+            WHERE t.%2$I IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+              AND coalesce(t.lease_expiry, t.scheduled_for) <= $4
+              %3$s
+            ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+            LIMIT $2
+            FOR UPDATE OF t SKIP LOCKED$q$, v_meta.tbl, v_meta.done_col, v_topic_filter)
+    ];
+    IF p_live_count > 1 THEN
+        -- this instance's share: partition_number mod live_count = rank
+        v_candidates := v_candidates || format($q$
+            SELECT t.seq FROM %1$I t
+            WHERE t.%2$I IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND t.partition_number %% $6 = $5
+              %3$s
+            ORDER BY t.priority DESC, t.seq
+            LIMIT $2
+            FOR UPDATE OF t SKIP LOCKED$q$, v_meta.tbl, v_meta.done_col, v_topic_filter);
+    END IF;
+    -- anyone's share: no row waits on a busy peer
+    v_candidates := v_candidates || format($q$
+        SELECT t.seq FROM %1$I t
+        WHERE t.%2$I IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+          AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+          %3$s
+        ORDER BY t.priority DESC, t.seq
+        LIMIT $2
+        FOR UPDATE OF t SKIP LOCKED$q$, v_meta.tbl, v_meta.done_col, v_topic_filter);
+
+    FOREACH v_candidate IN ARRAY v_candidates LOOP
+        EXIT WHEN v_remaining <= 0;
+        v_statement := format($q$
+            WITH cand AS (%1$s),
+            claimed AS (
+                -- lease each candidate (one attempt more, a new token), or park it when
+                -- its attempts are used up; an expired lease taken over is stamped as an
+                -- attempt that ended without an outcome
+                UPDATE %2$I t SET
+                    attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+                    instance_id = CASE WHEN t.attempts < t.max_attempts THEN $1 END,
+                    lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN $3 END,
+                    lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+                    claimed_at = CASE WHEN t.attempts < t.max_attempts THEN $4 END,
+                    dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN $4 END,
+                    lease_renewals = 0,
+                    scheduled_for = NULL,
+                    failure_reason = CASE
+                        WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                        WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                        ELSE t.failure_reason END,
+                    last_error = CASE
+                        WHEN t.instance_id IS NOT NULL THEN format(
+                            'attempt %%s ended without a reported outcome: the lease of instance %%s expired at %%s',
+                            t.attempts, t.instance_id, t.lease_expiry)
+                        ELSE t.last_error END
+                FROM cand WHERE t.seq = cand.seq
+                RETURNING t.seq, t.%3$I AS work_id, t.%4$I AS topic, %5$s AS payload,
+                          t.stream, %6$s AS scope, t.partition_number, t.attempts,
+                          t.max_attempts, t.lease_expiry, %7$s AS event_id, t.priority,
+                          t.claimed_at, t.lease_token, t.dead_lettered_at IS NOT NULL AS dead
+            ),
+            pinned AS (
+                -- the claimer owns each ordered stream it now works on (sorted: one
+                -- lock order for all claimers)
+                INSERT INTO workpump_active_stream AS s
+                    (category, scope, stream, partition_number, owner_instance_id,
+                     lease_expiry, created_at, last_activity_at)
+                SELECT DISTINCT ON (c.scope, c.stream)
+                       $7, c.scope, c.stream, c.partition_number, $1, $3, $4, $4
+                FROM claimed c
+                WHERE c.stream IS NOT NULL AND NOT c.dead
+                ORDER BY c.scope, c.stream
+                ON CONFLICT (category, scope, stream) DO UPDATE
+                    SET owner_instance_id = excluded.owner_instance_id,
+                        lease_expiry = excluded.lease_expiry,
+                        last_activity_at = excluded.last_activity_at
+            )
+            SELECT $7::text, c.work_id, c.topic, %8$s, c.stream, c.attempts, c.max_attempts,
+                   c.lease_expiry, c.event_id, %9$s, c.priority::integer, c.claimed_at,
+                   c.lease_token
+            FROM claimed c %10$s
+            WHERE NOT c.dead
+            ORDER BY c.priority DESC, c.seq$q$,
+            v_candidate,
+            v_meta.tbl,
+            v_meta.key_col,
+            v_meta.topic_col,
+            CASE WHEN v_has_event THEN 'NULL::jsonb' ELSE 't.payload' END,
+            CASE WHEN v_has_event THEN 't.' || quote_ident(v_meta.scope_col) ELSE '''''' END,
+            CASE WHEN v_has_event THEN 't.event_id' ELSE 'NULL::uuid' END,
+            CASE WHEN v_has_event THEN 'e.payload' ELSE 'c.payload' END,
+            CASE WHEN v_has_event THEN 'e.event_type' ELSE 'NULL::text' END,
+            CASE WHEN v_has_event THEN 'JOIN workpump_event e ON e.event_id = c.event_id'
+                 ELSE '' END);
+        RETURN QUERY EXECUTE v_statement
+            USING p_instance_id, v_remaining, p_lease_expiry, p_now, p_rank, p_live_count,
+                  p_category, p_topics;
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        v_remaining := v_remaining - v_count;
+    END LOOP;
+END
+$$;
+
+-- The topics of p_category that p_topics names (NULL: every topic). p_topics maps each
+-- category to the topics the claimer has handlers for; a category it leaves out, or maps
+-- to an empty list, has none.
+CREATE FUNCTION workpump.claim_topics(p_topics jsonb, p_category text) RETURNS text[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path FROM CURRENT
+RETURN CASE WHEN p_topics IS NULL THEN NULL
+            ELSE ARRAY(SELECT jsonb_array_elements_text(coalesce(p_topics -> p_category, '[]')))
+       END;
+
+-- Lease up to p_max_rows claimable rows of the given categories (all when NULL) and of
+-- the topics p_topics names (all when NULL; e.g. '{"outbox": ["emails.welcome"],
+-- "inbox": ["stripe.webhook"]}') to p_instance_id for p_lease_seconds, each with a new
+-- lease_token that every later write about the row must pass back. Raises SQLSTATE WP001
+-- when p_instance_id is evicted or not registered. A category is only claimed from when
+-- its two index probes find something, so an idle system costs a few probes and no writes.
+-- has_more is true on the rows of a category that filled its share of the budget (the
+-- caller should poll again at once); a NOTICE 'workpump.has_more=true' says the same.
+CREATE FUNCTION workpump.claim_work(
+    p_instance_id uuid,
+    p_max_rows integer DEFAULT 100,
+    p_lease_seconds integer DEFAULT 300,
+    p_partition_count integer DEFAULT 10000,
+    p_categories text[] DEFAULT NULL,
+    p_stale_after_seconds integer DEFAULT 30,
+    p_definitively_dead_after_seconds integer DEFAULT 300,
+    p_now timestamptz DEFAULT NULL,
+    p_topics jsonb DEFAULT NULL
+) RETURNS TABLE (
+    category text,
+    work_id uuid,
+    topic text,
+    payload jsonb,
+    stream text,
+    attempts integer,
+    max_attempts integer,
+    lease_expiry timestamptz,
+    event_id uuid,
+    event_type text,
+    priority integer,
+    claimed_at timestamptz,
+    lease_token uuid,
+    has_more boolean
+)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_categories text[] := coalesce(p_categories,
+                                    ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']);
+    v_category text;
+    v_outbox_topics text[];
+    v_inbox_topics text[];
+    v_perspective_topics text[];
+    v_receptor_topics text[];
+    v_with_work text[] := '{}';
+    v_full text[] := '{}';
+    v_rank integer;
+    v_live_count integer;
+    v_remaining integer := p_max_rows;
+    v_left integer;
+    v_quota integer;
+    v_rows workpump.leased_work[];
+    v_count integer;
+    v_any_more boolean := false;
+    v_start integer;
+BEGIN
+    IF p_instance_id IS NULL THEN
+        RAISE EXCEPTION 'claim_work needs p_instance_id.' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_max_rows IS NULL OR p_max_rows < 1 THEN
+        RAISE EXCEPTION 'claim_work needs p_max_rows >= 1, not %.', coalesce(p_max_rows::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_lease_seconds IS NULL OR p_lease_seconds < 1 THEN
+        RAISE EXCEPTION 'claim_work needs p_lease_seconds >= 1, not %.', coalesce(p_lease_seconds::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_partition_count IS NULL OR p_partition_count < 1 THEN
+        RAISE EXCEPTION 'claim_work needs p_partition_count >= 1, not %.', coalesce(p_partition_count::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    FOREACH v_category IN ARRAY v_categories LOOP
+        PERFORM workpump.check_category(v_category);
+    END LOOP;
+    IF p_topics IS NOT NULL AND (
+        jsonb_typeof(p_topics) <> 'object'
+        OR EXISTS (SELECT 1 FROM jsonb_each(p_topics) e
+                   WHERE e.key NOT IN ('outbox', 'inbox', 'perspective_event', 'receptor')
+                      OR jsonb_typeof(e.value) <> 'array'
+                      OR EXISTS (SELECT 1 FROM jsonb_array_elements(e.value) v
+                                 WHERE jsonb_typeof(v) <> 'string'))) THEN
+        RAISE EXCEPTION 'claim_work needs p_topics as an object of category: [topic, ...], not %.', p_topics
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'E.g. {"outbox": ["emails.welcome"], "inbox": ["stripe.webhook"]}; categories: outbox, inbox, perspective_event, receptor.';
+    END IF;
+    PERFORM workpump.check_instance('claim_work', p_instance_id);
+    v_outbox_topics := workpump.claim_topics(p_topics, 'outbox');
+    v_inbox_topics := workpump.claim_topics(p_topics, 'inbox');
+    v_perspective_topics := workpump.claim_topics(p_topics, 'perspective_event');
+    v_receptor_topics := workpump.claim_topics(p_topics, 'receptor');
+
+    -- Per-category guards: two index probes each (ready rows, due timers), of the topics
+    -- the claimer can run. The ORDER BY of each probe is its index's order: it keeps the
+    -- planner on the partial index (an EXISTS may be planned as a scan of the whole table).
+    IF 'outbox' = ANY (v_categories) AND coalesce(cardinality(v_outbox_topics) > 0, true) AND (
+        (SELECT 1 FROM workpump_outbox t
+                WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+                  AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics))
+                ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM workpump_outbox t
+                   WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                     AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+                     AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics))
+                   ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
+        v_with_work := v_with_work || 'outbox'::text;
+    END IF;
+    IF 'inbox' = ANY (v_categories) AND coalesce(cardinality(v_inbox_topics) > 0, true) AND (
+        (SELECT 1 FROM workpump_inbox t
+                WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+                  AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics))
+                ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM workpump_inbox t
+                   WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                     AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+                     AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics))
+                   ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
+        v_with_work := v_with_work || 'inbox'::text;
+    END IF;
+    IF 'perspective_event' = ANY (v_categories)
+       AND coalesce(cardinality(v_perspective_topics) > 0, true) AND (
+        (SELECT 1 FROM workpump_perspective_event t
+                WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+                  AND (v_perspective_topics IS NULL
+                       OR t.perspective_name = ANY (v_perspective_topics))
+                ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM workpump_perspective_event t
+                   WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                     AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+                     AND (v_perspective_topics IS NULL
+                          OR t.perspective_name = ANY (v_perspective_topics))
+                   ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
+        v_with_work := v_with_work || 'perspective_event'::text;
+    END IF;
+    IF 'receptor' = ANY (v_categories) AND coalesce(cardinality(v_receptor_topics) > 0, true) AND (
+        (SELECT 1 FROM workpump_receptor_processing t
+                WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+                  AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics))
+                ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM workpump_receptor_processing t
+                   WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                     AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+                     AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+                     AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics))
+                   ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
+        v_with_work := v_with_work || 'receptor'::text;
+    END IF;
+    IF cardinality(v_with_work) = 0 THEN
+        RETURN;
+    END IF;
+
+    -- My rank among live instances (myself always counted as live).
+    SELECT count(*)::integer, (count(*) FILTER (WHERE l.id < p_instance_id))::integer
+    INTO v_live_count, v_rank
+    FROM (
+        SELECT workpump.live_instances(
+                   v_now - make_interval(secs => p_stale_after_seconds),
+                   v_now - make_interval(secs => p_definitively_dead_after_seconds)) AS id
+        UNION
+        SELECT p_instance_id
+    ) l;
+
+    -- The budget is shared among the categories with work, starting the round at a
+    -- rotating category (a budget smaller than the categories starves none); leftovers
+    -- go to those that filled their share.
+    v_left := cardinality(v_with_work);
+    v_start := nextval('workpump.claim_rotation_seq') % v_left;
+    v_with_work := v_with_work[v_start + 1:] || v_with_work[:v_start];
+    FOREACH v_category IN ARRAY v_with_work LOOP
+        v_quota := ceil(v_remaining::numeric / v_left)::integer;
+        v_left := v_left - 1;
+        CONTINUE WHEN v_quota <= 0;
+        v_rows := ARRAY(SELECT w FROM workpump.claim_category(
+            v_category, p_instance_id, v_quota,
+            v_now + make_interval(secs => p_lease_seconds), v_now, v_rank, v_live_count,
+            workpump.claim_topics(p_topics, v_category)) w);
+        v_count := coalesce(cardinality(v_rows), 0);
+        v_remaining := v_remaining - v_count;
+        IF v_count >= v_quota THEN
+            v_full := v_full || v_category;
+        END IF;
+        RETURN QUERY SELECT w.*, v_count >= v_quota FROM unnest(v_rows) w;
+    END LOOP;
+    FOREACH v_category IN ARRAY v_full LOOP
+        IF v_remaining <= 0 THEN
+            v_any_more := true;
+            EXIT;
+        END IF;
+        v_quota := v_remaining;
+        v_rows := ARRAY(SELECT w FROM workpump.claim_category(
+            v_category, p_instance_id, v_quota,
+            v_now + make_interval(secs => p_lease_seconds), v_now, v_rank, v_live_count,
+            workpump.claim_topics(p_topics, v_category)) w);
+        v_count := coalesce(cardinality(v_rows), 0);
+        v_remaining := v_remaining - v_count;
+        v_any_more := v_any_more OR v_count >= v_quota;
+        RETURN QUERY SELECT w.*, v_count >= v_quota FROM unnest(v_rows) w;
+    END LOOP;
+    IF v_any_more THEN
+        RAISE NOTICE 'workpump.has_more=true';
+    END IF;
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Outcomes
+-- --------------------------------------------------------------------------------------
+-- What happens to a leased row afterwards: renewal, completion, failure, release. Every
+-- write is fenced by the caller's instance id and by the lease token of the attempt it
+-- reports on (p_lease_tokens, parallel to p_ids): an outcome of an attempt that no
+-- longer holds the row changes nothing and is reported 'lost'.
+
+-- Make the earliest undone row of each given ordered stream its head, under the
+-- stream lock that producers take too; NOTIFY the category when a head became ready.
+-- Called after the old heads were marked done in the same transaction.
+CREATE FUNCTION workpump.promote_stream_heads(
+    p_category text, p_scopes text[], p_streams text[]
+) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_count integer;
+BEGIN
+    -- lock in one order for every caller; a separate statement so the promotion below
+    -- sees rows that producers committed while this waited
+    PERFORM workpump.lock_stream(p_category, s.scope, s.stream)
+    FROM (SELECT DISTINCT u.scope, u.stream FROM unnest(p_scopes, p_streams) u(scope, stream)
+          WHERE u.stream IS NOT NULL ORDER BY u.scope, u.stream) s;
+
+    EXECUTE format($q$
+        UPDATE %1$I t SET stream_head = true
+        FROM (SELECT DISTINCT u.scope, u.stream
+              FROM unnest($1::text[], $2::text[]) u(scope, stream)
+              WHERE u.stream IS NOT NULL) s
+        CROSS JOIN LATERAL (
+            -- the earliest undone row of the stream, through the _stream index
+            SELECT n.seq FROM %1$I n
+            WHERE %3$s n.stream = s.stream AND n.%2$I IS NULL
+            ORDER BY n.seq LIMIT 1
+        ) h
+        WHERE t.seq = h.seq AND NOT t.stream_head$q$,
+        v_meta.tbl, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''
+             ELSE format('n.%I = s.scope AND', v_meta.scope_col) END)
+    USING p_scopes, p_streams;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    IF v_count > 0 THEN
+        PERFORM pg_notify('workpump_' || p_category, p_category);
+    END IF;
+    RETURN v_count;
+END
+$$;
+
+-- Seconds until the retry after failed attempt number p_attempts: p_base * 2^(n-1),
+-- capped at p_max, plus up to 10% jitter that is stable for a row and attempt (so peers
+-- do not retry in lockstep and tests can predict the range).
+CREATE FUNCTION workpump.retry_delay_seconds(
+    p_key text, p_attempts integer, p_base_seconds integer, p_max_seconds integer
+) RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN least(p_base_seconds * 2 ^ greatest(p_attempts - 1, 0), p_max_seconds)
+       * (1 + (abs(hashtext(p_key || ':' || p_attempts)) % 1000) / 10000.0);
+
+-- Extend the leases of not-done rows to now + p_lease_seconds and count the renewal, for
+-- each p_ids[i] still leased under p_lease_tokens[i]. With p_instance_id only rows that
+-- instance holds, and the instance must be registered and not tombstoned (SQLSTATE WP001
+-- otherwise). Returns the renewed ids with their new expiry; the stream leases of their
+-- streams move with them.
+CREATE FUNCTION workpump.renew_leases(
+    p_category text,
+    p_ids uuid[],
+    p_lease_tokens uuid[],
+    p_lease_seconds integer DEFAULT 300,
+    p_instance_id uuid DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (work_id uuid, lease_expiry timestamptz)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_now timestamptz := coalesce(p_now, now());
+    v_expiry timestamptz;
+BEGIN
+    IF p_lease_seconds IS NULL OR p_lease_seconds < 1 THEN
+        RAISE EXCEPTION 'renew_leases needs p_lease_seconds >= 1, not %.',
+            coalesce(p_lease_seconds::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.check_ids('renew_leases', p_ids);
+    PERFORM workpump.check_lease_tokens('renew_leases', p_ids, p_lease_tokens);
+    IF p_instance_id IS NOT NULL THEN
+        PERFORM workpump.check_instance('renew_leases', p_instance_id);
+    END IF;
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+    v_expiry := v_now + make_interval(secs => p_lease_seconds);
+    RETURN QUERY EXECUTE format($q$
+        WITH renewed AS (
+            -- only leased, undone rows under the attempt's token; only the caller's when
+            -- it says who it is
+            UPDATE %1$I t
+            SET lease_expiry = $3, lease_renewals = t.lease_renewals + 1
+            FROM unnest($1::uuid[], $6::uuid[]) i(id, token)
+            WHERE t.%2$I = i.id AND t.lease_token = i.token AND t.%3$I IS NULL
+              AND t.instance_id IS NOT NULL AND ($2::uuid IS NULL OR t.instance_id = $2)
+            RETURNING t.%2$I AS work_id, t.lease_expiry, t.stream, %4$s AS scope,
+                      t.instance_id
+        ), streams AS (
+            -- the streams' leases follow their rows
+            UPDATE workpump_active_stream s SET lease_expiry = $3, last_activity_at = $4
+            FROM (SELECT DISTINCT r.scope, r.stream, r.instance_id FROM renewed r
+                  WHERE r.stream IS NOT NULL) r
+            WHERE s.category = $5 AND s.scope = r.scope AND s.stream = r.stream
+              AND s.owner_instance_id = r.instance_id
+        )
+        SELECT r.work_id, r.lease_expiry FROM renewed r$q$,
+        v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
+    USING p_ids, p_instance_id, v_expiry, v_now, p_category, p_lease_tokens;
+END
+$$;
+
+-- Mark rows done that p_instance_id still holds under p_lease_tokens[i], storing
+-- p_results[i] (jsonb, may be NULL) as the result of p_ids[i]. Returns every id with
+-- 'done' or 'lost' (not held by the caller under that token any more, or already done).
+-- Completed heads hand over to the next row of their stream.
+CREATE FUNCTION workpump.complete_work(
+    p_instance_id uuid,
+    p_category text,
+    p_ids uuid[],
+    p_lease_tokens uuid[],
+    p_results jsonb[] DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (work_id uuid, status text)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_now timestamptz := coalesce(p_now, now());
+    v_done_ids uuid[];
+    v_done_tokens uuid[];
+    v_scopes text[];
+    v_streams text[];
+BEGIN
+    IF p_instance_id IS NULL THEN
+        RAISE EXCEPTION 'complete_work needs p_instance_id: completion is fenced by the holder.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.check_ids('complete_work', p_ids);
+    PERFORM workpump.check_lease_tokens('complete_work', p_ids, p_lease_tokens);
+    IF p_results IS NOT NULL AND cardinality(p_results) <> cardinality(p_ids) THEN
+        RAISE EXCEPTION 'complete_work got % ids but % results.', cardinality(p_ids), cardinality(p_results)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+
+    EXECUTE format($q$
+        WITH done AS (
+            -- fenced: only undone rows the caller holds under the attempt's token
+            UPDATE %1$I t
+            SET %3$I = $3, instance_id = NULL, lease_expiry = NULL, lease_token = NULL,
+                result = i.result
+            FROM unnest($1::uuid[], $5::uuid[],
+                        coalesce($4::jsonb[], array_fill(NULL::jsonb, ARRAY[cardinality($1)])))
+                 AS i(id, token, result)
+            WHERE t.%2$I = i.id AND t.lease_token = i.token AND t.instance_id = $2
+              AND t.%3$I IS NULL
+            RETURNING t.%2$I AS id, i.token, t.stream, %4$s AS scope
+        )
+        SELECT coalesce(array_agg(d.id), '{}'), coalesce(array_agg(d.token), '{}'),
+               coalesce(array_agg(d.scope), '{}'), coalesce(array_agg(d.stream), '{}')
+        FROM done d$q$,
+        v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
+    INTO v_done_ids, v_done_tokens, v_scopes, v_streams
+    USING p_ids, p_instance_id, v_now, p_results, p_lease_tokens;
+
+    IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
+        PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
+        -- the claimer no longer works on these streams
+        UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
+        FROM unnest(v_scopes, v_streams) u(scope, stream)
+        WHERE s.category = p_category AND s.scope = u.scope AND s.stream = u.stream
+          AND s.owner_instance_id = p_instance_id;
+    END IF;
+
+    RETURN QUERY
+    SELECT i.id,
+           CASE WHEN EXISTS (SELECT 1 FROM unnest(v_done_ids, v_done_tokens) d(id, token)
+                             WHERE d.id = i.id AND d.token = i.token)
+                THEN 'done' ELSE 'lost' END
+    FROM unnest(p_ids, p_lease_tokens) i(id, token);
+END
+$$;
+
+-- Record failed attempts of rows p_instance_id still holds under p_lease_tokens[i]: the
+-- error and reason, the lease released, and a retry scheduled after retry_delay_seconds,
+-- or the row parked as dead when its attempts are used up. Attempts are not bumped: the
+-- claim counted this attempt. Returns every id with 'retry', 'dead' or 'lost'.
+CREATE FUNCTION workpump.fail_work(
+    p_instance_id uuid,
+    p_category text,
+    p_ids uuid[],
+    p_lease_tokens uuid[],
+    p_errors text[],
+    p_reasons text[] DEFAULT NULL,
+    p_retry_base_seconds integer DEFAULT 30,
+    p_retry_max_seconds integer DEFAULT 300,
+    p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (work_id uuid, status text, scheduled_for timestamptz)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_now timestamptz := coalesce(p_now, now());
+BEGIN
+    IF p_instance_id IS NULL THEN
+        RAISE EXCEPTION 'fail_work needs p_instance_id: failure is fenced by the holder.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.check_ids('fail_work', p_ids);
+    PERFORM workpump.check_lease_tokens('fail_work', p_ids, p_lease_tokens);
+    IF coalesce(cardinality(p_errors), 0) <> coalesce(cardinality(p_ids), 0)
+       OR (p_reasons IS NOT NULL AND cardinality(p_reasons) <> cardinality(p_ids)) THEN
+        RAISE EXCEPTION 'fail_work needs one error (and one reason, when given) per id: got % ids, % errors, % reasons.',
+            coalesce(cardinality(p_ids), 0), coalesce(cardinality(p_errors), 0),
+            coalesce(cardinality(p_reasons), 0)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_retry_base_seconds IS NULL OR p_retry_base_seconds < 0
+       OR p_retry_max_seconds IS NULL OR p_retry_max_seconds < 0 THEN
+        RAISE EXCEPTION 'fail_work needs retry seconds >= 0 (got base %, max %).',
+            coalesce(p_retry_base_seconds::text, 'NULL'), coalesce(p_retry_max_seconds::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+
+    RETURN QUERY EXECUTE format($q$
+        WITH input AS (
+            SELECT i.n, i.id, i.token, i.error, coalesce(i.reason, 'handler_error') AS reason
+            FROM unnest($1::uuid[], $9::uuid[], $2::text[],
+                        coalesce($3::text[], array_fill(NULL::text, ARRAY[cardinality($1)])))
+                 WITH ORDINALITY AS i(id, token, error, reason, n)
+        ), failed AS (
+            -- fenced: only undone rows the caller holds under the attempt's token; dead
+            -- when attempts are used up
+            UPDATE %1$I t SET
+                instance_id = NULL, lease_expiry = NULL, lease_token = NULL,
+                lease_renewals = 0, claimed_at = NULL,
+                last_error = i.error,
+                failure_reason = CASE WHEN t.attempts >= t.max_attempts
+                                      THEN 'max_attempts' ELSE i.reason END,
+                dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN $5 END,
+                scheduled_for = CASE
+                    WHEN t.attempts >= t.max_attempts THEN NULL
+                    WHEN $6 = 0 OR $7 = 0 THEN NULL  -- retry at once: straight to ready
+                    ELSE $5 + make_interval(secs => workpump.retry_delay_seconds(
+                        t.%2$I::text, t.attempts, $6, $7)) END
+            FROM input i
+            WHERE t.%2$I = i.id AND t.lease_token = i.token AND t.instance_id = $4
+              AND t.%3$I IS NULL
+            RETURNING t.%2$I AS id, i.token, t.dead_lettered_at IS NOT NULL AS dead,
+                      t.scheduled_for, t.stream, %4$s AS scope
+        ), streams AS (
+            -- the failed rows' streams are no longer worked on by the caller
+            UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
+            FROM failed f
+            WHERE s.category = $8 AND s.scope = f.scope AND s.stream = f.stream
+              AND s.owner_instance_id = $4
+        ), ready_now AS (
+            -- a retry due at once is claimable now: wake the claimers
+            SELECT pg_notify('workpump_' || $8, $8)
+            WHERE EXISTS (SELECT 1 FROM failed f WHERE NOT f.dead AND f.scheduled_for IS NULL)
+        )
+        SELECT i.id,
+               CASE WHEN f.id IS NULL THEN 'lost' WHEN f.dead THEN 'dead' ELSE 'retry' END,
+               f.scheduled_for
+        FROM input i LEFT JOIN failed f ON f.id = i.id AND f.token = i.token
+        LEFT JOIN ready_now ON true
+        ORDER BY i.n$q$,
+        v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
+    USING p_ids, p_errors, p_reasons, p_instance_id, v_now, p_retry_base_seconds,
+          p_retry_max_seconds, p_category, p_lease_tokens;
+END
+$$;
+
+-- Hand back rows p_instance_id holds under p_lease_tokens[i] but never started
+-- (prefetched, or behind a failed row of the same stream): lease released and the
+-- attempt given back. Returns every id with 'released' or 'lost'.
+CREATE FUNCTION workpump.release_work(
+    p_instance_id uuid,
+    p_category text,
+    p_ids uuid[],
+    p_lease_tokens uuid[],
+    p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (work_id uuid, status text)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_released_ids uuid[];
+    v_released_tokens uuid[];
+BEGIN
+    IF p_instance_id IS NULL THEN
+        RAISE EXCEPTION 'release_work needs p_instance_id: release is fenced by the holder.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.check_ids('release_work', p_ids);
+    PERFORM workpump.check_lease_tokens('release_work', p_ids, p_lease_tokens);
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+    EXECUTE format($q$
+        WITH released AS (
+            -- fenced: only undone rows the caller holds under the attempt's token
+            UPDATE %1$I t
+            SET instance_id = NULL, lease_expiry = NULL, lease_token = NULL,
+                lease_renewals = 0, claimed_at = NULL,
+                attempts = greatest(t.attempts - 1, 0)
+            FROM unnest($1::uuid[], $4::uuid[]) i(id, token)
+            WHERE t.%2$I = i.id AND t.lease_token = i.token AND t.instance_id = $2
+              AND t.%3$I IS NULL
+            RETURNING t.%2$I AS id, i.token, t.stream, %4$s AS scope
+        ), streams AS (
+            -- the caller no longer works on these streams
+            UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
+            FROM released r
+            WHERE s.category = $3 AND s.scope = r.scope AND s.stream = r.stream
+              AND s.owner_instance_id = $2
+        )
+        SELECT coalesce(array_agg(r.id), '{}'), coalesce(array_agg(r.token), '{}')
+        FROM released r$q$,
+        v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
+    INTO v_released_ids, v_released_tokens
+    USING p_ids, p_instance_id, p_category, p_lease_tokens;
+    IF cardinality(v_released_ids) > 0 THEN
+        PERFORM pg_notify('workpump_' || p_category, p_category);
+    END IF;
+    RETURN QUERY
+    SELECT i.id,
+           CASE WHEN EXISTS (SELECT 1 FROM unnest(v_released_ids, v_released_tokens) r(id, token)
+                             WHERE r.id = i.id AND r.token = i.token)
+                THEN 'released' ELSE 'lost' END
+    FROM unnest(p_ids, p_lease_tokens) i(id, token);
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Maintenance and retention
+-- --------------------------------------------------------------------------------------
+-- Housekeeping, one instance at a time under the maintenance lock. Processed rows, dead
+-- rows and received message ids are deleted once past their retention; an undone row
+-- that is not dead is never deleted.
+
+-- Take the maintenance lock for this session; false when another instance runs it.
+CREATE FUNCTION workpump.try_maintenance_lock() RETURNS boolean
+LANGUAGE sql
+SET search_path FROM CURRENT
+AS $$ SELECT pg_try_advisory_lock(workpump.lock_namespace('maintenance'), 0); $$;
+
+-- Release the maintenance lock this session holds.
+CREATE FUNCTION workpump.release_maintenance_lock() RETURNS boolean
+LANGUAGE sql
+SET search_path FROM CURRENT
+AS $$ SELECT pg_advisory_unlock(workpump.lock_namespace('maintenance'), 0); $$;
+
+-- Delete up to p_batch rows of a category processed before p_processed_before.
+CREATE FUNCTION workpump.purge_processed(
+    p_category text,
+    p_processed_before timestamptz,
+    p_batch integer DEFAULT 1000
+) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_count integer;
+BEGIN
+    IF p_processed_before IS NULL OR p_batch IS NULL OR p_batch < 1 THEN
+        RAISE EXCEPTION 'purge_processed needs p_processed_before and p_batch >= 1.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    EXECUTE format($q$
+        DELETE FROM %1$I t WHERE t.seq IN (
+            -- oldest processed rows first, through the _done index
+            SELECT d.seq FROM %1$I d
+            WHERE d.%2$I IS NOT NULL AND d.%2$I < $1
+            ORDER BY d.%2$I LIMIT $2
+            FOR UPDATE SKIP LOCKED)$q$,
+        v_meta.tbl, v_meta.done_col)
+    USING p_processed_before, p_batch;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+
+-- Delete up to p_batch events created before p_created_before that no work row points at.
+CREATE FUNCTION workpump.purge_events(
+    p_created_before timestamptz,
+    p_batch integer DEFAULT 1000
+) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    DELETE FROM workpump_event e WHERE e.seq IN (
+        SELECT o.seq FROM workpump_event o
+        WHERE o.created_at < p_created_before
+          AND NOT EXISTS (SELECT 1 FROM workpump_perspective_event p WHERE p.event_id = o.event_id)
+          AND NOT EXISTS (SELECT 1 FROM workpump_receptor_processing r WHERE r.event_id = o.event_id)
+        ORDER BY o.created_at LIMIT p_batch
+        FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+
+-- Delete tombstones older than p_evicted_before.
+CREATE FUNCTION workpump.purge_evictions(p_evicted_before timestamptz) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    DELETE FROM workpump_eviction WHERE evicted_at < p_evicted_before;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+
+-- Delete stream-ownership rows that nobody owns and whose stream has no undone row.
+CREATE FUNCTION workpump.purge_idle_streams(p_batch integer DEFAULT 1000) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    DELETE FROM workpump_active_stream s WHERE s.id IN (
+        SELECT a.id FROM workpump_active_stream a
+        WHERE a.owner_instance_id IS NULL
+          AND NOT CASE a.category
+              WHEN 'outbox' THEN EXISTS (SELECT 1 FROM workpump_outbox t
+                  WHERE t.stream = a.stream AND t.processed_at IS NULL)
+              WHEN 'inbox' THEN EXISTS (SELECT 1 FROM workpump_inbox t
+                  WHERE t.stream = a.stream AND t.processed_at IS NULL)
+              WHEN 'perspective_event' THEN EXISTS (SELECT 1 FROM workpump_perspective_event t
+                  WHERE t.perspective_name = a.scope AND t.stream = a.stream
+                    AND t.processed_at IS NULL)
+              ELSE EXISTS (SELECT 1 FROM workpump_receptor_processing t
+                  WHERE t.receptor_name = a.scope AND t.stream = a.stream
+                    AND t.completed_at IS NULL)
+          END
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+
+-- Delete up to p_batch dead rows (dead-lettered, never done) dead-lettered before
+-- p_dead_before, oldest first. A dead row that headed an ordered stream was blocking it;
+-- once purged, the stream's next row becomes its head and runs.
+CREATE FUNCTION workpump.purge_dead(
+    p_category text,
+    p_dead_before timestamptz,
+    p_batch integer DEFAULT 1000
+) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_count integer;
+    v_scopes text[];
+    v_streams text[];
+BEGIN
+    IF p_dead_before IS NULL OR p_batch IS NULL OR p_batch < 1 THEN
+        RAISE EXCEPTION 'purge_dead needs p_dead_before and p_batch >= 1.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    EXECUTE format($q$
+        WITH purged AS (
+            -- oldest dead rows first, through the _dead index
+            DELETE FROM %1$I t WHERE t.seq IN (
+                SELECT d.seq FROM %1$I d
+                WHERE d.%2$I IS NULL AND d.dead_lettered_at IS NOT NULL
+                  AND d.dead_lettered_at < $1
+                ORDER BY d.dead_lettered_at LIMIT $2
+                FOR UPDATE SKIP LOCKED)
+            RETURNING t.stream, t.stream_head, %3$s AS scope
+        )
+        -- the streams whose blocking head went: their next rows are promoted below
+        SELECT count(*)::integer,
+               array_agg(p.scope) FILTER (WHERE p.stream_head AND p.stream IS NOT NULL),
+               array_agg(p.stream) FILTER (WHERE p.stream_head AND p.stream IS NOT NULL)
+        FROM purged p$q$,
+        v_meta.tbl, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN 'NULL::text'
+             ELSE format('t.%I', v_meta.scope_col) END)
+    INTO v_count, v_scopes, v_streams
+    USING p_dead_before, p_batch;
+    IF v_streams IS NOT NULL THEN
+        PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
+    END IF;
+    RETURN v_count;
+END
+$$;
+
+-- Delete up to p_batch received message ids first seen before p_seen_before whose inbox
+-- row is gone (purged by retention). A message delivered again after that is accepted
+-- as new: the retention is the de-duplication window.
+CREATE FUNCTION workpump.purge_inbox_dedup(
+    p_seen_before timestamptz,
+    p_batch integer DEFAULT 1000
+) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    IF p_seen_before IS NULL OR p_batch IS NULL OR p_batch < 1 THEN
+        RAISE EXCEPTION 'purge_inbox_dedup needs p_seen_before and p_batch >= 1.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    DELETE FROM workpump_inbox_dedup d WHERE d.message_id IN (
+        -- oldest first, through wp_inbox_dedup_seen; never the id of a row still stored
+        SELECT o.message_id FROM workpump_inbox_dedup o
+        WHERE o.first_seen_at < p_seen_before
+          AND NOT EXISTS (SELECT 1 FROM workpump_inbox i WHERE i.message_id = o.message_id)
+        ORDER BY o.first_seen_at LIMIT p_batch
+        FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Operator actions
+-- --------------------------------------------------------------------------------------
+-- What the admin and an operator at psql do. The row actions act on undone rows only and
+-- return the ids they changed; evict_instance has the effects of cleanup_stale_instances
+-- for one named instance, whatever its heartbeat.
+
+-- Make scheduled (retry or deferred) rows claimable now.
+CREATE FUNCTION workpump.retry_now(
+    p_category text, p_ids uuid[], p_now timestamptz DEFAULT NULL
+) RETURNS SETOF uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+BEGIN
+    PERFORM workpump.check_ids('retry_now', p_ids);
+    RETURN QUERY EXECUTE format($q$
+        UPDATE %1$I t SET scheduled_for = NULL
+        WHERE t.%2$I = ANY ($1) AND t.%3$I IS NULL AND t.dead_lettered_at IS NULL
+          AND t.instance_id IS NULL AND t.scheduled_for IS NOT NULL
+        RETURNING t.%2$I$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col)
+    USING p_ids;
+    IF FOUND THEN
+        PERFORM pg_notify('workpump_' || p_category, p_category);
+    END IF;
+END
+$$;
+
+-- Release leases. Rows held by a live instance (liveness rule, default thresholds) are
+-- skipped unless p_force: taking work from a live holder runs it twice.
+CREATE FUNCTION workpump.release_leases(
+    p_category text,
+    p_ids uuid[],
+    p_force boolean DEFAULT false,
+    p_stale_after_seconds integer DEFAULT 30,
+    p_definitively_dead_after_seconds integer DEFAULT 300,
+    p_now timestamptz DEFAULT NULL
+) RETURNS SETOF uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_now timestamptz := coalesce(p_now, now());
+BEGIN
+    PERFORM workpump.check_ids('release_leases', p_ids);
+    RETURN QUERY EXECUTE format($q$
+        WITH released AS (
+            UPDATE %1$I t
+            SET instance_id = NULL, lease_expiry = NULL, lease_renewals = 0,
+                failure_reason = 'operator_released',
+                last_error = format('attempt %%s ended without a reported outcome: lease of instance %%s released by an operator at %%s',
+                                    t.attempts, t.instance_id, $3)
+            FROM (SELECT o.seq, o.instance_id AS holder FROM %1$I o WHERE o.%2$I = ANY ($1)) old
+            WHERE t.seq = old.seq AND t.%3$I IS NULL AND t.instance_id IS NOT NULL
+              AND ($2 OR t.instance_id NOT IN (SELECT workpump.live_instances($4, $5)))
+            RETURNING t.%2$I AS id, t.stream, %4$s AS scope, old.holder
+        ), streams AS (
+            -- the old holder no longer works on these streams
+            UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
+            FROM released r
+            WHERE s.category = $6 AND s.scope = r.scope AND s.stream = r.stream
+              AND s.owner_instance_id = r.holder
+        )
+        SELECT r.id FROM released r$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
+    USING p_ids, coalesce(p_force, false), v_now,
+          v_now - make_interval(secs => p_stale_after_seconds),
+          v_now - make_interval(secs => p_definitively_dead_after_seconds), p_category;
+    IF FOUND THEN
+        PERFORM pg_notify('workpump_' || p_category, p_category);
+    END IF;
+END
+$$;
+
+-- Park rows as dead (they keep blocking their stream until re-queued).
+CREATE FUNCTION workpump.dead_letter(
+    p_category text, p_ids uuid[], p_reason text DEFAULT 'operator', p_now timestamptz DEFAULT NULL
+) RETURNS SETOF uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+BEGIN
+    PERFORM workpump.check_ids('dead_letter', p_ids);
+    RETURN QUERY EXECUTE format($q$
+        WITH parked AS (
+            UPDATE %1$I t
+            SET dead_lettered_at = $2, failure_reason = $3, instance_id = NULL,
+                lease_expiry = NULL, lease_renewals = 0, scheduled_for = NULL
+            FROM (SELECT o.seq, o.instance_id AS holder FROM %1$I o WHERE o.%2$I = ANY ($1)) old
+            WHERE t.seq = old.seq AND t.%3$I IS NULL AND t.dead_lettered_at IS NULL
+            RETURNING t.%2$I AS id, t.stream, %4$s AS scope, old.holder
+        ), streams AS (
+            -- a parked row's holder no longer works on its stream
+            UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
+            FROM parked p
+            WHERE s.category = $4 AND s.scope = p.scope AND s.stream = p.stream
+              AND s.owner_instance_id = p.holder
+        )
+        SELECT p.id FROM parked p$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
+    USING p_ids, coalesce(p_now, now()), coalesce(p_reason, 'operator'), p_category;
+END
+$$;
+
+-- Give dead rows a fresh set of attempts; their last error stays for history.
+CREATE FUNCTION workpump.requeue_dead(
+    p_category text, p_ids uuid[], p_now timestamptz DEFAULT NULL
+) RETURNS SETOF uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+BEGIN
+    PERFORM workpump.check_ids('requeue_dead', p_ids);
+    RETURN QUERY EXECUTE format($q$
+        UPDATE %1$I t
+        SET dead_lettered_at = NULL, attempts = 0, scheduled_for = NULL, claimed_at = NULL
+        WHERE t.%2$I = ANY ($1) AND t.%3$I IS NULL AND t.dead_lettered_at IS NOT NULL
+        RETURNING t.%2$I$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col)
+    USING p_ids;
+    IF FOUND THEN
+        PERFORM pg_notify('workpump_' || p_category, p_category);
+    END IF;
+END
+$$;
+
+-- Evict p_instance_id: tombstone it (its next heartbeat is refused and it exits),
+-- release every lease it holds (the open attempt stamped), release its streams and
+-- NOTIFY workpump_orphan. Returns the number of rows released (0 when it was evicted
+-- before; an unknown id is tombstoned all the same, so it can never register).
+CREATE FUNCTION workpump.evict_instance(
+    p_instance_id uuid,
+    p_reason text DEFAULT 'evicted by an operator',
+    p_now timestamptz DEFAULT NULL
+) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_category text;
+    v_meta record;
+    v_count integer;
+    v_total integer := 0;
+BEGIN
+    IF p_instance_id IS NULL THEN
+        RAISE EXCEPTION 'evict_instance needs p_instance_id.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    DELETE FROM workpump_service_instance WHERE instance_id = p_instance_id;
+    IF NOT FOUND AND EXISTS (SELECT 1 FROM workpump_eviction WHERE instance_id = p_instance_id) THEN
+        RETURN 0;  -- evicted before: nothing left to release
+    END IF;
+    INSERT INTO workpump_eviction (instance_id, evicted_at, reason)
+    VALUES (p_instance_id, v_now, coalesce(p_reason, 'evicted by an operator'))
+    ON CONFLICT (instance_id) DO NOTHING;
+
+    FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
+        v_meta := workpump.work_table(v_category);
+        -- claimed_at stays set: the attempt reads as orphaned until re-claimed
+        EXECUTE format(
+            $q$UPDATE %1$I t
+               SET instance_id = NULL, lease_expiry = NULL, lease_renewals = 0,
+                   failure_reason = 'instance_evicted',
+                   last_error = format('attempt %%s ended without a reported outcome: instance %%s was evicted at %%s (%%s)',
+                                       t.attempts, t.instance_id, $2, $3)
+               WHERE t.instance_id = $1$q$,
+            v_meta.tbl)
+        USING p_instance_id, v_now, coalesce(p_reason, 'evicted by an operator');
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        v_total := v_total + v_count;
+    END LOOP;
+    UPDATE workpump_active_stream SET owner_instance_id = NULL, lease_expiry = NULL
+    WHERE owner_instance_id = p_instance_id;
+    PERFORM pg_notify('workpump_orphan', 'evicted');
+    RETURN v_total;
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Periodic work
+-- --------------------------------------------------------------------------------------
+-- Each slot of a schedule becomes exactly one outbox row, however many instances race
+-- to fire it. The slots themselves (cron in a time zone, or an interval aligned to the
+-- epoch) are computed by the pump; these functions keep the one fact every instance
+-- must agree on, the last slot handled, and move it forward only with a conditional
+-- UPDATE, so that one caller wins each slot.
+
+-- Register a schedule as the code defines it (at pump start): insert it, or update its
+-- definition keeping last_slot and paused. Returns true when the row was created.
+CREATE FUNCTION workpump.upsert_periodic(
+    p_name text,
+    p_cron text DEFAULT NULL,
+    p_every_seconds integer DEFAULT NULL,
+    p_timezone text DEFAULT 'UTC',
+    p_catch_up text DEFAULT 'latest',
+    p_payload jsonb DEFAULT '{}',
+    p_priority integer DEFAULT 0,
+    p_max_attempts integer DEFAULT 10,
+    p_next_fire_at timestamptz DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_created boolean;
+BEGIN
+    IF coalesce(btrim(p_name), '') = '' THEN
+        RAISE EXCEPTION 'upsert_periodic needs p_name, the outbox destination of the schedule.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF (p_cron IS NULL) = (p_every_seconds IS NULL) THEN
+        RAISE EXCEPTION 'Periodic schedule % needs exactly one of p_cron and p_every_seconds.',
+            quote_literal(p_name)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO workpump_periodic_schedule AS s (
+        name, cron, every_seconds, timezone, catch_up, payload, priority, max_attempts,
+        paused, next_fire_at, created_at, registered_at, updated_at)
+    VALUES (p_name, p_cron, p_every_seconds, coalesce(p_timezone, 'UTC'),
+            coalesce(p_catch_up, 'latest'), coalesce(p_payload, '{}'), coalesce(p_priority, 0),
+            coalesce(p_max_attempts, 10), false, p_next_fire_at, v_now, v_now, v_now)
+    ON CONFLICT (name) DO UPDATE
+    SET cron = excluded.cron, every_seconds = excluded.every_seconds,
+        timezone = excluded.timezone, catch_up = excluded.catch_up,
+        payload = excluded.payload, priority = excluded.priority,
+        max_attempts = excluded.max_attempts,
+        next_fire_at = coalesce(excluded.next_fire_at, s.next_fire_at),
+        registered_at = v_now,
+        updated_at = CASE
+            WHEN (s.cron, s.every_seconds, s.timezone, s.catch_up, s.payload, s.priority,
+                  s.max_attempts)
+                 IS DISTINCT FROM
+                 (excluded.cron, excluded.every_seconds, excluded.timezone, excluded.catch_up,
+                  excluded.payload, excluded.priority, excluded.max_attempts)
+            THEN v_now ELSE s.updated_at END
+    RETURNING (xmax = 0) INTO v_created;
+    RETURN v_created;
+END
+$$;
+
+-- Fire slot p_slot of schedule p_name: advance last_slot to it and send the outbox row
+-- (destination p_name, the schedule's payload plus "slot": the slot in ISO-8601 UTC,
+-- its priority and max_attempts) through workpump.send, in one transaction. Only the
+-- caller whose UPDATE moved last_slot forward sends: a racing caller waits for the
+-- winner's commit, finds last_slot no longer before p_slot, and sends nothing. Returns
+-- the message id, or NULL when nothing was sent (slot already handled or later than
+-- now, schedule paused or unknown).
+CREATE FUNCTION workpump.fire_periodic(
+    p_name text,
+    p_slot timestamptz,
+    p_next_fire_at timestamptz DEFAULT NULL,
+    p_partition_count integer DEFAULT 10000,
+    p_max_payload_bytes bigint DEFAULT 1048576,
+    p_now timestamptz DEFAULT NULL
+) RETURNS uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_won record;
+    v_id uuid;
+BEGIN
+    IF p_name IS NULL OR p_slot IS NULL THEN
+        RAISE EXCEPTION 'fire_periodic needs p_name and p_slot.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- the race: only a not-paused schedule whose last slot is before p_slot advances,
+    -- and the row lock makes every other caller re-check after the winner commits
+    UPDATE workpump_periodic_schedule s
+    SET last_slot = p_slot, last_fired_at = v_now,
+        next_fire_at = coalesce(p_next_fire_at, s.next_fire_at)
+    WHERE s.name = p_name AND NOT s.paused
+      AND (s.last_slot IS NULL OR s.last_slot < p_slot)
+      AND p_slot <= v_now
+    RETURNING s.payload, s.priority, s.max_attempts INTO v_won;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- the winner sends: the insert triggers NOTIFY the claimers at commit
+    v_id := workpump.send(
+        p_destination => p_name,
+        p_payload => v_won.payload || jsonb_build_object(
+            'slot', to_char(p_slot AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')),
+        p_priority => v_won.priority,
+        p_max_attempts => v_won.max_attempts,
+        p_partition_count => p_partition_count,
+        p_max_payload_bytes => p_max_payload_bytes);
+    UPDATE workpump_periodic_schedule SET last_message_id = v_id WHERE name = p_name;
+    RETURN v_id;
+END
+$$;
+
+-- Mark slot p_slot of p_name as handled without sending anything (a slot missed under
+-- catch_up 'none', or one that fell due while the schedule was paused). Returns true
+-- when last_slot moved forward.
+CREATE FUNCTION workpump.skip_periodic(
+    p_name text,
+    p_slot timestamptz,
+    p_next_fire_at timestamptz DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    UPDATE workpump_periodic_schedule s
+    SET last_slot = p_slot, next_fire_at = coalesce(p_next_fire_at, s.next_fire_at)
+    WHERE s.name = p_name
+      AND (s.last_slot IS NULL OR s.last_slot < p_slot)
+      AND p_slot <= coalesce(p_now, now());
+    RETURN FOUND;
+END
+$$;
+
+-- Pause (p_paused true) or resume schedules by name; returns the names whose flag
+-- changed. A paused schedule fires nothing; the slots it misses are skipped.
+CREATE FUNCTION workpump.pause_periodic(
+    p_names text[], p_paused boolean DEFAULT true, p_now timestamptz DEFAULT NULL
+) RETURNS SETOF text
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN QUERY
+    UPDATE workpump_periodic_schedule s
+    SET paused = coalesce(p_paused, true), updated_at = coalesce(p_now, now())
+    WHERE s.name = ANY (p_names) AND s.paused IS DISTINCT FROM coalesce(p_paused, true)
+    RETURNING s.name;
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- search_path
+-- --------------------------------------------------------------------------------------
+-- A function that captured the loading session's search_path ("$user", public by
+-- default) could have a table or a built-in shadowed by a temporary table or a schema
+-- named after the calling role. pin_search_path sets each one's search_path to
+-- pg_catalog, the schema that holds the workpump tables, and pg_temp last.
+
+-- Pin the search_path of every workpump function that sets one: pg_catalog first (no
+-- built-in can be shadowed), then the schema of the workpump tables, then pg_temp (a
+-- temporary table can shadow nothing). Idempotent; returns how many functions it set.
+CREATE FUNCTION workpump.pin_search_path() RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_schema name;
+    v_path text;
+    v_function record;
+    v_count integer := 0;
+BEGIN
+    SELECT n.nspname INTO v_schema
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE c.relname = 'workpump_outbox' AND c.relkind IN ('r', 'p')
+    ORDER BY n.nspname = current_schema() DESC
+    LIMIT 1;
+    IF v_schema IS NULL THEN
+        RAISE EXCEPTION 'pin_search_path found no workpump_outbox table: run the workpump migrations first.'
+            USING ERRCODE = 'undefined_table';
+    END IF;
+    v_path := format('pg_catalog, %I, pg_temp', v_schema);
+    FOR v_function IN
+        SELECT p.oid::regprocedure AS signature
+        FROM pg_proc p
+        WHERE p.pronamespace = 'workpump'::regnamespace
+          AND p.proname <> 'pin_search_path'
+          AND EXISTS (SELECT 1 FROM unnest(p.proconfig) c WHERE c LIKE 'search_path=%')
+    LOOP
+        EXECUTE format('ALTER FUNCTION %s SET search_path = %s', v_function.signature, v_path);
+        v_count := v_count + 1;
+    END LOOP;
+    RETURN v_count;
+END
+$$;
+
+SELECT workpump.pin_search_path();
