@@ -1,5 +1,7 @@
-"""System checks for the ``WORKPUMP`` settings dict (DESIGN §9).
+"""System checks for the ``WORKPUMP`` settings dict.
 
+Each key is checked on its own by its kind in ``conf.SETTINGS`` (type, then range), then
+the rules across keys run in order, each only when all its keys passed their own check.
 Ids are stable; tests pin them and the exact message text.
 
 Errors
@@ -28,7 +30,7 @@ Info
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import import_module
 from typing import Any
 
@@ -37,47 +39,10 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Warning, register
 from psycopg.conninfo import conninfo_to_dict
 
-from django_workpump.conf import DEFAULTS
+from django_workpump.conf import DEFAULTS, SETTINGS, Kind, Setting
 
 LIVENESS_MODES = ("advisory_lock_when_available", "heartbeat_table_only")
 POSTGRES_ENGINES = ("django.db.backends.postgresql", "django.contrib.gis.db.backends.postgis")
-
-# Integer keys and their minimum (0 where "none" or "at once" is meaningful).
-_INT_MINIMUMS: dict[str, int] = {
-    "LEASE_SECONDS": 1,
-    "LEASE_GRACE_SECONDS": 0,
-    "MAX_RENEWALS_PER_WORK": 0,
-    "MAX_ATTEMPTS": 1,
-    "RETRY_BACKOFF_BASE_SECONDS": 0,
-    "RETRY_BACKOFF_MAX_SECONDS": 0,
-    "HEARTBEAT_INTERVAL_SECONDS": 1,
-    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 1,
-    "STALE_AFTER_SECONDS": 1,
-    "DEFINITIVELY_DEAD_AFTER_SECONDS": 1,
-    "STALE_PEER_PROBE_INTERVAL_SECONDS": 1,
-    "POLLING_INTERVAL_MS": 1,
-    "POLLING_MAX_INTERVAL_MS": 1,
-    "MAX_STREAMS_PER_BATCH": 1,
-    "PARTITION_COUNT": 1,
-    "CONCURRENCY": 1,
-    "CLAIM_PREFETCH": 0,
-    "RENEWAL_MAX_BATCH": 1,
-    "RENEWAL_COALESCE_WINDOW_MS": 1,
-    "RENEWAL_IMMEDIATE_FLUSH_AT": 1,
-    "RENEWAL_CAPACITY": 1,
-    "RETENTION_SECONDS": 0,
-    "MAINTENANCE_INTERVAL_SECONDS": 1,
-    "SHUTDOWN_TIMEOUT_SECONDS": 0,
-    "MAX_ABANDONED_HANDLERS": 0,
-    "STATUS_INTERVAL_SECONDS": 1,
-    "MAX_PAYLOAD_BYTES": 1,
-}
-_OPTIONAL_INT_MINIMUMS: dict[str, int] = {
-    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 1,
-    "DEAD_RETENTION_SECONDS": 1,
-    "INBOX_DEDUP_RETENTION_SECONDS": 1,
-}
-_BOOL_KEYS = ("HEARTBEAT_ENABLED", "CLAIM_ENABLED", "ENABLE_SAFETY_NET_POLL", "PERIODIC_ENABLED")
 
 
 def _name(key: str) -> str:
@@ -89,67 +54,71 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_key(key: str, value: Any) -> list[CheckMessage]:
-    """Check one key on its own: type first, then range; at most one message."""
-    name = _name(key)
-    default = DEFAULTS[key]
-    if key in _INT_MINIMUMS or key in _OPTIONAL_INT_MINIMUMS:
-        optional = key in _OPTIONAL_INT_MINIMUMS
-        minimum = _OPTIONAL_INT_MINIMUMS[key] if optional else _INT_MINIMUMS[key]
-        if optional and value is None:
-            return []
-        if not _is_int(value):
-            expected = "an integer or None" if optional else "an integer"
-            if isinstance(value, bool):
-                expected += ", not a boolean"
-            return [
-                Error(
-                    f"{name} ({value!r}) must be {expected}.",
-                    hint=f"Set it to a whole number such as {default!r} (the default).",
-                    id="workpump.E003",
-                )
-            ]
-        if value < minimum:
-            return [
-                Error(
-                    f"{name} ({value!r}) must be at least {minimum}.",
-                    hint=f"Set it to {minimum} or more; the default is {default!r}.",
-                    id="workpump.E004",
-                )
-            ]
-        return []
-    if key in _BOOL_KEYS:
-        if not isinstance(value, bool):
-            return [
-                Error(
-                    f"{name} ({value!r}) must be True or False.",
-                    hint=f"Set it to a boolean; the default is {default!r}.",
-                    id="workpump.E003",
-                )
-            ]
-        return []
-    if key == "LIVENESS_SOURCE_MODE":
-        if value not in LIVENESS_MODES:
-            return [
-                Error(
-                    f"{name} ({value!r}) must be {LIVENESS_MODES[0]!r} or {LIVENESS_MODES[1]!r}.",
-                    hint=(
-                        "Use 'heartbeat_table_only' behind a transaction pooler, "
-                        "else 'advisory_lock_when_available'."
-                    ),
-                    id="workpump.E005",
-                )
-            ]
-        return []
-    if key == "DATABASE_ALIAS":
-        return _check_database_alias(value)
-    if key == "LISTEN_DSN":
-        return _check_listen_dsn(value)
-    raise AssertionError(f"no check for {key}")  # a key added to DEFAULTS needs a rule here
+# -- each key on its own, by its kind: type first, then range; at most one message -------
 
 
-def _check_database_alias(value: Any) -> list[CheckMessage]:
-    name = _name("DATABASE_ALIAS")
+def _check_int(setting: Setting, value: Any) -> list[CheckMessage]:
+    """An integer of at least ``setting.minimum`` (or None, for an optional key)."""
+    name = _name(setting.name)
+    minimum = setting.minimum
+    assert minimum is not None  # every "int" setting has one (conf.Setting)
+    if setting.optional and value is None:
+        return []
+    if not _is_int(value):
+        expected = "an integer or None" if setting.optional else "an integer"
+        if isinstance(value, bool):
+            expected += ", not a boolean"
+        return [
+            Error(
+                f"{name} ({value!r}) must be {expected}.",
+                hint=f"Set it to a whole number such as {setting.default!r} (the default).",
+                id="workpump.E003",
+            )
+        ]
+    if value < minimum:
+        return [
+            Error(
+                f"{name} ({value!r}) must be at least {minimum}.",
+                hint=f"Set it to {minimum} or more; the default is {setting.default!r}.",
+                id="workpump.E004",
+            )
+        ]
+    return []
+
+
+def _check_bool(setting: Setting, value: Any) -> list[CheckMessage]:
+    """True or False, not a truthy value."""
+    if not isinstance(value, bool):
+        return [
+            Error(
+                f"{_name(setting.name)} ({value!r}) must be True or False.",
+                hint=f"Set it to a boolean; the default is {setting.default!r}.",
+                id="workpump.E003",
+            )
+        ]
+    return []
+
+
+def _check_liveness_mode(setting: Setting, value: Any) -> list[CheckMessage]:
+    """One of ``LIVENESS_MODES``."""
+    if value not in LIVENESS_MODES:
+        return [
+            Error(
+                f"{_name(setting.name)} ({value!r}) must be "
+                f"{LIVENESS_MODES[0]!r} or {LIVENESS_MODES[1]!r}.",
+                hint=(
+                    "Use 'heartbeat_table_only' behind a transaction pooler, "
+                    "else 'advisory_lock_when_available'."
+                ),
+                id="workpump.E005",
+            )
+        ]
+    return []
+
+
+def _check_database_alias(setting: Setting, value: Any) -> list[CheckMessage]:
+    """The alias of a PostgreSQL database in ``settings.DATABASES``."""
+    name = _name(setting.name)
     if not isinstance(value, str):
         return [
             Error(
@@ -196,8 +165,9 @@ def _is_postgresql(engine: Any) -> bool:
     return getattr(wrapper, "vendor", None) == "postgresql"
 
 
-def _check_listen_dsn(value: Any) -> list[CheckMessage]:
-    name = _name("LISTEN_DSN")
+def _check_dsn(setting: Setting, value: Any) -> list[CheckMessage]:
+    """None, or a libpq connection string that parses."""
+    name = _name(setting.name)
     if value is None:
         return []
     if not isinstance(value, str):
@@ -234,6 +204,15 @@ def _check_listen_dsn(value: Any) -> list[CheckMessage]:
     return []
 
 
+_KIND_CHECKS: dict[Kind, Callable[[Setting, Any], list[CheckMessage]]] = {
+    "int": _check_int,
+    "bool": _check_bool,
+    "liveness_mode": _check_liveness_mode,
+    "database_alias": _check_database_alias,
+    "dsn": _check_dsn,
+}
+
+
 def _check_unknown_key(key: Any) -> CheckMessage:
     matches = difflib.get_close_matches(key, list(DEFAULTS), n=1) if isinstance(key, str) else []
     if matches:
@@ -247,168 +226,194 @@ def _check_unknown_key(key: Any) -> CheckMessage:
     )
 
 
-def _check_combinations(values: Mapping[str, Any], ok: set[str]) -> list[CheckMessage]:
-    """Checks across keys; a rule runs only when all its keys passed their own check."""
+# -- rules across keys, run in the order they are declared ----------------------------------
 
-    def valid(*keys: str) -> bool:
-        return all(key in ok for key in keys)
+Rule = Callable[[Mapping[str, Any]], CheckMessage | None]
+# Each rule with the keys it reads: it runs only when all of them passed their own check.
+_RULES: list[tuple[tuple[str, ...], Rule]] = []
 
-    messages: list[CheckMessage] = []
-    v = values
 
-    if (
-        valid("RENEWAL_IMMEDIATE_FLUSH_AT", "RENEWAL_MAX_BATCH")
-        and v["RENEWAL_IMMEDIATE_FLUSH_AT"] > v["RENEWAL_MAX_BATCH"]
-    ):
-        messages.append(
-            Error(
-                f"{_name('RENEWAL_IMMEDIATE_FLUSH_AT')} ({v['RENEWAL_IMMEDIATE_FLUSH_AT']!r}) "
-                f"must be at most RENEWAL_MAX_BATCH ({v['RENEWAL_MAX_BATCH']!r}).",
-                hint="Lower RENEWAL_IMMEDIATE_FLUSH_AT or raise RENEWAL_MAX_BATCH.",
-                id="workpump.E006",
-            )
-        )
-    if (
-        valid("RENEWAL_MAX_BATCH", "RENEWAL_CAPACITY")
-        and v["RENEWAL_MAX_BATCH"] > v["RENEWAL_CAPACITY"]
-    ):
-        messages.append(
-            Error(
-                f"{_name('RENEWAL_MAX_BATCH')} ({v['RENEWAL_MAX_BATCH']!r}) "
-                f"must be at most RENEWAL_CAPACITY ({v['RENEWAL_CAPACITY']!r}).",
-                hint="Lower RENEWAL_MAX_BATCH or raise RENEWAL_CAPACITY.",
-                id="workpump.E006",
-            )
-        )
+def _rule(*keys: str) -> Callable[[Rule], Rule]:
+    """Declare a rule across ``keys``; rules run in the order of their declaration."""
 
-    if valid("LEASE_SECONDS", "LEASE_GRACE_SECONDS"):
-        lease, grace = v["LEASE_SECONDS"], v["LEASE_GRACE_SECONDS"]
-        if grace >= lease:
-            messages.append(
-                Error(
-                    f"{_name('LEASE_GRACE_SECONDS')} ({grace!r}) "
-                    f"must be less than LEASE_SECONDS ({lease!r}).",
-                    hint=(
-                        "A handler would be cancelled as soon as it starts; "
-                        "lower LEASE_GRACE_SECONDS or raise LEASE_SECONDS."
-                    ),
-                    id="workpump.E007",
-                )
-            )
-        elif lease <= 2 * grace:
-            messages.append(
-                Warning(
-                    f"{_name('LEASE_SECONDS')} ({lease!r}) "
-                    f"should be more than twice LEASE_GRACE_SECONDS ({grace!r}).",
-                    hint=(
-                        "A handler's deadline is LEASE_SECONDS minus LEASE_GRACE_SECONDS, "
-                        "which leaves renewals hardly any time to run; raise LEASE_SECONDS "
-                        "or lower LEASE_GRACE_SECONDS."
-                    ),
-                    id="workpump.W002",
-                )
-            )
+    def declare(rule: Rule) -> Rule:
+        _RULES.append((keys, rule))
+        return rule
 
-    if valid("STALE_AFTER_SECONDS", "HEARTBEAT_INTERVAL_SECONDS"):
-        stale, fast = v["STALE_AFTER_SECONDS"], v["HEARTBEAT_INTERVAL_SECONDS"]
-        if stale < 2 * fast:
-            messages.append(
-                Error(
-                    f"{_name('STALE_AFTER_SECONDS')} ({stale!r}) "
-                    f"must be at least twice HEARTBEAT_INTERVAL_SECONDS ({fast!r}).",
-                    hint=(
-                        f"A live instance whose heartbeat is a little late would be evicted; "
-                        f"raise STALE_AFTER_SECONDS to {2 * fast} or more, "
-                        f"or lower HEARTBEAT_INTERVAL_SECONDS."
-                    ),
-                    id="workpump.E008",
-                )
-            )
+    return declare
 
-    if valid("DEFINITIVELY_DEAD_AFTER_SECONDS", "STALE_AFTER_SECONDS"):
-        dead, stale = v["DEFINITIVELY_DEAD_AFTER_SECONDS"], v["STALE_AFTER_SECONDS"]
-        if dead < stale:
-            messages.append(
-                Error(
-                    f"{_name('DEFINITIVELY_DEAD_AFTER_SECONDS')} ({dead!r}) "
-                    f"must be at least STALE_AFTER_SECONDS ({stale!r}).",
-                    hint=(
-                        "An instance is stale before it is definitively dead; raise "
-                        "DEFINITIVELY_DEAD_AFTER_SECONDS or lower STALE_AFTER_SECONDS."
-                    ),
-                    id="workpump.E009",
-                )
-            )
 
-    if valid(
-        "LIVENESS_SOURCE_MODE", "HEARTBEAT_SLOW_INTERVAL_SECONDS", "DEFINITIVELY_DEAD_AFTER_SECONDS"
-    ):
-        slow, dead = v["HEARTBEAT_SLOW_INTERVAL_SECONDS"], v["DEFINITIVELY_DEAD_AFTER_SECONDS"]
-        if v["LIVENESS_SOURCE_MODE"] == "advisory_lock_when_available" and slow >= dead:
-            messages.append(
-                Error(
-                    f"{_name('HEARTBEAT_SLOW_INTERVAL_SECONDS')} ({slow!r}) "
-                    f"must be less than DEFINITIVELY_DEAD_AFTER_SECONDS ({dead!r}) "
-                    f"when LIVENESS_SOURCE_MODE is 'advisory_lock_when_available'.",
-                    hint=(
-                        "A live instance beating at the slow cadence would be evicted as "
-                        "definitively dead; lower HEARTBEAT_SLOW_INTERVAL_SECONDS or raise "
-                        "DEFINITIVELY_DEAD_AFTER_SECONDS."
-                    ),
-                    id="workpump.E010",
-                )
-            )
+@_rule("RENEWAL_IMMEDIATE_FLUSH_AT", "RENEWAL_MAX_BATCH")
+def _renewal_flush_within_batch(v: Mapping[str, Any]) -> CheckMessage | None:
+    """E006: the renewal batcher's immediate flush size must fit in one batch."""
+    if v["RENEWAL_IMMEDIATE_FLUSH_AT"] <= v["RENEWAL_MAX_BATCH"]:
+        return None
+    return Error(
+        f"{_name('RENEWAL_IMMEDIATE_FLUSH_AT')} ({v['RENEWAL_IMMEDIATE_FLUSH_AT']!r}) "
+        f"must be at most RENEWAL_MAX_BATCH ({v['RENEWAL_MAX_BATCH']!r}).",
+        hint="Lower RENEWAL_IMMEDIATE_FLUSH_AT or raise RENEWAL_MAX_BATCH.",
+        id="workpump.E006",
+    )
 
-    if valid("HEARTBEAT_SLOW_INTERVAL_SECONDS", "HEARTBEAT_INTERVAL_SECONDS"):
-        slow, fast = v["HEARTBEAT_SLOW_INTERVAL_SECONDS"], v["HEARTBEAT_INTERVAL_SECONDS"]
-        if slow < fast:
-            messages.append(
-                Warning(
-                    f"{_name('HEARTBEAT_SLOW_INTERVAL_SECONDS')} ({slow!r}) "
-                    f"should be at least HEARTBEAT_INTERVAL_SECONDS ({fast!r}).",
-                    hint=(
-                        "The slow cadence applies while the alive-lock proves liveness; "
-                        "set it to HEARTBEAT_INTERVAL_SECONDS or more."
-                    ),
-                    id="workpump.W001",
-                )
-            )
 
-    if valid("POLLING_MAX_INTERVAL_MS", "POLLING_INTERVAL_MS"):
-        cap, base = v["POLLING_MAX_INTERVAL_MS"], v["POLLING_INTERVAL_MS"]
-        if cap <= base:
-            messages.append(
-                Info(
-                    f"{_name('POLLING_MAX_INTERVAL_MS')} ({cap!r}) is not above "
-                    f"POLLING_INTERVAL_MS ({base!r}), so backoff is disabled.",
-                    hint=(
-                        "Empty polls will not slow down; raise POLLING_MAX_INTERVAL_MS above "
-                        "POLLING_INTERVAL_MS to let idle instances poll less often."
-                    ),
-                    id="workpump.I001",
-                )
-            )
+@_rule("RENEWAL_MAX_BATCH", "RENEWAL_CAPACITY")
+def _renewal_batch_within_capacity(v: Mapping[str, Any]) -> CheckMessage | None:
+    """E006: one renewal batch must fit in the batcher's buffer."""
+    if v["RENEWAL_MAX_BATCH"] <= v["RENEWAL_CAPACITY"]:
+        return None
+    return Error(
+        f"{_name('RENEWAL_MAX_BATCH')} ({v['RENEWAL_MAX_BATCH']!r}) "
+        f"must be at most RENEWAL_CAPACITY ({v['RENEWAL_CAPACITY']!r}).",
+        hint="Lower RENEWAL_MAX_BATCH or raise RENEWAL_CAPACITY.",
+        id="workpump.E006",
+    )
 
-    if valid("HEARTBEAT_ENABLED") and v["HEARTBEAT_ENABLED"] is False:
-        messages.append(
-            Warning(
-                f"{_name('HEARTBEAT_ENABLED')} (False) stops heartbeats, "
-                f"so peers will evict this instance.",
-                hint="Use it only to drain an instance; set it to True for normal running.",
-                id="workpump.W003",
-            )
-        )
 
-    if valid("CLAIM_ENABLED") and v["CLAIM_ENABLED"] is False:
-        messages.append(
-            Info(
-                f"{_name('CLAIM_ENABLED')} (False) stops this instance from claiming work.",
-                hint="Set it to True to process work again.",
-                id="workpump.I002",
-            )
-        )
+@_rule("LEASE_SECONDS", "LEASE_GRACE_SECONDS")
+def _grace_below_lease(v: Mapping[str, Any]) -> CheckMessage | None:
+    """E007: a handler's deadline (lease minus grace) must lie after its start."""
+    lease, grace = v["LEASE_SECONDS"], v["LEASE_GRACE_SECONDS"]
+    if grace < lease:
+        return None
+    return Error(
+        f"{_name('LEASE_GRACE_SECONDS')} ({grace!r}) must be less than LEASE_SECONDS ({lease!r}).",
+        hint=(
+            "A handler would be cancelled as soon as it starts; "
+            "lower LEASE_GRACE_SECONDS or raise LEASE_SECONDS."
+        ),
+        id="workpump.E007",
+    )
 
-    return messages
+
+@_rule("LEASE_SECONDS", "LEASE_GRACE_SECONDS")
+def _lease_above_twice_grace(v: Mapping[str, Any]) -> CheckMessage | None:
+    """W002: the lease should leave renewals time to run (only when E007 does not apply)."""
+    lease, grace = v["LEASE_SECONDS"], v["LEASE_GRACE_SECONDS"]
+    if grace >= lease or lease > 2 * grace:
+        return None
+    return Warning(
+        f"{_name('LEASE_SECONDS')} ({lease!r}) "
+        f"should be more than twice LEASE_GRACE_SECONDS ({grace!r}).",
+        hint=(
+            "A handler's deadline is LEASE_SECONDS minus LEASE_GRACE_SECONDS, "
+            "which leaves renewals hardly any time to run; raise LEASE_SECONDS "
+            "or lower LEASE_GRACE_SECONDS."
+        ),
+        id="workpump.W002",
+    )
+
+
+@_rule("STALE_AFTER_SECONDS", "HEARTBEAT_INTERVAL_SECONDS")
+def _stale_after_two_heartbeats(v: Mapping[str, Any]) -> CheckMessage | None:
+    """E008: one late heartbeat must not make a live instance stale."""
+    stale, fast = v["STALE_AFTER_SECONDS"], v["HEARTBEAT_INTERVAL_SECONDS"]
+    if stale >= 2 * fast:
+        return None
+    return Error(
+        f"{_name('STALE_AFTER_SECONDS')} ({stale!r}) "
+        f"must be at least twice HEARTBEAT_INTERVAL_SECONDS ({fast!r}).",
+        hint=(
+            f"A live instance whose heartbeat is a little late would be evicted; "
+            f"raise STALE_AFTER_SECONDS to {2 * fast} or more, "
+            f"or lower HEARTBEAT_INTERVAL_SECONDS."
+        ),
+        id="workpump.E008",
+    )
+
+
+@_rule("DEFINITIVELY_DEAD_AFTER_SECONDS", "STALE_AFTER_SECONDS")
+def _dead_after_stale(v: Mapping[str, Any]) -> CheckMessage | None:
+    """E009: an instance is stale before it is definitively dead."""
+    dead, stale = v["DEFINITIVELY_DEAD_AFTER_SECONDS"], v["STALE_AFTER_SECONDS"]
+    if dead >= stale:
+        return None
+    return Error(
+        f"{_name('DEFINITIVELY_DEAD_AFTER_SECONDS')} ({dead!r}) "
+        f"must be at least STALE_AFTER_SECONDS ({stale!r}).",
+        hint=(
+            "An instance is stale before it is definitively dead; raise "
+            "DEFINITIVELY_DEAD_AFTER_SECONDS or lower STALE_AFTER_SECONDS."
+        ),
+        id="workpump.E009",
+    )
+
+
+@_rule("LIVENESS_SOURCE_MODE", "HEARTBEAT_SLOW_INTERVAL_SECONDS", "DEFINITIVELY_DEAD_AFTER_SECONDS")
+def _slow_heartbeat_before_dead(v: Mapping[str, Any]) -> CheckMessage | None:
+    """E010: with the alive-lock, an instance beating slowly must not look definitively dead."""
+    slow, dead = v["HEARTBEAT_SLOW_INTERVAL_SECONDS"], v["DEFINITIVELY_DEAD_AFTER_SECONDS"]
+    if v["LIVENESS_SOURCE_MODE"] != "advisory_lock_when_available" or slow < dead:
+        return None
+    return Error(
+        f"{_name('HEARTBEAT_SLOW_INTERVAL_SECONDS')} ({slow!r}) "
+        f"must be less than DEFINITIVELY_DEAD_AFTER_SECONDS ({dead!r}) "
+        f"when LIVENESS_SOURCE_MODE is 'advisory_lock_when_available'.",
+        hint=(
+            "A live instance beating at the slow cadence would be evicted as "
+            "definitively dead; lower HEARTBEAT_SLOW_INTERVAL_SECONDS or raise "
+            "DEFINITIVELY_DEAD_AFTER_SECONDS."
+        ),
+        id="workpump.E010",
+    )
+
+
+@_rule("HEARTBEAT_SLOW_INTERVAL_SECONDS", "HEARTBEAT_INTERVAL_SECONDS")
+def _slow_heartbeat_not_faster(v: Mapping[str, Any]) -> CheckMessage | None:
+    """W001: the slow heartbeat cadence should not be faster than the fast one."""
+    slow, fast = v["HEARTBEAT_SLOW_INTERVAL_SECONDS"], v["HEARTBEAT_INTERVAL_SECONDS"]
+    if slow >= fast:
+        return None
+    return Warning(
+        f"{_name('HEARTBEAT_SLOW_INTERVAL_SECONDS')} ({slow!r}) "
+        f"should be at least HEARTBEAT_INTERVAL_SECONDS ({fast!r}).",
+        hint=(
+            "The slow cadence applies while the alive-lock proves liveness; "
+            "set it to HEARTBEAT_INTERVAL_SECONDS or more."
+        ),
+        id="workpump.W001",
+    )
+
+
+@_rule("POLLING_MAX_INTERVAL_MS", "POLLING_INTERVAL_MS")
+def _polling_backoff(v: Mapping[str, Any]) -> CheckMessage | None:
+    """I001: a polling cap not above the base disables backoff."""
+    cap, base = v["POLLING_MAX_INTERVAL_MS"], v["POLLING_INTERVAL_MS"]
+    if cap > base:
+        return None
+    return Info(
+        f"{_name('POLLING_MAX_INTERVAL_MS')} ({cap!r}) is not above "
+        f"POLLING_INTERVAL_MS ({base!r}), so backoff is disabled.",
+        hint=(
+            "Empty polls will not slow down; raise POLLING_MAX_INTERVAL_MS above "
+            "POLLING_INTERVAL_MS to let idle instances poll less often."
+        ),
+        id="workpump.I001",
+    )
+
+
+@_rule("HEARTBEAT_ENABLED")
+def _heartbeat_disabled(v: Mapping[str, Any]) -> CheckMessage | None:
+    """W003: without heartbeats peers evict this instance."""
+    if v["HEARTBEAT_ENABLED"] is not False:
+        return None
+    return Warning(
+        f"{_name('HEARTBEAT_ENABLED')} (False) stops heartbeats, "
+        f"so peers will evict this instance.",
+        hint="Use it only to drain an instance; set it to True for normal running.",
+        id="workpump.W003",
+    )
+
+
+@_rule("CLAIM_ENABLED")
+def _claim_disabled(v: Mapping[str, Any]) -> CheckMessage | None:
+    """I002: this instance claims nothing."""
+    if v["CLAIM_ENABLED"] is not False:
+        return None
+    return Info(
+        f"{_name('CLAIM_ENABLED')} (False) stops this instance from claiming work.",
+        hint="Set it to True to process work again.",
+        id="workpump.I002",
+    )
 
 
 def validate_settings() -> list[CheckMessage]:
@@ -425,12 +430,14 @@ def validate_settings() -> list[CheckMessage]:
     messages: list[CheckMessage] = [_check_unknown_key(key) for key in user if key not in DEFAULTS]
     values = {**DEFAULTS, **{k: v for k, v in user.items() if k in DEFAULTS}}
     ok: set[str] = set()
-    for key in DEFAULTS:
-        found = _check_key(key, values[key])
+    for setting in SETTINGS:
+        found = _KIND_CHECKS[setting.kind](setting, values[setting.name])
         messages.extend(found)
         if not found:
-            ok.add(key)
-    messages.extend(_check_combinations(values, ok))
+            ok.add(setting.name)
+    for keys, rule in _RULES:
+        if ok.issuperset(keys) and (message := rule(values)) is not None:
+            messages.append(message)
     return messages
 
 

@@ -1,65 +1,317 @@
-"""The ``WORKPUMP`` settings dict: documented defaults, merged lazily, reset on change.
+"""The ``WORKPUMP`` settings dict: every key declared once, merged lazily, reset on change.
 
-Units are part of every key name. Validation lives in ``checks.py`` so a bad value is
-reported by ``manage.py check`` with an id and a hint instead of failing at import.
+``SETTINGS`` is the one table of keys: each one's default, how ``manage.py check``
+validates it (``checks.py``) and what it means (the README's settings table, rendered by
+``docs/settings_table.py``). Units are part of every key name. Validation lives in
+``checks.py`` so a bad value is reported with an id and a hint instead of failing at import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, Literal
 
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-DEFAULTS: dict[str, Any] = {
-    # Leases (§5).
-    "LEASE_SECONDS": 300,  # a claimed row is held this long unless renewed
-    "LEASE_GRACE_SECONDS": 30,  # a handler is cancelled this long before its DB lease ends
-    "MAX_RENEWALS_PER_WORK": 6,  # renewals a dispatch may use; then its lease is let expire
-    # Failure and retry (§6).
-    "MAX_ATTEMPTS": 10,  # claims before a row is parked as dead (per-handler override)
-    "RETRY_BACKOFF_BASE_SECONDS": 30,  # first retry waits this long, then doubles
-    "RETRY_BACKOFF_MAX_SECONDS": 300,  # cap of the retry wait; 0 retries at once
-    # Liveness (§4).
-    "HEARTBEAT_INTERVAL_SECONDS": 10,  # fast cadence
-    "HEARTBEAT_SLOW_INTERVAL_SECONDS": 60,  # cadence while the alive-lock proves liveness
-    "STALE_AFTER_SECONDS": 30,  # a heartbeat older than this is stale (evictable)
-    "DEFINITIVELY_DEAD_AFTER_SECONDS": 300,  # evicted even if its alive-lock is held
-    "STALE_PEER_PROBE_INTERVAL_SECONDS": 5,  # how often to look for stale peers (a read)
-    "LIVENESS_SOURCE_MODE": "advisory_lock_when_available",  # or "heartbeat_table_only"
-    "HEARTBEAT_ENABLED": True,  # kill switch: False lets peers evict this instance
-    # Claiming (§7).
-    "CLAIM_ENABLED": True,  # kill switch
-    "POLLING_INTERVAL_MS": 250,  # tight base wait between polls
-    "POLLING_MAX_INTERVAL_MS": 10_000,  # backoff cap; <= base disables backoff
-    "NOTIFY_HEALTHY_POLLING_INTERVAL_MS": 5_000,  # relaxed base while NOTIFY works; None = off
-    "ENABLE_SAFETY_NET_POLL": True,  # False + healthy NOTIFY: poll only when woken
-    "MAX_STREAMS_PER_BATCH": 1_000,  # upper bound of rows one claim may return
-    "PARTITION_COUNT": 10_000,  # stream hash space shared out among live instances
-    "CONCURRENCY": 4,  # dispatch threads per instance
-    "CLAIM_PREFETCH": 2,  # rows claimed beyond the free dispatch slots
-    # Lease renewal flusher (§5).
-    "RENEWAL_MAX_BATCH": 200,
-    "RENEWAL_COALESCE_WINDOW_MS": 200,
-    "RENEWAL_IMMEDIATE_FLUSH_AT": 100,
-    "RENEWAL_CAPACITY": 5_000,
-    # Connections (§8).
-    "DATABASE_ALIAS": "default",
-    "LISTEN_DSN": None,  # direct DSN for LISTEN + alive-lock when DATABASE_ALIAS is pooled
-    # Housekeeping and shutdown (§8).
-    "RETENTION_SECONDS": 7 * 24 * 3600,  # processed rows are kept this long, then purged
-    "DEAD_RETENTION_SECONDS": None,  # dead rows are purged this long after; None = kept
-    "INBOX_DEDUP_RETENTION_SECONDS": 30 * 24 * 3600,  # inbox de-duplication window; None = ever
-    "MAINTENANCE_INTERVAL_SECONDS": 300,
-    "SHUTDOWN_TIMEOUT_SECONDS": 30,
-    "MAX_ABANDONED_HANDLERS": 10,  # past this many hung handlers the instance exits
-    "STATUS_INTERVAL_SECONDS": 60,
+# How a key is checked: "int" (at least ``minimum``; None too when ``optional``), "bool",
+# or a check of its own for the keys with one value set ("liveness_mode") or a
+# connection to name ("database_alias", "dsn").
+Kind = Literal["int", "bool", "liveness_mode", "database_alias", "dsn"]
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One ``WORKPUMP`` key: its default, how it is checked and what it means."""
+
+    name: str
+    default: Any
+    kind: Kind
+    _: KW_ONLY
+    meaning: str  # one line of Markdown: the README's settings table shows it
+    minimum: int | None = None  # "int": the smallest value allowed
+    optional: bool = False  # "int": None is allowed too
+
+    def __post_init__(self) -> None:
+        if (self.kind == "int") != (self.minimum is not None):
+            raise ValueError(f"{self.name}: a minimum is given for integer settings only.")
+        if self.optional and self.kind != "int":
+            raise ValueError(f"{self.name}: only integer settings are optional.")
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # Leases.
+    Setting(
+        "LEASE_SECONDS",
+        300,
+        "int",
+        minimum=1,
+        meaning="a claimed row is held this long unless renewed",
+    ),
+    Setting(
+        "LEASE_GRACE_SECONDS",
+        30,
+        "int",
+        minimum=0,
+        meaning="a handler is cancelled this long before its DB lease ends",
+    ),
+    Setting(
+        "MAX_RENEWALS_PER_WORK",
+        6,
+        "int",
+        minimum=0,
+        meaning=(
+            "renewals one dispatch may use (≈ 30 min at 300 s); then the lease expires and "
+            "the row is re-claimed"
+        ),
+    ),
+    # Failure and retry.
+    Setting(
+        "MAX_ATTEMPTS",
+        10,
+        "int",
+        minimum=1,
+        meaning="claims before a row is parked as dead (per-handler `max_attempts=`)",
+    ),
+    Setting(
+        "RETRY_BACKOFF_BASE_SECONDS",
+        30,
+        "int",
+        minimum=0,
+        meaning="first retry delay, doubling per attempt (+ up to 10 % jitter)",
+    ),
+    Setting(
+        "RETRY_BACKOFF_MAX_SECONDS",
+        300,
+        "int",
+        minimum=0,
+        meaning="retry delay cap; 0 retries at once",
+    ),
+    # Liveness.
+    Setting(
+        "HEARTBEAT_INTERVAL_SECONDS",
+        10,
+        "int",
+        minimum=1,
+        meaning="fast heartbeat cadence",
+    ),
+    Setting(
+        "HEARTBEAT_SLOW_INTERVAL_SECONDS",
+        60,
+        "int",
+        minimum=1,
+        meaning="cadence while the alive-lock proves liveness",
+    ),
+    Setting(
+        "STALE_AFTER_SECONDS",
+        30,
+        "int",
+        minimum=1,
+        meaning="a heartbeat older than this is stale; must be ≥ 2 × the fast cadence",  # noqa: RUF001
+    ),
+    Setting(
+        "DEFINITIVELY_DEAD_AFTER_SECONDS",
+        300,
+        "int",
+        minimum=1,
+        meaning="evicted even if its alive-lock is still held",
+    ),
+    Setting(
+        "STALE_PEER_PROBE_INTERVAL_SECONDS",
+        5,
+        "int",
+        minimum=1,
+        meaning="how often each instance looks for stale peers (a read)",
+    ),
+    Setting(
+        "LIVENESS_SOURCE_MODE",
+        "advisory_lock_when_available",
+        "liveness_mode",
+        meaning='or `"heartbeat_table_only"` (behind a transaction pooler)',
+    ),
+    Setting(
+        "HEARTBEAT_ENABLED",
+        True,
+        "bool",
+        meaning=(
+            "kill switch: False lets peers evict this instance (drain); an instance that "
+            "never registered is refused its claims"
+        ),
+    ),
+    # Claiming.
+    Setting("CLAIM_ENABLED", True, "bool", meaning="kill switch for claiming"),
+    Setting("POLLING_INTERVAL_MS", 250, "int", minimum=1, meaning="tight poll base"),
+    Setting(
+        "POLLING_MAX_INTERVAL_MS",
+        10_000,
+        "int",
+        minimum=1,
+        meaning="backoff cap; ≤ base disables backoff",
+    ),
+    Setting(
+        "NOTIFY_HEALTHY_POLLING_INTERVAL_MS",
+        5_000,
+        "int",
+        minimum=1,
+        optional=True,
+        meaning="relaxed base while NOTIFY works; None disables",
+    ),
+    Setting(
+        "ENABLE_SAFETY_NET_POLL",
+        True,
+        "bool",
+        meaning="False + healthy NOTIFY: poll only when woken",
+    ),
+    Setting(
+        "MAX_STREAMS_PER_BATCH",
+        1_000,
+        "int",
+        minimum=1,
+        meaning="most rows one claim returns",
+    ),
+    Setting(
+        "PARTITION_COUNT",
+        10_000,
+        "int",
+        minimum=1,
+        meaning="stream hash space shared among live instances",
+    ),
+    Setting("CONCURRENCY", 4, "int", minimum=1, meaning="dispatch threads"),
+    Setting(
+        "CLAIM_PREFETCH",
+        2,
+        "int",
+        minimum=0,
+        meaning="rows claimed beyond the free slots",
+    ),
+    # The lease renewal batcher.
+    Setting(
+        "RENEWAL_MAX_BATCH",
+        200,
+        "int",
+        minimum=1,
+        meaning="the renewal batcher: most renewals one write sends",
+    ),
+    Setting(
+        "RENEWAL_COALESCE_WINDOW_MS",
+        200,
+        "int",
+        minimum=1,
+        meaning="the renewal batcher: how long the first waiting renewal waits for others",
+    ),
+    Setting(
+        "RENEWAL_IMMEDIATE_FLUSH_AT",
+        100,
+        "int",
+        minimum=1,
+        meaning="the renewal batcher: once this many renewals wait, they are written at once",
+    ),
+    Setting(
+        "RENEWAL_CAPACITY",
+        5_000,
+        "int",
+        minimum=1,
+        meaning="the renewal batcher: most renewals waiting; more are refused",
+    ),
+    # Connections.
+    Setting(
+        "DATABASE_ALIAS",
+        "default",
+        "database_alias",
+        meaning="the Django database holding the tables",
+    ),
+    Setting(
+        "LISTEN_DSN",
+        None,
+        "dsn",
+        meaning="direct DSN for LISTEN + alive-lock when the alias goes through a pooler",
+    ),
+    # Housekeeping and shutdown.
+    Setting(
+        "RETENTION_SECONDS",
+        7 * 24 * 3600,
+        "int",
+        minimum=0,
+        meaning=(
+            "processed rows and the attempts of purged tasks are kept this long (admin "
+            "history, results), then purged"
+        ),
+    ),
+    Setting(
+        "DEAD_RETENTION_SECONDS",
+        None,
+        "int",
+        minimum=1,
+        optional=True,
+        meaning=(
+            "dead rows are purged this long after dead-lettering (a purged dead stream head "
+            "unblocks its stream); None keeps them for an operator"
+        ),
+    ),
+    Setting(
+        "INBOX_DEDUP_RETENTION_SECONDS",
+        30 * 24 * 3600,
+        "int",
+        minimum=1,
+        optional=True,
+        meaning=(
+            "inbox message ids are remembered this long (and while their row is stored): the "
+            "de-duplication window; None remembers forever. Task enqueues write none"
+        ),
+    ),
+    Setting(
+        "MAINTENANCE_INTERVAL_SECONDS",
+        300,
+        "int",
+        minimum=1,
+        meaning="maintenance cadence (one instance at a time)",
+    ),
+    Setting(
+        "SHUTDOWN_TIMEOUT_SECONDS",
+        30,
+        "int",
+        minimum=0,
+        meaning="how long a graceful stop waits for running handlers",
+    ),
+    Setting(
+        "MAX_ABANDONED_HANDLERS",
+        10,
+        "int",
+        minimum=0,
+        meaning="past this many hung handlers the instance exits for a clean restart",
+    ),
+    Setting(
+        "STATUS_INTERVAL_SECONDS",
+        60,
+        "int",
+        minimum=1,
+        meaning="`runworkpump` status line cadence",
+    ),
     # Producer limits.
-    "MAX_PAYLOAD_BYTES": 1_048_576,  # a larger JSON payload is refused at send/receive/emit
+    Setting(
+        "MAX_PAYLOAD_BYTES",
+        1_048_576,
+        "int",
+        minimum=1,
+        meaning=(
+            "larger payloads (JSON text, UTF-8) are refused at produce time; passed to the "
+            "SQL producers as `p_max_payload_bytes`"
+        ),
+    ),
     # Periodic work (docs/periodic.md).
-    "PERIODIC_ENABLED": True,  # False: this instance fires no periodic slots
-}
+    Setting(
+        "PERIODIC_ENABLED",
+        True,
+        "bool",
+        meaning="False: this instance fires no periodic slots (others still do)",
+    ),
+)
+
+# Each key by name, in the table's order.
+SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+# The defaults ``WORKPUMP`` is merged over.
+DEFAULTS: dict[str, Any] = {s.name: s.default for s in SETTINGS}
 
 _cache: dict[str, Any] | None = None
 

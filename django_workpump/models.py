@@ -306,7 +306,7 @@ class Eviction(models.Model):
 class TaskAttempt(models.Model):
     """One run of a ``django.tasks`` task (an inbox row): who ran it, when, how it ended.
 
-    The task runner (``task_runner.py``) writes it at the start and the end of each
+    The task runner (``tasks/runner.py``) writes it at the start and the end of each
     attempt, in autocommit and apart from the row's completion, so an attempt whose
     worker died stays visible as started and never finished.
     """

@@ -39,20 +39,19 @@ from django_workpump import models
 from django_workpump.db import purge_task_attempts
 from django_workpump.pump.supervisor import EXIT_OK
 from django_workpump.registry import registry
+from django_workpump.tasks.backend import WorkPumpBackend
 
 # django.tasks' names, or the backport's on Django < 6.0
-from django_workpump.task_runner import (
+from django_workpump.tasks.compat import (
     InvalidTask,
     TaskResultDoesNotExist,
     TaskResultStatus,
-    WorkPumpBackend,
-    register_backends,
     task_backends,
     task_enqueued,
     task_finished,
     task_started,
-    unregister_backends,
 )
+from django_workpump.tasks.runner import register_backends, unregister_backends
 from tests.conftest import FAST_PUMP, drain, wait_until
 from tests.settings_tasks import TASKS
 
@@ -560,9 +559,9 @@ def test_a_row_naming_anything_but_a_workpump_task_is_dead_lettered_unrun(pump, 
     assert stored.dead_lettered_at is not None
     assert stored.attempts == 1  # refused once, not retried
     assert error in stored.last_error
-    assert "django_workpump.task_runner.TaskRefused" in stored.last_error
+    assert "django_workpump.tasks.errors.TaskRefused" in stored.last_error
     attempt = models.TaskAttempt.objects.get(message_id=message_id)
-    assert attempt.error_class == "django_workpump.task_runner.TaskRefused"
+    assert attempt.error_class == "django_workpump.tasks.errors.TaskRefused"
     assert task_funcs.calls == []
     assert "this" not in sys.modules  # never imported: it prints on import
     assert "tests.app.never_loaded" not in sys.modules
@@ -648,3 +647,12 @@ def test_register_backends_is_idempotent():
         "django.tasks:default:default",
         "django.tasks:default:emails",
     ]
+
+
+def test_the_error_class_paths_older_versions_stored_still_import():
+    from django.utils.module_loading import import_string
+
+    from django_workpump.tasks import AttemptLost, TaskRefused, WorkFailed
+
+    for cls in (AttemptLost, TaskRefused, WorkFailed):
+        assert import_string(f"django_workpump.task_runner.{cls.__name__}") is cls

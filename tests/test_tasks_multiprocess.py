@@ -25,7 +25,7 @@ if not TASKS_AVAILABLE:
 
 from django.test import override_settings
 
-from django_workpump.task_runner import TaskResultStatus
+from django_workpump.tasks.compat import TaskResultStatus
 from tests.conftest import FAST_PROCESS, wait_until
 from tests.settings_tasks import TASKS
 
@@ -96,7 +96,7 @@ def test_a_task_in_flight_when_its_worker_is_killed_completes_on_another_worker(
     assert done.worker_ids == [victim_id, instance_of(output)]
     assert done.return_value == {"attempt": 2, "pid": survivor.pid}
     assert [e.exception_class_path for e in done.errors] == [
-        "django_workpump.task_runner.AttemptLost"
+        "django_workpump.tasks.errors.AttemptLost"
     ]
     assert "took the task over" in done.errors[0].traceback
     assert done.started_at < done.last_attempted_at < done.finished_at

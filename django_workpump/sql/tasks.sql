@@ -1,4 +1,4 @@
--- Named queries of the django.tasks backend (task_runner.py), run through
+-- Named queries of the django.tasks backend (tasks/runner.py), run through
 -- db.fetch_named("tasks.sql", name, params). Write queries end with RETURNING.
 
 -- name: spend_attempts

@@ -1,13 +1,22 @@
-"""The ``django.tasks`` backend of the work pump (DESIGN §11).
+"""The ``django.tasks`` backend of the work pump.
 
 ``TASKS = {"default": {"BACKEND": "django_workpump.tasks.WorkPumpBackend"}}``.
 
 Tasks enqueued with it are inbox rows written in the caller's transaction and run by
 ``manage.py runworkpump`` with leases, heartbeats, retries and dead-lettering; see
-``docs/tasks.md``. The implementation lives in ``task_runner.py`` and needs
-``django.tasks`` (Django >= 6.0) or the ``django-tasks`` backport. This module imports on
-any supported Django, so that ``register_backends()`` can run at startup; without
-``django.tasks`` the backend refuses to be built and says why.
+``docs/tasks.md``. This module imports on any supported Django, so that
+``register_backends()`` can run at startup; without ``django.tasks`` (Django >= 6.0) or
+the ``django-tasks`` backport the backend refuses to be built and says why.
+
+The modules below need ``django.tasks``:
+
+- ``backend.py``: ``WorkPumpBackend`` (enqueue, task validation, ``get_result``);
+- ``results.py``: ``read_result``, a ``TaskResult`` from the row and its attempts;
+- ``resolution.py``: which code a row may name (``resolve_task``, ``load_task_code``);
+- ``runner.py``: the inbox handler of each queue and ``AttemptRunner``, one attempt;
+- ``checks.py``: the system checks of a backend;
+- ``errors.py``: the errors recorded for attempts; ``compat.py``: Django's names or the
+  backport's.
 """
 
 from __future__ import annotations
@@ -17,19 +26,11 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 
 try:
-    from django_workpump.task_runner import (
-        AttemptLost,
-        TaskRefused,
-        WorkFailed,
-        WorkPumpBackend,
-        WorkPumpTask,
-        load_task_code,
-        read_result,
-        register_backends,
-        resolve_task,
-        topic_of,
-        unregister_backends,
-    )
+    from django_workpump.tasks.backend import WorkPumpBackend, WorkPumpTask
+    from django_workpump.tasks.errors import AttemptLost, TaskRefused, WorkFailed
+    from django_workpump.tasks.resolution import load_task_code, resolve_task, topic_of
+    from django_workpump.tasks.results import read_result
+    from django_workpump.tasks.runner import register_backends, unregister_backends
 
     TASKS_AVAILABLE = True
     __all__ = [

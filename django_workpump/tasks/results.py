@@ -1,0 +1,155 @@
+"""A task's ``TaskResult``, read from its inbox row and its recorded attempts.
+
+The row gives the status (processed: SUCCESSFUL, dead-lettered: FAILED, leased to a
+live attempt: RUNNING, else READY), the return value and the task's arguments;
+``workpump_task_attempt`` gives ``errors``, ``worker_ids`` and the attempt times. The
+row's ``last_error`` only holds the last error.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.utils import timezone
+
+from django_workpump.conf import setting
+from django_workpump.tasks.compat import (
+    InvalidTask,
+    TaskError,
+    TaskResult,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+)
+from django_workpump.tasks.errors import AttemptLost, WorkFailed, class_path
+from django_workpump.tasks.resolution import resolve_task, topic_of
+
+if TYPE_CHECKING:
+    from django_workpump.tasks.backend import WorkPumpBackend
+
+
+def read_result(backend: WorkPumpBackend, result_id: Any) -> TaskResult:
+    """The ``TaskResult`` of one task row of ``backend``, from the database."""
+    from django_workpump.models import Inbox, TaskAttempt
+
+    try:
+        message_id = uuid.UUID(str(result_id))
+    except ValueError:
+        raise TaskResultDoesNotExist(result_id) from None
+    using = setting("DATABASE_ALIAS")
+    prefix = topic_of(backend.alias, "")
+    row = (
+        Inbox.objects.using(using)
+        .filter(message_id=message_id, handler_name__startswith=prefix)
+        .values(
+            "handler_name",
+            "payload",
+            "priority",
+            "created_at",
+            "attempts",
+            "instance_id",
+            "lease_expiry",
+            "processed_at",
+            "dead_lettered_at",
+            "last_error",
+            "result",
+        )
+        .first()
+    )
+    if row is None:
+        raise TaskResultDoesNotExist(result_id)
+    attempts = list(
+        TaskAttempt.objects.using(using)
+        .filter(message_id=message_id)
+        .order_by("attempt")
+        .values("attempt", "instance_id", "started_at", "finished_at", "error_class", "traceback")
+    )
+    payload = row["payload"] if isinstance(row["payload"], Mapping) else {}
+    run_after = parse_time(payload.get("run_after"))
+    declared = resolve_task(payload.get("task"), backend)
+    try:
+        task = declared.using(
+            backend=backend.alias,
+            queue_name=row["handler_name"][len(prefix) :],
+            priority=row["priority"],
+            run_after=run_after,
+        )
+    except InvalidTask:
+        task = declared  # e.g. its queue left QUEUES since: the result still reads back
+    now = timezone.now()
+    current = None
+    if row["instance_id"] is not None and row["lease_expiry"] and row["lease_expiry"] > now:
+        current = next(
+            (
+                a
+                for a in attempts
+                if a["attempt"] == row["attempts"]
+                and a["instance_id"] == row["instance_id"]
+                and a["finished_at"] is None
+            ),
+            None,
+        )
+    errors = []
+    for a in attempts:
+        if a["error_class"]:
+            errors.append(
+                TaskError(exception_class_path=a["error_class"], traceback=a["traceback"] or "")
+            )
+        elif a["finished_at"] is None and a is not current:
+            errors.append(
+                TaskError(exception_class_path=class_path(AttemptLost), traceback=_lost(a))
+            )
+    finished_at = None
+    if row["processed_at"] is not None:
+        status, finished_at = TaskResultStatus.SUCCESSFUL, row["processed_at"]
+    elif row["dead_lettered_at"] is not None:
+        status, finished_at = TaskResultStatus.FAILED, row["dead_lettered_at"]
+        last = attempts[-1] if attempts else None
+        if last is None or (last["finished_at"] is not None and not last["error_class"]):
+            # Failed by the pump, not by the task: its last_error says why.
+            errors.append(
+                TaskError(
+                    exception_class_path=class_path(WorkFailed),
+                    traceback=row["last_error"] or "failed by the work pump",
+                )
+            )
+    elif current is not None:
+        status = TaskResultStatus.RUNNING
+    else:
+        status = TaskResultStatus.READY
+    result: TaskResult[Any, Any] = TaskResult(
+        task=task,
+        id=str(message_id),
+        status=status,
+        enqueued_at=row["created_at"],
+        started_at=attempts[0]["started_at"] if attempts else None,
+        finished_at=finished_at,
+        last_attempted_at=attempts[-1]["started_at"] if attempts else None,
+        args=payload.get("args", []),
+        kwargs=payload.get("kwargs", {}),
+        backend=backend.alias,
+        errors=errors,
+        worker_ids=[str(a["instance_id"]) for a in attempts],
+    )
+    if status == TaskResultStatus.SUCCESSFUL:
+        object.__setattr__(result, "_return_value", row["result"])
+    return result
+
+
+def _lost(attempt: Mapping[str, Any]) -> str:
+    return (
+        f"Attempt {attempt['attempt']} on worker {attempt['instance_id']} ended without an "
+        "outcome: the worker died or its lease expired, so the task ran again."
+    )
+
+
+def parse_time(value: Any) -> datetime | None:
+    """Return the ISO time ``value`` holds (a payload's ``run_after``), or None."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
