@@ -18,11 +18,12 @@ from typing import Any, Protocol
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.db import ClaimedWork, InstanceRefused
 from django_workpump.pump.coordinator import Coordinator
+from django_workpump.states import FailureReason, OutcomeStatus
 
 logger = logging.getLogger("django_workpump.claim")
 
 # The failure reason of a row whose payload Python cannot decode.
-UNDECODABLE_PAYLOAD = "undecodable_payload"
+UNDECODABLE_PAYLOAD = FailureReason.UNDECODABLE_PAYLOAD
 # Wake-ups (NOTIFY, freed slots) that claimed nothing, in a row, before further wakes are
 # spaced out: a NOTIFY flood must not become a claim flood. The spacing doubles from the
 # base up to the tight poll interval; a wake that claims something, or a quiet second,
@@ -264,7 +265,9 @@ class ClaimWorker:
                     exc_info=True,
                 )
                 continue
-            parked = {outcome.work_id for outcome in outcomes if outcome.status == "dead"}
+            parked = {
+                outcome.work_id for outcome in outcomes if outcome.status == OutcomeStatus.DEAD
+            }
             for row, error in zip(group, errors, strict=True):
                 logger.warning(
                     "%s %s for %r not run and %s: %s",

@@ -36,6 +36,13 @@ from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.registry import TOPIC_NOUNS, Handler, Registry
+from django_workpump.states import (
+    CancelReason,
+    FailureReason,
+    HandlerOutcome,
+    JobState,
+    OutcomeStatus,
+)
 from django_workpump.storable import (
     ascii_text,
     is_transient,
@@ -80,7 +87,7 @@ class LeaseLost(Exception):
 class _Job:
     row: ClaimedWork
     handle: LeaseHandle
-    state: str = "queued"  # queued -> running -> finished | abandoned | superseded
+    state: JobState = JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -244,13 +251,13 @@ class Dispatcher:
     def _run(self, job: _Job) -> bool:
         """Run one job; False when the job was abandoned while this thread ran it."""
         with job.lock:
-            if job.state == "superseded":
+            if job.state == JobState.SUPERSEDED:
                 start = None  # the row has a newer lease here: nothing to run or release
             elif job.handle.cancelled.is_set():
-                job.state = "finished"
+                job.state = JobState.FINISHED
                 start = False
             else:
-                job.state = "running"
+                job.state = JobState.RUNNING
                 start = True
         if start is None:
             self._finish(job)
@@ -262,29 +269,28 @@ class Dispatcher:
         close_old_connections()
         self.stats.started += 1
         handler = self.handlers.get(job.row.category, job.row.topic)
-        outcome: tuple[str, Any]  # ("done", result) | ("fail", (error, reason)) | ...
+        # (DONE, result) | (DONE_COMMITTED, None) | (FAIL, (error, reason)) | (LOST, text)
+        outcome: tuple[HandlerOutcome, Any]
         try:
             if handler is None:
                 noun = TOPIC_NOUNS[job.row.category]
-                outcome = (
-                    "fail",
-                    (f"no handler registered for {noun} {job.row.topic!r}", "no_handler"),
-                )
+                error = f"no handler registered for {noun} {job.row.topic!r}"
+                outcome = (HandlerOutcome.FAIL, (error, FailureReason.NO_HANDLER))
             elif handler.atomic:
                 self._call_atomic(handler, job)
-                outcome = ("done_committed", None)
+                outcome = (HandlerOutcome.DONE_COMMITTED, None)
             else:
-                outcome = ("done", self._call(handler, job))
+                outcome = (HandlerOutcome.DONE, self._call(handler, job))
         except LeaseLost as exc:
-            outcome = ("lost", str(exc))
+            outcome = (HandlerOutcome.LOST, str(exc))
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            outcome = ("fail", (_describe(exc), "handler_error"))
+            outcome = (HandlerOutcome.FAIL, (_describe(exc), FailureReason.HANDLER_ERROR))
         finally:
             close_old_connections()
         with job.lock:
-            if job.state == "abandoned":
+            if job.state == JobState.ABANDONED:
                 logger.warning(
                     "abandoned %s %s finished late; its outcome is dropped (the row was failed)",
                     job.row.category,
@@ -292,7 +298,7 @@ class Dispatcher:
                     extra={"action": "late_outcome_dropped"},
                 )
                 return False
-            if job.state == "superseded":
+            if job.state == JobState.SUPERSEDED:
                 logger.warning(
                     "%s %s attempt %d finished after the row was claimed again; its outcome "
                     "is dropped",
@@ -303,23 +309,23 @@ class Dispatcher:
                 )
                 superseded = True
             else:
-                job.state = "finished"
+                job.state = JobState.FINISHED
                 superseded = False
         if superseded:
             self._finish(job)
             return True
-        kind: str = outcome[0]
+        kind: HandlerOutcome = outcome[0]
         value: Any = outcome[1]
-        if kind == "done":
+        if kind == HandlerOutcome.DONE:
             self._outcome_queued(1)
             self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, value))
-        elif kind == "fail":
+        elif kind == HandlerOutcome.FAIL:
             self._outcome_queued(1)
             error, reason = value
             self.failures.put(
                 (job.row.category, job.row.work_id, job.row.lease_token, error, reason)
             )
-        elif kind == "lost":
+        elif kind == HandlerOutcome.LOST:
             self.stats.lost_leases += 1
             logger.warning("%s", value, extra={"action": "lease_lost"})
         else:
@@ -375,7 +381,7 @@ class Dispatcher:
             with job.lock:
                 # Abandoned at its deadline, or claimed again: the lease token fences the
                 # completion out anyway; rolling back here spares the round trip.
-                if job.state in ("abandoned", "superseded"):
+                if job.state in (JobState.ABANDONED, JobState.SUPERSEDED):
                     raise LeaseLost(
                         f"{job.row.category} {job.row.work_id}: attempt {job.row.attempts} "
                         f"was {job.state} before it committed; its transaction was rolled back"
@@ -383,7 +389,7 @@ class Dispatcher:
             outcome = self.coordinator.complete(
                 job.row.category, [job.row.work_id], [job.row.lease_token], [result]
             )
-            if not outcome or outcome[0].status != "done":
+            if not outcome or outcome[0].status != OutcomeStatus.DONE:
                 raise LeaseLost(
                     f"{job.row.category} {job.row.work_id}: lease lost before the atomic "
                     "handler committed; its transaction was rolled back"
@@ -392,9 +398,9 @@ class Dispatcher:
     def _supersede(self, job: _Job, new_attempt: int) -> None:
         """Give up on an older attempt of a row this instance has just claimed again."""
         with job.lock:
-            live = job.state in ("queued", "running")
+            live = job.state in (JobState.QUEUED, JobState.RUNNING)
             if live:
-                job.state = "superseded"
+                job.state = JobState.SUPERSEDED
         if not live:
             # Finished or abandoned, its slot about to be freed: only its handle is in the way.
             job.handle.dispose()
@@ -409,7 +415,7 @@ class Dispatcher:
             job.row.attempts,
             extra={"action": "superseded"},
         )
-        job.handle.cancel("lost")
+        job.handle.cancel(CancelReason.LOST)
         job.handle.dispose()  # leaves the registry free for the new handle
 
     def _finish(self, job: _Job) -> None:
@@ -440,9 +446,9 @@ class Dispatcher:
         if job is None or job.handle is not handle:
             return False
         with job.lock:
-            if job.state != "running":
+            if job.state != JobState.RUNNING:
                 return False  # queued jobs are released by their worker; finished ones are done
-            job.state = "abandoned"
+            job.state = JobState.ABANDONED
         self.stats.abandoned += 1
         self._outcome_queued(1)
         logger.error(
@@ -458,7 +464,7 @@ class Dispatcher:
                 handle.work_id,
                 job.row.lease_token,
                 "the handler was still running at its lease deadline and was abandoned",
-                "lease_expired",
+                FailureReason.LEASE_EXPIRED,
             )
         )
         self._finish(job)
@@ -518,7 +524,7 @@ class Dispatcher:
                 token,
                 f"The handler finished but its outcome could not be stored "
                 f"({type(error).__name__}: {_first_line(error)}).",
-                "unstorable_outcome",
+                FailureReason.UNSTORABLE_OUTCOME,
             )
             self._failure_rejected(failure, exc)
 
@@ -546,7 +552,7 @@ class Dispatcher:
 
     def _count(self, outcomes: list[Any], counter: str) -> None:
         for outcome in outcomes:
-            if outcome.status == "lost":
+            if outcome.status == OutcomeStatus.LOST:
                 self.stats.lost_leases += 1
                 logger.warning(
                     "lease of %s was lost before its outcome was recorded (fenced out)",
@@ -568,7 +574,7 @@ class Dispatcher:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop workers (after ``wait_idle``) and flush every pending outcome."""
-        self.leases.cancel_all("shutdown")
+        self.leases.cancel_all(CancelReason.SHUTDOWN)
         for _ in self._threads:
             self._queue.put(None)
         self.completions.stop(timeout)

@@ -27,6 +27,7 @@ from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.naming import application_name, name_thread_connections
+from django_workpump.states import CancelReason
 
 logger = logging.getLogger("django_workpump.renewal")
 
@@ -158,7 +159,7 @@ class LeaseRenewalWorker:
                 handle = self.leases.get(category, work_id)
                 if handle is not None and handle.lease_token == tokens[work_id]:
                     # work.cancelled tells the handler; no more renewals are asked.
-                    handle.cancel("lost")
+                    handle.cancel(CancelReason.LOST)
 
     def _answered(self, category: str, work_id: uuid.UUID) -> None:
         """The request was settled: a later tick may ask for this row again."""

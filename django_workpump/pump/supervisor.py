@@ -42,6 +42,7 @@ from django_workpump.pump.notify import NotifyGate
 from django_workpump.pump.periodic import PeriodicWorker
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from django_workpump.registry import CATEGORIES, Registry, claim_topics, registry
+from django_workpump.states import CancelReason
 
 logger = logging.getLogger("django_workpump.supervisor")
 
@@ -197,7 +198,7 @@ class Supervisor:
         (``work.cancelled``, reason ``lost``).
         """
         self.request_stop(f"evicted: {reason}", EXIT_EVICTED)
-        self.leases.cancel_all("lost")
+        self.leases.cancel_all(CancelReason.LOST)
 
     def _signal(self, signal: str) -> None:
         if signal in self.options.categories or signal == "orphan":
