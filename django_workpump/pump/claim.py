@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.db import ClaimedWork, InstanceRefused
 from django_workpump.pump.coordinator import Coordinator
+from django_workpump.pump.service import LoopService
 from django_workpump.states import FailureReason, OutcomeStatus
 
 logger = logging.getLogger("django_workpump.claim")
@@ -99,8 +100,10 @@ class ClaimResult:
     refused: bool = False  # this instance was evicted (or is not registered): stop
 
 
-class ClaimWorker:
+class ClaimWorker(LoopService):
     """Poll ``claim_work`` and feed the dispatcher."""
+
+    name = "claim"
 
     def __init__(
         self,
@@ -114,6 +117,7 @@ class ClaimWorker:
         before_first_claim: Callable[[], Any] | None = None,
         on_refused: Callable[[str], Any] | None = None,
     ) -> None:
+        super().__init__()
         self.coordinator = coordinator
         self.sink = sink
         self.policy = policy
@@ -140,7 +144,6 @@ class ClaimWorker:
         self._wake = threading.Event()
         self._last_gate_state: bool | None = None
         self._gate_lost_at: float | None = None
-        self._stop = threading.Event()
 
     # -- signals -------------------------------------------------------------------
     def request_immediate_poll(self) -> None:
@@ -350,7 +353,5 @@ class ClaimWorker:
             # One Event serves wake and stop: stop() sets it too.
             woken = self._wake.wait(None if wait_ms is None else wait_ms / 1000)
 
-    def stop(self) -> None:
-        """Stop the loop (idempotent, safe before start)."""
-        self._stop.set()
-        self._wake.set()
+    def _interrupt(self) -> None:
+        self._wake.set()  # one Event serves wake and stop

@@ -102,7 +102,19 @@ class DispatchStats:
     superseded: int = 0
 
 
+# How long stop() waits for each outcome flusher's final flush when not told.
+FINAL_FLUSH_SECONDS = 5.0
+
+
 class Dispatcher:
+    """Run claimed rows on ``concurrency`` handler threads; write their outcomes in batches.
+
+    A pump service (``pump.service.Service``): its threads are the handler threads
+    (``workpump-dispatch-<n>``) and the two outcome flushers.
+    """
+
+    name = "dispatch"
+
     def __init__(
         self,
         coordinator: Coordinator,
@@ -137,6 +149,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._accepting = True
+        self._started = False
+        self._stopped = False
         self._threads: list[threading.Thread] = []
         self._thread_ids = itertools.count(1)
         self._local = threading.local()
@@ -219,6 +233,11 @@ class Dispatcher:
 
     # -- workers -------------------------------------------------------------------
     def start(self) -> None:
+        """Start the outcome flushers and the handler threads (once; not after stop())."""
+        with self._lock:
+            if self._started or self._stopped:
+                return
+            self._started = True
         self.completions.start()
         self.failures.start()
         for _ in range(self.concurrency):
@@ -572,13 +591,30 @@ class Dispatcher:
         with self._idle:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop workers (after ``wait_idle``) and flush every pending outcome."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop workers (after ``wait_idle``) and flush every pending outcome.
+
+        Each flusher's final flush is waited for up to ``timeout`` (5 s when None).
+        Idempotent, and harmless before ``start()``.
+        """
+        with self._lock:
+            first, self._stopped = not self._stopped, True
         self.leases.cancel_all(CancelReason.SHUTDOWN)
-        for _ in self._threads:
-            self._queue.put(None)
-        self.completions.stop(timeout)
-        self.failures.stop(timeout)
+        if first:
+            for _ in self._threads:
+                self._queue.put(None)
+        flush_timeout = FINAL_FLUSH_SECONDS if timeout is None else timeout
+        self.completions.stop(flush_timeout)
+        self.failures.stop(flush_timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the outcome flushers; True when neither runs.
+
+        Handler threads are not waited for: an abandoned one may never return, and the
+        rows of any still running are released by deregistration.
+        """
+        completions = self.completions.join(timeout)
+        return self.failures.join(timeout) and completions
 
 
 def _first_line(error: Exception) -> str:
