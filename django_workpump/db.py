@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from functools import cache
+from typing import Any, ClassVar, Self
 
 from django.db import DatabaseError, ProgrammingError, connections
 from psycopg.types.string import TextLoader
@@ -21,10 +23,39 @@ from psycopg.types.string import TextLoader
 from django_workpump.conf import setting
 from django_workpump.payloads import UndecodablePayload, decode
 from django_workpump.sql import named_queries
+from django_workpump.states import OutcomeStatus, WorkState
+
+Row = Mapping[str, Any]  # one result row, by column name
+
+
+class FromRow:
+    """Build a dataclass from a result row by column name, never by position."""
+
+    # The query's column name -> the field's, where they differ.
+    COLUMNS: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def from_row(cls, row: Row) -> Self:
+        """The instance of ``row``; raise ValueError naming any field no column fills."""
+        values = {cls.COLUMNS.get(column, column): value for column, value in row.items()}
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        missing = [
+            field.name
+            for field in fields
+            if field.name not in values
+            and field.default is dataclasses.MISSING
+            and field.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise ValueError(
+                f"A {cls.__name__} row has no column for {', '.join(missing)} (columns: "
+                f"{', '.join(row)}); the query and the dataclass must name the same fields."
+            )
+        return cls(**{field.name: values[field.name] for field in fields if field.name in values})
 
 
 @dataclass(frozen=True)
-class ClaimedWork:
+class ClaimedWork(FromRow):
     """One row leased to the caller by ``claim_work``."""
 
     category: str
@@ -47,12 +78,16 @@ class ClaimedWork:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Outcome(FromRow):
     """What ``complete_work``/``fail_work``/``release_work`` did with one id."""
 
     work_id: uuid.UUID
-    status: str  # done | retry | dead | released | lost
+    status: OutcomeStatus
     scheduled_for: datetime | None = None
+
+    def __post_init__(self) -> None:
+        # The SQL returns plain text: hold the member (ValueError for an unknown word).
+        object.__setattr__(self, "status", OutcomeStatus(self.status))
 
 
 # SQLSTATE of claim_work and renew_leases refusing an evicted or unregistered instance.
@@ -76,16 +111,32 @@ def _alias(using: str | None) -> str:
     return using or setting("DATABASE_ALIAS")
 
 
+@cache
+def _placeholders(name: str) -> frozenset[str]:
+    return frozenset(re.findall(r"%\((\w+)\)s", named_queries()[name]))
+
+
 def _fetch(
     name: str, params: dict[str, Any], using: str | None, *, jsonb_as_text: bool = False
-) -> list[tuple[Any, ...]]:
+) -> list[dict[str, Any]]:
+    """Run named query ``name`` with exactly the parameters it names; rows as dicts."""
+    expected = _placeholders(name)
+    if set(params) != expected:
+        raise TypeError(
+            f"Query {name!r} takes the parameters {sorted(expected)}, not {sorted(params)}."
+        )
     with connections[_alias(using)].cursor() as cursor:
         if jsonb_as_text:
             # Raw JSON text, decoded row by row by the caller: one payload Python cannot
             # decode must not fail the fetch of its batch-mates.
             cursor.cursor.adapters.register_loader("jsonb", TextLoader)
         cursor.execute(named_queries()[name], params)
-        return list(cursor.fetchall())
+        columns = [column.name for column in cursor.description]
+        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+
+
+def _column(rows: list[dict[str, Any]], column: str) -> list[Any]:
+    return [row[column] for row in rows]
 
 
 def fetch_named(
@@ -99,8 +150,10 @@ def fetch_named(
 
 
 def _scalar(name: str, params: dict[str, Any], using: str | None) -> Any:
+    """The value of a query that returns one row of one column."""
     rows = _fetch(name, params, using)
-    return rows[0][0]
+    (value,) = rows[0].values()
+    return value
 
 
 def send(
@@ -117,7 +170,19 @@ def send(
     max_payload_depth: int,
     using: str | None = None,
 ) -> uuid.UUID:
-    return _scalar("send", locals() | {"payload": payload_json}, using)
+    params = {
+        "destination": destination,
+        "payload": payload_json,
+        "stream": stream,
+        "priority": priority,
+        "scheduled_for": scheduled_for,
+        "max_attempts": max_attempts,
+        "message_id": message_id,
+        "partition_count": partition_count,
+        "max_payload_bytes": max_payload_bytes,
+        "max_payload_depth": max_payload_depth,
+    }
+    return _scalar("send", params, using)
 
 
 def receive(
@@ -135,7 +200,20 @@ def receive(
     deduplicate: bool = True,
     using: str | None = None,
 ) -> bool:
-    return bool(_scalar("receive", locals() | {"payload": payload_json}, using))
+    params = {
+        "message_id": message_id,
+        "handler_name": handler_name,
+        "payload": payload_json,
+        "stream": stream,
+        "priority": priority,
+        "scheduled_for": scheduled_for,
+        "max_attempts": max_attempts,
+        "partition_count": partition_count,
+        "max_payload_bytes": max_payload_bytes,
+        "max_payload_depth": max_payload_depth,
+        "deduplicate": deduplicate,
+    }
+    return bool(_scalar("receive", params, using))
 
 
 def emit(
@@ -151,7 +229,17 @@ def emit(
     max_payload_depth: int,
     using: str | None = None,
 ) -> uuid.UUID:
-    params = locals() | {"payload": payload_json, "subscribers": subscribers_json}
+    params = {
+        "event_type": event_type,
+        "payload": payload_json,
+        "stream": stream,
+        "subscribers": subscribers_json,
+        "event_id": event_id,
+        "priority": priority,
+        "partition_count": partition_count,
+        "max_payload_bytes": max_payload_bytes,
+        "max_payload_depth": max_payload_depth,
+    }
     return _scalar("emit", params, using)
 
 
@@ -173,9 +261,16 @@ def claim_work(
     Raise InstanceRefused when this instance is evicted or not registered. A row whose
     payload cannot be decoded comes back with ``payload_error``.
     """
-    params = locals() | {
+    params = {
+        "instance_id": instance_id,
+        "max_rows": max_rows,
+        "lease_seconds": lease_seconds,
+        "partition_count": partition_count,
         "categories": list(categories) if categories else None,
         "topics": None if topics is None else json.dumps({c: list(t) for c, t in topics.items()}),
+        "stale_after_seconds": stale_after_seconds,
+        "definitively_dead_after_seconds": definitively_dead_after_seconds,
+        "now": now,
     }
     try:
         rows = _fetch("claim_work", params, using, jsonb_as_text=True)
@@ -184,17 +279,16 @@ def claim_work(
     return [_claimed(row) for row in rows]
 
 
-def _claimed(row: tuple[Any, ...]) -> ClaimedWork:
-    work = ClaimedWork(*row)
-    text: str = row[3]  # the payload's JSON text
+def _claimed(row: Row) -> ClaimedWork:
+    text: str = row["payload"]  # the payload's JSON text
     try:
         payload = decode(text)
     except UndecodablePayload as exc:
-        return dataclasses.replace(work, payload={}, payload_error=str(exc))
+        return ClaimedWork.from_row({**row, "payload": {}, "payload_error": str(exc)})
     if not isinstance(payload, dict):  # the producers store objects only
         error = f"it is a JSON {type(payload).__name__}, not an object"
-        return dataclasses.replace(work, payload={}, payload_error=error)
-    return dataclasses.replace(work, payload=payload)
+        return ClaimedWork.from_row({**row, "payload": {}, "payload_error": error})
+    return ClaimedWork.from_row({**row, "payload": payload})
 
 
 def renew_leases(
@@ -211,11 +305,19 @@ def renew_leases(
 
     Raise InstanceRefused when ``instance_id`` is evicted or not registered.
     """
-    params = locals() | {"ids": list(ids), "lease_tokens": list(lease_tokens)}
+    params = {
+        "category": category,
+        "ids": list(ids),
+        "lease_tokens": list(lease_tokens),
+        "lease_seconds": lease_seconds,
+        "instance_id": instance_id,
+        "now": now,
+    }
     try:
-        return dict(_fetch("renew_leases", params, using))
+        rows = _fetch("renew_leases", params, using)
     except DatabaseError as exc:
         raise (_refused(exc) or exc) from exc
+    return {row["work_id"]: row["lease_expiry"] for row in rows}
 
 
 def complete_work(
@@ -229,12 +331,15 @@ def complete_work(
     using: str | None = None,
 ) -> list[Outcome]:
     """Complete; ``results`` are JSON texts (or None), one per id."""
-    params = locals() | {
+    params = {
+        "instance_id": instance_id,
+        "category": category,
         "ids": list(ids),
         "lease_tokens": list(lease_tokens),
         "results": list(results) if results else None,
+        "now": now,
     }
-    return [Outcome(*row) for row in _fetch("complete_work", params, using)]
+    return [Outcome.from_row(row) for row in _fetch("complete_work", params, using)]
 
 
 def fail_work(
@@ -250,13 +355,18 @@ def fail_work(
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[Outcome]:
-    params = locals() | {
+    params = {
+        "instance_id": instance_id,
+        "category": category,
         "ids": list(ids),
         "lease_tokens": list(lease_tokens),
         "errors": list(errors),
         "reasons": list(reasons) if reasons else None,
+        "retry_base_seconds": retry_base_seconds,
+        "retry_max_seconds": retry_max_seconds,
+        "now": now,
     }
-    return [Outcome(*row) for row in _fetch("fail_work", params, using)]
+    return [Outcome.from_row(row) for row in _fetch("fail_work", params, using)]
 
 
 def dead_letter(
@@ -268,8 +378,8 @@ def dead_letter(
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Park undone rows as dead with ``reason``; return the ids that were parked."""
-    params = locals() | {"ids": list(ids)}
-    return [row[0] for row in _fetch("dead_letter", params, using)]
+    params = {"category": category, "ids": list(ids), "reason": reason, "now": now}
+    return _column(_fetch("dead_letter", params, using), "id")
 
 
 def release_work(
@@ -281,8 +391,14 @@ def release_work(
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[Outcome]:
-    params = locals() | {"ids": list(ids), "lease_tokens": list(lease_tokens)}
-    return [Outcome(*row) for row in _fetch("release_work", params, using)]
+    params = {
+        "instance_id": instance_id,
+        "category": category,
+        "ids": list(ids),
+        "lease_tokens": list(lease_tokens),
+        "now": now,
+    }
+    return [Outcome.from_row(row) for row in _fetch("release_work", params, using)]
 
 
 def record_heartbeat(
@@ -299,7 +415,17 @@ def record_heartbeat(
     using: str | None = None,
 ) -> bool:
     """Beat; False means this instance was evicted and must stop."""
-    params = locals() | {"metadata": metadata_json}
+    params = {
+        "instance_id": instance_id,
+        "service_name": service_name,
+        "host_name": host_name,
+        "process_id": process_id,
+        "metadata": metadata_json,
+        "stale_after_seconds": stale_after_seconds,
+        "definitively_dead_after_seconds": definitively_dead_after_seconds,
+        "lock_loss_grace_seconds": lock_loss_grace_seconds,
+        "now": now,
+    }
     return bool(_scalar("record_heartbeat", params, using))
 
 
@@ -311,7 +437,13 @@ def cleanup_stale_instances(
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[uuid.UUID]:
-    return [row[0] for row in _fetch("cleanup_stale_instances", locals(), using)]
+    params = {
+        "stale_cutoff": stale_cutoff,
+        "definitive_dead_cutoff": definitive_dead_cutoff,
+        "lock_loss_grace_seconds": lock_loss_grace_seconds,
+        "now": now,
+    }
+    return _column(_fetch("cleanup_stale_instances", params, using), "instance_id")
 
 
 def next_eviction_in(
@@ -324,18 +456,26 @@ def next_eviction_in(
     using: str | None = None,
 ) -> float | None:
     """Seconds until a peer becomes evictable: 0 for now, None when none is on its way."""
-    due_in = _scalar("next_eviction_in", locals(), using)
+    params = {
+        "instance_id": instance_id,
+        "stale_after_seconds": stale_after_seconds,
+        "definitively_dead_after_seconds": definitively_dead_after_seconds,
+        "lock_loss_grace_seconds": lock_loss_grace_seconds,
+        "now": now,
+    }
+    due_in = _scalar("next_eviction_in", params, using)
     return None if due_in is None else float(due_in)
 
 
 def deregister_instance(
     *, instance_id: uuid.UUID, now: datetime | None = None, using: str | None = None
 ) -> int:
-    return int(_scalar("deregister_instance", locals(), using))
+    params = {"instance_id": instance_id, "now": now}
+    return int(_scalar("deregister_instance", params, using))
 
 
 def alive_lock_held(*, instance_id: uuid.UUID, using: str | None = None) -> bool:
-    return bool(_scalar("alive_lock_held", locals(), using))
+    return bool(_scalar("alive_lock_held", {"instance_id": instance_id}, using))
 
 
 def reap_stale_instances(
@@ -346,7 +486,12 @@ def reap_stale_instances(
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Evict stale instances by the database clock; return the evicted ids."""
-    return [row[0] for row in _fetch("reap_stale_instances", locals(), using)]
+    params = {
+        "stale_after_seconds": stale_after_seconds,
+        "definitively_dead_after_seconds": definitively_dead_after_seconds,
+        "lock_loss_grace_seconds": lock_loss_grace_seconds,
+    }
+    return _column(_fetch("reap_stale_instances", params, using), "instance_id")
 
 
 def set_application_name(*, name: str, using: str | None = None) -> None:
@@ -374,40 +519,45 @@ def release_maintenance_lock(*, using: str | None = None) -> bool:
 def purge_processed(
     *, category: str, retention_seconds: int, batch: int, using: str | None = None
 ) -> int:
-    return int(_scalar("purge_processed", locals(), using))
+    params = {"category": category, "retention_seconds": retention_seconds, "batch": batch}
+    return int(_scalar("purge_processed", params, using))
 
 
 def purge_dead(
     *, category: str, retention_seconds: int, batch: int, using: str | None = None
 ) -> int:
     """Delete up to ``batch`` rows dead for longer than ``retention_seconds``."""
-    return int(_scalar("purge_dead", locals(), using))
+    params = {"category": category, "retention_seconds": retention_seconds, "batch": batch}
+    return int(_scalar("purge_dead", params, using))
 
 
 def purge_inbox_dedup(*, retention_seconds: int, batch: int, using: str | None = None) -> int:
     """Forget up to ``batch`` received message ids whose inbox rows were purged."""
-    return int(_scalar("purge_inbox_dedup", locals(), using))
+    params = {"retention_seconds": retention_seconds, "batch": batch}
+    return int(_scalar("purge_inbox_dedup", params, using))
 
 
 def purge_task_attempts(*, retention_seconds: int, batch: int, using: str | None = None) -> int:
     """Delete up to ``batch`` attempts of task rows that retention purged."""
-    return int(_scalar("purge_task_attempts", locals(), using))
+    params = {"retention_seconds": retention_seconds, "batch": batch}
+    return int(_scalar("purge_task_attempts", params, using))
 
 
 def purge_events(*, retention_seconds: int, batch: int, using: str | None = None) -> int:
-    return int(_scalar("purge_events", locals(), using))
+    params = {"retention_seconds": retention_seconds, "batch": batch}
+    return int(_scalar("purge_events", params, using))
 
 
 def purge_evictions(*, retention_seconds: int, using: str | None = None) -> int:
-    return int(_scalar("purge_evictions", locals(), using))
+    return int(_scalar("purge_evictions", {"retention_seconds": retention_seconds}, using))
 
 
 def purge_idle_streams(*, batch: int, using: str | None = None) -> int:
-    return int(_scalar("purge_idle_streams", locals(), using))
+    return int(_scalar("purge_idle_streams", {"batch": batch}, using))
 
 
 @dataclass(frozen=True)
-class StuckRow:
+class StuckRow(FromRow):
     category: str
     work_id: uuid.UUID
     topic: str
@@ -418,7 +568,7 @@ class StuckRow:
 
 def stuck_rows(*, limit: int = 50, using: str | None = None) -> list[StuckRow]:
     """Undone rows that used at least half their attempts (and more than one)."""
-    return [StuckRow(*row) for row in _fetch("stuck_rows", {"limit": limit}, using)]
+    return [StuckRow.from_row(row) for row in _fetch("stuck_rows", {"limit": limit}, using)]
 
 
 # -- on the NOTIFY gate's own psycopg connection (not Django's) ------------------------
@@ -443,14 +593,15 @@ def evict_instance(
     *, instance_id: uuid.UUID, reason: str = "evicted by an operator", using: str | None = None
 ) -> int:
     """Evict one instance now (operator action); return the number of rows released."""
-    return int(_scalar("evict_instance", locals(), using))
+    params = {"instance_id": instance_id, "reason": reason}
+    return int(_scalar("evict_instance", params, using))
 
 
 # -- periodic schedules (sql/v8/periodic.sql) ----------------------------------------
 
 
 @dataclass(frozen=True)
-class PeriodicState:
+class PeriodicState(FromRow):
     """What the periodic worker reads of one schedule before firing its slots."""
 
     name: str
@@ -464,8 +615,9 @@ def periodic_states(
 ) -> tuple[datetime, dict[str, PeriodicState]]:
     """The database clock (``now`` if given) and every schedule's state, by name."""
     rows = _fetch("periodic_states", {"now": now}, using)
-    states = {row[1]: PeriodicState(*row[1:]) for row in rows if row[1] is not None}
-    return rows[0][0], states
+    # One row carries the clock even with no schedule: its schedule columns are NULL.
+    states = {row["name"]: PeriodicState.from_row(row) for row in rows if row["name"] is not None}
+    return rows[0]["now"], states
 
 
 def upsert_periodic(
@@ -483,7 +635,19 @@ def upsert_periodic(
     using: str | None = None,
 ) -> bool:
     """Register a schedule's definition; True when its row was created."""
-    return bool(_scalar("upsert_periodic", locals() | {"payload": payload_json}, using))
+    params = {
+        "name": name,
+        "cron": cron,
+        "every_seconds": every_seconds,
+        "timezone": timezone,
+        "catch_up": catch_up,
+        "payload": payload_json,
+        "priority": priority,
+        "max_attempts": max_attempts,
+        "next_fire_at": next_fire_at,
+        "now": now,
+    }
+    return bool(_scalar("upsert_periodic", params, using))
 
 
 def fire_periodic(
@@ -497,7 +661,15 @@ def fire_periodic(
     using: str | None = None,
 ) -> uuid.UUID | None:
     """Fire one slot; the outbox message id, or None when another caller had fired it."""
-    result: uuid.UUID | None = _scalar("fire_periodic", locals(), using)
+    params = {
+        "name": name,
+        "slot": slot,
+        "next_fire_at": next_fire_at,
+        "partition_count": partition_count,
+        "max_payload_bytes": max_payload_bytes,
+        "now": now,
+    }
+    result: uuid.UUID | None = _scalar("fire_periodic", params, using)
     return result
 
 
@@ -510,7 +682,8 @@ def skip_periodic(
     using: str | None = None,
 ) -> bool:
     """Mark one slot handled without firing it; True when last_slot moved."""
-    return bool(_scalar("skip_periodic", locals(), using))
+    params = {"name": name, "slot": slot, "next_fire_at": next_fire_at, "now": now}
+    return bool(_scalar("skip_periodic", params, using))
 
 
 def pause_periodic(
@@ -521,22 +694,27 @@ def pause_periodic(
     using: str | None = None,
 ) -> list[str]:
     """Pause or resume schedules; return the names whose flag changed."""
-    params = locals() | {"names": list(names)}
-    return [row[0] for row in _fetch("pause_periodic", params, using)]
+    params = {"names": list(names), "paused": paused, "now": now}
+    return _column(_fetch("pause_periodic", params, using), "name")
 
 
 # -- operator actions (django_workpump.actions) --------------------------------------
 
 
 @dataclass(frozen=True)
-class SelectedWork:
+class SelectedWork(FromRow):
     """A work row as an operator selects it."""
+
+    COLUMNS = {"id": "work_id"}
 
     category: str
     work_id: uuid.UUID
     topic: str
-    state: str
+    state: WorkState
     created_at: datetime
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", WorkState(self.state))
 
 
 def select_work(
@@ -550,8 +728,15 @@ def select_work(
     using: str | None = None,
 ) -> list[SelectedWork]:
     """Work rows by id and/or filters (None matches everything), oldest first."""
-    params = locals() | {"ids": None if ids is None else list(ids)}
-    return [SelectedWork(*row) for row in _fetch("select_work", params, using)]
+    params = {
+        "ids": None if ids is None else list(ids),
+        "category": category,
+        "topic": topic,
+        "state": state,
+        "older_than_seconds": older_than_seconds,
+        "now": now,
+    }
+    return [SelectedWork.from_row(row) for row in _fetch("select_work", params, using)]
 
 
 def retry_now(
@@ -562,8 +747,8 @@ def retry_now(
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Make scheduled rows claimable now; return the ids that changed."""
-    params = locals() | {"ids": list(ids)}
-    return [row[0] for row in _fetch("retry_now", params, using)]
+    params = {"category": category, "ids": list(ids), "now": now}
+    return _column(_fetch("retry_now", params, using), "id")
 
 
 def requeue_dead(
@@ -574,8 +759,8 @@ def requeue_dead(
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Give dead rows a fresh set of attempts; return the ids that changed."""
-    params = locals() | {"ids": list(ids)}
-    return [row[0] for row in _fetch("requeue_dead", params, using)]
+    params = {"category": category, "ids": list(ids), "now": now}
+    return _column(_fetch("requeue_dead", params, using), "id")
 
 
 def release_leases(
@@ -589,5 +774,12 @@ def release_leases(
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Release leases (of live holders only if ``force``); return the released ids."""
-    params = locals() | {"ids": list(ids)}
-    return [row[0] for row in _fetch("release_leases", params, using)]
+    params = {
+        "category": category,
+        "ids": list(ids),
+        "force": force,
+        "stale_after_seconds": stale_after_seconds,
+        "definitively_dead_after_seconds": definitively_dead_after_seconds,
+        "now": now,
+    }
+    return _column(_fetch("release_leases", params, using), "id")

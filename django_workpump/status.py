@@ -18,10 +18,10 @@ from django_workpump import db
 from django_workpump.conf import get_settings
 from django_workpump.periodic import ScheduleRegistry, schedules
 from django_workpump.registry import CATEGORIES
+from django_workpump.states import WAITING_STATES, WorkState
 
-STATES = ("pending", "scheduled", "leased", "orphaned", "done", "dead")
-# States whose rows wait for a claimer: their oldest row is the pump's backlog age.
-WAITING_STATES = ("pending", "orphaned")
+# Every state, in the order reports show them.
+STATES = tuple(WorkState)
 # Functions the report calls; without them the migrations were not applied.
 REQUIRED_FUNCTIONS = ("state_of", "live_instances", "held_alive_lock_keys")
 
@@ -63,7 +63,7 @@ class BlockedStream:
     scope: str  # perspective or receptor name; '' for outbox and inbox
     stream: str
     head_id: uuid.UUID
-    head_state: str  # dead | scheduled
+    head_state: WorkState  # dead | scheduled
     attempts: int
     max_attempts: int
     retry_at: datetime | None
@@ -173,7 +173,7 @@ class StatusReport:
     dead_counts: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
-        dead = {c.category: c.counts["dead"] for c in self.categories}
+        dead = {c.category: c.counts[WorkState.DEAD] for c in self.categories}
         object.__setattr__(self, "dead_counts", dead)
 
 
@@ -201,7 +201,7 @@ def state_counts(*, now: datetime | None = None, using: str | None = None) -> St
         categories.append(
             CategoryStatus(
                 category=category,
-                counts={row["state"]: int(row["count"]) for row in mine},
+                counts={WorkState(row["state"]): int(row["count"]) for row in mine},
                 oldest_pending_age_seconds=max(ages) if ages else None,
             )
         )
@@ -215,7 +215,13 @@ def blocked_streams(
     rows = db.fetch_named(QUERIES, "blocked_streams", {"now": now, "limit": limit}, using=using)
     total = int(rows[0]["total"]) if rows else 0
     return BlockedStreams(
-        streams=[BlockedStream(**{k: v for k, v in row.items() if k != "total"}) for row in rows],
+        streams=[
+            BlockedStream(
+                **{k: v for k, v in row.items() if k not in ("total", "head_state")},
+                head_state=WorkState(row["head_state"]),
+            )
+            for row in rows
+        ],
         total=total,
     )
 

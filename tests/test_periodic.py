@@ -498,7 +498,7 @@ def test_periodic_enabled_false_starts_no_periodic_worker(pump, ticking):
     with override_workpump(FAST_PUMP | {"PERIODIC_ENABLED": False}):
         supervisor = pump()
     assert supervisor.periodic is None
-    assert "periodic" not in supervisor._threads
+    assert "periodic" not in supervisor._services
 
 
 def override_workpump(values: dict[str, object]):

@@ -17,17 +17,18 @@ from django.utils.safestring import SafeString
 
 from django_workpump.conf import get_settings
 from django_workpump.payloads import MAX_DEPTH, UndecodablePayload, decode
+from django_workpump.states import WorkState
 
 DASH = "—"
 
 # Colours of the state badges and the heartbeat freshness (readable on white and dark).
-STATE_COLOURS = {
-    "pending": "#4a6785",
-    "scheduled": "#7a6a1f",
-    "leased": "#2e7d32",
-    "orphaned": "#c2410c",
-    "done": "#6b7280",
-    "dead": "#b91c1c",
+STATE_COLOURS: dict[str, str] = {
+    WorkState.PENDING: "#4a6785",
+    WorkState.SCHEDULED: "#7a6a1f",
+    WorkState.LEASED: "#2e7d32",
+    WorkState.ORPHANED: "#c2410c",
+    WorkState.DONE: "#6b7280",
+    WorkState.DEAD: "#b91c1c",
 }
 FRESHNESS_COLOURS = {"fresh": "#2e7d32", "stale": "#c2410c", "dead": "#b91c1c"}
 

@@ -33,6 +33,7 @@ from django.db.models.functions import Cast, Coalesce, Concat, Left
 from django_workpump.conf import get_settings
 from django_workpump.models import Eviction, ServiceInstance
 from django_workpump.sql import named_queries
+from django_workpump.states import WorkState
 
 ADMIN_QUERIES = "admin.sql"
 
@@ -193,7 +194,7 @@ def stuck_condition(spec: WorkSpec) -> Q:
     undone = Q(**{f"{spec.done_field}__isnull": True}, dead_lettered_at__isnull=True)
     return undone & (
         Q(wp_holder__in=NOT_LIVE_HOLDERS)
-        | Q(wp_state="orphaned")
+        | Q(wp_state=WorkState.ORPHANED)
         | (Q(attempts__gt=1) & Q(max_attempts__lte=F("attempts") * 2))
         | Q(wp_blocked=True)
     )

@@ -32,6 +32,7 @@ from django_workpump.admin.expressions import (
 from django_workpump.admin.perms import has_model_permission
 from django_workpump.conf import get_settings
 from django_workpump.models import ServiceInstance
+from django_workpump.states import WorkState
 from django_workpump.status import STATES
 
 # The most rows one admin action changes: "select all" over a large table is refused
@@ -398,7 +399,7 @@ class WorkAdmin(admin.ModelAdmin):
                 row.seq,
                 link,
                 display.badge(row.wp_state),
-                "head" if row.stream_head and row.wp_state != "done" else "",
+                "head" if row.stream_head and row.wp_state != WorkState.DONE else "",
                 f"{row.attempts}/{row.max_attempts}",
                 display.when(row.created_at),
             )
@@ -621,7 +622,7 @@ def stuck_reasons(obj: Any) -> list[str]:
     reasons = []
     if obj.wp_holder in NOT_LIVE_HOLDERS:
         reasons.append(f"holder {obj.wp_holder}")
-    if obj.wp_state == "orphaned":
+    if obj.wp_state == WorkState.ORPHANED:
         reasons.append("orphaned")
     if obj.attempts > 1 and obj.attempts * 2 >= obj.max_attempts:
         reasons.append("attempts high")

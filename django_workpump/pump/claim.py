@@ -18,11 +18,13 @@ from typing import Any, Protocol
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.db import ClaimedWork, InstanceRefused
 from django_workpump.pump.coordinator import Coordinator
+from django_workpump.pump.service import LoopService
+from django_workpump.states import FailureReason, OutcomeStatus
 
 logger = logging.getLogger("django_workpump.claim")
 
 # The failure reason of a row whose payload Python cannot decode.
-UNDECODABLE_PAYLOAD = "undecodable_payload"
+UNDECODABLE_PAYLOAD = FailureReason.UNDECODABLE_PAYLOAD
 # Wake-ups (NOTIFY, freed slots) that claimed nothing, in a row, before further wakes are
 # spaced out: a NOTIFY flood must not become a claim flood. The spacing doubles from the
 # base up to the tight poll interval; a wake that claims something, or a quiet second,
@@ -98,8 +100,10 @@ class ClaimResult:
     refused: bool = False  # this instance was evicted (or is not registered): stop
 
 
-class ClaimWorker:
+class ClaimWorker(LoopService):
     """Poll ``claim_work`` and feed the dispatcher."""
+
+    name = "claim"
 
     def __init__(
         self,
@@ -113,6 +117,7 @@ class ClaimWorker:
         before_first_claim: Callable[[], Any] | None = None,
         on_refused: Callable[[str], Any] | None = None,
     ) -> None:
+        super().__init__()
         self.coordinator = coordinator
         self.sink = sink
         self.policy = policy
@@ -139,7 +144,6 @@ class ClaimWorker:
         self._wake = threading.Event()
         self._last_gate_state: bool | None = None
         self._gate_lost_at: float | None = None
-        self._stop = threading.Event()
 
     # -- signals -------------------------------------------------------------------
     def request_immediate_poll(self) -> None:
@@ -264,7 +268,9 @@ class ClaimWorker:
                     exc_info=True,
                 )
                 continue
-            parked = {outcome.work_id for outcome in outcomes if outcome.status == "dead"}
+            parked = {
+                outcome.work_id for outcome in outcomes if outcome.status == OutcomeStatus.DEAD
+            }
             for row, error in zip(group, errors, strict=True):
                 logger.warning(
                     "%s %s for %r not run and %s: %s",
@@ -347,7 +353,5 @@ class ClaimWorker:
             # One Event serves wake and stop: stop() sets it too.
             woken = self._wake.wait(None if wait_ms is None else wait_ms / 1000)
 
-    def stop(self) -> None:
-        """Stop the loop (idempotent, safe before start)."""
-        self._stop.set()
-        self._wake.set()
+    def _interrupt(self) -> None:
+        self._wake.set()  # one Event serves wake and stop

@@ -20,6 +20,7 @@ from django_workpump import db
 from django_workpump.conf import get_settings, lock_loss_grace_seconds
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.registry import CATEGORIES
+from django_workpump.states import OutcomeStatus
 
 T = TypeVar("T")
 
@@ -254,13 +255,15 @@ class DatabaseCoordinator:
                     retry_max_seconds=self.settings["RETRY_BACKOFF_MAX_SECONDS"],
                     using=self.alias,
                 )
-                retry = [o.work_id for o in failed if o.status == "retry"]
+                retry = [o.work_id for o in failed if o.status == OutcomeStatus.RETRY]
                 parked = set(
                     db.dead_letter(category=category, ids=retry, reason=reason, using=self.alias)
                     if retry
                     else []
                 )
-            return [Outcome(o.work_id, "dead") if o.work_id in parked else o for o in failed]
+            return [
+                Outcome(o.work_id, OutcomeStatus.DEAD) if o.work_id in parked else o for o in failed
+            ]
 
         return self._call(fail_and_park)
 

@@ -35,6 +35,13 @@ from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.registry import TOPIC_NOUNS, Handler, Registry
+from django_workpump.states import (
+    CancelReason,
+    FailureReason,
+    HandlerOutcome,
+    JobState,
+    OutcomeStatus,
+)
 from django_workpump.storable import (
     ascii_text,
     error_text,
@@ -79,7 +86,7 @@ class LeaseLost(Exception):
 class _Job:
     row: ClaimedWork
     handle: LeaseHandle
-    state: str = "queued"  # queued -> running -> finished | abandoned | superseded
+    state: JobState = JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -94,7 +101,19 @@ class DispatchStats:
     superseded: int = 0
 
 
+# How long stop() waits for each outcome flusher's final flush when not told.
+FINAL_FLUSH_SECONDS = 5.0
+
+
 class Dispatcher:
+    """Run claimed rows on ``concurrency`` handler threads; write their outcomes in batches.
+
+    A pump service (``pump.service.Service``): its threads are the handler threads
+    (``workpump-dispatch-<n>``) and the two outcome flushers.
+    """
+
+    name = "dispatch"
+
     def __init__(
         self,
         coordinator: Coordinator,
@@ -129,6 +148,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._accepting = True
+        self._started = False
+        self._stopped = False
         self._threads: list[threading.Thread] = []
         self._thread_ids = itertools.count(1)
         self._local = threading.local()
@@ -211,6 +232,11 @@ class Dispatcher:
 
     # -- workers -------------------------------------------------------------------
     def start(self) -> None:
+        """Start the outcome flushers and the handler threads (once; not after stop())."""
+        with self._lock:
+            if self._started or self._stopped:
+                return
+            self._started = True
         self.completions.start()
         self.failures.start()
         for _ in range(self.concurrency):
@@ -243,13 +269,13 @@ class Dispatcher:
     def _run(self, job: _Job) -> bool:
         """Run one job; False when the job was abandoned while this thread ran it."""
         with job.lock:
-            if job.state == "superseded":
+            if job.state == JobState.SUPERSEDED:
                 start = None  # the row has a newer lease here: nothing to run or release
             elif job.handle.cancelled.is_set():
-                job.state = "finished"
+                job.state = JobState.FINISHED
                 start = False
             else:
-                job.state = "running"
+                job.state = JobState.RUNNING
                 start = True
         if start is None:
             self._finish(job)
@@ -261,29 +287,28 @@ class Dispatcher:
         close_old_connections()
         self.stats.started += 1
         handler = self.handlers.get(job.row.category, job.row.topic)
-        outcome: tuple[str, Any]  # ("done", result) | ("fail", (error, reason)) | ...
+        # (DONE, result) | (DONE_COMMITTED, None) | (FAIL, (error, reason)) | (LOST, text)
+        outcome: tuple[HandlerOutcome, Any]
         try:
             if handler is None:
                 noun = TOPIC_NOUNS[job.row.category]
-                outcome = (
-                    "fail",
-                    (f"no handler registered for {noun} {job.row.topic!r}", "no_handler"),
-                )
+                error = f"no handler registered for {noun} {job.row.topic!r}"
+                outcome = (HandlerOutcome.FAIL, (error, FailureReason.NO_HANDLER))
             elif handler.atomic:
                 self._call_atomic(handler, job)
-                outcome = ("done_committed", None)
+                outcome = (HandlerOutcome.DONE_COMMITTED, None)
             else:
-                outcome = ("done", self._call(handler, job))
+                outcome = (HandlerOutcome.DONE, self._call(handler, job))
         except LeaseLost as exc:
-            outcome = ("lost", str(exc))
+            outcome = (HandlerOutcome.LOST, str(exc))
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            outcome = ("fail", (_describe(exc), "handler_error"))
+            outcome = (HandlerOutcome.FAIL, (_describe(exc), FailureReason.HANDLER_ERROR))
         finally:
             close_old_connections()
         with job.lock:
-            if job.state == "abandoned":
+            if job.state == JobState.ABANDONED:
                 logger.warning(
                     "abandoned %s %s finished late; its outcome is dropped (the row was failed)",
                     job.row.category,
@@ -291,7 +316,7 @@ class Dispatcher:
                     extra={"action": "late_outcome_dropped"},
                 )
                 return False
-            if job.state == "superseded":
+            if job.state == JobState.SUPERSEDED:
                 logger.warning(
                     "%s %s attempt %d finished after the row was claimed again; its outcome "
                     "is dropped",
@@ -302,23 +327,23 @@ class Dispatcher:
                 )
                 superseded = True
             else:
-                job.state = "finished"
+                job.state = JobState.FINISHED
                 superseded = False
         if superseded:
             self._finish(job)
             return True
-        kind: str = outcome[0]
+        kind: HandlerOutcome = outcome[0]
         value: Any = outcome[1]
-        if kind == "done":
+        if kind == HandlerOutcome.DONE:
             self._outcome_queued(1)
             self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, value))
-        elif kind == "fail":
+        elif kind == HandlerOutcome.FAIL:
             self._outcome_queued(1)
             error, reason = value
             self.failures.put(
                 (job.row.category, job.row.work_id, job.row.lease_token, error, reason)
             )
-        elif kind == "lost":
+        elif kind == HandlerOutcome.LOST:
             self.stats.lost_leases += 1
             logger.warning("%s", value, extra={"action": "lease_lost"})
         else:
@@ -374,7 +399,7 @@ class Dispatcher:
             with job.lock:
                 # Abandoned at its deadline, or claimed again: the lease token fences the
                 # completion out anyway; rolling back here spares the round trip.
-                if job.state in ("abandoned", "superseded"):
+                if job.state in (JobState.ABANDONED, JobState.SUPERSEDED):
                     raise LeaseLost(
                         f"{job.row.category} {job.row.work_id}: attempt {job.row.attempts} "
                         f"was {job.state} before it committed; its transaction was rolled back"
@@ -382,7 +407,7 @@ class Dispatcher:
             outcome = self.coordinator.complete(
                 job.row.category, [job.row.work_id], [job.row.lease_token], [result]
             )
-            if not outcome or outcome[0].status != "done":
+            if not outcome or outcome[0].status != OutcomeStatus.DONE:
                 raise LeaseLost(
                     f"{job.row.category} {job.row.work_id}: lease lost before the atomic "
                     "handler committed; its transaction was rolled back"
@@ -391,9 +416,9 @@ class Dispatcher:
     def _supersede(self, job: _Job, new_attempt: int) -> None:
         """Give up on an older attempt of a row this instance has just claimed again."""
         with job.lock:
-            live = job.state in ("queued", "running")
+            live = job.state in (JobState.QUEUED, JobState.RUNNING)
             if live:
-                job.state = "superseded"
+                job.state = JobState.SUPERSEDED
         if not live:
             # Finished or abandoned, its slot about to be freed: only its handle is in the way.
             job.handle.dispose()
@@ -408,7 +433,7 @@ class Dispatcher:
             job.row.attempts,
             extra={"action": "superseded"},
         )
-        job.handle.cancel("lost")
+        job.handle.cancel(CancelReason.LOST)
         job.handle.dispose()  # leaves the registry free for the new handle
 
     def _finish(self, job: _Job) -> None:
@@ -439,9 +464,9 @@ class Dispatcher:
         if job is None or job.handle is not handle:
             return False
         with job.lock:
-            if job.state != "running":
+            if job.state != JobState.RUNNING:
                 return False  # queued jobs are released by their worker; finished ones are done
-            job.state = "abandoned"
+            job.state = JobState.ABANDONED
         self.stats.abandoned += 1
         self._outcome_queued(1)
         logger.error(
@@ -457,7 +482,7 @@ class Dispatcher:
                 handle.work_id,
                 job.row.lease_token,
                 "the handler was still running at its lease deadline and was abandoned",
-                "lease_expired",
+                FailureReason.LEASE_EXPIRED,
             )
         )
         self._finish(job)
@@ -517,7 +542,7 @@ class Dispatcher:
                 token,
                 f"The handler finished but its outcome could not be stored "
                 f"({type(error).__name__}: {_first_line(error)}).",
-                "unstorable_outcome",
+                FailureReason.UNSTORABLE_OUTCOME,
             )
             self._failure_rejected(failure, exc)
 
@@ -545,7 +570,7 @@ class Dispatcher:
 
     def _count(self, outcomes: list[Any], counter: str) -> None:
         for outcome in outcomes:
-            if outcome.status == "lost":
+            if outcome.status == OutcomeStatus.LOST:
                 self.stats.lost_leases += 1
                 logger.warning(
                     "lease of %s was lost before its outcome was recorded (fenced out)",
@@ -565,13 +590,30 @@ class Dispatcher:
         with self._idle:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop workers (after ``wait_idle``) and flush every pending outcome."""
-        self.leases.cancel_all("shutdown")
-        for _ in self._threads:
-            self._queue.put(None)
-        self.completions.stop(timeout)
-        self.failures.stop(timeout)
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop workers (after ``wait_idle``) and flush every pending outcome.
+
+        Each flusher's final flush is waited for up to ``timeout`` (5 s when None).
+        Idempotent, and harmless before ``start()``.
+        """
+        with self._lock:
+            first, self._stopped = not self._stopped, True
+        self.leases.cancel_all(CancelReason.SHUTDOWN)
+        if first:
+            for _ in self._threads:
+                self._queue.put(None)
+        flush_timeout = FINAL_FLUSH_SECONDS if timeout is None else timeout
+        self.completions.stop(flush_timeout)
+        self.failures.stop(flush_timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the outcome flushers; True when neither runs.
+
+        Handler threads are not waited for: an abandoned one may never return, and the
+        rows of any still running are released by deregistration.
+        """
+        completions = self.completions.join(timeout)
+        return self.failures.join(timeout) and completions
 
 
 def _first_line(error: Exception) -> str:

@@ -201,6 +201,14 @@ class BatchFlusher(Generic[T]):
                 extra={"action": "flusher_stop_timeout"},
             )
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end; True when it is not running."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return thread is None
+        thread.join(timeout)
+        return not thread.is_alive()
+
     def _seconds_until_due(self) -> float | None:
         """Return 0.0 if due, the seconds to wait if not yet, None if empty (lock held)."""
         size = len(self._buffer)

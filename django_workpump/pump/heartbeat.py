@@ -17,6 +17,7 @@ from typing import Any
 
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.pump.coordinator import Coordinator
+from django_workpump.pump.service import LoopService
 
 logger = logging.getLogger("django_workpump.heartbeat")
 
@@ -64,7 +65,11 @@ class BeatResult:
     cadence: float
 
 
-class HeartbeatWorker:
+class HeartbeatWorker(LoopService):
+    """Beat at the cadence and probe for evictable peers until stopped or evicted."""
+
+    name = "heartbeat"
+
     def __init__(
         self,
         coordinator: Coordinator,
@@ -75,6 +80,7 @@ class HeartbeatWorker:
         metadata: Callable[[], dict[str, Any]] | None = None,
         clock: Clock | None = None,
     ) -> None:
+        super().__init__()
         self.coordinator = coordinator
         self.policy = policy
         self.alive_lock_held = alive_lock_held
@@ -89,7 +95,6 @@ class HeartbeatWorker:
         self.last_beat_at: float | None = None
         self.next_eviction_in: float | None = None  # as the last probe said
         self._failed_in_a_row = 0
-        self._stop = threading.Event()
         self._wake = threading.Event()  # set by stop() and request_beat()
         self._beat_requested = False
 
@@ -190,6 +195,5 @@ class HeartbeatWorker:
         self._beat_requested = True
         self._wake.set()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def _interrupt(self) -> None:
         self._wake.set()

@@ -10,13 +10,11 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Literal
 
 from django_workpump.clock import Clock
+from django_workpump.states import CancelReason
 
-# "lost": the database refused a renewal (another holder, or evicted): stop at once.
-CancelReason = Literal["deadline", "shutdown", "disposed", "lost"]
-_REASONS: frozenset[str] = frozenset({"deadline", "shutdown", "disposed", "lost"})
+_REASONS: frozenset[str] = frozenset(CancelReason)
 
 LeaseKey = tuple[str, uuid.UUID]
 
@@ -113,12 +111,14 @@ class LeaseHandle:
         self._expire()
         return self.cancelled.is_set()
 
-    def cancel(self, reason: CancelReason) -> None:
+    def cancel(self, reason: CancelReason | str) -> None:
         """Cancel the handle; the first reason given is the one kept."""
         if reason not in _REASONS:
-            raise ValueError(f"Cancel reason {reason!r} must be one of {sorted(_REASONS)}.")
+            raise ValueError(
+                f"Cancel reason {reason!r} must be one of {sorted(map(str, _REASONS))}."
+            )
         with self._lock:
-            self._cancel_locked(reason)
+            self._cancel_locked(CancelReason(reason))
 
     def dispose(self) -> None:
         """Release the handle: cancel it if still live and drop it from its registry."""
@@ -126,7 +126,7 @@ class LeaseHandle:
             if self._disposed:
                 return
             self._disposed = True
-            self._cancel_locked("disposed")
+            self._cancel_locked(CancelReason.DISPOSED)
             callback, self._on_dispose = self._on_dispose, None
         # Outside the handle lock: the registry takes its own lock, and it takes them in the
         # order registry -> handle elsewhere.
@@ -145,7 +145,7 @@ class LeaseHandle:
         """Cancel by deadline if due; return True only if this call cancelled it."""
         with self._lock:
             if self._cancel_reason is None and self._clock.monotonic() >= self._deadline:
-                return self._cancel_locked("deadline")
+                return self._cancel_locked(CancelReason.DEADLINE)
             return False
 
     def _renewable_locked(self) -> bool:
@@ -215,7 +215,7 @@ class LeaseRegistry:
         # Check on a snapshot so no handle lock is taken under the registry lock from here.
         return [handle for handle in self.handles() if handle._expire()]
 
-    def cancel_all(self, reason: CancelReason = "shutdown") -> None:
+    def cancel_all(self, reason: CancelReason = CancelReason.SHUTDOWN) -> None:
         """Cancel every registered handle (they stay registered until disposed)."""
         for handle in self.handles():
             handle.cancel(reason)

@@ -12,7 +12,6 @@ attempts. Handler threads never purge.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,6 +20,7 @@ from django.db import close_old_connections
 
 from django_workpump import db
 from django_workpump.conf import MIN_TOMBSTONE_RETENTION_SECONDS
+from django_workpump.pump.service import LoopService
 from django_workpump.registry import CATEGORIES
 from django_workpump.storable import error_headline
 
@@ -39,7 +39,11 @@ class MaintenanceResult:
     stuck: int = 0
 
 
-class MaintenanceWorker:
+class MaintenanceWorker(LoopService):
+    """Run a maintenance pass every ``interval_seconds`` until stopped."""
+
+    name = "maintenance"
+
     def __init__(
         self,
         *,
@@ -54,6 +58,7 @@ class MaintenanceWorker:
         tombstone_retention_seconds: int = TOMBSTONE_RETENTION_SECONDS,
         batch: int = 1_000,
     ) -> None:
+        super().__init__()
         self.alias = alias
         self.interval_seconds = interval_seconds
         self.retention_seconds = retention_seconds
@@ -67,7 +72,6 @@ class MaintenanceWorker:
         )
         self.batch = batch
         self.passes = 0
-        self._stop = threading.Event()
 
     def _purges(self) -> dict[str, Callable[[], int]]:
         """Each purge as one batch call, by the name its count is reported under."""
@@ -179,6 +183,3 @@ class MaintenanceWorker:
                 logger.exception("maintenance pass failed", extra={"action": "maintenance_failed"})
             finally:
                 close_old_connections()
-
-    def stop(self) -> None:
-        self._stop.set()

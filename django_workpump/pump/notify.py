@@ -20,6 +20,7 @@ from psycopg import sql
 
 from django_workpump import db
 from django_workpump.clock import Clock, SystemClock
+from django_workpump.pump.service import LoopService
 
 logger = logging.getLogger("django_workpump.notify")
 
@@ -39,7 +40,11 @@ def reconnect_delay(attempt: int, initial: float = 1.0, maximum: float = 30.0) -
     return float(min(initial * 2 ** max(attempt - 1, 0), maximum))
 
 
-class NotifyGate:
+class NotifyGate(LoopService):
+    """LISTEN on the work channels and hold the alive-lock, reconnecting until stopped."""
+
+    name = "notify"
+
     def __init__(
         self,
         conninfo: str,
@@ -54,6 +59,7 @@ class NotifyGate:
         hold_alive_lock: bool = True,
         clock: Clock | None = None,
     ) -> None:
+        super().__init__()
         self.conninfo = conninfo
         self.instance_id = instance_id
         self.on_signal = on_signal
@@ -73,7 +79,6 @@ class NotifyGate:
         self._available = False
         self._alive_lock_held = False
         self._state_lock = threading.Lock()
-        self._stop = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
 
     # -- state ---------------------------------------------------------------------
@@ -201,6 +206,3 @@ class NotifyGate:
                 self._conn = None
         self._alive_lock_held = False
         self._set_available(False, "stopped")
-
-    def stop(self) -> None:
-        self._stop.set()

@@ -10,7 +10,6 @@ worker waits until the next slot of any schedule (at most ``max_idle_seconds``).
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -26,6 +25,7 @@ from django_workpump.periodic import (
     schedules,
     slot_text,
 )
+from django_workpump.pump.service import LoopService
 
 logger = logging.getLogger("django_workpump.periodic")
 
@@ -55,7 +55,11 @@ class PeriodicResult:
         return sum(len(slots) for slots in self.fired.values())
 
 
-class PeriodicWorker:
+class PeriodicWorker(LoopService):
+    """Fire the due slots of every schedule, waiting until the next one, until stopped."""
+
+    name = "periodic"
+
     def __init__(
         self,
         *,
@@ -68,6 +72,7 @@ class PeriodicWorker:
         max_idle_seconds: float = 60.0,
         catch_up_batch: int = CATCH_UP_BATCH,
     ) -> None:
+        super().__init__()
         self.alias = alias
         self.partition_count = partition_count
         self.max_payload_bytes = max_payload_bytes
@@ -79,7 +84,6 @@ class PeriodicWorker:
         self.passes = 0
         self.fired_total = 0  # slots this worker sent
         self.lost_total = 0  # slots it tried to send after another caller had
-        self._stop = threading.Event()
 
     # -- registration ----------------------------------------------------------------
 
@@ -250,6 +254,3 @@ class PeriodicWorker:
                 continue
             retry = ERROR_RETRY_SECONDS
             self._stop.wait(self.wait_seconds(result, self.clock.monotonic() - started))
-
-    def stop(self) -> None:
-        self._stop.set()

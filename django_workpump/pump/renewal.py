@@ -27,11 +27,21 @@ from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.naming import application_name, name_thread_connections
+from django_workpump.pump.service import LoopService
+from django_workpump.states import CancelReason
 
 logger = logging.getLogger("django_workpump.renewal")
 
 
-class LeaseRenewalWorker:
+# How long stop() waits for the final flush of renewals when not told.
+FINAL_FLUSH_SECONDS = 5.0
+
+
+class LeaseRenewalWorker(LoopService):
+    """Tick (abandon, request renewals) on one thread; renew in batches on the flusher's."""
+
+    name = "renewal"
+
     def __init__(
         self,
         coordinator: Coordinator,
@@ -48,6 +58,7 @@ class LeaseRenewalWorker:
         on_refused: Callable[[str], Any] | None = None,
         clock: Clock | None = None,
     ) -> None:
+        super().__init__()
         self.coordinator = coordinator
         self.leases = leases
         self.lease_seconds = lease_seconds
@@ -65,7 +76,6 @@ class LeaseRenewalWorker:
         self._requested: dict[tuple[str, uuid.UUID], float] = {}  # key -> asked at
         self.request_retry_seconds = max(coalesce_window * 10, 5.0)
         self._requested_lock = threading.Lock()
-        self._stop = threading.Event()
         # (category, work id, the attempt's lease token or None for the handle's)
         self.flusher: BatchFlusher[tuple[str, uuid.UUID, uuid.UUID | None]] = BatchFlusher(
             "workpump-renewals",
@@ -158,7 +168,7 @@ class LeaseRenewalWorker:
                 handle = self.leases.get(category, work_id)
                 if handle is not None and handle.lease_token == tokens[work_id]:
                     # work.cancelled tells the handler; no more renewals are asked.
-                    handle.cancel("lost")
+                    handle.cancel(CancelReason.LOST)
 
     def _answered(self, category: str, work_id: uuid.UUID) -> None:
         """The request was settled: a later tick may ask for this row again."""
@@ -227,8 +237,22 @@ class LeaseRenewalWorker:
             self._stop.wait(self.tick_seconds)
 
     def start(self) -> None:
-        self.flusher.start()
+        """Start the renewal flusher, then the ticking thread (once; not after stop())."""
+        with self._start_lock:
+            if self._thread is not None or self._stop.is_set():
+                return
+            self.flusher.start()
+        super().start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop ticking and flush the renewals still buffered (waiting up to ``timeout``,
+        5 s when None); with ``timeout``, also wait that long for the ticking thread."""
         self._stop.set()
-        self.flusher.stop(timeout)
+        self.flusher.stop(FINAL_FLUSH_SECONDS if timeout is None else timeout)
+        if timeout is not None:
+            self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the ticking and flusher threads; True when neither runs."""
+        ticking = super().join(timeout)
+        return self.flusher.join(timeout) and ticking

@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -41,7 +42,9 @@ from django_workpump.pump.naming import application_name, name_thread_connection
 from django_workpump.pump.notify import NotifyGate
 from django_workpump.pump.periodic import PeriodicWorker
 from django_workpump.pump.renewal import LeaseRenewalWorker
+from django_workpump.pump.service import LoopService
 from django_workpump.registry import CATEGORIES, Registry, claim_topics, registry
+from django_workpump.states import CancelReason
 
 logger = logging.getLogger("django_workpump.supervisor")
 
@@ -66,6 +69,47 @@ class PumpOptions:
     drain: bool = False
     topics: Sequence[str] | None = None  # None: every topic with a handler here
     queues: Sequence[str] | None = None  # django.tasks queues; None: as topics says
+
+
+class DrainWatcher(LoopService):
+    """In drain mode: stop the pump once nothing is left to claim.
+
+    That is once a poll that started after the last outcome was written (so it saw
+    every head that outcome promoted) found nothing.
+    """
+
+    name = "drain"
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        claim: ClaimWorker,
+        *,
+        pump_stopping: threading.Event,
+        on_drained: Callable[[], object],
+    ) -> None:
+        super().__init__()
+        self.dispatcher = dispatcher
+        self.claim = claim
+        self.pump_stopping = pump_stopping
+        self.on_drained = on_drained
+
+    def _stopped(self, timeout: float) -> bool:
+        """Wait up to ``timeout``; True once the pump or this watcher is stopping."""
+        return self.pump_stopping.wait(timeout) or self._stop.is_set()
+
+    def run(self) -> None:
+        while not self._stopped(0.05):
+            if self.dispatcher.in_flight or self.dispatcher.pending_outcomes:
+                continue
+            started_before = self.claim.polls
+            self.claim.request_immediate_poll()
+            while self.claim.last_poll[0] <= started_before and not self._stopped(0.01):
+                pass
+            idle = not self.dispatcher.in_flight and not self.dispatcher.pending_outcomes
+            if idle and self.claim.last_poll[1] == 0:
+                self.on_drained()
+                return
 
 
 def listen_conninfo(settings: dict[str, Any]) -> str:
@@ -184,7 +228,8 @@ class Supervisor:
         self.exit_code: int | None = None
         self.stop_reason: str | None = None
         self._stopping = threading.Event()
-        self._threads: dict[str, threading.Thread] = {}
+        # The services with a supervised thread, by name, in start order.
+        self._services: dict[str, LoopService] = {}
         self._started = False
 
     # -- wiring callbacks ----------------------------------------------------------
@@ -198,7 +243,7 @@ class Supervisor:
         (``work.cancelled``, reason ``lost``).
         """
         self.request_stop(f"evicted: {reason}", EXIT_EVICTED)
-        self.leases.cancel_all("lost")
+        self.leases.cancel_all(CancelReason.LOST)
 
     def _signal(self, signal: str) -> None:
         if signal in self.options.categories or signal == "orphan":
@@ -262,17 +307,23 @@ class Supervisor:
             self.periodic.register()  # schedules as the code defines them, before any fires
         self._started = True
         if self.gate is not None:
-            self._spawn("notify", self.gate.run)
+            self._launch(self.gate)
         self.dispatcher.start()
-        self.renewal.start()
-        self._spawn("renewal", self.renewal.run)
-        self._spawn("heartbeat", self.heartbeat.run)
-        self._spawn("maintenance", self.maintenance.run)
+        self._launch(self.renewal)  # its flusher, then its ticking thread
+        self._launch(self.heartbeat)
+        self._launch(self.maintenance)
         if self.periodic is not None:
-            self._spawn("periodic", self.periodic.run)
-        self._spawn("claim", self.claim.run)
+            self._launch(self.periodic)
+        self._launch(self.claim)
         if self.options.drain:
-            self._spawn("drain", self._drain_watch)
+            self._launch(
+                DrainWatcher(
+                    self.dispatcher,
+                    self.claim,
+                    pump_stopping=self._stopping,
+                    on_drained=lambda: self.request_stop("drained: nothing left to claim", EXIT_OK),
+                )
+            )
         logger.info(
             "workpump instance %s started", self.identity.instance_id, extra={"action": "started"}
         )
@@ -283,35 +334,22 @@ class Supervisor:
                 extra={"action": "no_handlers"},
             )
 
-    def _spawn(self, name: str, target: Callable[[], Any]) -> None:
-        def service() -> None:
-            try:
-                name_thread_connections(application_name(self.identity.instance_id, name))
-                target()
-            except BaseException as exc:
-                logger.exception("service %s died", name, extra={"action": "service_died"})
-                self.request_stop(f"service {name} died: {exc}", EXIT_SERVICE_DIED)
-            finally:
-                release_thread_connection(self.alias)
+    def _launch(self, service: LoopService) -> None:
+        """Start a service whose thread names its connections, closes them on exit, and
+        stops the whole pump (exit code 1) if it dies."""
+        service.supervise(
+            on_thread_start=partial(
+                name_thread_connections, application_name(self.identity.instance_id, service.name)
+            ),
+            on_thread_exit=partial(release_thread_connection, self.alias),
+            on_died=self._service_died,
+        )
+        self._services[service.name] = service
+        service.start()
 
-        thread = threading.Thread(target=service, name=f"workpump-{name}", daemon=True)
-        self._threads[name] = thread
-        thread.start()
-
-    def _drain_watch(self) -> None:
-        """In drain mode: stop once a poll that started after the last outcome was
-        written (so it saw every head that outcome promoted) found nothing."""
-        while not self._stopping.wait(0.05):
-            if self.dispatcher.in_flight or self.dispatcher.pending_outcomes:
-                continue
-            started_before = self.claim.polls
-            self.claim.request_immediate_poll()
-            while self.claim.last_poll[0] <= started_before and not self._stopping.wait(0.01):
-                pass
-            idle = not self.dispatcher.in_flight and not self.dispatcher.pending_outcomes
-            if idle and self.claim.last_poll[1] == 0:
-                self.request_stop("drained: nothing left to claim", EXIT_OK)
-                return
+    def _service_died(self, service: LoopService, exc: BaseException) -> None:
+        logger.exception("service %s died", service.name, extra={"action": "service_died"})
+        self.request_stop(f"service {service.name} died: {exc}", EXIT_SERVICE_DIED)
 
     def request_stop(self, reason: str, exit_code: int = EXIT_OK) -> None:
         """Ask the pump to stop (any thread; the first reason and code win)."""
@@ -332,7 +370,7 @@ class Supervisor:
             return self.exit_code or EXIT_OK
         s = self.settings
         self.claim.stop()
-        self._join("claim", 5)
+        self.claim.join(5)
         self.dispatcher.stop_accepting()
         if not self.dispatcher.wait_idle(s["SHUTDOWN_TIMEOUT_SECONDS"]):
             logger.warning(
@@ -342,8 +380,8 @@ class Supervisor:
                 extra={"action": "shutdown_timeout"},
             )
         self.dispatcher.stop()
-        self.renewal.stop()
-        self._join("renewal", 5)
+        self.renewal.stop()  # flushes the renewals still buffered
+        self.renewal.join(5)
         if self.exit_code != EXIT_EVICTED:
             self._deregister(timeout=5)
         self.maintenance.stop()
@@ -352,8 +390,8 @@ class Supervisor:
         self.heartbeat.stop()
         if self.gate is not None:
             self.gate.stop()
-        for name in list(self._threads):
-            self._join(name, 5)
+        for service in list(self._services.values()):
+            service.join(5)
         connections.close_all()
         logger.info(
             "workpump instance %s stopped (%s)",
@@ -390,8 +428,3 @@ class Supervisor:
                 timeout,
                 extra={"action": "deregister_timeout"},
             )
-
-    def _join(self, name: str, timeout: float) -> None:
-        thread = self._threads.get(name)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)

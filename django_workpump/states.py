@@ -1,0 +1,86 @@
+"""The words the pump uses for states and outcomes, as types.
+
+Each is a ``StrEnum``: a member is the very string the SQL functions return or store,
+so rows read from the database compare equal to the members, and a member can be
+passed wherever the SQL expects text. ``tests/test_states.py`` checks that the SQL
+produces exactly these words.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class WorkState(StrEnum):
+    """A work row's state, as ``workpump.state_of`` derives it at the database clock."""
+
+    PENDING = "pending"  # claimable now
+    SCHEDULED = "scheduled"  # waiting for a retry or a deferral
+    LEASED = "leased"  # held by an instance under an unexpired lease
+    ORPHANED = "orphaned"  # its lease expired, or its holder was evicted mid-attempt
+    DONE = "done"
+    DEAD = "dead"  # parked after its last attempt, or by an operator
+
+
+# The states whose rows wait for a claimer: their oldest row is the pump's backlog age.
+WAITING_STATES = (WorkState.PENDING, WorkState.ORPHANED)
+
+
+class OutcomeStatus(StrEnum):
+    """What ``complete_work``, ``fail_work`` and ``release_work`` did with one row."""
+
+    DONE = "done"  # completed
+    RETRY = "retry"  # failed; scheduled for another attempt
+    DEAD = "dead"  # failed on its last attempt (or parked): dead-lettered
+    RELEASED = "released"  # lease given back unrun
+    LOST = "lost"  # fenced out: the caller no longer held the row under that token
+
+
+class HandlerOutcome(StrEnum):
+    """How one run of a handler ended, before anything is written."""
+
+    DONE = "done"  # returned: complete the row with its result
+    DONE_COMMITTED = "done_committed"  # atomic: completed inside the handler's transaction
+    FAIL = "fail"  # raised (or had no handler): fail the attempt
+    LOST = "lost"  # the lease was lost before an atomic handler could commit
+
+
+class JobState(StrEnum):
+    """A dispatched row's state inside the dispatcher.
+
+    queued -> running -> finished, or abandoned (still running at its lease deadline)
+    or superseded (the row was claimed again while this attempt was live).
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABANDONED = "abandoned"
+    SUPERSEDED = "superseded"
+
+
+class FailureReason(StrEnum):
+    """Why an attempt failed or a row was parked: the ``failure_reason`` column.
+
+    An operator's dead-lettering stores the reason the operator gave, which may be any
+    text; ``OPERATOR`` is the one ``workpump.dead_letter`` stores when given none.
+    """
+
+    HANDLER_ERROR = "handler_error"  # the handler raised
+    NO_HANDLER = "no_handler"  # no handler registered for the row's topic
+    LEASE_EXPIRED = "lease_expired"  # the attempt's lease ran out without an outcome
+    INSTANCE_EVICTED = "instance_evicted"  # its holder was evicted mid-attempt
+    MAX_ATTEMPTS = "max_attempts"  # the attempts were used up
+    UNDECODABLE_PAYLOAD = "undecodable_payload"  # Python cannot decode the payload
+    UNSTORABLE_OUTCOME = "unstorable_outcome"  # the database refused the outcome
+    OPERATOR_RELEASED = "operator_released"  # an operator released the lease
+    OPERATOR = "operator"  # dead-lettered by an operator who gave no reason
+
+
+class CancelReason(StrEnum):
+    """Why a local lease handle was cancelled (``work.cancelled`` turned true)."""
+
+    DEADLINE = "deadline"  # its local deadline passed
+    SHUTDOWN = "shutdown"  # the pump is stopping
+    DISPOSED = "disposed"  # the dispatch let go of it
+    LOST = "lost"  # the database refused a renewal (another holder, or evicted)
