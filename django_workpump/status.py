@@ -15,9 +15,9 @@ from datetime import datetime
 from typing import Any
 
 from django_workpump import db
+from django_workpump.categories import NAMES as CATEGORIES
 from django_workpump.conf import get_settings
 from django_workpump.periodic import ScheduleRegistry, schedules
-from django_workpump.registry import CATEGORIES
 
 STATES = ("pending", "scheduled", "leased", "orphaned", "done", "dead")
 # States whose rows wait for a claimer: their oldest row is the pump's backlog age.
