@@ -10,13 +10,11 @@ from typing import Any, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 
-CATEGORIES = ("outbox", "inbox", "perspective_event", "receptor")
-TOPIC_NOUNS = {
-    "outbox": "outbox destination",
-    "inbox": "inbox handler",
-    "perspective_event": "perspective",
-    "receptor": "receptor",
-}
+from django_workpump import categories
+
+# Derived from django_workpump.categories, where the facts of each category live.
+CATEGORIES = categories.NAMES
+TOPIC_NOUNS = {category.name: category.topic_noun for category in categories.CATEGORIES}
 
 # Inbox handler names of django.tasks queues: "django.tasks:<backend alias>:<queue>".
 TASK_TOPIC_PREFIX = "django.tasks"

@@ -15,9 +15,9 @@ from datetime import datetime
 from typing import Any
 
 from django_workpump import db
+from django_workpump.categories import NAMES as CATEGORIES
 from django_workpump.conf import get_settings
 from django_workpump.periodic import ScheduleRegistry, schedules
-from django_workpump.registry import CATEGORIES
 from django_workpump.states import WAITING_STATES, WorkState
 
 # Every state, in the order reports show them.

@@ -42,6 +42,10 @@ NO_SEARCH_PATH = {
 
 TIME_DEPENDENT = {
     "claim_work",
+    "claim_outbox",
+    "claim_inbox",
+    "claim_perspective_event",
+    "claim_receptor",
     "renew_leases",
     "record_heartbeat",
     "cleanup_stale_instances",

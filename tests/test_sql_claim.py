@@ -11,15 +11,20 @@ the rank, the stream ownership ledger and refused input.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import DatabaseError, connection, transaction
 
-from tests.conftest import T0, at, current_tokens, enroll, run_sql, scalar
+from tests.conftest import T0, at, current_tokens, database_url, enroll, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
 
@@ -215,6 +220,12 @@ def counted() -> Iterator[dict[str, dict[str, int]]]:
     delta["calls"] = {
         f: n - calls.get(f, 0) for f, n in calls_after.items() if n != calls.get(f, 0)
     }
+
+
+def category_claims(delta: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Calls of the per-category claim functions (claim_outbox, ...) among ``delta``'s."""
+    names = {f"claim_{category}" for category in CATEGORIES}
+    return {name: n for name, n in delta["calls"].items() if name in names}
 
 
 # --- 1. signature ---------------------------------------------------------------------------
@@ -643,7 +654,7 @@ def test_an_empty_system_costs_no_writes_and_no_category_claim():
         assert claim(A, T0) == []
 
     assert delta["calls"].get("claim_work") == 1
-    assert delta["calls"].get("claim_category", 0) == 0
+    assert category_claims(delta) == {}
     assert delta["writes"] == {}
 
 
@@ -654,7 +665,7 @@ def test_only_a_category_with_work_is_claimed_from():
     with counted() as delta:
         assert sorted(ids(claim(A, T0))) == sorted(made)
 
-    assert delta["calls"].get("claim_category") == 1
+    assert category_claims(delta) == {"claim_outbox": 1}
     assert delta["writes"] == {"workpump_outbox": 2}
 
 
@@ -666,7 +677,7 @@ def test_a_leased_row_that_has_not_expired_does_not_trigger_a_category_claim():
     with counted() as delta:
         assert claim(B, at(30)) == []
 
-    assert delta["calls"].get("claim_category", 0) == 0
+    assert category_claims(delta) == {}
     assert delta["writes"] == {}
 
 
@@ -919,3 +930,74 @@ def test_claiming_only_the_named_categories():
     inbox = make("inbox")
     assert ids(claim(A, T0, p_categories=["outbox"])) == [outbox]
     assert row("inbox", inbox)["instance_id"] is None
+
+
+# --- the migration ------------------------------------------------------------------------
+
+CATEGORY_CLAIMS = [f"claim_{category}" for category in CATEGORIES]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_v9_migration_reverses_to_the_v7_claim_and_applies_again(raw_connect):
+    scratch = f"wp_migrate_{uuid.uuid4().hex[:12]}"
+    admin = raw_connect()
+    admin.execute(f'CREATE DATABASE "{scratch}"')
+    address, separator, query = database_url().partition("?")  # ?host= may hold slashes
+    scratch_url = f"{address.rpartition('/')[0]}/{scratch}{separator}{query}"
+    env = {**os.environ, "DATABASE_URL": scratch_url, "WORKPUMP_JSON": json.dumps({})}
+    root = Path(__file__).resolve().parent.parent
+
+    def migrate(*target: str) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "django", "migrate", "-v0", "--settings", "tests.settings",
+             *target],
+            cwd=root, env=env, check=True, timeout=120,
+        )  # fmt: skip
+
+    def claim_shape() -> dict[str, Any]:
+        """The claim functions present, what claim_work calls, and one claim's result."""
+        with psycopg.connect(scratch_url) as conn, conn.transaction(force_rollback=True):
+            names = [
+                name
+                for (name,) in conn.execute(
+                    "SELECT proname FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
+                    " AND proname LIKE 'claim%%' ORDER BY proname"
+                )
+            ]
+            body, config = conn.execute(
+                "SELECT prosrc, proconfig FROM pg_proc"
+                " WHERE pronamespace = 'workpump'::regnamespace AND proname = 'claim_work'"
+            ).fetchone()
+            conn.execute("SELECT workpump.send('emails.welcome', '{\"n\": 1}', 's-1')")
+            conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])
+            claimed = conn.execute(
+                "SELECT category, topic, stream, attempts FROM workpump.claim_work(%s)", [A]
+            ).fetchall()
+        return {
+            "functions": names,
+            "calls_per_category": "claim_outbox(" in body,
+            "pinned": config[0].startswith("search_path=pg_catalog"),
+            "claimed": claimed,
+        }
+
+    claimed = [("outbox", "emails.welcome", "s-1", 1)]
+    try:
+        migrate()
+        current = claim_shape()
+        assert current == {
+            "functions": sorted([*CATEGORY_CLAIMS, "claim_topics", "claim_work"]),
+            "calls_per_category": True,
+            "pinned": True,
+            "claimed": claimed,
+        }
+        migrate("workpump", "0012")
+        assert claim_shape() == {
+            "functions": ["claim_category", "claim_topics", "claim_work"],
+            "calls_per_category": False,
+            "pinned": True,
+            "claimed": claimed,
+        }
+        migrate()
+        assert claim_shape() == current
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')

@@ -30,6 +30,7 @@ from django.db.models import (
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Cast, Coalesce, Concat, Left
 
+from django_workpump.categories import category
 from django_workpump.conf import get_settings
 from django_workpump.models import Eviction, ServiceInstance
 from django_workpump.sql import named_queries
@@ -47,13 +48,22 @@ NOT_LIVE_HOLDERS = (HOLDER_STALE, HOLDER_EVICTED, HOLDER_GONE)
 
 @dataclass(frozen=True)
 class WorkSpec:
-    """The columns that differ between the four work tables (DESIGN §2)."""
+    """The model fields that differ between the four work tables."""
 
     category: str
     key_field: str
     topic_field: str
     done_field: str
     scope_field: str | None  # perspective or receptor name; None: the stream alone orders
+
+    @classmethod
+    def of(cls, name: str) -> WorkSpec:
+        """The spec of category ``name``, from ``django_workpump.categories``."""
+        found = category(name)
+        # Apart from the key, every field is named as its column.
+        return cls(
+            found.name, found.key_field, found.topic_column, found.done_column, found.scope_column
+        )
 
 
 class DbNow(Func):

@@ -662,18 +662,16 @@ def confirmation(
 
 
 class OutboxAdmin(WorkAdmin):
-    spec = WorkSpec("outbox", "message_id", "destination", "processed_at", None)
+    spec = WorkSpec.of("outbox")
 
 
 class InboxAdmin(WorkAdmin):
-    spec = WorkSpec("inbox", "message_id", "handler_name", "processed_at", None)
+    spec = WorkSpec.of("inbox")
 
 
 class PerspectiveEventAdmin(WorkAdmin):
-    spec = WorkSpec(
-        "perspective_event", "event_work_id", "perspective_name", "processed_at", "perspective_name"
-    )
+    spec = WorkSpec.of("perspective_event")
 
 
 class ReceptorProcessingAdmin(WorkAdmin):
-    spec = WorkSpec("receptor", "work_id", "receptor_name", "completed_at", "receptor_name")
+    spec = WorkSpec.of("receptor")

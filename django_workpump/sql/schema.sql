@@ -1033,140 +1033,539 @@ $$;
 -- claimed row gets a fresh lease token; an evicted or unregistered instance claims
 -- nothing (SQLSTATE WP001).
 
--- Lease up to p_limit claimable rows of one category whose topic is in p_topics (NULL:
--- any topic) to p_instance_id, in three passes: expired leases and due timers first,
--- then ready rows of this instance's partition share, then (only if the budget is not
--- used up) ready rows of anyone's share. Each leased row gets a new lease token. Rows
--- that already used max_attempts are dead-lettered instead of leased.
-CREATE FUNCTION workpump.claim_category(
-    p_category text,
+-- The outbox claim: rows of workpump.send, whose topic is the destination.
+-- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any) to
+-- p_instance_id until p_now + p_lease_seconds, each with a new lease token; rows whose
+-- attempts are used up are parked as dead instead. Called by claim_work, which checks
+-- the instance and the input and computes p_rank and p_live_count.
+CREATE FUNCTION workpump.claim_outbox(
     p_instance_id uuid,
     p_limit integer,
-    p_lease_expiry timestamptz,
-    p_now timestamptz,
+    p_lease_seconds integer DEFAULT 300,
     p_rank integer DEFAULT 0,
     p_live_count integer DEFAULT 1,
-    p_topics text[] DEFAULT NULL
+    p_topics text[] DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
-    v_meta record := workpump.work_table(p_category);
-    v_has_event boolean := v_meta.scope_col IS NOT NULL;
-    v_topic_filter text := CASE WHEN p_topics IS NULL THEN ''
-                                ELSE format('AND t.%I = ANY ($8)', v_meta.topic_col) END;
-    v_candidates text[];
-    v_candidate text;
-    v_statement text;
-    v_remaining integer := p_limit;
-    v_count integer;
+    v_now timestamptz := coalesce(p_now, now());
+    v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
 BEGIN
-    v_candidates := ARRAY[
-        -- timers: leases that expired, retries and deferrals that fell due
-        format($q$
-            SELECT t.seq FROM %1$I t
-            WHERE t.%2$I IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-              AND coalesce(t.lease_expiry, t.scheduled_for) <= $4
-              %3$s
-            ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
-            LIMIT $2
-            FOR UPDATE OF t SKIP LOCKED$q$, v_meta.tbl, v_meta.done_col, v_topic_filter)
-    ];
-    IF p_live_count > 1 THEN
-        -- this instance's share: partition_number mod live_count = rank
-        v_candidates := v_candidates || format($q$
-            SELECT t.seq FROM %1$I t
-            WHERE t.%2$I IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+    RETURN QUERY
+    WITH
+    -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
+    -- longest due first (index wp_outbox_timer)
+    timers AS MATERIALIZED (
+        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable
+        FROM workpump_outbox t
+        WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+          AND (p_topics IS NULL OR t.destination = ANY (p_topics))
+        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+        LIMIT p_limit
+        FOR UPDATE OF t SKIP LOCKED
+    ),
+    -- own_share: with live peers, ready stream heads of this instance's partitions
+    -- (partition_number mod live count = rank), in the budget the timers left
+    own_share AS MATERIALIZED (
+        SELECT * FROM (
+            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable
+            FROM workpump_outbox t
+            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-              AND t.partition_number %% $6 = $5
-              %3$s
+              AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
+              AND (p_topics IS NULL OR t.destination = ANY (p_topics))
             ORDER BY t.priority DESC, t.seq
-            LIMIT $2
-            FOR UPDATE OF t SKIP LOCKED$q$, v_meta.tbl, v_meta.done_col, v_topic_filter);
-    END IF;
-    -- anyone's share: no row waits on a busy peer
-    v_candidates := v_candidates || format($q$
-        SELECT t.seq FROM %1$I t
-        WHERE t.%2$I IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-          AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-          %3$s
-        ORDER BY t.priority DESC, t.seq
-        LIMIT $2
-        FOR UPDATE OF t SKIP LOCKED$q$, v_meta.tbl, v_meta.done_col, v_topic_filter);
+            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+            FOR UPDATE OF t SKIP LOCKED
+        ) share
+        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+    ),
+    -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
+    -- no row waits on a busy peer (index wp_outbox_ready)
+    any_share AS MATERIALIZED (
+        SELECT * FROM (
+            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable
+            FROM workpump_outbox t
+            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
+              AND (p_topics IS NULL OR t.destination = ANY (p_topics))
+            ORDER BY t.priority DESC, t.seq
+            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+                          - (SELECT count(*) FROM own_share WHERE own_share.leasable)
+            FOR UPDATE OF t SKIP LOCKED
+        ) share
+        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+    ),
+    -- candidates: every row locked above, once (the three passes are disjoint)
+    candidates AS (
+        SELECT * FROM timers
+        UNION ALL SELECT * FROM own_share
+        UNION ALL SELECT * FROM any_share
+    ),
+    -- claimed: each candidate leased (one attempt more, a new token) or, with its attempts
+    -- used up, parked as dead; an expired lease taken over is stamped as an attempt that
+    -- ended without an outcome. Rows are found by the ctid of the version locked above: a
+    -- TID lookup, never a scan, whatever the table's statistics say
+    claimed AS (
+        UPDATE workpump_outbox t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM candidates c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.message_id AS work_id, t.destination AS topic,
+                  t.payload AS payload, t.stream, '' AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead
+    ),
+    -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
+    -- order for all claimers)
+    pinned AS (
+        INSERT INTO workpump_active_stream AS s
+            (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
+             created_at, last_activity_at)
+        SELECT DISTINCT ON (c.scope, c.stream)
+               'outbox', c.scope, c.stream, c.partition_number, p_instance_id,
+               v_lease_expiry, v_now, v_now
+        FROM claimed c
+        WHERE c.stream IS NOT NULL AND NOT c.dead
+        ORDER BY c.scope, c.stream
+        ON CONFLICT (category, scope, stream) DO UPDATE
+            SET owner_instance_id = excluded.owner_instance_id,
+                lease_expiry = excluded.lease_expiry,
+                last_activity_at = excluded.last_activity_at
+    )
+    -- the leased rows (parked ones are not returned), pass by pass as claimed
+    SELECT 'outbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
+           c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
+           c.claimed_at, c.lease_token
+    FROM claimed c
+    JOIN candidates USING (seq)
+    WHERE NOT c.dead
+    ORDER BY candidates.pass, c.priority DESC, c.seq;
+END
+$$;
 
-    FOREACH v_candidate IN ARRAY v_candidates LOOP
-        EXIT WHEN v_remaining <= 0;
-        v_statement := format($q$
-            WITH cand AS (%1$s),
-            claimed AS (
-                -- lease each candidate (one attempt more, a new token), or park it when
-                -- its attempts are used up; an expired lease taken over is stamped as an
-                -- attempt that ended without an outcome
-                UPDATE %2$I t SET
-                    attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-                    instance_id = CASE WHEN t.attempts < t.max_attempts THEN $1 END,
-                    lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN $3 END,
-                    lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-                    claimed_at = CASE WHEN t.attempts < t.max_attempts THEN $4 END,
-                    dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN $4 END,
-                    lease_renewals = 0,
-                    scheduled_for = NULL,
-                    failure_reason = CASE
-                        WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                        WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                        ELSE t.failure_reason END,
-                    last_error = CASE
-                        WHEN t.instance_id IS NOT NULL THEN format(
-                            'attempt %%s ended without a reported outcome: the lease of instance %%s expired at %%s',
-                            t.attempts, t.instance_id, t.lease_expiry)
-                        ELSE t.last_error END
-                FROM cand WHERE t.seq = cand.seq
-                RETURNING t.seq, t.%3$I AS work_id, t.%4$I AS topic, %5$s AS payload,
-                          t.stream, %6$s AS scope, t.partition_number, t.attempts,
-                          t.max_attempts, t.lease_expiry, %7$s AS event_id, t.priority,
-                          t.claimed_at, t.lease_token, t.dead_lettered_at IS NOT NULL AS dead
-            ),
-            pinned AS (
-                -- the claimer owns each ordered stream it now works on (sorted: one
-                -- lock order for all claimers)
-                INSERT INTO workpump_active_stream AS s
-                    (category, scope, stream, partition_number, owner_instance_id,
-                     lease_expiry, created_at, last_activity_at)
-                SELECT DISTINCT ON (c.scope, c.stream)
-                       $7, c.scope, c.stream, c.partition_number, $1, $3, $4, $4
-                FROM claimed c
-                WHERE c.stream IS NOT NULL AND NOT c.dead
-                ORDER BY c.scope, c.stream
-                ON CONFLICT (category, scope, stream) DO UPDATE
-                    SET owner_instance_id = excluded.owner_instance_id,
-                        lease_expiry = excluded.lease_expiry,
-                        last_activity_at = excluded.last_activity_at
-            )
-            SELECT $7::text, c.work_id, c.topic, %8$s, c.stream, c.attempts, c.max_attempts,
-                   c.lease_expiry, c.event_id, %9$s, c.priority::integer, c.claimed_at,
-                   c.lease_token
-            FROM claimed c %10$s
-            WHERE NOT c.dead
-            ORDER BY c.priority DESC, c.seq$q$,
-            v_candidate,
-            v_meta.tbl,
-            v_meta.key_col,
-            v_meta.topic_col,
-            CASE WHEN v_has_event THEN 'NULL::jsonb' ELSE 't.payload' END,
-            CASE WHEN v_has_event THEN 't.' || quote_ident(v_meta.scope_col) ELSE '''''' END,
-            CASE WHEN v_has_event THEN 't.event_id' ELSE 'NULL::uuid' END,
-            CASE WHEN v_has_event THEN 'e.payload' ELSE 'c.payload' END,
-            CASE WHEN v_has_event THEN 'e.event_type' ELSE 'NULL::text' END,
-            CASE WHEN v_has_event THEN 'JOIN workpump_event e ON e.event_id = c.event_id'
-                 ELSE '' END);
-        RETURN QUERY EXECUTE v_statement
-            USING p_instance_id, v_remaining, p_lease_expiry, p_now, p_rank, p_live_count,
-                  p_category, p_topics;
-        GET DIAGNOSTICS v_count = ROW_COUNT;
-        v_remaining := v_remaining - v_count;
-    END LOOP;
+-- The inbox claim: rows of workpump.receive, whose topic is the handler_name.
+-- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any) to
+-- p_instance_id until p_now + p_lease_seconds, each with a new lease token; rows whose
+-- attempts are used up are parked as dead instead. Called by claim_work, which checks
+-- the instance and the input and computes p_rank and p_live_count.
+CREATE FUNCTION workpump.claim_inbox(
+    p_instance_id uuid,
+    p_limit integer,
+    p_lease_seconds integer DEFAULT 300,
+    p_rank integer DEFAULT 0,
+    p_live_count integer DEFAULT 1,
+    p_topics text[] DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS SETOF workpump.leased_work
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
+BEGIN
+    RETURN QUERY
+    WITH
+    -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
+    -- longest due first (index wp_inbox_timer)
+    timers AS MATERIALIZED (
+        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable
+        FROM workpump_inbox t
+        WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+          AND (p_topics IS NULL OR t.handler_name = ANY (p_topics))
+        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+        LIMIT p_limit
+        FOR UPDATE OF t SKIP LOCKED
+    ),
+    -- own_share: with live peers, ready stream heads of this instance's partitions
+    -- (partition_number mod live count = rank), in the budget the timers left
+    own_share AS MATERIALIZED (
+        SELECT * FROM (
+            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable
+            FROM workpump_inbox t
+            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
+              AND (p_topics IS NULL OR t.handler_name = ANY (p_topics))
+            ORDER BY t.priority DESC, t.seq
+            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+            FOR UPDATE OF t SKIP LOCKED
+        ) share
+        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+    ),
+    -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
+    -- no row waits on a busy peer (index wp_inbox_ready)
+    any_share AS MATERIALIZED (
+        SELECT * FROM (
+            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable
+            FROM workpump_inbox t
+            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
+              AND (p_topics IS NULL OR t.handler_name = ANY (p_topics))
+            ORDER BY t.priority DESC, t.seq
+            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+                          - (SELECT count(*) FROM own_share WHERE own_share.leasable)
+            FOR UPDATE OF t SKIP LOCKED
+        ) share
+        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+    ),
+    -- candidates: every row locked above, once (the three passes are disjoint)
+    candidates AS (
+        SELECT * FROM timers
+        UNION ALL SELECT * FROM own_share
+        UNION ALL SELECT * FROM any_share
+    ),
+    -- claimed: each candidate leased (one attempt more, a new token) or, with its attempts
+    -- used up, parked as dead; an expired lease taken over is stamped as an attempt that
+    -- ended without an outcome. Rows are found by the ctid of the version locked above: a
+    -- TID lookup, never a scan, whatever the table's statistics say
+    claimed AS (
+        UPDATE workpump_inbox t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM candidates c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.message_id AS work_id, t.handler_name AS topic,
+                  t.payload AS payload, t.stream, '' AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead
+    ),
+    -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
+    -- order for all claimers)
+    pinned AS (
+        INSERT INTO workpump_active_stream AS s
+            (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
+             created_at, last_activity_at)
+        SELECT DISTINCT ON (c.scope, c.stream)
+               'inbox', c.scope, c.stream, c.partition_number, p_instance_id,
+               v_lease_expiry, v_now, v_now
+        FROM claimed c
+        WHERE c.stream IS NOT NULL AND NOT c.dead
+        ORDER BY c.scope, c.stream
+        ON CONFLICT (category, scope, stream) DO UPDATE
+            SET owner_instance_id = excluded.owner_instance_id,
+                lease_expiry = excluded.lease_expiry,
+                last_activity_at = excluded.last_activity_at
+    )
+    -- the leased rows (parked ones are not returned), pass by pass as claimed
+    SELECT 'inbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
+           c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
+           c.claimed_at, c.lease_token
+    FROM claimed c
+    JOIN candidates USING (seq)
+    WHERE NOT c.dead
+    ORDER BY candidates.pass, c.priority DESC, c.seq;
+END
+$$;
+
+-- The perspective claim: rows of workpump.emit, whose topic is the perspective_name;
+-- payload and event type come from the event.
+-- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any) to
+-- p_instance_id until p_now + p_lease_seconds, each with a new lease token; rows whose
+-- attempts are used up are parked as dead instead. Called by claim_work, which checks
+-- the instance and the input and computes p_rank and p_live_count.
+CREATE FUNCTION workpump.claim_perspective_event(
+    p_instance_id uuid,
+    p_limit integer,
+    p_lease_seconds integer DEFAULT 300,
+    p_rank integer DEFAULT 0,
+    p_live_count integer DEFAULT 1,
+    p_topics text[] DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS SETOF workpump.leased_work
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
+BEGIN
+    RETURN QUERY
+    WITH
+    -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
+    -- longest due first (index wp_persp_timer)
+    timers AS MATERIALIZED (
+        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable
+        FROM workpump_perspective_event t
+        WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+          AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics))
+        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+        LIMIT p_limit
+        FOR UPDATE OF t SKIP LOCKED
+    ),
+    -- own_share: with live peers, ready stream heads of this instance's partitions
+    -- (partition_number mod live count = rank), in the budget the timers left
+    own_share AS MATERIALIZED (
+        SELECT * FROM (
+            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable
+            FROM workpump_perspective_event t
+            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
+              AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics))
+            ORDER BY t.priority DESC, t.seq
+            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+            FOR UPDATE OF t SKIP LOCKED
+        ) share
+        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+    ),
+    -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
+    -- no row waits on a busy peer (index wp_persp_ready)
+    any_share AS MATERIALIZED (
+        SELECT * FROM (
+            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable
+            FROM workpump_perspective_event t
+            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
+              AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics))
+            ORDER BY t.priority DESC, t.seq
+            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+                          - (SELECT count(*) FROM own_share WHERE own_share.leasable)
+            FOR UPDATE OF t SKIP LOCKED
+        ) share
+        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+    ),
+    -- candidates: every row locked above, once (the three passes are disjoint)
+    candidates AS (
+        SELECT * FROM timers
+        UNION ALL SELECT * FROM own_share
+        UNION ALL SELECT * FROM any_share
+    ),
+    -- claimed: each candidate leased (one attempt more, a new token) or, with its attempts
+    -- used up, parked as dead; an expired lease taken over is stamped as an attempt that
+    -- ended without an outcome. Rows are found by the ctid of the version locked above: a
+    -- TID lookup, never a scan, whatever the table's statistics say
+    claimed AS (
+        UPDATE workpump_perspective_event t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM candidates c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.event_work_id AS work_id, t.perspective_name AS topic,
+                  NULL::jsonb AS payload, t.stream, t.perspective_name AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead
+    ),
+    -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
+    -- order for all claimers)
+    pinned AS (
+        INSERT INTO workpump_active_stream AS s
+            (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
+             created_at, last_activity_at)
+        SELECT DISTINCT ON (c.scope, c.stream)
+               'perspective_event', c.scope, c.stream, c.partition_number, p_instance_id,
+               v_lease_expiry, v_now, v_now
+        FROM claimed c
+        WHERE c.stream IS NOT NULL AND NOT c.dead
+        ORDER BY c.scope, c.stream
+        ON CONFLICT (category, scope, stream) DO UPDATE
+            SET owner_instance_id = excluded.owner_instance_id,
+                lease_expiry = excluded.lease_expiry,
+                last_activity_at = excluded.last_activity_at
+    )
+    -- the leased rows (parked ones are not returned), pass by pass as claimed
+    SELECT 'perspective_event'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
+           c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
+           c.claimed_at, c.lease_token
+    FROM claimed c
+    JOIN candidates USING (seq)
+    JOIN workpump_event e ON e.event_id = c.event_id
+    WHERE NOT c.dead
+    ORDER BY candidates.pass, c.priority DESC, c.seq;
+END
+$$;
+
+-- The receptor claim: rows of workpump.emit, whose topic is the receptor_name;
+-- payload and event type come from the event.
+-- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any) to
+-- p_instance_id until p_now + p_lease_seconds, each with a new lease token; rows whose
+-- attempts are used up are parked as dead instead. Called by claim_work, which checks
+-- the instance and the input and computes p_rank and p_live_count.
+CREATE FUNCTION workpump.claim_receptor(
+    p_instance_id uuid,
+    p_limit integer,
+    p_lease_seconds integer DEFAULT 300,
+    p_rank integer DEFAULT 0,
+    p_live_count integer DEFAULT 1,
+    p_topics text[] DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS SETOF workpump.leased_work
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
+BEGIN
+    RETURN QUERY
+    WITH
+    -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
+    -- longest due first (index wp_receptor_timer)
+    timers AS MATERIALIZED (
+        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable
+        FROM workpump_receptor_processing t
+        WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+          AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics))
+        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+        LIMIT p_limit
+        FOR UPDATE OF t SKIP LOCKED
+    ),
+    -- own_share: with live peers, ready stream heads of this instance's partitions
+    -- (partition_number mod live count = rank), in the budget the timers left
+    own_share AS MATERIALIZED (
+        SELECT * FROM (
+            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable
+            FROM workpump_receptor_processing t
+            WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
+              AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics))
+            ORDER BY t.priority DESC, t.seq
+            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+            FOR UPDATE OF t SKIP LOCKED
+        ) share
+        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+    ),
+    -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
+    -- no row waits on a busy peer (index wp_receptor_ready)
+    any_share AS MATERIALIZED (
+        SELECT * FROM (
+            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable
+            FROM workpump_receptor_processing t
+            WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
+              AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics))
+            ORDER BY t.priority DESC, t.seq
+            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+                          - (SELECT count(*) FROM own_share WHERE own_share.leasable)
+            FOR UPDATE OF t SKIP LOCKED
+        ) share
+        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+    ),
+    -- candidates: every row locked above, once (the three passes are disjoint)
+    candidates AS (
+        SELECT * FROM timers
+        UNION ALL SELECT * FROM own_share
+        UNION ALL SELECT * FROM any_share
+    ),
+    -- claimed: each candidate leased (one attempt more, a new token) or, with its attempts
+    -- used up, parked as dead; an expired lease taken over is stamped as an attempt that
+    -- ended without an outcome. Rows are found by the ctid of the version locked above: a
+    -- TID lookup, never a scan, whatever the table's statistics say
+    claimed AS (
+        UPDATE workpump_receptor_processing t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM candidates c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.id AS work_id, t.receptor_name AS topic,
+                  NULL::jsonb AS payload, t.stream, t.receptor_name AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead
+    ),
+    -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
+    -- order for all claimers)
+    pinned AS (
+        INSERT INTO workpump_active_stream AS s
+            (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
+             created_at, last_activity_at)
+        SELECT DISTINCT ON (c.scope, c.stream)
+               'receptor', c.scope, c.stream, c.partition_number, p_instance_id,
+               v_lease_expiry, v_now, v_now
+        FROM claimed c
+        WHERE c.stream IS NOT NULL AND NOT c.dead
+        ORDER BY c.scope, c.stream
+        ON CONFLICT (category, scope, stream) DO UPDATE
+            SET owner_instance_id = excluded.owner_instance_id,
+                lease_expiry = excluded.lease_expiry,
+                last_activity_at = excluded.last_activity_at
+    )
+    -- the leased rows (parked ones are not returned), pass by pass as claimed
+    SELECT 'receptor'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
+           c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
+           c.claimed_at, c.lease_token
+    FROM claimed c
+    JOIN candidates USING (seq)
+    JOIN workpump_event e ON e.event_id = c.event_id
+    WHERE NOT c.dead
+    ORDER BY candidates.pass, c.priority DESC, c.seq;
 END
 $$;
 
@@ -1188,6 +1587,8 @@ RETURN CASE WHEN p_topics IS NULL THEN NULL
 -- its two index probes find something, so an idle system costs a few probes and no writes.
 -- has_more is true on the rows of a category that filled its share of the budget (the
 -- caller should poll again at once); a NOTICE 'workpump.has_more=true' says the same.
+-- Each category's rows are leased by its own function: claim_outbox, claim_inbox,
+-- claim_perspective_event, claim_receptor.
 CREATE FUNCTION workpump.claim_work(
     p_instance_id uuid,
     p_max_rows integer DEFAULT 100,
@@ -1361,10 +1762,20 @@ BEGIN
         v_quota := ceil(v_remaining::numeric / v_left)::integer;
         v_left := v_left - 1;
         CONTINUE WHEN v_quota <= 0;
-        v_rows := ARRAY(SELECT w FROM workpump.claim_category(
-            v_category, p_instance_id, v_quota,
-            v_now + make_interval(secs => p_lease_seconds), v_now, v_rank, v_live_count,
-            workpump.claim_topics(p_topics, v_category)) w);
+        v_rows := CASE v_category
+            WHEN 'outbox' THEN ARRAY(SELECT w FROM workpump.claim_outbox(
+                p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                v_outbox_topics, v_now) w)
+            WHEN 'inbox' THEN ARRAY(SELECT w FROM workpump.claim_inbox(
+                p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                v_inbox_topics, v_now) w)
+            WHEN 'perspective_event' THEN ARRAY(SELECT w FROM workpump.claim_perspective_event(
+                p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                v_perspective_topics, v_now) w)
+            ELSE ARRAY(SELECT w FROM workpump.claim_receptor(
+                p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                v_receptor_topics, v_now) w)
+        END;
         v_count := coalesce(cardinality(v_rows), 0);
         v_remaining := v_remaining - v_count;
         IF v_count >= v_quota THEN
@@ -1378,10 +1789,20 @@ BEGIN
             EXIT;
         END IF;
         v_quota := v_remaining;
-        v_rows := ARRAY(SELECT w FROM workpump.claim_category(
-            v_category, p_instance_id, v_quota,
-            v_now + make_interval(secs => p_lease_seconds), v_now, v_rank, v_live_count,
-            workpump.claim_topics(p_topics, v_category)) w);
+        v_rows := CASE v_category
+            WHEN 'outbox' THEN ARRAY(SELECT w FROM workpump.claim_outbox(
+                p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                v_outbox_topics, v_now) w)
+            WHEN 'inbox' THEN ARRAY(SELECT w FROM workpump.claim_inbox(
+                p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                v_inbox_topics, v_now) w)
+            WHEN 'perspective_event' THEN ARRAY(SELECT w FROM workpump.claim_perspective_event(
+                p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                v_perspective_topics, v_now) w)
+            ELSE ARRAY(SELECT w FROM workpump.claim_receptor(
+                p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                v_receptor_topics, v_now) w)
+        END;
         v_count := coalesce(cardinality(v_rows), 0);
         v_remaining := v_remaining - v_count;
         v_any_more := v_any_more OR v_count >= v_quota;
