@@ -233,13 +233,18 @@ ROOT_HANDLER_LOGGING = {
         ({"version": 1, "loggers": {"django": {"handlers": ["x"]}}}, True),
     ],
 )
-def test_the_command_leaves_logging_to_a_project_that_configures_it(logging_setting, adds_handler):
+def test_the_command_leaves_logging_to_a_project_that_configures_it(
+    logging_setting, adds_handler, monkeypatch
+):
+    from django.conf import settings
+
     from django_workpump.management.commands.runworkpump import Command
 
     logger = logging.getLogger("django_workpump")
     before = list(logger.handlers)
-    with override_settings(LOGGING=logging_setting):
-        added = Command()._configure_logging("text")
+    # set directly: override_settings would make Django apply the config to the process
+    monkeypatch.setattr(settings, "LOGGING", logging_setting)
+    added = Command()._configure_logging("text")
     try:
         assert (added is not None) == adds_handler
         assert (logger.handlers != before) == adds_handler
