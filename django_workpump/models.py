@@ -1,4 +1,4 @@
-"""The work tables (DESIGN §2).
+"""The work tables (docs/architecture.md, Tables and states).
 
 Rows are written by the SQL functions in ``sql/`` (producers, claim, renew, complete,
 fail), never by forms; these models exist for migrations, the admin and factories.
@@ -207,7 +207,7 @@ class PerspectiveEvent(WorkRow):
 
 
 class ReceptorProcessing(WorkRow):
-    # The column is "id" (DESIGN §2); Django reserves that field name for primary keys.
+    # The column is "id"; Django reserves that field name for primary keys.
     work_id = models.UUIDField(unique=True, db_column="id")
     receptor_name = models.TextField()
     event = models.ForeignKey(

@@ -1,4 +1,4 @@
-"""ClaimWorker: backoff table, claim size, gate transitions, wakes and drain mode (DESIGN §7).
+"""ClaimWorker: backoff table, claim size, gate transitions, wakes and drain mode.
 
 ``poll_wait_ms`` and ``run_once()`` are tested directly against fakes. The loop runs in a
 thread only where its waiting matters; those tests wait on conditions set by the fakes and

@@ -1,4 +1,4 @@
-"""BatchFlusher: coalescing window, size triggers, FIFO, failures, capacity, drain (DESIGN §5).
+"""BatchFlusher: coalescing window, size triggers, FIFO, failures, capacity, drain.
 
 Timing logic runs on a FrozenClock through due()/flush_once(); the threaded tests wait on an
 Event set by the flush callback, never on sleep.

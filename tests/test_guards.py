@@ -1,4 +1,4 @@
-"""Guard tests (STYLE rules 1, 2, 3, 10; DESIGN §2, §3): the SQL sources, the migrations
+"""Guard tests: the SQL sources, the migrations
 that load them, the function signatures in the database, the lease-pair CHECK, the named
 queries of db.py, the Python twin of the partition hash, and no SQL in runtime modules.
 """
@@ -64,7 +64,7 @@ TIME_DEPENDENT = {
     "pause_periodic",
 }
 
-# DESIGN §3: the parameters an operator must pass; every other one has a default.
+# The parameters an operator must pass; every other one has a default.
 REQUIRED_PARAMETERS = {
     "claim_work": ["p_instance_id"],
     "renew_leases": ["p_category", "p_ids", "p_lease_tokens"],

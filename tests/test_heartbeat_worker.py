@@ -1,4 +1,4 @@
-"""HeartbeatWorker: adaptive cadence, eviction, failed beats and the stale-peer probe (DESIGN §4).
+"""HeartbeatWorker: adaptive cadence, eviction, failed beats and the stale-peer probe.
 
 Cadence and timers run on a FrozenClock through cadence()/beat()/run_once(). The loop runs in
 a thread only to show it ends on eviction; the fake coordinator moves the frozen clock on each

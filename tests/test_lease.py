@@ -1,4 +1,4 @@
-"""LeaseHandle deadlines, renewals, the cap and cancellation; LeaseRegistry (DESIGN §5).
+"""LeaseHandle deadlines, renewals, the cap and cancellation; LeaseRegistry.
 
 Pure unit tests on a FrozenClock: no database, no sleeping.
 """

@@ -1,4 +1,4 @@
-"""MaintenanceWorker (DESIGN §8) and the supervisor's reaction to a dying service."""
+"""MaintenanceWorker and the supervisor's reaction to a dying service."""
 
 from __future__ import annotations
 

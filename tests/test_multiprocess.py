@@ -1,4 +1,4 @@
-"""Real ``runworkpump`` processes sharing one database (DESIGN §4, §8, §12).
+"""Real ``runworkpump`` processes sharing one database.
 
 Handlers (tests/app/workpump.py) record every execution in mp_execution with the
 process id and attempt, so the tests can check the guarantees: no row lost, per-stream

@@ -1,4 +1,4 @@
-"""The NOTIFY gate on a real PostgreSQL session (DESIGN §4 alive-lock, §8 NOTIFY gate).
+"""The NOTIFY gate on a real PostgreSQL session.
 
 Each test runs a ``NotifyGate`` in a daemon thread on its own psycopg connection to the test
 database and observes it through its callbacks (queues and events, waited on with timeouts)

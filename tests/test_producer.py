@@ -1,4 +1,4 @@
-"""send / receive / emit: validation, transactions, dedup, fan-out (DESIGN §1)."""
+"""send / receive / emit: validation, transactions, dedup, fan-out."""
 
 from __future__ import annotations
 

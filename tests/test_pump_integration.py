@@ -1,4 +1,4 @@
-"""The pump end to end in one process: real threads, real PostgreSQL (DESIGN §4-§8, §12).
+"""The pump end to end in one process: real threads, real PostgreSQL.
 
 Timings are shortened through WORKPUMP so each test runs in seconds; tests wait on
 Events or on database conditions with a deadline, never for a fixed time.

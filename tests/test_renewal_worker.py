@@ -1,4 +1,4 @@
-"""LeaseRenewalWorker: fenced renewals, the renewal cap, deadlines and renewal requests (DESIGN §5).
+"""LeaseRenewalWorker: fenced renewals, the renewal cap, deadlines and renewal requests.
 
 Flushes are driven by hand (``flusher.flush_once()``) and ticks by ``run_once()`` on a
 FrozenClock; the fake coordinator records every ``renew`` call. Leases are 300 s with a 30 s

@@ -1,4 +1,4 @@
-"""workpump.claim_work (DESIGN §2 states, §3 claim_work 1-7).
+"""workpump.claim_work.
 
 Covers the signature, what a claim returns and stamps on each of the four categories, the
 batch budget and drain signal, claim order (priority, timers first), SKIP LOCKED between

@@ -1,4 +1,4 @@
-"""Concurrent sessions against the claim (DESIGN §3 claim_work 3-4, complete_work).
+"""Concurrent sessions against the claim (claim_work, complete_work).
 
 Each worker is a thread with its own psycopg connection; a threading.Barrier releases the
 workers together so their statements overlap. Covers: no row leased twice by racing

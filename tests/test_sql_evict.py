@@ -1,4 +1,4 @@
-"""workpump.evict_instance: an operator evicts one instance, live or not (DESIGN §10)."""
+"""workpump.evict_instance: an operator evicts one instance, live or not."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Liveness SQL (DESIGN §3, §4): record_heartbeat, cleanup_stale_instances, the alive-lock,
+"""Liveness SQL: record_heartbeat, cleanup_stale_instances, the alive-lock,
 live_instances, eviction fencing, orphan NOTIFY and deregister_instance.
 
 Time comes from p_now; tests that need other sessions (held alive-locks, row locks, NOTIFY

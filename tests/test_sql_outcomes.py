@@ -1,6 +1,6 @@
 """What happens to leased rows after the claim, and the maintenance and operator functions.
 
-Covers renew_leases, complete_work, fail_work and release_work (DESIGN §3, §5, §6), the
+Covers renew_leases, complete_work, fail_work and release_work, the
 maintenance purges and lock (§8), the operator actions (§10) and workpump.state_of (§2).
 Rows are produced with workpump.send/receive/emit and leased with workpump.claim_work;
 time is always passed as p_now.

@@ -1,4 +1,4 @@
-"""The django.tasks backend (DESIGN §11): Django's expectations of a backend, and the pump's.
+"""The django.tasks backend: Django's expectations of a backend, and the pump's.
 
 Enqueue and get_result run in a rolled-back transaction; tasks run under a real
 in-process Supervisor (threads, PostgreSQL, short timings) in drain mode. Tasks live in

@@ -1,4 +1,4 @@
-"""django.tasks under real ``runworkpump`` processes (DESIGN §11, §12).
+"""django.tasks under real ``runworkpump`` processes.
 
 A worker process that never enqueued anything runs a task enqueued here, and a task in
 flight when its worker is killed with SIGKILL is completed by another worker, with both

@@ -1,4 +1,4 @@
-"""The Django admin of the work pump (DESIGN §10).
+"""The Django admin of the work pump (docs/admin.md).
 
 One changelist per work category with state, lease, attempts and the holder's heartbeat
 computed by PostgreSQL; operator actions through the SQL functions; instances,

@@ -1,5 +1,5 @@
 """The admin of the four work tables: state, lease, attempts and heartbeat per row, and
-the operator actions, each through the SQL function that keeps leases fenced (DESIGN §10).
+the operator actions, each through the SQL function that keeps leases fenced (docs/admin.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ClaimWorker: the only caller of ``claim_work`` (DESIGN §7).
+"""ClaimWorker: the only caller of ``claim_work``.
 
 It claims at most the free dispatch slots (plus a small prefetch), of the topics this
 process has handlers for, hands rows to the dispatcher, and waits between polls by an

@@ -1,4 +1,4 @@
-"""Dispatcher: runs claimed rows on ``CONCURRENCY`` threads under a lease each (DESIGN §5, §6).
+"""Dispatcher: runs claimed rows on ``CONCURRENCY`` threads under a lease each.
 
 Outcomes go through two batch flushers to ``complete_work``/``fail_work``, each fenced
 by the lease token of the claim it reports on.

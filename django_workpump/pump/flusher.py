@@ -1,4 +1,4 @@
-"""Coalesce small writes (renewals, completions, failures) into batched flushes (DESIGN §5).
+"""Coalesce small writes (renewals, completions, failures) into batched flushes.
 
 A failed write is sorted by its error. A connection error (``is_transient``) puts the
 batch back in front and retries it after a doubling, capped delay. Any other error is the

@@ -1,4 +1,4 @@
-"""HeartbeatWorker: proves this instance is alive and looks for dead peers (DESIGN §4).
+"""HeartbeatWorker: proves this instance is alive and looks for dead peers.
 
 Two timers in one loop: the beat (fast cadence, or slow while the alive-lock proves
 liveness) and a short-cadence probe, a read that calls the reap only when a peer is

@@ -1,4 +1,4 @@
-"""Local leases: one deadline per in-flight dispatch, and the registry that finds them (DESIGN §5).
+"""Local leases: one deadline per in-flight dispatch, and the registry that finds them.
 
 The database owns the real lease; a ``LeaseHandle`` is the worker's local view of it, set a
 grace period short of the database's expiry, so the worker gives up before the row can be

@@ -1,4 +1,4 @@
-"""MaintenanceWorker: housekeeping, one instance at a time (DESIGN §8).
+"""MaintenanceWorker: housekeeping, one instance at a time.
 
 Each pass takes the maintenance advisory lock (skipped when a peer holds it), then:
 reaps stale instances (a backstop for the heartbeat's reap); purges, in small batches

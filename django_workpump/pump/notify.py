@@ -1,4 +1,4 @@
-"""The NOTIFY gate: one dedicated psycopg connection per instance (DESIGN §8).
+"""The NOTIFY gate: one dedicated psycopg connection per instance.
 
 It LISTENs on the work channels, proves itself with a self-NOTIFY probe, holds the
 instance's alive-lock, sends a keepalive, and on any error reports itself unavailable

@@ -1,4 +1,4 @@
-"""Supervisor: starts the pump's services and stops them all, in order (DESIGN §8).
+"""Supervisor: starts the pump's services and stops them all, in order.
 
 Start: schema gate -> first heartbeat (registers the instance) -> NOTIFY gate (takes the
 alive-lock) -> dispatcher, renewals, heartbeat, maintenance, periodic -> claiming.

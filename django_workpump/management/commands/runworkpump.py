@@ -1,4 +1,4 @@
-"""``manage.py runworkpump``: run this process as one work-pump instance (DESIGN §4-§9)."""
+"""``manage.py runworkpump``: run this process as one work-pump instance."""
 
 from __future__ import annotations
 

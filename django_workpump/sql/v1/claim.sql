@@ -1,4 +1,4 @@
--- Claiming (DESIGN §3 claim_work).
+-- Claiming (docs/architecture.md, Claiming).
 --
 -- A row is claimable iff it is its stream's head, not done, not dead, and either ready
 -- (unowned, not scheduled) or its timer passed (lease expired, or retry/deferral due).

@@ -1,4 +1,4 @@
--- Liveness (DESIGN §3, §4): the alive-lock, the one rule that says who is live, the
+-- Liveness (docs/architecture.md, Liveness): the alive-lock, the one rule that says who is live, the
 -- heartbeat, eviction of stale instances and graceful deregistration.
 --
 -- The liveness rule, used by every reader (rank, reaping, notify targets): an instance

@@ -1,4 +1,4 @@
--- Housekeeping (DESIGN §8) and operator actions (DESIGN §10). Maintenance deletes only
+-- Housekeeping and operator actions (docs/admin.md). Maintenance deletes only
 -- processed rows past retention: no row is ever deleted unprocessed.
 
 -- Take the maintenance lock for this session; false when another instance runs it.

@@ -1,4 +1,4 @@
--- What happens to a leased row afterwards (DESIGN §3, §5, §6): renewal, completion,
+-- What happens to a leased row afterwards (docs/architecture.md: Leases; Failure): renewal, completion,
 -- failure, release. Every write is fenced by the caller's instance id: a worker that
 -- lost its lease changes nothing, and is told which ids it lost.
 

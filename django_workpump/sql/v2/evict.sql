@@ -1,4 +1,4 @@
--- Operator eviction of one instance (DESIGN §10 instances page): the same effects as
+-- Operator eviction of one instance (docs/admin.md, instances page): the same effects as
 -- cleanup_stale_instances, for a named instance whatever its heartbeat.
 
 -- Evict p_instance_id: tombstone it (its next heartbeat is refused and it exits),
