@@ -173,6 +173,37 @@ def database_url() -> str:
     return f"postgres://{user}@{host}:{port}/{params['dbname']}"
 
 
+class ScratchDatabase:
+    """A database of its own on the test server, migrated by ``manage.py migrate``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def migrate(self, *target: str) -> None:
+        """Run ``migrate [app] [migration]`` on it in a subprocess (forward or back)."""
+        env = {**os.environ, "DATABASE_URL": self.url, "WORKPUMP_JSON": json.dumps({})}
+        command = [sys.executable, "-m", "django", "migrate", "-v0", "--settings"]
+        subprocess.run(
+            [*command, "tests.settings", *target], cwd=ROOT, env=env, check=True, timeout=120
+        )
+
+    def connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.url)
+
+
+@pytest.fixture
+def scratch_database(raw_connect: Callable[..., Any]) -> Iterator[ScratchDatabase]:
+    """An empty database beside the test database, dropped afterwards (migration tests)."""
+    name = f"wp_migrate_{uuid.uuid4().hex[:12]}"
+    admin = raw_connect()
+    admin.execute(f'CREATE DATABASE "{name}"')
+    address, separator, query = database_url().partition("?")  # ?host= may hold slashes
+    try:
+        yield ScratchDatabase(f"{address.rpartition('/')[0]}/{name}{separator}{query}")
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
 def pump() -> Iterator[Callable[..., Any]]:
     """Start in-process pumps (Supervisor); every one still running is shut down after."""

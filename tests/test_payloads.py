@@ -13,13 +13,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import os
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -37,7 +33,7 @@ from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
 from django_workpump.pump.supervisor import EXIT_OK
 from django_workpump.registry import registry
-from tests.conftest import FAST_PUMP, database_url, drain, run_sql, scalar
+from tests.conftest import FAST_PUMP, drain, run_sql, scalar
 from tests.fakes import FakeCoordinator, FakeSink, make_row, watching
 
 # Past Python's recursion limit (json.loads raises RecursionError), within PostgreSQL's
@@ -501,23 +497,11 @@ def test_the_admin_still_indents_a_payload_it_can_decode(admin_client: Client):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_v5_migration_reverses_to_the_v1_producers_and_applies_again(raw_connect):
+def test_the_v5_migration_reverses_to_the_v1_producers_and_applies_again(scratch_database):
     module = importlib.import_module("django_workpump.migrations.0008_functions_v5_payload_limits")
     ((_, previous),) = module.Migration.dependencies
-    scratch = f"wp_migrate_{uuid.uuid4().hex[:12]}"
-    admin = raw_connect()
-    admin.execute(f'CREATE DATABASE "{scratch}"')
-    address, separator, query = database_url().partition("?")  # ?host= may hold slashes
-    scratch_url = f"{address.rpartition('/')[0]}/{scratch}{separator}{query}"
-    env = {**os.environ, "DATABASE_URL": scratch_url, "WORKPUMP_JSON": json.dumps({})}
-    root = Path(__file__).resolve().parent.parent
-
-    def migrate(*target: str) -> None:
-        subprocess.run(
-            [sys.executable, "-m", "django", "migrate", "-v0", "--settings", "tests.settings",
-             *target],
-            cwd=root, env=env, check=True, timeout=120,
-        )  # fmt: skip
+    scratch_url = scratch_database.url
+    migrate = scratch_database.migrate
 
     def producer_arguments() -> dict[str, int]:
         with psycopg.connect(scratch_url) as conn:
@@ -529,15 +513,12 @@ def test_the_v5_migration_reverses_to_the_v1_producers_and_applies_again(raw_con
         return dict(rows)
 
     this = module.__name__.rpartition(".")[2]
-    try:
-        migrate("workpump", this)
-        assert producer_arguments() == {"check_payload": 5, "emit": 9, "receive": 10, "send": 10}
-        migrate("workpump", previous)
-        assert producer_arguments() == {"emit": 7, "receive": 8, "send": 8}
-        with psycopg.connect(scratch_url) as conn:  # the v1 send works again
-            conn.execute("SELECT workpump.send('pl.good', %s::jsonb)", [nested(300)])
-        migrate("workpump", this)
-        assert producer_arguments() == {"check_payload": 5, "emit": 9, "receive": 10, "send": 10}
-        migrate()
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+    migrate("workpump", this)
+    assert producer_arguments() == {"check_payload": 5, "emit": 9, "receive": 10, "send": 10}
+    migrate("workpump", previous)
+    assert producer_arguments() == {"emit": 7, "receive": 8, "send": 8}
+    with psycopg.connect(scratch_url) as conn:  # the v1 send works again
+        conn.execute("SELECT workpump.send('pl.good', %s::jsonb)", [nested(300)])
+    migrate("workpump", this)
+    assert producer_arguments() == {"check_payload": 5, "emit": 9, "receive": 10, "send": 10}
+    migrate()

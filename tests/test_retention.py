@@ -6,13 +6,8 @@ runs them in turn until each has caught up with its backlog.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -24,7 +19,7 @@ import django_workpump as workpump
 from django_workpump import models
 from django_workpump.conf import DEFAULTS
 from django_workpump.pump.maintenance import MaintenanceWorker
-from tests.conftest import database_url, run_sql, scalar
+from tests.conftest import run_sql, scalar
 from tests.factories import OutboxFactory
 
 pytestmark = pytest.mark.django_db
@@ -208,21 +203,9 @@ def test_a_temporary_table_cannot_shadow_a_workpump_table():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_v6_migration_reverses_and_applies_again(raw_connect):
-    scratch = f"wp_migrate_{uuid.uuid4().hex[:12]}"
-    admin = raw_connect()
-    admin.execute(f'CREATE DATABASE "{scratch}"')
-    address, separator, query = database_url().partition("?")  # ?host= may hold slashes
-    scratch_url = f"{address.rpartition('/')[0]}/{scratch}{separator}{query}"
-    env = {**os.environ, "DATABASE_URL": scratch_url, "WORKPUMP_JSON": json.dumps({})}
-    root = Path(__file__).resolve().parent.parent
-
-    def migrate(*target: str) -> None:
-        subprocess.run(
-            [sys.executable, "-m", "django", "migrate", "-v0", "--settings", "tests.settings",
-             *target],
-            cwd=root, env=env, check=True, timeout=120,
-        )  # fmt: skip
+def test_the_v6_migration_reverses_and_applies_again(scratch_database):
+    scratch_url = scratch_database.url
+    migrate = scratch_database.migrate
 
     def v6_state() -> tuple[int, int, bool]:
         """(purge functions present, receive's arguments, claim_work pinned)."""
@@ -241,12 +224,9 @@ def test_the_v6_migration_reverses_and_applies_again(raw_connect):
             ).fetchone()[0]
         return purges, receive, config[0].startswith("search_path=pg_catalog")
 
-    try:
-        migrate("workpump", "0009")
-        assert v6_state() == (3, 11, True)
-        migrate("workpump", "0008")
-        assert v6_state() == (0, 10, False)
-        migrate("workpump", "0009")
-        assert v6_state() == (3, 11, True)
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+    migrate("workpump", "0009")
+    assert v6_state() == (3, 11, True)
+    migrate("workpump", "0008")
+    assert v6_state() == (0, 10, False)
+    migrate("workpump", "0009")
+    assert v6_state() == (3, 11, True)

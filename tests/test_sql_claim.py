@@ -11,20 +11,16 @@ the rank, the stream ownership ledger and refused input.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from django.db import DatabaseError, connection, transaction
 
-from tests.conftest import T0, at, current_tokens, database_url, enroll, run_sql, scalar
+from tests.conftest import T0, at, current_tokens, enroll, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
 
@@ -938,21 +934,9 @@ CATEGORY_CLAIMS = [f"claim_{category}" for category in CATEGORIES]
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_v9_migration_reverses_to_the_v7_claim_and_applies_again(raw_connect):
-    scratch = f"wp_migrate_{uuid.uuid4().hex[:12]}"
-    admin = raw_connect()
-    admin.execute(f'CREATE DATABASE "{scratch}"')
-    address, separator, query = database_url().partition("?")  # ?host= may hold slashes
-    scratch_url = f"{address.rpartition('/')[0]}/{scratch}{separator}{query}"
-    env = {**os.environ, "DATABASE_URL": scratch_url, "WORKPUMP_JSON": json.dumps({})}
-    root = Path(__file__).resolve().parent.parent
-
-    def migrate(*target: str) -> None:
-        subprocess.run(
-            [sys.executable, "-m", "django", "migrate", "-v0", "--settings", "tests.settings",
-             *target],
-            cwd=root, env=env, check=True, timeout=120,
-        )  # fmt: skip
+def test_the_v9_migration_reverses_to_the_v7_claim_and_applies_again(scratch_database):
+    scratch_url = scratch_database.url
+    migrate = scratch_database.migrate
 
     def claim_shape() -> dict[str, Any]:
         """The claim functions present, what claim_work calls, and one claim's result."""
@@ -981,23 +965,20 @@ def test_the_v9_migration_reverses_to_the_v7_claim_and_applies_again(raw_connect
         }
 
     claimed = [("outbox", "emails.welcome", "s-1", 1)]
-    try:
-        migrate()
-        current = claim_shape()
-        assert current == {
-            "functions": sorted([*CATEGORY_CLAIMS, "claim_topics", "claim_work"]),
-            "calls_per_category": True,
-            "pinned": True,
-            "claimed": claimed,
-        }
-        migrate("workpump", "0012")
-        assert claim_shape() == {
-            "functions": ["claim_category", "claim_topics", "claim_work"],
-            "calls_per_category": False,
-            "pinned": True,
-            "claimed": claimed,
-        }
-        migrate()
-        assert claim_shape() == current
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+    migrate()
+    current = claim_shape()
+    assert current == {
+        "functions": sorted([*CATEGORY_CLAIMS, "claim_topics", "claim_work"]),
+        "calls_per_category": True,
+        "pinned": True,
+        "claimed": claimed,
+    }
+    migrate("workpump", "0012")
+    assert claim_shape() == {
+        "functions": ["claim_category", "claim_topics", "claim_work"],
+        "calls_per_category": False,
+        "pinned": True,
+        "claimed": claimed,
+    }
+    migrate()
+    assert claim_shape() == current

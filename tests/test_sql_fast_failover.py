@@ -8,13 +8,8 @@ lock beats at once and keeps its work. Time comes from p_now.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import uuid
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -22,7 +17,7 @@ import pytest
 from django.db import DataError, transaction
 
 from django_workpump import models
-from tests.conftest import T0, at, database_url, run_sql, scalar
+from tests.conftest import T0, at, run_sql, scalar
 from tests.factories import ServiceInstanceFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -228,32 +223,9 @@ def test_the_probe_refuses_bad_parameters_with_their_names(stale, dead, grace):
 # --- the migration ------------------------------------------------------------------------
 
 
-def test_the_v4_migration_reverses_to_the_v3_functions_and_applies_again(raw_connect):
-    scratch = f"wp_migrate_{uuid.uuid4().hex[:12]}"
-    admin = raw_connect()
-    admin.execute(f'CREATE DATABASE "{scratch}"')
-    address, separator, query = database_url().partition("?")  # ?host= may hold slashes
-    scratch_url = f"{address.rpartition('/')[0]}/{scratch}{separator}{query}"
-    env = {**os.environ, "DATABASE_URL": scratch_url, "WORKPUMP_JSON": json.dumps({})}
-    root = Path(__file__).resolve().parent.parent
-
-    def migrate(*target: str) -> None:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "django",
-                "migrate",
-                "-v0",
-                "--settings",
-                "tests.settings",
-                *target,
-            ],
-            cwd=root,
-            env=env,
-            check=True,
-            timeout=120,
-        )
+def test_the_v4_migration_reverses_to_the_v3_functions_and_applies_again(scratch_database):
+    scratch_url = scratch_database.url
+    migrate = scratch_database.migrate
 
     def v4_present() -> tuple[bool, bool]:
         """Whether the probe exists, and whether the heartbeat stamps a missing lock."""
@@ -268,12 +240,9 @@ def test_the_v4_migration_reverses_to_the_v3_functions_and_applies_again(raw_con
             ).fetchone()[0]
         return probe == 2, "alive_lock_lost_at = CASE" in body
 
-    try:
-        migrate()
-        assert v4_present() == (True, True)
-        migrate("workpump", "0006")
-        assert v4_present() == (False, False)
-        migrate()
-        assert v4_present() == (True, True)
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+    migrate()
+    assert v4_present() == (True, True)
+    migrate("workpump", "0006")
+    assert v4_present() == (False, False)
+    migrate()
+    assert v4_present() == (True, True)

@@ -12,12 +12,8 @@ rolled-back transaction.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -29,7 +25,7 @@ from django_workpump import db
 from django_workpump.conf import tombstone_retention_seconds
 from django_workpump.db import InstanceRefused
 from django_workpump.pump.maintenance import MaintenanceWorker
-from tests.conftest import T0, WORK_TABLES, at, database_url, enroll, run_sql, scalar
+from tests.conftest import T0, WORK_TABLES, at, enroll, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
 
@@ -444,32 +440,9 @@ def test_the_guard_probes_use_the_partial_indexes_with_topics_too(raw_connect):
 # --- the migration ------------------------------------------------------------------------
 
 
-def test_the_v7_migration_reverses_to_the_v1_functions_and_applies_again(raw_connect):
-    scratch = f"wp_migrate_{uuid.uuid4().hex[:12]}"
-    admin = raw_connect()
-    admin.execute(f'CREATE DATABASE "{scratch}"')
-    address, separator, query = database_url().partition("?")  # ?host= may hold slashes
-    scratch_url = f"{address.rpartition('/')[0]}/{scratch}{separator}{query}"
-    env = {**os.environ, "DATABASE_URL": scratch_url, "WORKPUMP_JSON": json.dumps({})}
-    root = Path(__file__).resolve().parent.parent
-
-    def migrate(*target: str) -> None:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "django",
-                "migrate",
-                "-v0",
-                "--settings",
-                "tests.settings",
-                *target,
-            ],
-            cwd=root,
-            env=env,
-            check=True,
-            timeout=120,
-        )
+def test_the_v7_migration_reverses_to_the_v1_functions_and_applies_again(scratch_database):
+    scratch_url = scratch_database.url
+    migrate = scratch_database.migrate
 
     def shape() -> dict[str, Any]:
         with psycopg.connect(scratch_url) as conn:
@@ -486,19 +459,16 @@ def test_the_v7_migration_reverses_to_the_v1_functions_and_applies_again(raw_con
             ).fetchone()
         return {"functions": functions, "lease_token_columns": columns[0] if columns else 0}
 
-    try:
-        migrate()
-        current = shape()
-        assert "p_lease_tokens uuid[]" in current["functions"]["complete_work"]
-        assert "p_topics jsonb" in current["functions"]["claim_work"]
-        assert current["lease_token_columns"] == 5  # four work tables and task attempts
-        migrate("workpump", "0009")
-        before = shape()
-        assert "check_instance" not in before["functions"]
-        assert "p_lease_tokens" not in before["functions"]["complete_work"]
-        assert "p_topics" not in before["functions"]["claim_work"]
-        assert before["lease_token_columns"] == 0
-        migrate()
-        assert shape() == current
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+    migrate()
+    current = shape()
+    assert "p_lease_tokens uuid[]" in current["functions"]["complete_work"]
+    assert "p_topics jsonb" in current["functions"]["claim_work"]
+    assert current["lease_token_columns"] == 5  # four work tables and task attempts
+    migrate("workpump", "0009")
+    before = shape()
+    assert "check_instance" not in before["functions"]
+    assert "p_lease_tokens" not in before["functions"]["complete_work"]
+    assert "p_topics" not in before["functions"]["claim_work"]
+    assert before["lease_token_columns"] == 0
+    migrate()
+    assert shape() == current

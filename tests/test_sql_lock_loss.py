@@ -6,13 +6,8 @@ the instance before it has had one fast heartbeat interval to beat. Time comes f
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import uuid
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -23,7 +18,7 @@ from django.test import override_settings
 from django_workpump import models
 from django_workpump.conf import lock_loss_grace_seconds
 from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
-from tests.conftest import T0, at, database_url, run_sql, scalar
+from tests.conftest import T0, at, run_sql, scalar
 from tests.factories import ServiceInstanceFactory
 
 pytestmark = pytest.mark.django_db
@@ -208,32 +203,9 @@ def test_the_coordinators_reap_waits_out_the_grace_only_in_lock_mode(mode, evict
 # --- the migration ------------------------------------------------------------------------
 
 
-def test_the_v3_migration_reverses_to_the_v1_functions_and_applies_again(raw_connect):
-    scratch = f"wp_migrate_{uuid.uuid4().hex[:12]}"
-    admin = raw_connect()
-    admin.execute(f'CREATE DATABASE "{scratch}"')
-    address, separator, query = database_url().partition("?")  # ?host= may hold slashes
-    scratch_url = f"{address.rpartition('/')[0]}/{scratch}{separator}{query}"
-    env = {**os.environ, "DATABASE_URL": scratch_url, "WORKPUMP_JSON": json.dumps({})}
-    root = Path(__file__).resolve().parent.parent
-
-    def migrate(*target: str) -> None:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "django",
-                "migrate",
-                "-v0",
-                "--settings",
-                "tests.settings",
-                *target,
-            ],
-            cwd=root,
-            env=env,
-            check=True,
-            timeout=120,
-        )
+def test_the_v3_migration_reverses_to_the_v1_functions_and_applies_again(scratch_database):
+    scratch_url = scratch_database.url
+    migrate = scratch_database.migrate
 
     def heartbeat_arguments() -> int:
         with psycopg.connect(scratch_url) as conn:
@@ -243,12 +215,9 @@ def test_the_v3_migration_reverses_to_the_v1_functions_and_applies_again(raw_con
             ).fetchall()
         return row[0][0] if len(row) == 1 else -len(row)
 
-    try:
-        migrate()
-        assert heartbeat_arguments() == 9
-        migrate("workpump", "0005")
-        assert heartbeat_arguments() == 8
-        migrate()
-        assert heartbeat_arguments() == 9
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+    migrate()
+    assert heartbeat_arguments() == 9
+    migrate("workpump", "0005")
+    assert heartbeat_arguments() == 8
+    migrate()
+    assert heartbeat_arguments() == 9
