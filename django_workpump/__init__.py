@@ -8,11 +8,12 @@ operator's actions.
 
 from django_workpump.actions import dead_letter, evict, release, requeue_dead, retry_now
 from django_workpump.periodic import InvalidSchedule, periodic
-from django_workpump.producer import InvalidWork, emit, receive, send
+from django_workpump.producer import Duplicate, InvalidWork, emit, receive, send
 from django_workpump.pump.dispatch import Work
 from django_workpump.registry import inbox_handler, outbox_handler, perspective, receptor
 
 __all__ = [
+    "Duplicate",
     "InvalidSchedule",
     "InvalidWork",
     "Work",

@@ -13,7 +13,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import cache
 from typing import Any, ClassVar, Self
 
@@ -168,8 +168,11 @@ def send(
     partition_count: int,
     max_payload_bytes: int,
     max_payload_depth: int,
+    unique_key: str | None = None,
+    unique_for: timedelta | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
+    """Store an outbox row; with ``unique_key``, the id of the row holding it if any."""
     params = {
         "destination": destination,
         "payload": payload_json,
@@ -181,6 +184,8 @@ def send(
         "partition_count": partition_count,
         "max_payload_bytes": max_payload_bytes,
         "max_payload_depth": max_payload_depth,
+        "unique_key": unique_key,
+        "unique_for": unique_for,
     }
     return _scalar("send", params, using)
 
@@ -227,8 +232,11 @@ def emit(
     partition_count: int,
     max_payload_bytes: int,
     max_payload_depth: int,
+    unique_key: str | None = None,
+    unique_for: timedelta | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
+    """Store an event and its work; with ``unique_key``, the id of the event holding it."""
     params = {
         "event_type": event_type,
         "payload": payload_json,
@@ -239,8 +247,16 @@ def emit(
         "partition_count": partition_count,
         "max_payload_bytes": max_payload_bytes,
         "max_payload_depth": max_payload_depth,
+        "unique_key": unique_key,
+        "unique_for": unique_for,
     }
     return _scalar("emit", params, using)
+
+
+def sync_subscriptions(*, subscriptions_json: str, replace: bool, using: str | None = None) -> int:
+    """Upsert the registry's subscriptions (``replace``: delete all others)."""
+    params = {"subscriptions": subscriptions_json, "replace": replace}
+    return int(_scalar("sync_subscriptions", params, using))
 
 
 def claim_work(

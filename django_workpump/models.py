@@ -116,13 +116,31 @@ class Outbox(WorkRow):
     destination = models.TextField()
     payload = models.JSONField()
     processed_at = models.DateTimeField(null=True, blank=True)
+    # send(unique_key=...): at most one unprocessed row per (destination, unique_key).
+    unique_key = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "workpump_outbox"
         permissions = WORK_PERMISSIONS
         verbose_name = "outbox message"
-        constraints = [_lease_pair_check("workpump_outbox")]
-        indexes = _work_indexes("wp_outbox", "processed_at")
+        constraints = [
+            _lease_pair_check("workpump_outbox"),
+            # Dead rows are not processed: they hold their key (a requeue never conflicts).
+            models.UniqueConstraint(
+                fields=["destination", "unique_key"],
+                name="workpump_outbox_unique_key",
+                condition=Q(processed_at__isnull=True, unique_key__isnull=False),
+            ),
+        ]
+        indexes = [
+            *_work_indexes("wp_outbox", "processed_at"),
+            # send's holder lookup, processed rows included (the unique_for window)
+            models.Index(
+                fields=["destination", "unique_key", "created_at"],
+                name="wp_outbox_unique_key",
+                condition=Q(unique_key__isnull=False),
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"outbox {self.destination} {self.message_id}"
@@ -171,10 +189,20 @@ class Event(models.Model):
     payload = models.JSONField()
     stream = models.TextField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now())
+    # emit(unique_key=...): held while the event's work is not all done.
+    unique_key = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "workpump_event"
-        indexes = [models.Index(fields=["created_at"], name="wp_event_created")]
+        indexes = [
+            models.Index(fields=["created_at"], name="wp_event_created"),
+            # emit's holder lookup
+            models.Index(
+                fields=["event_type", "unique_key", "created_at"],
+                name="wp_event_unique_key",
+                condition=Q(unique_key__isnull=False),
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"event {self.event_type} {self.event_id}"
@@ -383,3 +411,38 @@ class PeriodicSchedule(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+SUBSCRIPTION_CATEGORIES = [
+    ("perspective_event", "perspective"),
+    ("receptor", "receptor"),
+]
+
+
+class Subscription(models.Model):
+    """A perspective or receptor subscribed to an event type, as the registry says.
+
+    Synced from the Python registry (``subscriptions.py``): replaced on ``migrate``,
+    upserted at ``runworkpump`` start. SQL ``workpump.emit`` fans out from these rows
+    when its caller passes no subscriber list.
+    """
+
+    pk = models.CompositePrimaryKey("event_type", "category", "name")
+    event_type = models.TextField()
+    category = models.TextField(choices=SUBSCRIPTION_CATEGORIES)
+    name = models.TextField()  # the perspective or receptor name
+    max_attempts = models.IntegerField()
+    updated_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "workpump_subscription"
+        ordering = ["event_type", "category", "name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(category__in=["perspective_event", "receptor"]),
+                name="workpump_subscription_category",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event_type} -> {self.category} {self.name}"

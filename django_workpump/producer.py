@@ -12,7 +12,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -35,6 +35,18 @@ _on_commit_listeners: list[Callable[[str], None]] = []
 
 class InvalidWork(ValueError):
     """Work that cannot be stored: a payload that is not JSON, a bad stream key, ..."""
+
+
+class Duplicate(Exception):
+    """Work refused because another row holds its unique key (``on_conflict="raise"``)."""
+
+    def __init__(self, message: str, holder_id: uuid.UUID) -> None:
+        super().__init__(message)
+        self.holder_id = holder_id
+
+
+# What a producer does when another row holds its unique key.
+ON_CONFLICT = ("return", "raise")
 
 
 def add_produced_listener(listener: Callable[[str], None]) -> None:
@@ -236,6 +248,62 @@ def _when(what: str, run_after: datetime | None) -> datetime | None:
     return run_after
 
 
+def _unique(
+    what: str, unique_key: Any, unique_for: Any, on_conflict: Any
+) -> tuple[str | None, timedelta | None]:
+    """Check a unique key, its window and the conflict policy; return key and window."""
+    if on_conflict not in ON_CONFLICT:
+        raise InvalidWork(
+            f"on_conflict of {what} must be 'return' (the holder's id) or 'raise' "
+            f"(workpump.Duplicate), not {on_conflict!r}."
+        )
+    if unique_key is None:
+        if unique_for is not None:
+            raise InvalidWork(
+                f"unique_for of {what} needs a unique_key: the window applies to a key. "
+                "Pass unique_key too, or leave unique_for out."
+            )
+        return None, None
+    if not isinstance(unique_key, str) or not unique_key.strip():
+        raise InvalidWork(
+            f"unique_key of {what} must be a non-empty string (or None for none), "
+            f"not {unique_key!r}."
+        )
+    size = len(unique_key.encode("utf-8", "surrogatepass"))
+    if size > MAX_STREAM_BYTES:
+        raise InvalidWork(
+            f"unique_key of {what} is {size} bytes in UTF-8, over the limit of "
+            f"{MAX_STREAM_BYTES} bytes. Use a shorter key, e.g. a hash of the long one."
+        )
+    if problem := _unstorable(unique_key):
+        raise InvalidWork(
+            f"unique_key of {what} has {problem}. Use a key of printable text, e.g. a hash."
+        )
+    if unique_for is not None:
+        if not isinstance(unique_for, timedelta):
+            raise InvalidWork(
+                f"unique_for of {what} must be a timedelta (or None for no window), "
+                f"not {unique_for!r}."
+            )
+        if unique_for < timedelta(0):
+            raise InvalidWork(
+                f"unique_for of {what} must not be negative, not {unique_for!r}. Pass a "
+                "window such as timedelta(minutes=5), or None."
+            )
+    return unique_key, unique_for
+
+
+def _duplicate(holder: str, key: str, holder_id: uuid.UUID, on_conflict: str) -> uuid.UUID:
+    """The holder's id, or Duplicate when the caller asked for it."""
+    if on_conflict == "raise":
+        raise Duplicate(
+            f"{holder} already holds unique_key {key!r} in {holder_id}; nothing was written. "
+            "Pass on_conflict='return' to get the holder's id instead.",
+            holder_id,
+        )
+    return holder_id
+
+
 def send(
     destination: str,
     payload: Mapping[str, Any],
@@ -245,11 +313,22 @@ def send(
     run_after: datetime | None = None,
     max_attempts: int | None = None,
     message_id: uuid.UUID | None = None,
+    unique_key: str | None = None,
+    unique_for: timedelta | None = None,
+    on_conflict: str = "return",
     using: str | None = None,
 ) -> uuid.UUID:
-    """Store an outbox message for ``destination`` in the current transaction."""
+    """Store an outbox message for ``destination`` in the current transaction.
+
+    With ``unique_key``, at most one unprocessed message per (destination, key) exists
+    (with ``unique_for``, also none created within that window): a duplicate writes
+    nothing and returns the holder's id, or raises ``Duplicate`` (``on_conflict="raise"``).
+    """
     destination = _name("outbox destination", destination)
     what = f"outbox message to {destination!r}"
+    key, window = _unique(what, unique_key, unique_for, on_conflict)
+    if key is not None and message_id is None:
+        message_id = uuid.uuid4()  # a returned id that differs names the holder
     alias = using or setting("DATABASE_ALIAS")
     with _schema_required(alias):
         result = db.send(
@@ -263,8 +342,12 @@ def send(
             partition_count=setting("PARTITION_COUNT"),
             max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
             max_payload_depth=MAX_DEPTH,
+            unique_key=key,
+            unique_for=window,
             using=alias,
         )
+    if key is not None and result != message_id:
+        return _duplicate(f"Outbox destination {destination!r}", key, result, on_conflict)
     _announce("outbox", alias)
     _tell_capture("send", destination, payload, stream, result)
     return result
@@ -325,11 +408,22 @@ def emit(
     stream: str | int | uuid.UUID | None = None,
     priority: int = 0,
     event_id: uuid.UUID | None = None,
+    unique_key: str | None = None,
+    unique_for: timedelta | None = None,
+    on_conflict: str = "return",
     using: str | None = None,
 ) -> uuid.UUID:
-    """Store an event and one work row per perspective and receptor subscribed to it."""
+    """Store an event and one work row per perspective and receptor subscribed to it.
+
+    With ``unique_key``, at most one event per (event type, key) has work not yet done
+    (with ``unique_for``, also none created within that window): a duplicate writes
+    nothing and returns the holder's id, or raises ``Duplicate`` (``on_conflict="raise"``).
+    """
     event_type = _name("event type", event_type)
     what = f"event {event_type!r}"
+    key, window = _unique(what, unique_key, unique_for, on_conflict)
+    if key is not None and event_id is None:
+        event_id = uuid.uuid4()  # a returned id that differs names the holder
     subscribers = [
         {
             "category": handler.category,
@@ -350,8 +444,12 @@ def emit(
             partition_count=setting("PARTITION_COUNT"),
             max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
             max_payload_depth=MAX_DEPTH,
+            unique_key=key,
+            unique_for=window,
             using=alias,
         )
+    if key is not None and result != event_id:
+        return _duplicate(f"Event type {event_type!r}", key, result, on_conflict)
     for category in sorted({handler.category for handler in registry.subscribers(event_type)}):
         _announce(category, alias)
     _tell_capture("emit", event_type, payload, stream, result)

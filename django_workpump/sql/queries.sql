@@ -12,7 +12,10 @@ SELECT workpump.send(
     p_message_id => %(message_id)s,
     p_partition_count => %(partition_count)s,
     p_max_payload_bytes => %(max_payload_bytes)s,
-    p_max_payload_depth => %(max_payload_depth)s)
+    p_max_payload_depth => %(max_payload_depth)s,
+    p_unique_key => %(unique_key)s,
+    p_unique_for => %(unique_for)s::interval,
+    p_on_conflict => 'return')
 
 -- name: receive
 SELECT workpump.receive(
@@ -38,7 +41,15 @@ SELECT workpump.emit(
     p_priority => %(priority)s,
     p_partition_count => %(partition_count)s,
     p_max_payload_bytes => %(max_payload_bytes)s,
-    p_max_payload_depth => %(max_payload_depth)s)
+    p_max_payload_depth => %(max_payload_depth)s,
+    p_unique_key => %(unique_key)s,
+    p_unique_for => %(unique_for)s::interval,
+    p_on_conflict => 'return')
+
+-- name: sync_subscriptions
+SELECT workpump.sync_subscriptions(
+    p_subscriptions => %(subscriptions)s::jsonb,
+    p_replace => %(replace)s)
 
 -- name: claim_work
 SELECT category, work_id, topic, payload, stream, attempts, max_attempts, lease_expiry,
