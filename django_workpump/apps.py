@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.db.models.signals import post_migrate
 from django.utils.module_loading import autodiscover_modules
 
 
@@ -20,3 +21,9 @@ class WorkPumpConfig(AppConfig):
         # One inbox handler per queue of each TASKS backend of ours (no-op without
         # django.tasks), so a fresh runworkpump can run task rows.
         register_backends()
+
+        from django_workpump.subscriptions import sync_on_migrate
+
+        # After migrate the project's code is loaded whole: the registry's subscriptions
+        # replace the table SQL emit fans out from.
+        post_migrate.connect(sync_on_migrate, sender=self, dispatch_uid="workpump_subscriptions")

@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from django.db import connections
 
+from django_workpump import subscriptions
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.conf import (
     get_settings,
@@ -138,6 +139,7 @@ class Supervisor:
         self.clock = clock or SystemClock()
         self._gate_down_since: float | None = None  # monotonic; None while the gate is up
         self.alias: str = self.settings["DATABASE_ALIAS"]
+        self.handlers = handlers
         s = self.settings
         # Claim only what this process can run (raises TopicSelectionError for a name
         # that has no handler here).
@@ -305,6 +307,8 @@ class Supervisor:
                 raise RuntimeError(f"instance {self.identity.instance_id} is tombstoned")
         if self.periodic is not None:
             self.periodic.register()  # schedules as the code defines them, before any fires
+        # SQL emit fans out from these; upsert only: this process may load part of the code
+        subscriptions.sync(replace=False, using=self.alias, handlers=self.handlers)
         self._started = True
         if self.gate is not None:
             self._launch(self.gate)
