@@ -203,6 +203,8 @@ def receive(
     max_payload_bytes: int,
     max_payload_depth: int,
     deduplicate: bool = True,
+    unique_key: str | None = None,
+    unique_for: timedelta | None = None,
     using: str | None = None,
 ) -> bool:
     params = {
@@ -217,6 +219,8 @@ def receive(
         "max_payload_bytes": max_payload_bytes,
         "max_payload_depth": max_payload_depth,
         "deduplicate": deduplicate,
+        "unique_key": unique_key,
+        "unique_for": unique_for,
     }
     return bool(_scalar("receive", params, using))
 
@@ -251,6 +255,19 @@ def emit(
         "unique_for": unique_for,
     }
     return _scalar("emit", params, using)
+
+
+def unique_key_holder(
+    *,
+    kind: str,
+    topic: str,
+    unique_key: str,
+    unique_for: timedelta | None,
+    using: str | None = None,
+) -> uuid.UUID | None:
+    """The id of the outbox row, inbox row or event (``kind``) holding the key, if any."""
+    params = {"kind": kind, "topic": topic, "unique_key": unique_key, "unique_for": unique_for}
+    return _scalar("unique_key_holder", params, using)
 
 
 def sync_subscriptions(*, subscriptions_json: str, replace: bool, using: str | None = None) -> int:

@@ -151,13 +151,31 @@ class Inbox(WorkRow):
     handler_name = models.TextField()
     payload = models.JSONField()
     processed_at = models.DateTimeField(null=True, blank=True)
+    # receive(unique_key=...), unique tasks: at most one unprocessed row per key.
+    unique_key = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "workpump_inbox"
         permissions = WORK_PERMISSIONS
         verbose_name = "inbox message"
-        constraints = [_lease_pair_check("workpump_inbox")]
-        indexes = _work_indexes("wp_inbox", "processed_at")
+        constraints = [
+            _lease_pair_check("workpump_inbox"),
+            # Dead rows are not processed: they hold their key (a requeue never conflicts).
+            models.UniqueConstraint(
+                fields=["handler_name", "unique_key"],
+                name="workpump_inbox_unique_key",
+                condition=Q(processed_at__isnull=True, unique_key__isnull=False),
+            ),
+        ]
+        indexes = [
+            *_work_indexes("wp_inbox", "processed_at"),
+            # receive's holder lookup, processed rows included (the unique_for window)
+            models.Index(
+                fields=["handler_name", "unique_key", "created_at"],
+                name="wp_inbox_unique_key",
+                condition=Q(unique_key__isnull=False),
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"inbox {self.handler_name} {self.message_id}"

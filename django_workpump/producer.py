@@ -304,6 +304,28 @@ def _duplicate(holder: str, key: str, holder_id: uuid.UUID, on_conflict: str) ->
     return holder_id
 
 
+# What holds a unique key, by the producer that takes it.
+UNIQUE_KINDS = ("outbox", "inbox", "event")
+
+
+def unique_key_holder(
+    kind: str,
+    topic: str,
+    unique_key: str,
+    unique_for: timedelta | None = None,
+    *,
+    using: str | None = None,
+) -> uuid.UUID | None:
+    """The id of the outbox row, inbox row or event (``kind``) holding ``unique_key`` now."""
+    if kind not in UNIQUE_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(UNIQUE_KINDS)}, not {kind!r}.")
+    alias = using or setting("DATABASE_ALIAS")
+    with _schema_required(alias):
+        return db.unique_key_holder(
+            kind=kind, topic=topic, unique_key=unique_key, unique_for=unique_for, using=alias
+        )
+
+
 def send(
     destination: str,
     payload: Mapping[str, Any],
@@ -363,16 +385,22 @@ def receive(
     run_after: datetime | None = None,
     max_attempts: int | None = None,
     deduplicate: bool = True,
+    unique_key: str | None = None,
+    unique_for: timedelta | None = None,
+    on_conflict: str = "return",
     using: str | None = None,
 ) -> bool:
     """Store an inbox message once per ``message_id``; False if it was received before.
 
     Ids are remembered for ``INBOX_DEDUP_RETENTION_SECONDS`` after their row is purged.
     ``deduplicate=False`` writes no de-duplication record, for ids that are fresh UUIDs
-    (a repeated id then raises ``IntegrityError``).
+    (a repeated id then raises ``IntegrityError``). With ``unique_key``, also False while
+    another unprocessed message for ``handler_name`` holds the key (with ``unique_for``,
+    also one created within that window), or ``Duplicate`` with ``on_conflict="raise"``.
     """
     handler_name = _name("inbox handler name", handler_name)
     what = f"inbox message for {handler_name!r}"
+    key, window = _unique(what, unique_key, unique_for, on_conflict)
     try:
         message_uuid = message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(message_id)
     except (TypeError, ValueError, AttributeError) as exc:
@@ -393,8 +421,14 @@ def receive(
             max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
             max_payload_depth=MAX_DEPTH,
             deduplicate=deduplicate,
+            unique_key=key,
+            unique_for=window,
             using=alias,
         )
+    if not stored and key is not None and on_conflict == "raise":
+        holder = unique_key_holder("inbox", handler_name, key, window, using=alias)
+        if holder is not None and holder != message_uuid:
+            _duplicate(f"Inbox handler {handler_name!r}", key, holder, on_conflict)
     if stored:
         _announce("inbox", alias)
         _tell_capture("receive", handler_name, payload, stream, message_uuid)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 try:
@@ -28,6 +28,16 @@ release = threading.Event()  # lets wait_for_release finish
 @task
 def add(a: int, b: int = 0) -> int:
     return a + b
+
+
+@task(unique=True)
+def refresh(key: str) -> str:
+    return key
+
+
+@task(unique=True, unique_for=timedelta(hours=1), on_conflict="raise")
+def refresh_hourly(key: str) -> str:
+    return key
 
 
 @task

@@ -208,7 +208,7 @@ def test_produced_work_wakes_in_process_listeners_only_after_commit(
     [
         "DROP SCHEMA workpump CASCADE",  # never migrated
         "DROP FUNCTION workpump.receive(uuid, text, jsonb, text, integer, timestamptz, integer,"
-        " integer, bigint, integer, boolean)",  # migrated, but not to the current version
+        " integer, bigint, integer, boolean, text, interval, text, timestamptz)",  # not current
     ],
     ids=["no-schema", "old-schema"],
 )

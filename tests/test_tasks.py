@@ -656,3 +656,44 @@ def test_the_error_class_paths_older_versions_stored_still_import():
 
     for cls in (AttemptLost, TaskRefused, WorkFailed):
         assert import_string(f"django_workpump.task_runner.{cls.__name__}") is cls
+
+
+@db
+def test_a_unique_task_enqueued_twice_returns_the_first_result_and_stores_one_row():
+    first = task_funcs.refresh.enqueue("a")
+    again = task_funcs.refresh.enqueue("a")
+    other = task_funcs.refresh.enqueue("b")
+
+    assert again.id == first.id
+    assert other.id != first.id
+    assert row(first.id).unique_key.startswith("task:")
+    assert models.Inbox.objects.filter(payload__task=task_funcs.refresh.module_path).count() == 2
+    # a done row frees the key
+    models.Inbox.objects.filter(message_id=first.id).update(processed_at=timezone.now())
+    assert task_funcs.refresh.enqueue("a").id not in (first.id, other.id)
+
+
+@db
+def test_a_unique_task_with_on_conflict_raise_raises_duplicate_within_its_window():
+    first = task_funcs.refresh_hourly.enqueue("a")
+    models.Inbox.objects.filter(message_id=first.id).update(processed_at=timezone.now())
+
+    with pytest.raises(workpump.Duplicate) as raised:
+        task_funcs.refresh_hourly.enqueue("a")
+
+    assert str(raised.value.holder_id) == first.id
+    assert task_funcs.add.enqueue(1).id  # the transaction is still usable
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"unique": "yes"}, "unique of task '\\S+' must be True or False"),
+        ({"unique_for": timedelta(minutes=1)}, "unique_for of task '\\S+' must be a timedelta"),
+        ({"unique": True, "unique_for": timedelta(-1)}, "must be a timedelta >= 0"),
+        ({"unique": True, "on_conflict": "skip"}, "on_conflict of task '\\S+' must be"),
+    ],
+)
+def test_bad_unique_task_options_are_refused_at_declaration(options, message):
+    with pytest.raises(InvalidTask, match=message):
+        task(**options)(task_funcs.add.func)

@@ -54,6 +54,21 @@ def test_on_conflict_raise_raises_duplicate_with_the_holders_id():
 
 
 @pytest.mark.django_db
+def test_a_duplicate_receive_returns_false_or_raises_and_writes_nothing():
+    first, second, third = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    assert workpump.receive(first, "reports.in", {}, unique_key="k") is True
+
+    assert workpump.receive(second, "reports.in", {}, unique_key="k") is False
+    with pytest.raises(workpump.Duplicate) as raised:
+        workpump.receive(third, "reports.in", {}, unique_key="k", on_conflict="raise")
+
+    assert raised.value.holder_id == first
+    assert list(models.Inbox.objects.values_list("message_id", flat=True)) == [first]
+    # a duplicate by key records no received id: the message may come again later
+    assert not models.InboxDedup.objects.filter(message_id__in=[second, third]).exists()
+
+
+@pytest.mark.django_db
 def test_a_processed_row_frees_its_key_and_a_dead_row_holds_it():
     first = workpump.send("reports.build", {}, unique_key="k")
     models.Outbox.objects.filter(message_id=first).update(dead_lettered_at=scalar("SELECT now()"))
@@ -128,6 +143,8 @@ def test_bad_unique_arguments_are_refused_before_anything_is_written(arguments, 
         workpump.send("reports.build", {}, **arguments)
     with pytest.raises(workpump.InvalidWork, match=message):
         workpump.emit("audit.noted", {}, **arguments)
+    with pytest.raises(workpump.InvalidWork, match=message):
+        workpump.receive(uuid.uuid4(), "reports.in", {}, **arguments)
 
 
 @pytest.mark.django_db
@@ -144,6 +161,7 @@ def test_the_sql_producers_refuse_bad_unique_arguments(arguments, message):
     for call in (
         f"SELECT workpump.send('reports.build', '{{}}', {arguments})",
         f"SELECT workpump.emit('audit.noted', '{{}}', {arguments})",
+        f"SELECT workpump.receive(gen_random_uuid(), 'reports.in', '{{}}', {arguments})",
     ):
         with pytest.raises(DataError, match=message), transaction.atomic():
             run_sql(call)
@@ -164,6 +182,11 @@ PRODUCERS = {
     "send": (
         "SELECT workpump.send('reports.build', '{}', p_unique_key => 'race') AS id",
         "SELECT message_id AS id FROM workpump_outbox WHERE unique_key = 'race'",
+    ),
+    "receive": (
+        "SELECT workpump.receive(gen_random_uuid(), 'reports.in', '{}',"
+        " p_unique_key => 'race') AS id",
+        "SELECT message_id AS id FROM workpump_inbox WHERE unique_key = 'race'",
     ),
     "emit": (
         "SELECT workpump.emit('audit.noted', '{}', p_subscribers => '[]',"
@@ -192,7 +215,7 @@ def test_racing_producers_leave_one_row_per_key_even_when_the_first_rolls_back(
     first.execute("BEGIN")
     rolled_back_id = first.execute(produce).fetchone()["id"]
 
-    results: dict[int, uuid.UUID] = {}
+    results: dict[int, Any] = {}
     errors: list[psycopg.Error] = []
 
     def race(number: int, conn: psycopg.Connection[Any]) -> None:
@@ -222,32 +245,35 @@ def test_racing_producers_leave_one_row_per_key_even_when_the_first_rolls_back(
     assert not errors
     rows = observer.execute(stored).fetchall()
     assert len(rows) == 1
-    assert set(results.values()) == {rows[0]["id"]}
-    assert rolled_back_id != rows[0]["id"]
+    if producer == "receive":  # receive says whether it stored: once, for one racer
+        assert sorted(results.values()) == [False] * (racers - 1) + [True]
+    else:
+        assert set(results.values()) == {rows[0]["id"]}
+        assert rolled_back_id != rows[0]["id"]
 
 
 def test_the_v11_migration_reverses_and_applies_again(scratch_database):
-    def v11_state() -> tuple[int, int, bool, bool]:
-        """(send's arguments, emit's arguments, outbox.unique_key, subscription table)."""
+    def v11_state() -> tuple[int, int, int, bool, bool]:
+        """(arguments of send, receive, emit; outbox.unique_key; subscription table)."""
         with scratch_database.connect() as conn:
-            send, emit = (
+            send, receive, emit = (
                 conn.execute(
                     "SELECT pronargs FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
                     " AND proname = %s",
                     [name],
                 ).fetchone()[0]
-                for name in ("send", "emit")
+                for name in ("send", "receive", "emit")
             )
             column = conn.execute(
                 "SELECT EXISTS (SELECT 1 FROM information_schema.columns"
                 " WHERE table_name = 'workpump_outbox' AND column_name = 'unique_key')"
             ).fetchone()[0]
             table = conn.execute("SELECT to_regclass('workpump_subscription') IS NOT NULL")
-            return send, emit, column, table.fetchone()[0]
+            return send, receive, emit, column, table.fetchone()[0]
 
     scratch_database.migrate("workpump", "0015")
-    assert v11_state() == (14, 13, True, True)
+    assert v11_state() == (14, 15, 13, True, True)
     scratch_database.migrate("workpump", "0013")
-    assert v11_state() == (10, 9, False, False)
+    assert v11_state() == (10, 11, 9, False, False)
     scratch_database.migrate("workpump", "0015")
-    assert v11_state() == (14, 13, True, True)
+    assert v11_state() == (14, 15, 13, True, True)

@@ -7,6 +7,7 @@ from django_workpump.sql import PIN_SEARCH_PATH, function_definitions, read
 
 SQL_FILES = ["v11/producers.sql"]
 V5_REPLACED = ["send", "emit"]
+V6_REPLACED = ["receive"]
 
 
 class Migration(migrations.Migration):
@@ -59,6 +60,27 @@ class Migration(migrations.Migration):
             name="unique_key",
             field=models.TextField(blank=True, null=True),
         ),
+        migrations.AddField(
+            model_name="inbox",
+            name="unique_key",
+            field=models.TextField(blank=True, null=True),
+        ),
+        migrations.AddIndex(
+            model_name="inbox",
+            index=models.Index(
+                condition=models.Q(("unique_key__isnull", False)),
+                fields=["handler_name", "unique_key", "created_at"],
+                name="wp_inbox_unique_key",
+            ),
+        ),
+        migrations.AddConstraint(
+            model_name="inbox",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("processed_at__isnull", True), ("unique_key__isnull", False)),
+                fields=("handler_name", "unique_key"),
+                name="workpump_inbox_unique_key",
+            ),
+        ),
         migrations.AddIndex(
             model_name="event",
             index=models.Index(
@@ -98,10 +120,14 @@ class Migration(migrations.Migration):
                 "uuid, integer, bigint, integer, text, interval, text, timestamptz);"
                 "DROP FUNCTION workpump.emit(text, jsonb, text, jsonb, uuid, integer, integer, "
                 "bigint, integer, text, interval, text, timestamptz);"
+                "DROP FUNCTION workpump.receive(uuid, text, jsonb, text, integer, timestamptz, "
+                "integer, integer, bigint, integer, boolean, text, interval, text, timestamptz);"
+                "DROP FUNCTION workpump.unique_key_holder(text, text, text, interval, timestamptz);"
                 "DROP FUNCTION workpump.sync_subscriptions(jsonb, boolean, timestamptz);"
                 "DROP FUNCTION workpump.lock_unique_key(text, text, text);"
                 "DROP FUNCTION workpump.check_unique_key(text, text, text, interval, text);",
                 *function_definitions("v5/producers.sql", V5_REPLACED),
+                *function_definitions("v6/retention.sql", V6_REPLACED),
                 PIN_SEARCH_PATH,
             ],
         ),

@@ -29,7 +29,10 @@ SELECT workpump.receive(
     p_partition_count => %(partition_count)s,
     p_max_payload_bytes => %(max_payload_bytes)s,
     p_max_payload_depth => %(max_payload_depth)s,
-    p_deduplicate => %(deduplicate)s)
+    p_deduplicate => %(deduplicate)s,
+    p_unique_key => %(unique_key)s,
+    p_unique_for => %(unique_for)s::interval,
+    p_on_conflict => 'return')
 
 -- name: emit
 SELECT workpump.emit(
@@ -45,6 +48,13 @@ SELECT workpump.emit(
     p_unique_key => %(unique_key)s,
     p_unique_for => %(unique_for)s::interval,
     p_on_conflict => 'return')
+
+-- name: unique_key_holder
+SELECT workpump.unique_key_holder(
+    p_kind => %(kind)s,
+    p_topic => %(topic)s,
+    p_unique_key => %(unique_key)s,
+    p_unique_for => %(unique_for)s::interval)
 
 -- name: sync_subscriptions
 SELECT workpump.sync_subscriptions(

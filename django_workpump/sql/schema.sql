@@ -376,9 +376,59 @@ AS $$
     );
 $$;
 
+-- The id of the row that holds p_unique_key for p_topic, or NULL. p_kind is 'outbox',
+-- 'inbox' or 'event'. A message holds its key until it is processed (a dead row is not
+-- processed: it holds it too), an event while any of its work is not done; with
+-- p_unique_for, any of them created within the window holds it as well.
+CREATE FUNCTION workpump.unique_key_holder(
+    p_kind text,
+    p_topic text,
+    p_unique_key text,
+    p_unique_for interval DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_since timestamptz := coalesce(p_now, now()) - p_unique_for;
+    v_holder uuid;
+BEGIN
+    IF p_kind = 'outbox' THEN
+        SELECT o.message_id INTO v_holder FROM workpump_outbox o
+        WHERE o.destination = p_topic AND o.unique_key = p_unique_key
+          AND (o.processed_at IS NULL OR o.created_at >= v_since)
+        ORDER BY o.processed_at IS NULL DESC, o.seq DESC
+        LIMIT 1;
+    ELSIF p_kind = 'inbox' THEN
+        SELECT i.message_id INTO v_holder FROM workpump_inbox i
+        WHERE i.handler_name = p_topic AND i.unique_key = p_unique_key
+          AND (i.processed_at IS NULL OR i.created_at >= v_since)
+        ORDER BY i.processed_at IS NULL DESC, i.seq DESC
+        LIMIT 1;
+    ELSIF p_kind = 'event' THEN
+        SELECT e.event_id INTO v_holder FROM workpump_event e
+        WHERE e.event_type = p_topic AND e.unique_key = p_unique_key
+          AND (e.created_at >= v_since
+               OR EXISTS (SELECT 1 FROM workpump_perspective_event p
+                          WHERE p.event_id = e.event_id AND p.processed_at IS NULL)
+               OR EXISTS (SELECT 1 FROM workpump_receptor_processing r
+                          WHERE r.event_id = e.event_id AND r.completed_at IS NULL))
+        ORDER BY e.seq DESC
+        LIMIT 1;
+    ELSE
+        RAISE EXCEPTION 'p_kind must be outbox, inbox or event, not %.',
+            coalesce(quote_literal(p_kind), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN v_holder;
+END
+$$;
+
 -- Store an outbox message for p_destination; return its message id. With p_unique_key,
 -- return the id of the row that holds the key instead, writing nothing: an unprocessed
--- row with that key, or (with p_unique_for) one created within the window.
+-- row with that key, or (with p_unique_for) one created within the window
+-- (unique_key_holder).
 CREATE FUNCTION workpump.send(
     p_destination text,
     p_payload jsonb,
@@ -411,12 +461,8 @@ BEGIN
     IF p_unique_key IS NOT NULL THEN
         -- a racer of the same key waits here until this transaction ends
         PERFORM workpump.lock_unique_key('workpump_outbox', p_destination, p_unique_key);
-        SELECT o.message_id INTO v_holder FROM workpump_outbox o
-        WHERE o.destination = p_destination AND o.unique_key = p_unique_key
-          AND (o.processed_at IS NULL
-               OR o.created_at >= coalesce(p_now, now()) - p_unique_for)
-        ORDER BY o.processed_at IS NULL DESC, o.seq DESC
-        LIMIT 1;
+        v_holder := workpump.unique_key_holder('outbox', p_destination, p_unique_key,
+                                               p_unique_for, p_now);
         IF v_holder IS NULL THEN
             INSERT INTO workpump_outbox (message_id, destination, payload, stream,
                                          partition_number, priority, scheduled_for,
@@ -452,9 +498,10 @@ END
 $$;
 
 -- Store an inbox message once per message id: false, with nothing written, when the id
--- was received before (within the de-duplication window). p_deduplicate => false skips
--- the de-duplication row, for producers whose ids are fresh UUIDs (task enqueues): a
--- repeated id then fails on the inbox's unique message_id instead.
+-- was received before (within the de-duplication window), or when p_unique_key is held
+-- (unique_key_holder; p_on_conflict => 'raise' raises unique_violation instead).
+-- p_deduplicate => false skips the de-duplication row, for producers whose ids are fresh
+-- UUIDs (task enqueues): a repeated id then fails on the inbox's unique message_id.
 CREATE FUNCTION workpump.receive(
     p_message_id uuid,
     p_handler_name text,
@@ -466,11 +513,17 @@ CREATE FUNCTION workpump.receive(
     p_partition_count integer DEFAULT 10000,
     p_max_payload_bytes bigint DEFAULT 1048576,
     p_max_payload_depth integer DEFAULT 100,
-    p_deduplicate boolean DEFAULT true
+    p_deduplicate boolean DEFAULT true,
+    p_unique_key text DEFAULT NULL,
+    p_unique_for interval DEFAULT NULL,
+    p_on_conflict text DEFAULT 'return',
+    p_now timestamptz DEFAULT NULL
 ) RETURNS boolean
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
+DECLARE
+    v_holder uuid;
 BEGIN
     IF p_message_id IS NULL THEN
         RAISE EXCEPTION 'An inbox message needs a message id: it is what deduplicates it.'
@@ -480,6 +533,23 @@ BEGIN
                                     p_priority, p_max_attempts, p_partition_count);
     PERFORM workpump.check_payload('inbox handler', p_handler_name, p_payload,
                                    p_max_payload_bytes, p_max_payload_depth);
+    PERFORM workpump.check_unique_key('inbox handler', p_handler_name, p_unique_key,
+                                      p_unique_for, p_on_conflict);
+    IF p_unique_key IS NOT NULL THEN
+        -- a racer of the same key waits here until this transaction ends
+        PERFORM workpump.lock_unique_key('workpump_inbox', p_handler_name, p_unique_key);
+        v_holder := workpump.unique_key_holder('inbox', p_handler_name, p_unique_key,
+                                               p_unique_for, p_now);
+        IF v_holder IS NOT NULL THEN
+            IF p_on_conflict = 'raise' THEN
+                RAISE EXCEPTION 'Inbox handler % already holds unique key % in message %.',
+                    quote_literal(p_handler_name), quote_literal(p_unique_key), v_holder
+                    USING ERRCODE = 'unique_violation',
+                          HINT = 'Pass p_on_conflict => ''return'' to get false instead.';
+            END IF;
+            RETURN false;
+        END IF;
+    END IF;
     IF coalesce(p_deduplicate, true) THEN
         -- A concurrent receive of the same id waits here for the first one's transaction.
         INSERT INTO workpump_inbox_dedup (message_id) VALUES (p_message_id)
@@ -488,11 +558,13 @@ BEGIN
             RETURN false;
         END IF;
     END IF;
+    -- a holder of the key this snapshot could not see (REPEATABLE READ) fails the
+    -- partial unique index workpump_inbox_unique_key here
     INSERT INTO workpump_inbox (message_id, handler_name, payload, stream, partition_number,
-                                priority, scheduled_for, max_attempts)
+                                priority, scheduled_for, max_attempts, unique_key)
     VALUES (p_message_id, p_handler_name, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, p_message_id::text), p_partition_count),
-            p_priority, p_scheduled_for, p_max_attempts);
+            p_priority, p_scheduled_for, p_max_attempts, p_unique_key);
     RETURN true;
 END
 $$;
@@ -555,7 +627,7 @@ $$;
 -- "max_attempts": n}; NULL (the default) means the subscribers workpump_subscription
 -- lists for the event type, '[]' none. With p_unique_key, return the id of the event
 -- that holds the key instead, writing nothing: one with work not yet done, or (with
--- p_unique_for) one created within the window.
+-- p_unique_for) one created within the window (unique_key_holder).
 CREATE FUNCTION workpump.emit(
     p_event_type text,
     p_payload jsonb,
@@ -614,15 +686,8 @@ BEGIN
     IF p_unique_key IS NOT NULL THEN
         -- a racer of the same key waits here until this transaction ends
         PERFORM workpump.lock_unique_key('workpump_event', p_event_type, p_unique_key);
-        SELECT e.event_id INTO v_holder FROM workpump_event e
-        WHERE e.event_type = p_event_type AND e.unique_key = p_unique_key
-          AND (e.created_at >= coalesce(p_now, now()) - p_unique_for
-               OR EXISTS (SELECT 1 FROM workpump_perspective_event p
-                          WHERE p.event_id = e.event_id AND p.processed_at IS NULL)
-               OR EXISTS (SELECT 1 FROM workpump_receptor_processing r
-                          WHERE r.event_id = e.event_id AND r.completed_at IS NULL))
-        ORDER BY e.seq DESC
-        LIMIT 1;
+        v_holder := workpump.unique_key_holder('event', p_event_type, p_unique_key,
+                                               p_unique_for, p_now);
         IF v_holder IS NOT NULL THEN
             IF p_on_conflict = 'raise' THEN
                 RAISE EXCEPTION 'Event type % already holds unique key % in event %.',

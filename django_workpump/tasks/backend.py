@@ -9,9 +9,11 @@ runs it under ``runworkpump``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -42,6 +44,11 @@ class WorkPumpTask(Task):
     """A ``Task`` with the work pump's per-task options (``@task(max_attempts=3)``)."""
 
     max_attempts: int | None = None  # None: OPTIONS["MAX_ATTEMPTS"], else WORKPUMP's
+    # At most one row of this task with these arguments not yet run: a duplicate enqueue
+    # returns the holder's result (on_conflict="raise": workpump.Duplicate).
+    unique: bool = False
+    unique_for: timedelta | None = None  # with unique: also none enqueued within this
+    on_conflict: str = "return"
 
 
 class WorkPumpBackend(BaseTaskBackend):
@@ -75,6 +82,27 @@ class WorkPumpBackend(BaseTaskBackend):
             raise InvalidTask(
                 f"max_attempts of task '{task.module_path}' must be a whole number >= 1 "
                 f"(or None for the backend's default), not {max_attempts!r}."
+            )
+
+        unique = getattr(task, "unique", False)
+        unique_for = getattr(task, "unique_for", None)
+        on_conflict = getattr(task, "on_conflict", "return")
+        if not isinstance(unique, bool):
+            raise InvalidTask(
+                f"unique of task '{task.module_path}' must be True or False, not {unique!r}."
+            )
+        if unique_for is not None and (
+            not unique or not isinstance(unique_for, timedelta) or unique_for < timedelta(0)
+        ):
+            raise InvalidTask(
+                f"unique_for of task '{task.module_path}' must be a timedelta >= 0 on a task "
+                f"with unique=True, not {unique_for!r}. Pass unique=True too, or leave "
+                "unique_for out."
+            )
+        if on_conflict not in producer.ON_CONFLICT:
+            raise InvalidTask(
+                f"on_conflict of task '{task.module_path}' must be 'return' (the holder's "
+                f"result) or 'raise' (workpump.Duplicate), not {on_conflict!r}."
             )
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
@@ -111,16 +139,28 @@ class WorkPumpBackend(BaseTaskBackend):
         _check_round_trip(task.module_path, payload)
         message_id = uuid.uuid4()
         using = setting("DATABASE_ALIAS")
-        producer.receive(
+        topic = topic_of(self.alias, task.queue_name)
+        unique_key = _unique_key(payload) if getattr(task, "unique", False) else None
+        unique_for = getattr(task, "unique_for", None)
+        stored = producer.receive(
             message_id,
-            topic_of(self.alias, task.queue_name),
+            topic,
             payload,
             priority=task.priority,
             run_after=task.run_after,
             max_attempts=self.max_attempts_of(task),
             deduplicate=False,  # a fresh UUID: nothing to de-duplicate
+            unique_key=unique_key,
+            unique_for=unique_for,
+            on_conflict=getattr(task, "on_conflict", "return"),
             using=using,
         )
+        if not stored and unique_key is not None:
+            holder = producer.unique_key_holder("inbox", topic, unique_key, unique_for, using=using)
+            if holder is not None:
+                return self.get_result(str(holder))
+            # the holder finished between the two statements: the key is free again
+            return self.enqueue(task, args, kwargs)
         from django_workpump.models import Inbox
 
         enqueued_at = (
@@ -164,6 +204,13 @@ class WorkPumpBackend(BaseTaskBackend):
             return read_result(self, result_id)
         except TaskRefused as exc:
             raise TaskResultDoesNotExist(f"{result_id}: {exc}") from None
+
+
+def _unique_key(payload: dict[str, Any]) -> str:
+    """A unique task's key: its path and arguments, hashed (run_after is not part of it)."""
+    identity = {"task": payload["task"], "args": payload["args"], "kwargs": payload["kwargs"]}
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "task:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _check_round_trip(module_path: str, payload: dict[str, Any]) -> None:

@@ -1,13 +1,13 @@
 -- Producers, schema version 11: unique keys, and subscriptions kept in the database.
 --
--- send and emit take p_unique_key: at most one outbox row per (destination, key) that
--- is not yet processed, and at most one event per (event type, key) whose work is not
--- all done; with p_unique_for, also none created within that window. A duplicate writes
--- nothing and returns the id of the row that holds the key (p_on_conflict => 'return'),
--- or raises unique_violation (p_on_conflict => 'raise'). Producers of one key serialize
+-- send, receive and emit take p_unique_key: at most one outbox or inbox row per (topic,
+-- key) that is not yet processed, and at most one event per (event type, key) whose
+-- work is not all done; with p_unique_for, also none created within that window. A duplicate writes
+-- nothing and returns the id of the row that holds the key (receive: false) with
+-- p_on_conflict => 'return', or raises unique_violation with 'raise'. Producers of one key serialize
 -- on an advisory lock until the end of their transactions, so the second looks after the
--- first committed or rolled back; the outbox's partial unique index
--- workpump_outbox_unique_key backs this up. A dead-lettered row is not done: it holds its
+-- first committed or rolled back; the partial unique indexes workpump_outbox_unique_key
+-- and workpump_inbox_unique_key back this up. A dead-lettered row is not done: it holds its
 -- key until it is requeued and processed, or purged by DEAD_RETENTION_SECONDS.
 --
 -- workpump_subscription holds the perspectives and receptors of each event type, synced
@@ -18,6 +18,8 @@
 DROP FUNCTION workpump.send(text, jsonb, text, integer, timestamptz, integer, uuid, integer,
                             bigint, integer);
 DROP FUNCTION workpump.emit(text, jsonb, text, jsonb, uuid, integer, integer, bigint, integer);
+DROP FUNCTION workpump.receive(uuid, text, jsonb, text, integer, timestamptz, integer, integer,
+                               bigint, integer, boolean);
 
 -- Raise unless a unique key, its window and the conflict policy are valid. p_what names
 -- the producer's topic noun ('outbox destination', 'event type').
@@ -71,9 +73,59 @@ AS $$
     );
 $$;
 
+-- The id of the row that holds p_unique_key for p_topic, or NULL. p_kind is 'outbox',
+-- 'inbox' or 'event'. A message holds its key until it is processed (a dead row is not
+-- processed: it holds it too), an event while any of its work is not done; with
+-- p_unique_for, any of them created within the window holds it as well.
+CREATE FUNCTION workpump.unique_key_holder(
+    p_kind text,
+    p_topic text,
+    p_unique_key text,
+    p_unique_for interval DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_since timestamptz := coalesce(p_now, now()) - p_unique_for;
+    v_holder uuid;
+BEGIN
+    IF p_kind = 'outbox' THEN
+        SELECT o.message_id INTO v_holder FROM workpump_outbox o
+        WHERE o.destination = p_topic AND o.unique_key = p_unique_key
+          AND (o.processed_at IS NULL OR o.created_at >= v_since)
+        ORDER BY o.processed_at IS NULL DESC, o.seq DESC
+        LIMIT 1;
+    ELSIF p_kind = 'inbox' THEN
+        SELECT i.message_id INTO v_holder FROM workpump_inbox i
+        WHERE i.handler_name = p_topic AND i.unique_key = p_unique_key
+          AND (i.processed_at IS NULL OR i.created_at >= v_since)
+        ORDER BY i.processed_at IS NULL DESC, i.seq DESC
+        LIMIT 1;
+    ELSIF p_kind = 'event' THEN
+        SELECT e.event_id INTO v_holder FROM workpump_event e
+        WHERE e.event_type = p_topic AND e.unique_key = p_unique_key
+          AND (e.created_at >= v_since
+               OR EXISTS (SELECT 1 FROM workpump_perspective_event p
+                          WHERE p.event_id = e.event_id AND p.processed_at IS NULL)
+               OR EXISTS (SELECT 1 FROM workpump_receptor_processing r
+                          WHERE r.event_id = e.event_id AND r.completed_at IS NULL))
+        ORDER BY e.seq DESC
+        LIMIT 1;
+    ELSE
+        RAISE EXCEPTION 'p_kind must be outbox, inbox or event, not %.',
+            coalesce(quote_literal(p_kind), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN v_holder;
+END
+$$;
+
 -- Store an outbox message for p_destination; return its message id. With p_unique_key,
 -- return the id of the row that holds the key instead, writing nothing: an unprocessed
--- row with that key, or (with p_unique_for) one created within the window.
+-- row with that key, or (with p_unique_for) one created within the window
+-- (unique_key_holder).
 CREATE FUNCTION workpump.send(
     p_destination text,
     p_payload jsonb,
@@ -106,12 +158,8 @@ BEGIN
     IF p_unique_key IS NOT NULL THEN
         -- a racer of the same key waits here until this transaction ends
         PERFORM workpump.lock_unique_key('workpump_outbox', p_destination, p_unique_key);
-        SELECT o.message_id INTO v_holder FROM workpump_outbox o
-        WHERE o.destination = p_destination AND o.unique_key = p_unique_key
-          AND (o.processed_at IS NULL
-               OR o.created_at >= coalesce(p_now, now()) - p_unique_for)
-        ORDER BY o.processed_at IS NULL DESC, o.seq DESC
-        LIMIT 1;
+        v_holder := workpump.unique_key_holder('outbox', p_destination, p_unique_key,
+                                               p_unique_for, p_now);
         IF v_holder IS NULL THEN
             INSERT INTO workpump_outbox (message_id, destination, payload, stream,
                                          partition_number, priority, scheduled_for,
@@ -143,6 +191,78 @@ BEGIN
             workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
             p_priority, p_scheduled_for, p_max_attempts);
     RETURN v_id;
+END
+$$;
+
+-- Store an inbox message once per message id: false, with nothing written, when the id
+-- was received before (within the de-duplication window), or when p_unique_key is held
+-- (unique_key_holder; p_on_conflict => 'raise' raises unique_violation instead).
+-- p_deduplicate => false skips the de-duplication row, for producers whose ids are fresh
+-- UUIDs (task enqueues): a repeated id then fails on the inbox's unique message_id.
+CREATE FUNCTION workpump.receive(
+    p_message_id uuid,
+    p_handler_name text,
+    p_payload jsonb,
+    p_stream text DEFAULT NULL,
+    p_priority integer DEFAULT 0,
+    p_scheduled_for timestamptz DEFAULT NULL,
+    p_max_attempts integer DEFAULT 10,
+    p_partition_count integer DEFAULT 10000,
+    p_max_payload_bytes bigint DEFAULT 1048576,
+    p_max_payload_depth integer DEFAULT 100,
+    p_deduplicate boolean DEFAULT true,
+    p_unique_key text DEFAULT NULL,
+    p_unique_for interval DEFAULT NULL,
+    p_on_conflict text DEFAULT 'return',
+    p_now timestamptz DEFAULT NULL
+) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_holder uuid;
+BEGIN
+    IF p_message_id IS NULL THEN
+        RAISE EXCEPTION 'An inbox message needs a message id: it is what deduplicates it.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.check_new_work('inbox handler', p_handler_name, p_payload,
+                                    p_priority, p_max_attempts, p_partition_count);
+    PERFORM workpump.check_payload('inbox handler', p_handler_name, p_payload,
+                                   p_max_payload_bytes, p_max_payload_depth);
+    PERFORM workpump.check_unique_key('inbox handler', p_handler_name, p_unique_key,
+                                      p_unique_for, p_on_conflict);
+    IF p_unique_key IS NOT NULL THEN
+        -- a racer of the same key waits here until this transaction ends
+        PERFORM workpump.lock_unique_key('workpump_inbox', p_handler_name, p_unique_key);
+        v_holder := workpump.unique_key_holder('inbox', p_handler_name, p_unique_key,
+                                               p_unique_for, p_now);
+        IF v_holder IS NOT NULL THEN
+            IF p_on_conflict = 'raise' THEN
+                RAISE EXCEPTION 'Inbox handler % already holds unique key % in message %.',
+                    quote_literal(p_handler_name), quote_literal(p_unique_key), v_holder
+                    USING ERRCODE = 'unique_violation',
+                          HINT = 'Pass p_on_conflict => ''return'' to get false instead.';
+            END IF;
+            RETURN false;
+        END IF;
+    END IF;
+    IF coalesce(p_deduplicate, true) THEN
+        -- A concurrent receive of the same id waits here for the first one's transaction.
+        INSERT INTO workpump_inbox_dedup (message_id) VALUES (p_message_id)
+        ON CONFLICT (message_id) DO NOTHING;
+        IF NOT FOUND THEN
+            RETURN false;
+        END IF;
+    END IF;
+    -- a holder of the key this snapshot could not see (REPEATABLE READ) fails the
+    -- partial unique index workpump_inbox_unique_key here
+    INSERT INTO workpump_inbox (message_id, handler_name, payload, stream, partition_number,
+                                priority, scheduled_for, max_attempts, unique_key)
+    VALUES (p_message_id, p_handler_name, p_payload, p_stream,
+            workpump.partition_of(coalesce(p_stream, p_message_id::text), p_partition_count),
+            p_priority, p_scheduled_for, p_max_attempts, p_unique_key);
+    RETURN true;
 END
 $$;
 
@@ -204,7 +324,7 @@ $$;
 -- "max_attempts": n}; NULL (the default) means the subscribers workpump_subscription
 -- lists for the event type, '[]' none. With p_unique_key, return the id of the event
 -- that holds the key instead, writing nothing: one with work not yet done, or (with
--- p_unique_for) one created within the window.
+-- p_unique_for) one created within the window (unique_key_holder).
 CREATE FUNCTION workpump.emit(
     p_event_type text,
     p_payload jsonb,
@@ -263,15 +383,8 @@ BEGIN
     IF p_unique_key IS NOT NULL THEN
         -- a racer of the same key waits here until this transaction ends
         PERFORM workpump.lock_unique_key('workpump_event', p_event_type, p_unique_key);
-        SELECT e.event_id INTO v_holder FROM workpump_event e
-        WHERE e.event_type = p_event_type AND e.unique_key = p_unique_key
-          AND (e.created_at >= coalesce(p_now, now()) - p_unique_for
-               OR EXISTS (SELECT 1 FROM workpump_perspective_event p
-                          WHERE p.event_id = e.event_id AND p.processed_at IS NULL)
-               OR EXISTS (SELECT 1 FROM workpump_receptor_processing r
-                          WHERE r.event_id = e.event_id AND r.completed_at IS NULL))
-        ORDER BY e.seq DESC
-        LIMIT 1;
+        v_holder := workpump.unique_key_holder('event', p_event_type, p_unique_key,
+                                               p_unique_for, p_now);
         IF v_holder IS NOT NULL THEN
             IF p_on_conflict = 'raise' THEN
                 RAISE EXCEPTION 'Event type % already holds unique key % in event %.',
