@@ -475,7 +475,7 @@ BEGIN
             IF FOUND THEN
                 RETURN v_id;
             END IF;
-            -- a holder this snapshot could not see (REPEATABLE READ): the index found it
+            -- a holder written past the lock (a plain INSERT): the index found it
             SELECT o.message_id INTO v_holder FROM workpump_outbox o
             WHERE o.destination = p_destination AND o.unique_key = p_unique_key
               AND o.processed_at IS NULL;
