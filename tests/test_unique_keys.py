@@ -252,8 +252,8 @@ def test_racing_producers_leave_one_row_per_key_even_when_the_first_rolls_back(
         assert rolled_back_id != rows[0]["id"]
 
 
-def test_the_v11_migration_reverses_and_applies_again(scratch_database):
-    def v11_state() -> tuple[int, int, int, bool, bool]:
+def test_the_v10_migration_reverses_and_applies_again(scratch_database):
+    def v10_state() -> tuple[int, int, int, bool, bool]:
         """(arguments of send, receive, emit; outbox.unique_key; subscription table)."""
         with scratch_database.connect() as conn:
             send, receive, emit = (
@@ -271,9 +271,9 @@ def test_the_v11_migration_reverses_and_applies_again(scratch_database):
             table = conn.execute("SELECT to_regclass('workpump_subscription') IS NOT NULL")
             return send, receive, emit, column, table.fetchone()[0]
 
-    scratch_database.migrate("workpump", "0015")
-    assert v11_state() == (14, 15, 13, True, True)
+    scratch_database.migrate("workpump", "0014")
+    assert v10_state() == (14, 15, 13, True, True)
     scratch_database.migrate("workpump", "0013")
-    assert v11_state() == (10, 11, 9, False, False)
-    scratch_database.migrate("workpump", "0015")
-    assert v11_state() == (14, 15, 13, True, True)
+    assert v10_state() == (10, 11, 9, False, False)
+    scratch_database.migrate("workpump", "0014")
+    assert v10_state() == (14, 15, 13, True, True)

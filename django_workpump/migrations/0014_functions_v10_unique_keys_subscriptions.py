@@ -1,11 +1,11 @@
-"""Schema version 11: unique keys for send and emit; subscriptions in the database."""
+"""Schema version 10: unique keys for send and emit; subscriptions in the database."""
 
 import django.db.models.functions.datetime
 from django.db import migrations, models
 
 from django_workpump.sql import PIN_SEARCH_PATH, function_definitions, read
 
-SQL_FILES = ["v11/producers.sql"]
+SQL_FILES = ["v10/producers.sql"]
 V5_REPLACED = ["send", "emit"]
 V6_REPLACED = ["receive"]
 

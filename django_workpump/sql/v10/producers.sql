@@ -1,4 +1,4 @@
--- Producers, schema version 11: unique keys, and subscriptions kept in the database.
+-- Producers, schema version 10: unique keys, and subscriptions kept in the database.
 --
 -- send, receive and emit take p_unique_key: at most one outbox or inbox row per (topic,
 -- key) that is not yet processed, and at most one event per (event type, key) whose
