@@ -31,6 +31,7 @@ from django_workpump.admin.expressions import (
     state_of,
     stuck_candidates,
 )
+from django_workpump.admin.pagination import EstimatingPaginator
 from django_workpump.admin.perms import has_model_permission
 from django_workpump.conf import get_settings
 from django_workpump.models import (
@@ -163,11 +164,18 @@ class OwnerFilter(admin.SimpleListFilter):
 
 
 class WorkChangeList(ChangeList):
-    """The changelist never loads payloads, results or full errors."""
+    """The changelist never loads payloads, results or full errors, and counts its rows
+    exactly only up to ``EXACT_COUNT_LIMIT`` (``EstimatingPaginator``)."""
+
+    result_count_estimated = False  # the page says "about N"
 
     def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
         queryset = super().get_queryset(request, exclude_parameters)
         return queryset.defer(*cast("WorkAdmin", self.model_admin).heavy_fields)
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        self.result_count_estimated = getattr(self.paginator, "estimated", False)
 
 
 class WorkAdmin(admin.ModelAdmin):
@@ -176,6 +184,7 @@ class WorkAdmin(admin.ModelAdmin):
     spec: WorkSpec
     list_per_page = 50
     show_full_result_count = False  # a filtered page runs no extra count of the whole table
+    paginator = EstimatingPaginator  # no exact count past EXACT_COUNT_LIMIT rows
     empty_value_display = display.DASH
     actions = ["retry_now", "release_lease", "force_release_lease", "dead_letter", "requeue_dead"]
     list_display_links = ["work_id"]
