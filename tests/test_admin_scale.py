@@ -17,7 +17,7 @@ from django.db import connection
 from django.test import Client, RequestFactory
 from django.test.utils import CaptureQueriesContext
 
-from django_workpump import models
+from django_workpump import models, status
 from django_workpump.admin import pagination
 from django_workpump.admin.expressions import (
     WorkSpec,
@@ -27,6 +27,7 @@ from django_workpump.admin.expressions import (
 )
 from django_workpump.admin.work import STUCK, topic_choices
 from django_workpump.registry import Handler, Registry
+from django_workpump.sql import named_queries
 from django_workpump.states import WorkState
 from tests.conftest import run_sql
 from tests.test_admin import OUTBOX_CHANGELIST_QUERIES, OUTBOX_URL, World, secs
@@ -154,3 +155,52 @@ def test_the_estimate_is_never_below_the_rows_counted(world: World) -> None:
     assert paginator.count == queryset.count()
     assert not paginator.estimated
     assert json.loads(queryset.explain(format="json"))[0]["Plan"]["Plan Rows"] >= 1
+
+
+# -- workpump_status at many rows ----------------------------------------------------------
+
+
+def status_plan(name: str, params: dict[str, Any]) -> str:
+    sql = named_queries(status.QUERIES)[name]
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN {sql}", params)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+STATUS_PARAMS = {
+    "now": None,
+    "categories": ["outbox", "inbox", "perspective_event", "receptor"],
+    "states": list(WorkState),
+    "exact_limit": status.EXACT_COUNT_LIMIT,
+    "limit": 50,
+    "stale_after_seconds": 20,
+    "definitively_dead_after_seconds": 120,
+}
+
+
+@pytest.mark.parametrize("name", ["state_counts", "blocked_streams", "unhandled_topics"])
+def test_status_queries_read_the_outbox_through_its_indexes(world: World, name: str) -> None:
+    bulk_done(BULK_DONE_ROWS)
+    plan = status_plan(name, STATUS_PARAMS)
+    assert "Seq Scan on workpump_outbox" not in plan, plan
+
+
+def test_done_rows_past_the_limit_are_estimated_and_labelled(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exact = status.state_counts().by_category()["outbox"]
+    assert exact.estimated == ()
+    assert exact.counts[WorkState.DONE] == 1
+
+    bulk_done(BULK_DONE_ROWS)
+    monkeypatch.setattr(status, "EXACT_COUNT_LIMIT", 100)
+    counted = status.state_counts().by_category()["outbox"]
+    assert counted.estimated == (WorkState.DONE,)
+    # reltuples after ANALYZE less the undone rows: close to the real count
+    assert abs(counted.counts[WorkState.DONE] - (BULK_DONE_ROWS + 1)) <= BULK_DONE_ROWS // 20
+    # every other state stays exact
+    assert {s: n for s, n in counted.counts.items() if s != WorkState.DONE} == {
+        s: n for s, n in exact.counts.items() if s != WorkState.DONE
+    }
+    data = status.as_json(status.collect())
+    assert data["categories"]["outbox"]["estimated"] == ["done"]
