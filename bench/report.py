@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 from bench.harness import LABELS
@@ -150,6 +151,18 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     if idle is not None:
         add("Idle RSS of runworkpump", "<= 100 MB", _f(idle, 1, " MB"), idle <= 100)
     return rows
+
+
+# Sections measured by their own scripts (bench/admin_pages.py), kept when run.py
+# rewrites docs/benchmarks.md: everything from this heading on.
+KEPT_FROM = "## Admin pages and workpump_status at scale"
+
+
+def kept_sections(doc: Path) -> str:
+    """The part of ``doc`` from KEPT_FROM on ('' if absent), to append to a new render."""
+    text = doc.read_text() if doc.exists() else ""
+    start = text.find(KEPT_FROM)
+    return "" if start < 0 else "\n" + text[start:]
 
 
 def render(results: dict[str, Any]) -> str:

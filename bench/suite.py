@@ -307,7 +307,7 @@ def render(mode: str) -> None:
 
     results = json.loads((h.RESULTS / f"{mode}.json").read_text())
     doc = h.ROOT / "docs" / "benchmarks.md"
-    doc.write_text(report.render(results))
+    doc.write_text(report.render(results) + report.kept_sections(doc))
     h.log(f"wrote {doc.relative_to(h.ROOT)} from bench/results/{mode}.json")
 
 
@@ -362,7 +362,7 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
 
         doc = h.ROOT / "docs" / "benchmarks.md"
         doc.parent.mkdir(exist_ok=True)
-        doc.write_text(report.render(results))
+        doc.write_text(report.render(results) + report.kept_sections(doc))
         h.log(f"wrote {doc.relative_to(h.ROOT)}")
     shutil.rmtree(workdir, ignore_errors=True)
     h.log(f"total {time.monotonic() - started:.0f} s")

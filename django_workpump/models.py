@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
 
 if TYPE_CHECKING:
@@ -68,25 +68,60 @@ def _lease_pair_check(table: str) -> models.CheckConstraint:
     return models.CheckConstraint(condition=both_null | both_set, name=f"{table}_lease_pair")
 
 
+def ready_condition(done: str) -> Q:
+    """Rows claimable right now: undone, live stream heads, unleased and unscheduled."""
+    return _live_head(done) & Q(instance_id__isnull=True, scheduled_for__isnull=True)
+
+
+def timer_condition(done: str) -> Q:
+    """Live stream heads waiting for a time: a lease to expire or a retry/deferral."""
+    return _live_head(done) & (Q(instance_id__isnull=False) | Q(scheduled_for__isnull=False))
+
+
+def dead_condition(done: str) -> Q:
+    """Undone rows parked as dead."""
+    return Q(**{f"{done}__isnull": True}) & Q(dead_lettered_at__isnull=False)
+
+
+def _live_head(done: str) -> Q:
+    return Q(**{f"{done}__isnull": True}) & Q(dead_lettered_at__isnull=True, stream_head=True)
+
+
+def _live(done: str) -> Q:
+    return Q(**{f"{done}__isnull": True}, dead_lettered_at__isnull=True)
+
+
+def orphan_condition(done: str) -> Q:
+    """Rows whose holder was evicted mid-attempt and that no one has re-claimed yet."""
+    return _live(done) & Q(instance_id__isnull=True, claimed_at__isnull=False)
+
+
+def waiting_condition(done: str) -> Q:
+    """Unleased live rows with a time set: a retry wait or a deferral (due or not)."""
+    return _live(done) & Q(instance_id__isnull=True, scheduled_for__isnull=False)
+
+
+def attempts_high_condition(done: str) -> Q:
+    """Live rows that used half their attempts, and more than one (the stuck rule)."""
+    return _live(done) & Q(attempts__gt=1, max_attempts__lte=F("attempts") * 2)
+
+
 def _work_indexes(prefix: str, done: str, scope: tuple[str, ...] = ()) -> list[models.Index]:
     """The partial indexes every work table needs; ``claim.sql`` repeats their predicates.
 
     Names are ``<prefix>_ready`` etc. (Django caps index names at 30 characters).
     """
     undone = Q(**{f"{done}__isnull": True})
-    live_head = undone & Q(dead_lettered_at__isnull=True, stream_head=True)
     return [
         # Rows claimable right now: a scan of this index is the claim (priority, then FIFO).
         models.Index(
-            fields=["-priority", "seq"],
-            name=f"{prefix}_ready",
-            condition=live_head & Q(instance_id__isnull=True, scheduled_for__isnull=True),
+            fields=["-priority", "seq"], name=f"{prefix}_ready", condition=ready_condition(done)
         ),
         # Rows waiting for a time: a lease to expire or a retry/deferral to fall due.
         models.Index(
             Coalesce("lease_expiry", "scheduled_for"),
             name=f"{prefix}_timer",
-            condition=live_head & (Q(instance_id__isnull=False) | Q(scheduled_for__isnull=False)),
+            condition=timer_condition(done),
         ),
         # Rows held by an instance (eviction, deregistration, admin).
         models.Index(
@@ -104,9 +139,18 @@ def _work_indexes(prefix: str, done: str, scope: tuple[str, ...] = ()) -> list[m
         ),
         # Dead rows (admin, status).
         models.Index(
-            fields=["dead_lettered_at"],
-            name=f"{prefix}_dead",
-            condition=undone & Q(dead_lettered_at__isnull=False),
+            fields=["dead_lettered_at"], name=f"{prefix}_dead", condition=dead_condition(done)
+        ),
+        # The admin's state and stuck filters and the status counts (docs/admin.md). Each
+        # holds rows in a rare state only, which a claim or renewal never writes, so the
+        # hot path does not maintain them: orphaned by an eviction, waiting unleased for
+        # a retry or deferral, and past half their attempts.
+        models.Index(fields=["seq"], name=f"{prefix}_orphan", condition=orphan_condition(done)),
+        models.Index(
+            fields=["scheduled_for"], name=f"{prefix}_waiting", condition=waiting_condition(done)
+        ),
+        models.Index(
+            fields=["seq"], name=f"{prefix}_retried", condition=attempts_high_condition(done)
         ),
     ]
 

@@ -29,6 +29,8 @@ QUERIES = "status.sql"
 BLOCKED_STREAMS_LIMIT = 50
 DEAD_ROWS_LIMIT = 20
 TOMBSTONES_LIMIT = 20
+# Done rows are counted exactly up to here; past it their count is an estimate.
+EXACT_COUNT_LIMIT = 10_000
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class CategoryStatus:
     category: str
     counts: dict[str, int]  # every state in STATES, zeros included
     oldest_pending_age_seconds: float | None  # None: nothing pending or orphaned
+    # States whose count is the planner's estimate, not a count (done, past the limit)
+    estimated: tuple[WorkState, ...] = ()
 
     @property
     def total(self) -> int:
@@ -183,13 +187,18 @@ def schema_ready(*, using: str | None = None) -> bool:
 
 
 def state_counts(*, now: datetime | None = None, using: str | None = None) -> StateCounts:
-    """Count rows per category x state (one query) with each category's oldest waiting age."""
-    rows = db.fetch_named(
-        QUERIES,
-        "state_counts",
-        {"now": now, "categories": list(CATEGORIES), "states": list(STATES)},
-        using=using,
-    )
+    """Count rows per category x state (one query) with each category's oldest waiting age.
+
+    Undone rows are counted exactly; done rows past ``EXACT_COUNT_LIMIT`` are estimated
+    (``CategoryStatus.estimated``), so the report never reads every row of a table.
+    """
+    params = {
+        "now": now,
+        "categories": list(CATEGORIES),
+        "states": list(STATES),
+        "exact_limit": EXACT_COUNT_LIMIT,
+    }
+    rows = db.fetch_named(QUERIES, "state_counts", params, using=using)
     categories = []
     for category in CATEGORIES:
         mine = [row for row in rows if row["category"] == category]
@@ -203,6 +212,7 @@ def state_counts(*, now: datetime | None = None, using: str | None = None) -> St
                 category=category,
                 counts={WorkState(row["state"]): int(row["count"]) for row in mine},
                 oldest_pending_age_seconds=max(ages) if ages else None,
+                estimated=tuple(WorkState(row["state"]) for row in mine if row["estimated"]),
             )
         )
     return StateCounts(taken_at=rows[0]["now"], categories=categories)
@@ -320,6 +330,7 @@ def as_json(report: StatusReport) -> dict[str, Any]:
                 "counts": dict(c.counts),
                 "total": c.total,
                 "oldest_pending_age_seconds": c.oldest_pending_age_seconds,
+                "estimated": list(c.estimated),
             }
             for c in report.categories
         },

@@ -396,6 +396,7 @@ def test_an_empty_system_reports_zeros_and_empty_lists():
         "counts": dict.fromkeys(STATES, 0),
         "total": 0,
         "oldest_pending_age_seconds": None,
+        "estimated": [],
     }
     assert data["blocked_streams"] == {"total": 0, "streams": []}
     assert data["dead_rows"] == data["instances"] == data["tombstones"] == data["periodic"] == []

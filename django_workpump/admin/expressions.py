@@ -32,7 +32,16 @@ from django.db.models.functions import Cast, Coalesce, Concat, Left
 
 from django_workpump.categories import category
 from django_workpump.conf import get_settings
-from django_workpump.models import Eviction, ServiceInstance
+from django_workpump.models import (
+    Eviction,
+    ServiceInstance,
+    attempts_high_condition,
+    dead_condition,
+    orphan_condition,
+    ready_condition,
+    timer_condition,
+    waiting_condition,
+)
 from django_workpump.sql import named_queries
 from django_workpump.states import WorkState
 
@@ -207,6 +216,58 @@ def stuck_condition(spec: WorkSpec) -> Q:
         | Q(wp_state=WorkState.ORPHANED)
         | (Q(attempts__gt=1) & Q(max_attempts__lte=F("attempts") * 2))
         | Q(wp_blocked=True)
+    )
+
+
+def state_condition(spec: WorkSpec, state: str) -> Q:
+    """Rows in ``state``: ``workpump.state_of`` spelled as column conditions.
+
+    The same rows as ``wp_state = state`` (tests/test_admin.py compares them), written so
+    each arm of the condition implies the predicate of a partial index of the table
+    (models.py): the planner reads the rows of a state through its indexes instead of
+    evaluating ``state_of`` over every row.
+    """
+    done = spec.done_field
+    live = Q(**{f"{done}__isnull": True}, dead_lettered_at__isnull=True)
+    unheld = live & Q(instance_id__isnull=True, claimed_at__isnull=True)
+    now = DbNow()
+    if state == WorkState.DONE:
+        return Q(**{f"{done}__isnull": False})  # the _done index
+    if state == WorkState.DEAD:
+        return dead_condition(done)
+    if state == WorkState.LEASED:
+        return live & Q(instance_id__isnull=False, lease_expiry__gt=now)  # _held
+    if state == WorkState.ORPHANED:
+        expired = live & Q(instance_id__isnull=False, lease_expiry__lte=now)  # _held
+        return expired | orphan_condition(done)
+    if state == WorkState.SCHEDULED:
+        return waiting_condition(done) & unheld & Q(scheduled_for__gt=now)
+    if state == WorkState.PENDING:
+        due = Q(scheduled_for__isnull=True) | Q(scheduled_for__lte=now)
+        # Every live row is a stream head (the _ready and _timer indexes) or waits behind
+        # one in an ordered stream (the _stream index).
+        behind_head = live & Q(stream_head=False, stream__isnull=False) & due
+        return unheld & (
+            ready_condition(done)
+            | (timer_condition(done) & Q(scheduled_for__lte=now))
+            | behind_head
+        )
+    raise ValueError(f"Unknown work state {state!r}; states are {', '.join(WorkState)}.")
+
+
+def stuck_candidates(spec: WorkSpec) -> Q:
+    """A superset of the stuck rows that the table's partial indexes serve.
+
+    Held (_held), orphaned by an eviction (_orphan), past half their attempts (_retried),
+    or behind a stream head (_stream): ``stuck_condition`` then decides among these only.
+    """
+    done = spec.done_field
+    live = Q(**{f"{done}__isnull": True}, dead_lettered_at__isnull=True)
+    return live & (
+        Q(instance_id__isnull=False)
+        | orphan_condition(done)
+        | attempts_high_condition(done)
+        | Q(stream_head=False, stream__isnull=False)
     )
 
 

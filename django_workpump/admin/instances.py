@@ -265,7 +265,12 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
                     "label": model._meta.verbose_name_plural,
                     "url": changelist_url(model),
                     "counts": [
-                        (state, category.counts[state], changelist_url(model, state=state))
+                        (
+                            state,
+                            category.counts[state],
+                            changelist_url(model, state=state),
+                            state in category.estimated,
+                        )
                         for state in status.STATES
                     ],
                     "total": category.total,
@@ -292,6 +297,7 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
         context = {
             **self.admin_site.each_context(request),
             "title": "Work pump summary",
+            "exact_limit": f"{status.EXACT_COUNT_LIMIT:,}",
             "subtitle": None,
             "opts": self.model._meta,
             "app_label": self.model._meta.app_label,

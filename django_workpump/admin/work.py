@@ -12,7 +12,7 @@ from django.contrib.admin.utils import model_ngettext
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import ValidationError
 from django.db.models import F, Q, QuerySet, TextField
-from django.db.models.functions import Cast
+from django.db.models.functions import Cast, Coalesce
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -27,11 +27,20 @@ from django_workpump.admin.expressions import (
     NOT_LIVE_HOLDERS,
     WorkSpec,
     annotate_work,
+    state_condition,
     state_of,
+    stuck_candidates,
 )
+from django_workpump.admin.pagination import EstimatingPaginator
 from django_workpump.admin.perms import has_model_permission
 from django_workpump.conf import get_settings
-from django_workpump.models import ServiceInstance
+from django_workpump.models import (
+    ServiceInstance,
+    dead_condition,
+    ready_condition,
+    timer_condition,
+)
+from django_workpump.registry import registry
 from django_workpump.states import WorkState
 from django_workpump.status import STATES
 
@@ -43,8 +52,20 @@ NEIGHBOURS = 5  # rows shown on each side of a row of an ordered stream
 STUCK = "stuck"
 
 
-class StateFilter(admin.SimpleListFilter):
-    """The state of ``workpump.state_of``, plus ``stuck`` (see ``stuck_condition``)."""
+class WorkFilter(admin.SimpleListFilter):
+    """A filter of a work changelist, which knows the table's ``WorkSpec``."""
+
+    def __init__(self, request: HttpRequest, params: Any, model: Any, model_admin: Any) -> None:
+        self.spec: WorkSpec = model_admin.spec
+        super().__init__(request, params, model, model_admin)
+
+
+class StateFilter(WorkFilter):
+    """The state of ``workpump.state_of``, plus ``stuck`` (see ``stuck_condition``).
+
+    Each choice filters through the table's partial indexes (``state_condition``,
+    ``stuck_candidates``), so its page costs the rows it selects, not the table.
+    """
 
     title = "state"
     parameter_name = "state"
@@ -55,10 +76,60 @@ class StateFilter(admin.SimpleListFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
         if value == STUCK:
-            return queryset.filter(wp_stuck=True)
+            return queryset.filter(stuck_candidates(self.spec), wp_stuck=True)
         if value in STATES:
-            return queryset.filter(wp_state=value)
+            return queryset.filter(state_condition(self.spec, value))
         return queryset
+
+
+class TopicFilter(WorkFilter):
+    """The topic (destination, handler, perspective or receptor name) of a row.
+
+    Its choices are the topics of the registered handlers and of a bounded sample of the
+    rows that need attention (claimable, waiting for a time, dead), each read through its
+    partial index: never a DISTINCT over the whole table, which holds mostly done rows.
+    The parameter is the topic column's name (``?destination=...``), as before.
+    """
+
+    title = "topic"
+    parameter_name = "topic"  # replaced by the column's name in ``for_spec``
+
+    @classmethod
+    def for_spec(cls, spec: WorkSpec) -> type[TopicFilter]:
+        """This filter with the parameter named after ``spec``'s topic column."""
+        return type(f"TopicFilter_{spec.category}", (cls,), {"parameter_name": spec.topic_field})
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        topics = set(topic_choices(model_admin.model, self.spec))
+        if self.value():
+            topics.add(str(self.value()))
+        return [(topic, topic) for topic in sorted(topics)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        return queryset.filter(**{self.spec.topic_field: value})
+
+
+# Rows read from each index of rows that need attention for the topic filter's choices.
+TOPIC_SAMPLE_ROWS = 500
+
+
+def topic_choices(model: Any, spec: WorkSpec) -> list[str]:
+    """Registered topics of ``spec``'s category and those of rows that need attention.
+
+    One query: the first rows of the _ready, _timer and _dead indexes, in index order.
+    """
+    registered = {handler.topic for handler in registry.handlers(spec.category)}
+    done, topic = spec.done_field, spec.topic_field
+    rows = model._default_manager.order_by()
+    ready = rows.filter(ready_condition(done)).order_by("-priority", "seq")
+    timer = rows.filter(timer_condition(done)).order_by(Coalesce("lease_expiry", "scheduled_for"))
+    dead = rows.filter(dead_condition(done)).order_by("dead_lettered_at")
+    samples = [qs.values_list(topic, flat=True)[:TOPIC_SAMPLE_ROWS] for qs in (ready, timer, dead)]
+    found = samples[0].union(*samples[1:], all=True)
+    return sorted(registered | set(found))
 
 
 class OwnerFilter(admin.SimpleListFilter):
@@ -84,7 +155,8 @@ class OwnerFilter(admin.SimpleListFilter):
         if value == self.NONE:
             return queryset.filter(instance_id__isnull=True)
         if value == self.NOT_LIVE:
-            return queryset.filter(wp_holder__in=NOT_LIVE_HOLDERS)
+            # Held rows only (the _held index), then the liveness rule on those.
+            return queryset.filter(instance_id__isnull=False, wp_holder__in=NOT_LIVE_HOLDERS)
         try:
             return queryset.filter(instance_id=value)
         except ValidationError:
@@ -92,11 +164,18 @@ class OwnerFilter(admin.SimpleListFilter):
 
 
 class WorkChangeList(ChangeList):
-    """The changelist never loads payloads, results or full errors."""
+    """The changelist never loads payloads, results or full errors, and counts its rows
+    exactly only up to ``EXACT_COUNT_LIMIT`` (``EstimatingPaginator``)."""
+
+    result_count_estimated = False  # the page says "about N"
 
     def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
         queryset = super().get_queryset(request, exclude_parameters)
         return queryset.defer(*cast("WorkAdmin", self.model_admin).heavy_fields)
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        self.result_count_estimated = getattr(self.paginator, "estimated", False)
 
 
 class WorkAdmin(admin.ModelAdmin):
@@ -105,6 +184,7 @@ class WorkAdmin(admin.ModelAdmin):
     spec: WorkSpec
     list_per_page = 50
     show_full_result_count = False  # a filtered page runs no extra count of the whole table
+    paginator = EstimatingPaginator  # no exact count past EXACT_COUNT_LIMIT rows
     empty_value_display = display.DASH
     actions = ["retry_now", "release_lease", "force_release_lease", "dead_letter", "requeue_dead"]
     list_display_links = ["work_id"]
@@ -176,7 +256,7 @@ class WorkAdmin(admin.ModelAdmin):
             return None
 
     def get_list_filter(self, request: HttpRequest) -> list[Any]:
-        return [StateFilter, self.spec.topic_field, OwnerFilter]
+        return [StateFilter, TopicFilter.for_spec(self.spec), OwnerFilter]
 
     def get_search_fields(self, request: HttpRequest) -> list[str]:
         return [f"={self.spec.key_field}", self.spec.topic_field, "stream"]

@@ -4,44 +4,112 @@
 
 -- name: state_counts
 -- One row per category x state, zeros included, with the age of the oldest row in each
--- (category, state) and the clock the report was taken with.
+-- (category, state) but done, and the clock the report was taken with. Undone rows are
+-- counted exactly through the partial indexes; done rows, most of a large table, are
+-- counted up to %(exact_limit)s and past it estimated from pg_class.reltuples (estimated
+-- is true on those rows). Neither reads every row of a table.
 WITH clock AS (
     -- the one "now" of this report
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
-), work AS (
-    -- every work row of the four tables, reduced to category, state and creation time
+), undone AS (
+    -- undone rows of the four tables with their state; the arms of each WHERE name the
+    -- rows of one partial index (_dead, _ready, _timer, _stream): every undone row is
+    -- dead, a live stream head, or waits behind one
     SELECT 'outbox' AS category, t.created_at,
            workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
                              t.claimed_at, t.scheduled_for, c.now) AS state
     FROM workpump_outbox t CROSS JOIN clock c
+    WHERE t.processed_at IS NULL
+      AND (t.dead_lettered_at IS NOT NULL
+           OR (t.dead_lettered_at IS NULL AND t.stream_head AND t.instance_id IS NULL
+               AND t.scheduled_for IS NULL)
+           OR (t.dead_lettered_at IS NULL AND t.stream_head
+               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL))
+           OR (t.dead_lettered_at IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
     UNION ALL
-    SELECT 'inbox', t.created_at,
+    SELECT 'inbox' AS category, t.created_at,
            workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now)
+                             t.claimed_at, t.scheduled_for, c.now) AS state
     FROM workpump_inbox t CROSS JOIN clock c
+    WHERE t.processed_at IS NULL
+      AND (t.dead_lettered_at IS NOT NULL
+           OR (t.dead_lettered_at IS NULL AND t.stream_head AND t.instance_id IS NULL
+               AND t.scheduled_for IS NULL)
+           OR (t.dead_lettered_at IS NULL AND t.stream_head
+               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL))
+           OR (t.dead_lettered_at IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
     UNION ALL
-    SELECT 'perspective_event', t.created_at,
+    SELECT 'perspective_event' AS category, t.created_at,
            workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now)
+                             t.claimed_at, t.scheduled_for, c.now) AS state
     FROM workpump_perspective_event t CROSS JOIN clock c
+    WHERE t.processed_at IS NULL
+      AND (t.dead_lettered_at IS NOT NULL
+           OR (t.dead_lettered_at IS NULL AND t.stream_head AND t.instance_id IS NULL
+               AND t.scheduled_for IS NULL)
+           OR (t.dead_lettered_at IS NULL AND t.stream_head
+               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL))
+           OR (t.dead_lettered_at IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
     UNION ALL
-    SELECT 'receptor', t.created_at,
+    SELECT 'receptor' AS category, t.created_at,
            workpump.state_of(t.completed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now)
+                             t.claimed_at, t.scheduled_for, c.now) AS state
     FROM workpump_receptor_processing t CROSS JOIN clock c
+    WHERE t.completed_at IS NULL
+      AND (t.dead_lettered_at IS NOT NULL
+           OR (t.dead_lettered_at IS NULL AND t.stream_head AND t.instance_id IS NULL
+               AND t.scheduled_for IS NULL)
+           OR (t.dead_lettered_at IS NULL AND t.stream_head
+               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL))
+           OR (t.dead_lettered_at IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
 ), counted AS (
-    -- one group per (category, state) that has rows
-    SELECT w.category, w.state, count(*) AS count, min(w.created_at) AS oldest_created_at
-    FROM work w
-    GROUP BY w.category, w.state
+    -- one group per (category, state) that has undone rows
+    SELECT u.category, u.state, count(*) AS count, min(u.created_at) AS oldest_created_at,
+           false AS estimated
+    FROM undone u
+    GROUP BY u.category, u.state
+), done_capped AS (
+    -- done rows per table, counted no further than one past the exact limit, in the
+    -- order of the _done index (a bounded read of it, whatever the table holds)
+    SELECT 'outbox' AS category, 'workpump_outbox'::regclass AS rel,
+           (SELECT count(*) FROM (SELECT FROM workpump_outbox t WHERE t.processed_at IS NOT NULL
+                                  ORDER BY t.processed_at LIMIT %(exact_limit)s + 1) d) AS capped
+    UNION ALL
+    SELECT 'inbox', 'workpump_inbox'::regclass,
+           (SELECT count(*) FROM (SELECT FROM workpump_inbox t WHERE t.processed_at IS NOT NULL
+                                  ORDER BY t.processed_at LIMIT %(exact_limit)s + 1) d)
+    UNION ALL
+    SELECT 'perspective_event', 'workpump_perspective_event'::regclass,
+           (SELECT count(*) FROM (SELECT FROM workpump_perspective_event t WHERE t.processed_at IS NOT NULL
+                                  ORDER BY t.processed_at LIMIT %(exact_limit)s + 1) d)
+    UNION ALL
+    SELECT 'receptor', 'workpump_receptor_processing'::regclass,
+           (SELECT count(*) FROM (SELECT FROM workpump_receptor_processing t WHERE t.completed_at IS NOT NULL
+                                  ORDER BY t.completed_at LIMIT %(exact_limit)s + 1) d)
+), done AS (
+    -- exact up to the limit; past it the table's estimated rows less its undone rows
+    SELECT d.category, 'done' AS state,
+           CASE WHEN d.capped <= %(exact_limit)s THEN d.capped
+                ELSE greatest(d.capped,
+                              p.reltuples::bigint
+                              - (SELECT coalesce(sum(n.count), 0) FROM counted n
+                                 WHERE n.category = d.category)::bigint)
+           END AS count,
+           NULL::timestamptz AS oldest_created_at,
+           d.capped > %(exact_limit)s AS estimated
+    FROM done_capped d JOIN pg_class p ON p.oid = d.rel
+), every AS (
+    SELECT * FROM counted
+    UNION ALL
+    SELECT * FROM done
 )
 SELECT k.category, s.state, coalesce(n.count, 0) AS count,
        extract(epoch FROM c.now - n.oldest_created_at)::double precision AS oldest_age_seconds,
-       c.now
+       coalesce(n.estimated, false) AS estimated, c.now
 FROM clock c
 CROSS JOIN unnest(%(categories)s::text[]) WITH ORDINALITY AS k(category, k_order)
 CROSS JOIN unnest(%(states)s::text[]) WITH ORDINALITY AS s(state, s_order)
-LEFT JOIN counted n ON n.category = k.category AND n.state = s.state
+LEFT JOIN every n ON n.category = k.category AND n.state = s.state
 ORDER BY k.k_order, s.s_order
 
 -- name: blocked_streams
@@ -59,7 +127,8 @@ WITH clock AS (
             WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq) AS waiting
     FROM workpump_outbox h CROSS JOIN clock c
     WHERE h.stream_head AND h.stream IS NOT NULL AND h.processed_at IS NULL
-      AND (h.dead_lettered_at IS NOT NULL OR h.scheduled_for > c.now)
+      AND (h.dead_lettered_at IS NOT NULL
+           OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
     UNION ALL
     SELECT 'inbox', '', h.stream, h.message_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
@@ -69,7 +138,8 @@ WITH clock AS (
             WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq)
     FROM workpump_inbox h CROSS JOIN clock c
     WHERE h.stream_head AND h.stream IS NOT NULL AND h.processed_at IS NULL
-      AND (h.dead_lettered_at IS NOT NULL OR h.scheduled_for > c.now)
+      AND (h.dead_lettered_at IS NOT NULL
+           OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
     UNION ALL
     SELECT 'perspective_event', h.perspective_name, h.stream, h.event_work_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
@@ -80,7 +150,8 @@ WITH clock AS (
               AND n.processed_at IS NULL AND n.seq > h.seq)
     FROM workpump_perspective_event h CROSS JOIN clock c
     WHERE h.stream_head AND h.stream IS NOT NULL AND h.processed_at IS NULL
-      AND (h.dead_lettered_at IS NOT NULL OR h.scheduled_for > c.now)
+      AND (h.dead_lettered_at IS NOT NULL
+           OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
     UNION ALL
     SELECT 'receptor', h.receptor_name, h.stream, h.id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
@@ -91,7 +162,8 @@ WITH clock AS (
               AND n.completed_at IS NULL AND n.seq > h.seq)
     FROM workpump_receptor_processing h CROSS JOIN clock c
     WHERE h.stream_head AND h.stream IS NOT NULL AND h.completed_at IS NULL
-      AND (h.dead_lettered_at IS NOT NULL OR h.scheduled_for > c.now)
+      AND (h.dead_lettered_at IS NOT NULL
+           OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
 ), blocked AS (
     -- dead, or scheduled after an attempt (a retry wait); a deferred first attempt is the
     -- producer's choice, not a blockage
@@ -227,26 +299,39 @@ WITH clock AS (
              ELSE '["outbox", "inbox", "perspective_event", "receptor"]' END) c(category)
     WHERE jsonb_typeof(l.metadata -> 'topics') IS DISTINCT FROM 'object'
 ), waiting AS (
-    -- undone rows, not dead, that no unexpired lease holds, by topic
+    -- undone rows, not dead, that no unexpired lease holds, by topic; each arm names the
+    -- rows of one partial index (_ready, _timer, _held, _stream)
     SELECT 'outbox' AS category, t.destination AS topic, t.created_at
     FROM workpump_outbox t, clock c
     WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
-      AND (t.instance_id IS NULL OR t.lease_expiry <= c.now)
+      AND ((t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NULL)
+           OR (t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NOT NULL)
+           OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now)
+           OR (t.instance_id IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
     UNION ALL
     SELECT 'inbox', t.handler_name, t.created_at
     FROM workpump_inbox t, clock c
     WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
-      AND (t.instance_id IS NULL OR t.lease_expiry <= c.now)
+      AND ((t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NULL)
+           OR (t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NOT NULL)
+           OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now)
+           OR (t.instance_id IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
     UNION ALL
     SELECT 'perspective_event', t.perspective_name, t.created_at
     FROM workpump_perspective_event t, clock c
     WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
-      AND (t.instance_id IS NULL OR t.lease_expiry <= c.now)
+      AND ((t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NULL)
+           OR (t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NOT NULL)
+           OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now)
+           OR (t.instance_id IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
     UNION ALL
     SELECT 'receptor', t.receptor_name, t.created_at
     FROM workpump_receptor_processing t, clock c
     WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
-      AND (t.instance_id IS NULL OR t.lease_expiry <= c.now)
+      AND ((t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NULL)
+           OR (t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NOT NULL)
+           OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now)
+           OR (t.instance_id IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
 )
 SELECT w.category, w.topic, count(*) AS rows,
        extract(epoch FROM max(c.now - w.created_at))::double precision AS oldest_age_seconds

@@ -99,19 +99,28 @@ def render_text(report: status.StatusReport) -> list[str]:
     rows = [
         [
             c.category,
-            *(str(c.counts[s]) for s in status.STATES),
-            str(c.total),
+            *(("~" if s in c.estimated else "") + str(c.counts[s]) for s in status.STATES),
+            ("~" if c.estimated else "") + str(c.total),
             _age(c.oldest_pending_age_seconds),
         ]
         for c in report.categories
     ]
+    estimated = {s for c in report.categories for s in c.estimated}
     totals = [
         "total",
-        *(str(sum(c.counts[s] for c in report.categories)) for s in status.STATES),
-        str(sum(c.total for c in report.categories)),
+        *(
+            ("~" if s in estimated else "") + str(sum(c.counts[s] for c in report.categories))
+            for s in status.STATES
+        ),
+        ("~" if estimated else "") + str(sum(c.total for c in report.categories)),
         "",
     ]
     lines += _table(headers, [*rows, totals])
+    if estimated:
+        lines.append(
+            f"~ estimated: past {status.EXACT_COUNT_LIMIT:,} done rows a table is not counted "
+            "row by row."
+        )
 
     lines += ["", f"blocked streams: {report.blocked_streams_total}"]
     if report.blocked_streams:

@@ -1,0 +1,206 @@
+"""The admin at many rows: each filter selects the same rows as ``workpump.state_of``
+and the stuck rule, through a partial index (EXPLAIN shows no sequential scan of the
+work table), and a changelist past ``EXACT_COUNT_LIMIT`` rows says "about N".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from typing import Any
+
+import pytest
+from django.contrib import admin
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test import Client, RequestFactory
+from django.test.utils import CaptureQueriesContext
+
+from django_workpump import models, status
+from django_workpump.admin import pagination
+from django_workpump.admin.expressions import (
+    WorkSpec,
+    annotate_work,
+    state_condition,
+    stuck_candidates,
+)
+from django_workpump.admin.work import STUCK, topic_choices
+from django_workpump.registry import Handler, Registry
+from django_workpump.sql import named_queries
+from django_workpump.states import WorkState
+from tests.conftest import run_sql
+from tests.test_admin import OUTBOX_CHANGELIST_QUERIES, OUTBOX_URL, World, secs
+
+pytestmark = pytest.mark.django_db
+
+SPEC = WorkSpec.of("outbox")
+BULK_DONE_ROWS = 20_000  # enough that the planner prefers an index to a scan
+
+
+@pytest.fixture
+def world(now: datetime) -> World:
+    world = World(now)
+    # Cases the admin's fixture lacks: a retry that fell due (pending), a deferred row
+    # behind a head (scheduled, not a head), a due row behind a head (pending).
+    world.add("due_retry", attempts=2, scheduled_for=now - secs(5))
+    world.add("deferred_behind", stream="s-ok", scheduled_for=now + secs(90))
+    world.add("due_behind", stream="s-ok", scheduled_for=now - secs(90))
+    world.add("attempts_high_pending", attempts=6)
+    return world
+
+
+@pytest.fixture
+def now() -> datetime:
+    return run_sql("SELECT now() AS now")[0]["now"]  # type: ignore[no-any-return]
+
+
+def rows_where(**kwargs: Any) -> set[int]:
+    queryset = annotate_work(models.Outbox.objects.all(), SPEC)
+    return set(queryset.filter(**kwargs).values_list("seq", flat=True))
+
+
+def rows_matching(condition: Any, **kwargs: Any) -> set[int]:
+    queryset = annotate_work(models.Outbox.objects.all(), SPEC)
+    return set(queryset.filter(condition, **kwargs).values_list("seq", flat=True))
+
+
+@pytest.mark.parametrize("state", list(WorkState))
+def test_each_state_condition_selects_the_rows_of_state_of(world: World, state: str) -> None:
+    expected = rows_where(wp_state=state)
+    assert expected, f"the fixture has no {state} row"
+    assert rows_matching(state_condition(SPEC, state)) == expected
+
+
+def test_the_stuck_candidates_hold_every_stuck_row(world: World) -> None:
+    stuck = rows_where(wp_stuck=True)
+    assert stuck
+    assert rows_matching(stuck_candidates(SPEC), wp_stuck=True) == stuck
+
+
+def test_topic_choices_are_registered_topics_and_those_of_rows_needing_attention(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handlers = Registry()
+    handlers.register(Handler("outbox", "registered.only", func=lambda message: None))
+    monkeypatch.setattr("django_workpump.admin.work.registry", handlers)
+    topics = set(topic_choices(models.Outbox, SPEC))
+    assert "registered.only" in topics
+    # pending, waiting for a time, leased and dead rows are listed; done rows are not
+    assert {"topic.pending", "topic.retry_head", "topic.leased_live", "topic.dead"} <= topics
+    assert "topic.done" not in topics
+
+
+def bulk_done(count: int) -> None:
+    """``count`` processed outbox rows, inserted by one statement, then ANALYZE."""
+    run_sql(
+        "INSERT INTO workpump_outbox (message_id, destination, payload, attempts, processed_at)"
+        " SELECT gen_random_uuid(), 'bulk.done', '{}'::jsonb, 1, now() - interval '1 hour'"
+        " FROM generate_series(1, %s)",
+        (count,),
+    )
+    run_sql("ANALYZE workpump_outbox")
+
+
+def changelist_queryset(params: dict[str, str]) -> Any:
+    request = RequestFactory().get(OUTBOX_URL, params)
+    request.user = User.objects.create_superuser(f"su{len(params)}{sorted(params)}", password="x")
+    model_admin = admin.site._registry[models.Outbox]
+    return model_admin.get_changelist_instance(request).queryset
+
+
+FILTERS = [
+    *({"state": state} for state in WorkState if state != WorkState.DONE),
+    {"state": STUCK},
+    {"owner": "not-live"},
+]
+
+
+@pytest.mark.parametrize("params", FILTERS, ids=lambda p: "=".join(*p.items()))
+def test_each_filter_reads_its_rows_through_an_index(world: World, params: dict[str, str]) -> None:
+    bulk_done(BULK_DONE_ROWS)
+    queryset = changelist_queryset(params)
+    for query in (queryset[:51], queryset.order_by().values("pk")):
+        plan = query.explain()
+        assert "Seq Scan on workpump_outbox" not in plan, plan
+        assert re.search(r"Index (Only )?Scan|Bitmap Index Scan", plan), plan
+
+
+def test_a_large_changelist_says_about_n_and_counts_no_further(
+    admin_client: Client, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with CaptureQueriesContext(connection) as queries:
+        html = admin_client.get(OUTBOX_URL).content.decode()
+    assert "about" not in html
+    exact_queries = len(queries)
+    assert exact_queries == OUTBOX_CHANGELIST_QUERIES
+
+    monkeypatch.setattr(pagination, "EXACT_COUNT_LIMIT", 5)
+    with CaptureQueriesContext(connection) as queries:
+        html = admin_client.get(OUTBOX_URL).content.decode()
+    assert re.search(r'class="wp-estimated"[^>]*>about \d+</span> outbox messages', html), html
+    # The capped count, then the planner's estimate (EXPLAIN) instead of a full count.
+    assert len(queries) == exact_queries + 1
+    assert any(q["sql"].startswith("EXPLAIN") for q in queries.captured_queries)
+
+    # A filter with fewer rows than the limit is counted exactly.
+    html = admin_client.get(OUTBOX_URL, {"state": "dead"}).content.decode()
+    assert "wp-estimated" not in html
+    assert "2 outbox messages" in html
+
+
+def test_the_estimate_is_never_below_the_rows_counted(world: World) -> None:
+    queryset = models.Outbox.objects.order_by("seq")
+    paginator = pagination.EstimatingPaginator(queryset, 50)
+    assert paginator.count == queryset.count()
+    assert not paginator.estimated
+    assert json.loads(queryset.explain(format="json"))[0]["Plan"]["Plan Rows"] >= 1
+
+
+# -- workpump_status at many rows ----------------------------------------------------------
+
+
+def status_plan(name: str, params: dict[str, Any]) -> str:
+    sql = named_queries(status.QUERIES)[name]
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN {sql}", params)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+STATUS_PARAMS = {
+    "now": None,
+    "categories": ["outbox", "inbox", "perspective_event", "receptor"],
+    "states": list(WorkState),
+    "exact_limit": status.EXACT_COUNT_LIMIT,
+    "limit": 50,
+    "stale_after_seconds": 20,
+    "definitively_dead_after_seconds": 120,
+}
+
+
+@pytest.mark.parametrize("name", ["state_counts", "blocked_streams", "unhandled_topics"])
+def test_status_queries_read_the_outbox_through_its_indexes(world: World, name: str) -> None:
+    bulk_done(BULK_DONE_ROWS)
+    plan = status_plan(name, STATUS_PARAMS)
+    assert "Seq Scan on workpump_outbox" not in plan, plan
+
+
+def test_done_rows_past_the_limit_are_estimated_and_labelled(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exact = status.state_counts().by_category()["outbox"]
+    assert exact.estimated == ()
+    assert exact.counts[WorkState.DONE] == 1
+
+    bulk_done(BULK_DONE_ROWS)
+    monkeypatch.setattr(status, "EXACT_COUNT_LIMIT", 100)
+    counted = status.state_counts().by_category()["outbox"]
+    assert counted.estimated == (WorkState.DONE,)
+    # reltuples after ANALYZE less the undone rows: close to the real count
+    assert abs(counted.counts[WorkState.DONE] - (BULK_DONE_ROWS + 1)) <= BULK_DONE_ROWS // 20
+    # every other state stays exact
+    assert {s: n for s, n in counted.counts.items() if s != WorkState.DONE} == {
+        s: n for s, n in exact.counts.items() if s != WorkState.DONE
+    }
+    data = status.as_json(status.collect())
+    assert data["categories"]["outbox"]["estimated"] == ["done"]
