@@ -11,7 +11,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workpump", "0013_functions_v9_static_claim"),
+        ("workpump", "0014_functions_v10_unique_keys_subscriptions"),
     ]
 
     operations = [
