@@ -502,6 +502,34 @@ def test_a_task_failing_every_attempt_is_failed_with_all_its_errors(pump, signal
 
 
 @pumped
+@pytest.mark.parametrize("kind", ["SystemExit", "KeyboardInterrupt", "Halt"])
+def test_a_task_raising_a_base_exception_fails_each_attempt_and_is_announced_failed_once(
+    pump, signals, kind
+):
+    result = task_funcs.raises_base_exception.enqueue(kind)
+    after = task_funcs.add.enqueue(1, b=2)
+    supervisor = pump(drain=True, concurrency=1)
+    assert drain(supervisor) == EXIT_OK
+
+    failed = task_funcs.raises_base_exception.get_result(result.id)
+    assert failed.status == TaskResultStatus.FAILED
+    assert failed.attempts == 2
+    path = "tests.task_funcs.Halt" if kind == "Halt" else f"builtins.{kind}"
+    assert [e.exception_class_path for e in failed.errors] == [path] * 2
+    stored = row(result.id)
+    assert stored.dead_lettered_at is not None
+    assert stored.instance_id is None
+    assert task_funcs.calls.count(("raises_base_exception", kind)) == 2
+    # Announced FAILED once, at the last attempt, and never run again after it.
+    assert [s for s in signals if s[0] == "finished" and s[1] == result.id] == [
+        ("finished", result.id, TaskResultStatus.FAILED, 2)
+    ]
+    # The one dispatch thread survived: the task after it ran.
+    assert task_funcs.add.get_result(after.id).status == TaskResultStatus.SUCCESSFUL
+    assert supervisor.dispatcher.stats.failed == 2
+
+
+@pumped
 @pytest.mark.parametrize("character", ["0", "d800"], ids=["nul", "lone-surrogate"])
 def test_a_task_raising_text_postgres_cannot_store_records_its_attempt_and_fails(pump, character):
     result = task_funcs.raises_unstorable_text.enqueue(character)

@@ -301,9 +301,11 @@ class Dispatcher:
                 outcome = (HandlerOutcome.DONE, self._call(handler, job))
         except LeaseLost as exc:
             outcome = (HandlerOutcome.LOST, str(exc))
-        except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
+        except BaseException as exc:  # noqa: BLE001 (a handler's exit ends its attempt only)
+            # SystemExit, KeyboardInterrupt and the like from a handler end its attempt,
+            # not this thread: re-raised, they would leave the row leased by no one.
+            if not isinstance(exc, Exception):
+                self._discard_loop()
             outcome = (HandlerOutcome.FAIL, (_describe(exc), FailureReason.HANDLER_ERROR))
         finally:
             close_old_connections()
@@ -369,6 +371,20 @@ class Dispatcher:
             self.coordinator.identity.instance_id,
             row.lease_token,
         )
+
+    def _discard_loop(self) -> None:
+        """Close this thread's event loop: a BaseException may have left it mid-run."""
+        loop = getattr(self._local, "loop", None)
+        if loop is None:
+            return
+        self._local.loop = None
+        try:
+            loop.close()
+        except Exception:
+            logger.exception(
+                "the event loop of a handler thread failed to close",
+                extra={"action": "event_loop_close_failed"},
+            )
 
     def _call(self, handler: Handler, job: _Job) -> str | None:
         work = self._work_for(job)
