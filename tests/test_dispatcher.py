@@ -221,3 +221,42 @@ def test_a_base_exception_from_a_handler_fails_its_attempt_and_the_thread_lives_
     assert dispatcher.stats.failed == 1
     assert dispatcher.in_flight == 0
     assert len(leases) == 0
+
+
+def test_a_graceful_stop_tells_running_handlers_releases_queued_rows_and_fails_stragglers():
+    coordinator = FakeCoordinator()
+    handler = Attempts()
+    handlers = Registry()
+    handlers.register(Handler("outbox", "orders.created", handler))
+    leases = LeaseRegistry()
+    dispatcher = Dispatcher(
+        coordinator, handlers, leases, concurrency=1, lease_grace_seconds=5, clock=FrozenClock()
+    )
+    running, queued = make_row(), make_row()
+    dispatcher.start()
+    try:
+        dispatcher.submit([running, queued])
+        assert handler.started[1].wait(WAIT)
+
+        dispatcher.stop_accepting()
+        work = handler.seen[1]
+        # Told at once; its lease stays live and renewable meanwhile.
+        assert work.cancelled is True
+        assert work.lease.cancel_reason is None
+        assert work.lease.can_renew()
+        assert dispatcher.fail_running(7) == 1
+        assert coordinator.wait_for_call("fail")
+        handler.release[1].set()  # it returns late; the queued row is released unstarted
+        assert coordinator.wait_for_call("release")
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        handler.release[1].set()
+        dispatcher.stop()
+
+    [(work_id, error, reason)] = coordinator.failed
+    assert (work_id, reason) == (running.work_id, "shutdown")
+    assert "7 s shutdown timeout" in error
+    assert coordinator.released == [queued.work_id]
+    assert coordinator.completed == []  # the late outcome was dropped
+    assert dispatcher.stats.started == 1
+    assert len(leases) == 0

@@ -373,9 +373,11 @@ class Supervisor:
         self.claim.join(5)
         self.dispatcher.stop_accepting()
         if not self.dispatcher.wait_idle(s["SHUTDOWN_TIMEOUT_SECONDS"]):
+            failed = self.dispatcher.fail_running(s["SHUTDOWN_TIMEOUT_SECONDS"])
             logger.warning(
-                "%d handlers still running after %s s: their rows are released by deregistration",
-                self.dispatcher.in_flight,
+                "%d handlers still running after %s s: their attempts are failed (reason "
+                "shutdown) and counted",
+                failed,
                 s["SHUTDOWN_TIMEOUT_SECONDS"],
                 extra={"action": "shutdown_timeout"},
             )
