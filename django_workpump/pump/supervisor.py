@@ -296,7 +296,13 @@ class Supervisor:
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
-        """Check the schema, register, and start every service thread."""
+        """Check the schema, register, and start every service thread.
+
+        A stop requested meanwhile (a signal during startup) starts no claiming; the
+        caller's ``shutdown()`` then releases whatever is held.
+        """
+        if self._stopping.is_set():
+            return
         if not self.coordinator.schema_ready():
             raise SchemaNotReady(MISSING_MIGRATIONS)
         if self.heartbeat.policy.enabled:
@@ -314,6 +320,8 @@ class Supervisor:
         self._launch(self.maintenance)
         if self.periodic is not None:
             self._launch(self.periodic)
+        if self._stopping.is_set():
+            return  # stopped while starting: claim nothing
         self._launch(self.claim)
         if self.options.drain:
             self._launch(
