@@ -211,6 +211,20 @@ def test_a_task_on_an_unknown_queue_is_refused_with_invalid_task():
 
 
 @db
+def test_empty_queues_accept_any_queue_name_and_pass_the_checks():
+    open_backend = {
+        "BACKEND": "django_workpump.tasks.WorkPumpBackend",
+        "QUEUES": [],
+        "OPTIONS": {"TASK_MODULES": ["tests.task_funcs"]},
+    }
+    with override_settings(TASKS={**TASKS, "open": open_backend}):
+        assert task_backends["open"].check() == []
+        result = task_funcs.add.using(backend="open", queue_name="anything").enqueue(1, b=2)
+        assert result.task.queue_name == "anything"
+        assert row(result.id).handler_name == "django.tasks:open:anything"
+
+
+@db
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "message"),
     [
@@ -295,7 +309,7 @@ def test_check_reports_bad_queues_and_options_with_ids_and_hints():
         "odd",
         {
             "BACKEND": "django_workpump.tasks.WorkPumpBackend",
-            "QUEUES": [],
+            "QUEUES": ["ok", ""],
             "OPTIONS": {"LEASE_SECONDS": 5, "MAX_ATTEMPTS": 0, "TASK_MODULES": "tests"},
         },
     )
@@ -307,8 +321,7 @@ def test_check_reports_bad_queues_and_options_with_ids_and_hints():
         "workpump.E106",
     ]
     assert messages[0].msg == (
-        "TASKS['odd']['QUEUES'] is empty: WorkPumpBackend runs only the queues it lists, "
-        "so no task could run."
+        "TASKS['odd']['QUEUES'] holds ''; a queue name must be a non-empty string."
     )
     assert messages[1].hint == (
         "LEASE_SECONDS applies to every runworkpump instance, not to one backend: "
