@@ -231,6 +231,10 @@ class Supervisor:
         # The services with a supervised thread, by name, in start order.
         self._services: dict[str, LoopService] = {}
         self._started = False
+        # The thread that called start() and the connections it had open then: shutdown
+        # closes only the ones the pump opened there, never its caller's (call_command).
+        self._start_thread: threading.Thread | None = None
+        self._caller_connections: set[str] = set()
 
     # -- wiring callbacks ----------------------------------------------------------
     def _slot_freed(self) -> None:
@@ -303,6 +307,10 @@ class Supervisor:
         """
         if self._stopping.is_set():
             return
+        self._start_thread = threading.current_thread()
+        self._caller_connections = {
+            c.alias for c in connections.all(initialized_only=True) if c.connection is not None
+        }
         if not self.coordinator.schema_ready():
             raise SchemaNotReady(MISSING_MIGRATIONS)
         if self.heartbeat.policy.enabled:
@@ -402,7 +410,7 @@ class Supervisor:
             self.gate.stop()
         for service in list(self._services.values()):
             service.join(5)
-        connections.close_all()
+        self._close_own_connections()
         logger.info(
             "workpump instance %s stopped (%s)",
             self.identity.instance_id,
@@ -410,6 +418,14 @@ class Supervisor:
             extra={"action": "stopped"},
         )
         return self.exit_code if self.exit_code is not None else EXIT_OK
+
+    def _close_own_connections(self) -> None:
+        """Close the connections start() opened in its thread; leave the caller's open."""
+        if threading.current_thread() is not self._start_thread:
+            return  # service threads close their own; this thread's are not the pump's
+        for connection in connections.all(initialized_only=True):
+            if connection.alias not in self._caller_connections:
+                connection.close()
 
     def _deregister(self, timeout: float) -> None:
         """Release this instance's rows and delete its row, giving up after ``timeout``."""
