@@ -74,6 +74,7 @@ class FailureReason(StrEnum):
     UNDECODABLE_PAYLOAD = "undecodable_payload"  # Python cannot decode the payload
     UNSTORABLE_OUTCOME = "unstorable_outcome"  # the database refused the outcome
     OPERATOR_RELEASED = "operator_released"  # an operator released the lease
+    SHUTDOWN = "shutdown"  # its handler still ran when a graceful stop timed out
     OPERATOR = "operator"  # dead-lettered by an operator who gave no reason
 
 

@@ -240,18 +240,21 @@ def pump_process() -> Iterator[Callable[..., subprocess.Popen[str]]]:
         *args: str,
         settings_module: str = "tests.settings",
         timings: dict[str, Any] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> subprocess.Popen[str]:
         env = {
             **os.environ,
             "DATABASE_URL": database_url(),
             "WORKPUMP_JSON": json.dumps(FAST_PROCESS if timings is None else timings),
             "PYTHONPATH": str(ROOT),
+            **(extra_env or {}),
         }
         command = ["runworkpump", f"--settings={settings_module}", *args]
         process = subprocess.Popen(
             [sys.executable, "-m", "django", *command],
             cwd=ROOT,
             env=env,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -86,6 +86,7 @@ class FakeCoordinator:
         self.renewal_tokens: list[uuid.UUID] = []  # every token sent to renew, in order
         self.completed: list[tuple[uuid.UUID, str | None]] = []  # (work id, result)
         self.released: list[uuid.UUID] = []
+        self.failed: list[tuple[uuid.UUID, str, str]] = []  # (work id, error, reason)
         self.dead_lettered: list[tuple[uuid.UUID, str]] = []  # (id, error)
         # (method, work id, lease token) of every outcome and release, in call order
         self.tokens: list[tuple[str, uuid.UUID, uuid.UUID]] = []
@@ -170,6 +171,7 @@ class FakeCoordinator:
         reasons: Sequence[str],
     ) -> list[Outcome]:
         with self._cond:
+            self.failed.extend(zip(ids, errors, reasons, strict=True))
             self.tokens.extend(("fail", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("fail")
         return [Outcome(work_id, "retry") for work_id in ids]

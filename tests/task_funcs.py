@@ -132,3 +132,21 @@ def on_slot(slot: str, label: str = "") -> str:
     """Run by a periodic schedule (tests/test_periodic_tasks.py): each slot once."""
     calls.append((label, slot))
     return slot
+
+
+class Halt(BaseException):
+    """A BaseException of the task's own, outside the Exception tree."""
+
+
+# What raises_base_exception raises, by name.
+BASE_EXCEPTIONS: dict[str, type[BaseException]] = {
+    "SystemExit": SystemExit,
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "Halt": Halt,
+}
+
+
+@task(max_attempts=2)
+def raises_base_exception(kind: str) -> None:
+    calls.append(("raises_base_exception", kind))
+    raise BASE_EXCEPTIONS[kind](f"raised by {kind}")

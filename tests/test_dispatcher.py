@@ -163,3 +163,100 @@ def test_every_outcome_and_release_names_the_lease_token_of_its_own_claim():
             ("release", unstarted.work_id, unstarted.lease_token),
         ]
     )
+
+
+class Halt(BaseException):
+    """A BaseException of the handler's own, outside the Exception tree."""
+
+
+BASE_EXCEPTIONS = [
+    pytest.param(SystemExit(3), "SystemExit: 3", id="SystemExit"),
+    pytest.param(KeyboardInterrupt(), "KeyboardInterrupt", id="KeyboardInterrupt"),
+    pytest.param(GeneratorExit(), "GeneratorExit", id="GeneratorExit"),
+    pytest.param(Halt("stop now"), "tests.test_dispatcher.Halt: stop now", id="custom"),
+]
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(("exc", "headline"), BASE_EXCEPTIONS)
+def test_a_base_exception_from_a_handler_fails_its_attempt_and_the_thread_lives_on(
+    exc, headline, is_async
+):
+    coordinator = FakeCoordinator()
+    handlers = Registry()
+    if is_async:
+
+        async def raising(work: Work) -> None:
+            raise exc
+
+        handlers.register(Handler("outbox", "raises", raising))
+    else:
+
+        def raising_sync(work: Work) -> None:
+            raise exc
+
+        handlers.register(Handler("outbox", "raises", raising_sync))
+    handlers.register(Handler("outbox", "ok", lambda work: "fine"))
+    leases = LeaseRegistry()
+    # One thread: the row after the raising one runs only if that thread survived.
+    dispatcher = Dispatcher(
+        coordinator, handlers, leases, concurrency=1, lease_grace_seconds=5, clock=FrozenClock()
+    )
+    raised = dataclasses.replace(make_row(), topic="raises")
+    after = dataclasses.replace(make_row(), topic="ok")
+    dispatcher.start()
+    try:
+        dispatcher.submit([raised, after])
+        assert dispatcher.wait_idle(WAIT)
+        assert coordinator.wait_for_call("fail")
+        assert coordinator.wait_for_call("complete")
+    finally:
+        dispatcher.stop()
+
+    [(work_id, error, reason)] = coordinator.failed
+    assert (work_id, reason) == (raised.work_id, "handler_error")
+    assert error.splitlines()[0] == headline
+    assert coordinator.completed == [(after.work_id, '"fine"')]
+    assert coordinator.released == []
+    assert dispatcher.stats.failed == 1
+    assert dispatcher.in_flight == 0
+    assert len(leases) == 0
+
+
+def test_a_graceful_stop_tells_running_handlers_releases_queued_rows_and_fails_stragglers():
+    coordinator = FakeCoordinator()
+    handler = Attempts()
+    handlers = Registry()
+    handlers.register(Handler("outbox", "orders.created", handler))
+    leases = LeaseRegistry()
+    dispatcher = Dispatcher(
+        coordinator, handlers, leases, concurrency=1, lease_grace_seconds=5, clock=FrozenClock()
+    )
+    running, queued = make_row(), make_row()
+    dispatcher.start()
+    try:
+        dispatcher.submit([running, queued])
+        assert handler.started[1].wait(WAIT)
+
+        dispatcher.stop_accepting()
+        work = handler.seen[1]
+        # Told at once; its lease stays live and renewable meanwhile.
+        assert work.cancelled is True
+        assert work.lease.cancel_reason is None
+        assert work.lease.can_renew()
+        assert dispatcher.fail_running(7) == 1
+        assert coordinator.wait_for_call("fail")
+        handler.release[1].set()  # it returns late; the queued row is released unstarted
+        assert coordinator.wait_for_call("release")
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        handler.release[1].set()
+        dispatcher.stop()
+
+    [(work_id, error, reason)] = coordinator.failed
+    assert (work_id, reason) == (running.work_id, "shutdown")
+    assert "7 s shutdown timeout" in error
+    assert coordinator.released == [queued.work_id]
+    assert coordinator.completed == []  # the late outcome was dropped
+    assert dispatcher.stats.started == 1
+    assert len(leases) == 0

@@ -235,3 +235,61 @@ def test_sigterm_lets_in_flight_handlers_finish_and_deregisters(executions, spaw
         scalar("SELECT count(*) FROM workpump_outbox WHERE processed_at IS NULL AND attempts > 0")
         == 0
     )
+
+
+def test_handlers_raising_base_exceptions_fail_their_attempts_and_drain_exits_zero(spawn):
+    import django_workpump as workpump
+
+    kinds = ["SystemExit", "KeyboardInterrupt", "Halt"]
+    ids = {kind: workpump.send("mp.raise", {"raise": kind}, max_attempts=2) for kind in kinds}
+    process = spawn("--drain", "--concurrency", "1", "--topics", "mp.raise")
+    output, _ = process.communicate(timeout=60)
+
+    # One dispatch thread ran all six attempts and the worker drained: none killed it.
+    assert process.returncode == 0, output
+    assert "drained: nothing left to claim (exit 0)" in output
+    rows = {
+        r["message_id"]: r
+        for r in run_sql(
+            "SELECT message_id, attempts, instance_id, failure_reason, last_error,"
+            " dead_lettered_at FROM workpump_outbox"
+        )
+    }
+    for kind, message_id in ids.items():
+        stored = rows[message_id]
+        assert stored["attempts"] == 2, (kind, stored)
+        assert stored["instance_id"] is None
+        assert stored["dead_lettered_at"] is not None
+        assert stored["failure_reason"] == "max_attempts"
+        assert kind in stored["last_error"].splitlines()[0]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_startup_stops_it_cleanly_and_deregisters(executions, pump_process, signum):
+    produce_backlog(streams=1, per_stream=1)
+    process = pump_process(timings=FAST, extra_env={"WORKPUMP_TEST_PAUSE_AFTER_REGISTERING": "1"})
+    assert process.stdout is not None and process.stdin is not None
+    # Registered, not yet claiming: the moment a deploy's stop can come.
+    assert process.stdout.readline().strip() == "paused after registering"
+    assert scalar("SELECT count(*) FROM workpump_service_instance") == 1
+
+    process.send_signal(signum)
+    process.stdin.write("go on\n")
+    process.stdin.flush()
+    output, _ = process.communicate(timeout=60)
+
+    assert process.returncode == 0, output
+    assert f"received {signal.Signals(signum).name}" in output
+    # Nothing ran, nothing is held, and the instance row is gone.
+    assert scalar("SELECT count(*) FROM mp_execution") == 0
+    assert scalar("SELECT count(*) FROM workpump_service_instance") == 0
+    assert undone() == 4
+    assert (
+        scalar(
+            "SELECT (SELECT count(*) FROM workpump_outbox WHERE instance_id IS NOT NULL)"
+            " + (SELECT count(*) FROM workpump_inbox WHERE instance_id IS NOT NULL)"
+            " + (SELECT count(*) FROM workpump_perspective_event WHERE instance_id IS NOT NULL)"
+            " + (SELECT count(*) FROM workpump_receptor_processing WHERE instance_id IS NOT NULL)"
+        )
+        == 0
+    )

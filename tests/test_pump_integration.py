@@ -423,3 +423,67 @@ def test_a_refusal_stops_the_pump_and_tells_every_running_handler_at_once():
     assert supervisor.wait(0)
     assert supervisor.exit_code == EXIT_EVICTED
     assert handle.cancel_reason == "lost"
+
+
+@override_settings(WORKPUMP={**FAST, "SHUTDOWN_TIMEOUT_SECONDS": 10})
+def test_a_graceful_stop_tells_running_handlers_at_once_and_they_finish_early(handlers, pump):
+    started = threading.Event()
+    seen_cancelled = threading.Event()
+
+    def cooperative(work: Any) -> str:
+        started.set()
+        stop = threading.Event()
+        for _ in range(500):  # up to 10 s: far past the test's wait below
+            if work.cancelled:
+                seen_cancelled.set()
+                return "stopped early"
+            stop.wait(0.02)
+        return "ran to the end"
+
+    handlers("outbox_handler", "it.cooperative", cooperative)
+    workpump.send("it.cooperative", {})
+    supervisor = pump()
+    assert started.wait(10)
+    stopper = threading.Thread(target=supervisor.shutdown)
+    stopper.start()
+    # Told at once, not at the 10 s shutdown timeout.
+    assert seen_cancelled.wait(3)
+    stopper.join(15)
+    assert not stopper.is_alive()
+    row = models.Outbox.objects.get()
+    assert (row.result, row.attempts) == ("stopped early", 1)
+    assert row.processed_at is not None
+
+
+@override_settings(WORKPUMP={**FAST, "SHUTDOWN_TIMEOUT_SECONDS": 1})
+def test_a_handler_outliving_every_shutdown_spends_its_attempts_and_is_dead_lettered(
+    handlers, pump
+):
+    started = threading.Semaphore(0)
+    finish = threading.Event()
+
+    def stubborn(work: Any) -> str:
+        started.release()
+        finish.wait(20)  # ignores work.cancelled
+        return "too late"
+
+    handlers("outbox_handler", "it.stubborn", stubborn)
+    stubborn_id = workpump.send("it.stubborn", {}, max_attempts=2)
+    try:
+        for attempt in (1, 2):
+            supervisor = pump(concurrency=1)
+            assert started.acquire(timeout=10)
+            assert supervisor.shutdown() == EXIT_OK
+            row = models.Outbox.objects.get(message_id=stubborn_id)
+            assert row.attempts == attempt
+            assert row.instance_id is None
+            if attempt == 1:
+                assert row.failure_reason == "shutdown"
+                assert row.dead_lettered_at is None
+                assert "shutdown timeout" in row.last_error
+    finally:
+        finish.set()
+    row = models.Outbox.objects.get(message_id=stubborn_id)
+    assert row.failure_reason == "max_attempts"
+    assert row.dead_lettered_at is not None
+    assert row.processed_at is None  # the late "too late" outcome was dropped

@@ -10,6 +10,7 @@ from io import StringIO
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
 from django.test import override_settings
 
 import django_workpump as workpump
@@ -68,6 +69,20 @@ def test_the_command_leaves_the_previous_signal_handlers_in_place():
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     call_command("runworkpump", "--drain", stdout=StringIO())
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_the_command_leaves_the_callers_connection_open(echo_handler):
+    workpump.send("cmd.echo", {"n": 1})
+    [before] = run_sql("SELECT pg_backend_pid() AS pid")
+
+    call_command("runworkpump", "--drain", stdout=StringIO())
+
+    # The same session, still usable: the command closed only what it opened.
+    assert connection.connection is not None
+    assert run_sql("SELECT pg_backend_pid() AS pid") == [before]
+    assert models.Outbox.objects.get().processed_at is not None
 
 
 @pytest.mark.django_db(transaction=True)

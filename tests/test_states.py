@@ -30,6 +30,7 @@ PYTHON_ONLY_REASONS = {
     FailureReason.NO_HANDLER,
     FailureReason.UNDECODABLE_PAYLOAD,
     FailureReason.UNSTORABLE_OUTCOME,
+    FailureReason.SHUTDOWN,
 }
 
 

@@ -211,6 +211,20 @@ def test_a_task_on_an_unknown_queue_is_refused_with_invalid_task():
 
 
 @db
+def test_empty_queues_accept_any_queue_name_and_pass_the_checks():
+    open_backend = {
+        "BACKEND": "django_workpump.tasks.WorkPumpBackend",
+        "QUEUES": [],
+        "OPTIONS": {"TASK_MODULES": ["tests.task_funcs"]},
+    }
+    with override_settings(TASKS={**TASKS, "open": open_backend}):
+        assert task_backends["open"].check() == []
+        result = task_funcs.add.using(backend="open", queue_name="anything").enqueue(1, b=2)
+        assert result.task.queue_name == "anything"
+        assert row(result.id).handler_name == "django.tasks:open:anything"
+
+
+@db
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "message"),
     [
@@ -295,7 +309,7 @@ def test_check_reports_bad_queues_and_options_with_ids_and_hints():
         "odd",
         {
             "BACKEND": "django_workpump.tasks.WorkPumpBackend",
-            "QUEUES": [],
+            "QUEUES": ["ok", ""],
             "OPTIONS": {"LEASE_SECONDS": 5, "MAX_ATTEMPTS": 0, "TASK_MODULES": "tests"},
         },
     )
@@ -307,8 +321,7 @@ def test_check_reports_bad_queues_and_options_with_ids_and_hints():
         "workpump.E106",
     ]
     assert messages[0].msg == (
-        "TASKS['odd']['QUEUES'] is empty: WorkPumpBackend runs only the queues it lists, "
-        "so no task could run."
+        "TASKS['odd']['QUEUES'] holds ''; a queue name must be a non-empty string."
     )
     assert messages[1].hint == (
         "LEASE_SECONDS applies to every runworkpump instance, not to one backend: "
@@ -499,6 +512,34 @@ def test_a_task_failing_every_attempt_is_failed_with_all_its_errors(pump, signal
     assert [s for s in signals if s[0] == "finished"] == [
         ("finished", result.id, TaskResultStatus.FAILED, 2)
     ]
+
+
+@pumped
+@pytest.mark.parametrize("kind", ["SystemExit", "KeyboardInterrupt", "Halt"])
+def test_a_task_raising_a_base_exception_fails_each_attempt_and_is_announced_failed_once(
+    pump, signals, kind
+):
+    result = task_funcs.raises_base_exception.enqueue(kind)
+    after = task_funcs.add.enqueue(1, b=2)
+    supervisor = pump(drain=True, concurrency=1)
+    assert drain(supervisor) == EXIT_OK
+
+    failed = task_funcs.raises_base_exception.get_result(result.id)
+    assert failed.status == TaskResultStatus.FAILED
+    assert failed.attempts == 2
+    path = "tests.task_funcs.Halt" if kind == "Halt" else f"builtins.{kind}"
+    assert [e.exception_class_path for e in failed.errors] == [path] * 2
+    stored = row(result.id)
+    assert stored.dead_lettered_at is not None
+    assert stored.instance_id is None
+    assert task_funcs.calls.count(("raises_base_exception", kind)) == 2
+    # Announced FAILED once, at the last attempt, and never run again after it.
+    assert [s for s in signals if s[0] == "finished" and s[1] == result.id] == [
+        ("finished", result.id, TaskResultStatus.FAILED, 2)
+    ]
+    # The one dispatch thread survived: the task after it ran.
+    assert task_funcs.add.get_result(after.id).status == TaskResultStatus.SUCCESSFUL
+    assert supervisor.dispatcher.stats.failed == 2
 
 
 @pumped

@@ -100,3 +100,19 @@ def test_a_task_in_flight_when_its_worker_is_killed_completes_on_another_worker(
     ]
     assert "took the task over" in done.errors[0].traceback
     assert done.started_at < done.last_attempted_at < done.finished_at
+
+
+def test_tasks_raising_base_exceptions_fail_and_a_drain_worker_exits_zero(spawn):
+    kinds = ["SystemExit", "KeyboardInterrupt", "Halt"]
+    results = {kind: task_funcs.raises_base_exception.enqueue(kind) for kind in kinds}
+    after = task_funcs.add.enqueue(2, b=3)
+
+    worker = spawn("--drain", "--concurrency", "1")
+    output, _ = worker.communicate(timeout=60)
+
+    assert worker.returncode == 0, output
+    for kind, result in results.items():
+        failed = task_funcs.raises_base_exception.get_result(result.id)
+        assert failed.status == TaskResultStatus.FAILED, kind
+        assert failed.attempts == 2, kind
+    assert task_funcs.add.get_result(after.id).return_value == 5

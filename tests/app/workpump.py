@@ -57,3 +57,20 @@ def mp_perspective(work: Any) -> None:
 @workpump.receptor("mp.receptor", events=["mp.event"])
 def mp_receptor(work: Any) -> None:
     _record(work)
+
+
+class Halt(BaseException):
+    """A BaseException of the handler's own, outside the Exception tree."""
+
+
+# What mp.raise raises, by the payload's "raise" key.
+RAISES: dict[str, type[BaseException]] = {
+    "SystemExit": SystemExit,
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "Halt": Halt,
+}
+
+
+@workpump.outbox_handler("mp.raise", max_attempts=2)
+def mp_raise(work: Any) -> None:
+    raise RAISES[work.payload["raise"]]("raised by mp.raise")

@@ -129,12 +129,13 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         # This thread registers the instance and waits for it: name its connection too.
         name_thread_connections(application_name(supervisor.identity.instance_id, "main"))
-        try:
-            supervisor.start()
-        except SchemaNotReady as exc:
-            raise CommandError(str(exc)) from None
+        # Before the start: a signal while it registers and claims stops it cleanly.
         previous = self._install_signal_handlers(supervisor)
         try:
+            try:
+                supervisor.start()
+            except SchemaNotReady as exc:
+                raise CommandError(str(exc)) from None
             self.stdout.write(self._startup_line(supervisor, alias))
             self.stdout.flush()
             interval = settings["STATUS_INTERVAL_SECONDS"]
