@@ -30,6 +30,7 @@ if not TASKS_AVAILABLE:
 
 from asgiref.sync import async_to_sync
 from django.apps import apps
+from django.core import checks
 from django.db import transaction
 from django.test import override_settings
 from django.utils import timezone
@@ -211,14 +212,16 @@ def test_a_task_on_an_unknown_queue_is_refused_with_invalid_task():
 
 
 @db
-def test_empty_queues_accept_any_queue_name_and_pass_the_checks():
+def test_empty_queues_accept_any_queue_name_and_warn_that_no_worker_runs_them():
     open_backend = {
         "BACKEND": "django_workpump.tasks.WorkPumpBackend",
         "QUEUES": [],
         "OPTIONS": {"TASK_MODULES": ["tests.task_funcs"]},
     }
     with override_settings(TASKS={**TASKS, "open": open_backend}):
-        assert task_backends["open"].check() == []
+        [warning] = task_backends["open"].check()
+        assert (warning.id, warning.level) == ("workpump.W101", checks.WARNING)
+        assert "stored and never run" in warning.msg
         result = task_funcs.add.using(backend="open", queue_name="anything").enqueue(1, b=2)
         assert result.task.queue_name == "anything"
         assert row(result.id).handler_name == "django.tasks:open:anything"
