@@ -18,6 +18,7 @@ Errors
     E011 ``DATABASE_ALIAS`` not in ``settings.DATABASES``.
     E012 ``DATABASE_ALIAS`` is not a PostgreSQL database.
     E013 ``LISTEN_DSN`` unusable.
+    E014 ``MIDDLEWARE`` names something that does not import or is not callable.
 Warnings
     W001 slow heartbeat faster than the fast one.
     W002 ``LEASE_SECONDS`` at most twice ``LEASE_GRACE_SECONDS``.
@@ -37,6 +38,7 @@ from typing import Any
 import psycopg
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Warning, register
+from django.utils.module_loading import import_string
 from psycopg.conninfo import conninfo_to_dict
 
 from django_workpump.conf import DEFAULTS, SETTINGS, Kind, Setting
@@ -204,12 +206,48 @@ def _check_dsn(setting: Setting, value: Any) -> list[CheckMessage]:
     return []
 
 
+def _check_dotted_paths(setting: Setting, value: Any) -> list[CheckMessage]:
+    """A list or tuple of dotted paths, each importing a callable."""
+    name = _name(setting.name)
+    if not isinstance(value, list | tuple) or not all(isinstance(p, str) for p in value):
+        return [
+            Error(
+                f"{name} ({value!r}) must be a list of dotted paths.",
+                hint="Set it to e.g. ['myapp.middleware.sentry_scope'], or [] for none.",
+                id="workpump.E003",
+            )
+        ]
+    errors: list[CheckMessage] = []
+    for path in value:
+        try:
+            found = import_string(path)
+        except ImportError as exc:
+            errors.append(
+                Error(
+                    f"{name} names {path!r}, which cannot be imported: {exc}.",
+                    hint="Fix the dotted path, or remove it from the list.",
+                    id="workpump.E014",
+                )
+            )
+            continue
+        if not callable(found):
+            errors.append(
+                Error(
+                    f"{name} names {path!r}, which is a {type(found).__name__}, not a callable.",
+                    hint="Name a function middleware(work, call_next).",
+                    id="workpump.E014",
+                )
+            )
+    return errors
+
+
 _KIND_CHECKS: dict[Kind, Callable[[Setting, Any], list[CheckMessage]]] = {
     "int": _check_int,
     "bool": _check_bool,
     "liveness_mode": _check_liveness_mode,
     "database_alias": _check_database_alias,
     "dsn": _check_dsn,
+    "dotted_paths": _check_dotted_paths,
 }
 
 

@@ -18,7 +18,7 @@ from django.dispatch import receiver
 # How a key is checked: "int" (at least ``minimum``; None too when ``optional``), "bool",
 # or a check of its own for the keys with one value set ("liveness_mode") or a
 # connection to name ("database_alias", "dsn").
-Kind = Literal["int", "bool", "liveness_mode", "database_alias", "dsn"]
+Kind = Literal["int", "bool", "liveness_mode", "database_alias", "dsn", "dotted_paths"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +297,16 @@ SETTINGS: tuple[Setting, ...] = (
         meaning=(
             "larger payloads (JSON text, UTF-8) are refused at produce time; passed to the "
             "SQL producers as `p_max_payload_bytes`"
+        ),
+    ),
+    # Handlers (docs/middleware.md).
+    Setting(
+        "MIDDLEWARE",
+        (),
+        "dotted_paths",
+        meaning=(
+            "dotted paths of callables `middleware(work, call_next)` wrapping every handler "
+            "call, the first outermost ([docs/middleware.md](docs/middleware.md))"
         ),
     ),
     # Periodic work (docs/periodic.md).

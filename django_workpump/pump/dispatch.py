@@ -15,12 +15,13 @@ outcome is dropped and an atomic handler's transaction rolls back.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -30,6 +31,8 @@ from django.db import close_old_connections, connections, transaction
 
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.db import ClaimedWork
+from django_workpump.middleware import Middleware
+from django_workpump.middleware import wrap as wrap_in_middleware
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
@@ -132,8 +135,10 @@ class Dispatcher:
         clock: Clock | None = None,
         on_slot_free: Callable[[], Any] | None = None,
         on_fatal: Callable[[str], Any] | None = None,
+        middleware: Sequence[Middleware] = (),
     ) -> None:
         self.coordinator = coordinator
+        self.middleware = tuple(middleware)  # wraps every handler call, the first outermost
         self.handlers = handlers
         self.leases = leases
         self.concurrency = concurrency
@@ -394,13 +399,12 @@ class Dispatcher:
 
     def _call(self, handler: Handler, job: _Job) -> str | None:
         work = self._work_for(job)
-        if handler.is_async:
+        result = wrap_in_middleware(handler.func, self.middleware)(work)
+        if inspect.isawaitable(result):  # an async handler, or an async middleware
             loop = getattr(self._local, "loop", None)
             if loop is None:
                 loop = self._local.loop = asyncio.new_event_loop()
-            result = loop.run_until_complete(handler.func(work))
-        else:
-            result = handler.func(work)
+            result = loop.run_until_complete(result)
 
         def warn(change: str) -> None:
             logger.warning(

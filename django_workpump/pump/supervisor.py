@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from django.db import connections
 
-from django_workpump import subscriptions
+from django_workpump import middleware, subscriptions
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.conf import (
     get_settings,
@@ -163,6 +163,7 @@ class Supervisor:
             clock=self.clock,
             on_slot_free=self._slot_freed,
             on_fatal=lambda reason: self.request_stop(reason, EXIT_TOO_MANY_ABANDONED),
+            middleware=middleware.load(s["MIDDLEWARE"]),
         )
         self.renewal = LeaseRenewalWorker(
             self.coordinator,
