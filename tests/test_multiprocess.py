@@ -167,7 +167,15 @@ def test_kill_9_moves_the_killed_instances_rows_to_the_survivor(executions, spaw
         row["work_id"]
         for row in run_sql("SELECT work_id FROM mp_execution GROUP BY work_id HAVING count(*) > 1")
     }
-    assert twice <= in_flight
+    unexplained = run_sql(
+        "SELECT work_id, category, stream, n, pid, attempt, started_at, finished_at"
+        " FROM mp_execution WHERE work_id = ANY(%s) ORDER BY work_id, started_at",
+        [list(twice - in_flight)],
+    )
+    assert twice <= in_flight, (
+        f"victim pid {victim.pid} killed at {killed_at}, survivor pid {survivor.pid}; "
+        f"executions of re-run rows the victim did not hold: {unexplained}"
+    )
     # Handlers the kill interrupted certainly lost their outcome: each ran again.
     interrupted = {
         row["work_id"]
