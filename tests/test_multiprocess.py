@@ -135,6 +135,19 @@ def test_kill_9_moves_the_killed_instances_rows_to_the_survivor(executions, spaw
     victim.send_signal(signal.SIGKILL)
     killed_at = scalar("SELECT clock_timestamp()")
     victim.wait(10)
+    # A statement the victim sent just before the kill (a handler recording its start)
+    # still commits on the server; its sessions end only after. Read what it left then.
+    assert wait_until(
+        lambda: (
+            scalar(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE application_name LIKE %s OR application_name = %s",
+                [f"workpump:{str(victim_id)[:8]}:%", f"workpump-{victim_id}"],
+            )
+            == 0
+        ),
+        timeout=10,
+    ), "the killed instance's database sessions did not end"
     # Rows whose outcome the kill lost: started by the victim and still leased to it (a
     # handler may have finished with its completion not yet flushed). Eviction has not
     # run yet: it waits for a probe to see the victim's lock missing, then the grace.
