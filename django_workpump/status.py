@@ -261,14 +261,25 @@ def instances(*, now: datetime | None = None, using: str | None = None) -> list[
 
 
 def unhandled_topics(
-    *, now: datetime | None = None, using: str | None = None
+    *,
+    now: datetime | None = None,
+    stale_after_seconds: int | None = None,
+    definitively_dead_after_seconds: int | None = None,
+    using: str | None = None,
 ) -> list[UnhandledTopic]:
-    """Return the topics with waiting rows that no live instance advertises it runs."""
+    """Return the topics with waiting rows that no live instance advertises it runs.
+
+    The liveness cutoffs default to the settings'.
+    """
     settings = get_settings()
     params = {
         "now": now,
-        "stale_after_seconds": settings["STALE_AFTER_SECONDS"],
-        "definitively_dead_after_seconds": settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+        "stale_after_seconds": settings["STALE_AFTER_SECONDS"]
+        if stale_after_seconds is None
+        else stale_after_seconds,
+        "definitively_dead_after_seconds": settings["DEFINITIVELY_DEAD_AFTER_SECONDS"]
+        if definitively_dead_after_seconds is None
+        else definitively_dead_after_seconds,
     }
     rows = db.fetch_named(QUERIES, "unhandled_topics", params, using=using)
     return [UnhandledTopic(**{**row, "rows": int(row["rows"])}) for row in rows]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import uuid
 from io import StringIO
@@ -28,6 +29,16 @@ FAST = {
 }
 
 
+def messages(output: str) -> list[str]:
+    """The messages of the command's text lines (``time level logger: message``)."""
+    found = []
+    for line in output.splitlines():
+        match = re.match(r"^\S+ \S+ [A-Z]+ django_workpump[\w.]*: (.*)$", line)
+        assert match, f"not a log line of the pump: {line!r}"
+        found.append(match.group(1))
+    return found
+
+
 @pytest.fixture
 def echo_handler():
     workpump.outbox_handler("cmd.echo")(lambda work: work.payload)
@@ -46,10 +57,11 @@ def test_drain_prints_a_startup_line_processes_everything_and_exits_zero(echo_ha
         "runworkpump", "--drain", "--concurrency", "2", "--service-name", "cmdtest", stdout=out
     )
 
-    lines = out.getvalue().splitlines()
+    lines = messages(out.getvalue())
     assert lines[0].startswith("workpump ")
     for part in (
         "started:",
+        "listener=up ",
         "service=cmdtest",
         "concurrency=2",
         "categories=outbox,inbox,perspective_event,receptor",
@@ -108,7 +120,7 @@ def test_topics_narrow_the_claim_to_the_named_handlers(echo_handler):
     finally:
         registry.unregister("outbox", "cmd.other")
 
-    assert "topics=1 " in out.getvalue().splitlines()[0]
+    assert "topics=1 " in messages(out.getvalue())[0]
     assert models.Outbox.objects.get(message_id=echo).processed_at is not None
     waiting = models.Outbox.objects.get(message_id=other)
     assert (waiting.attempts, waiting.instance_id, waiting.processed_at) == (0, None, None)
@@ -150,7 +162,7 @@ def test_a_status_line_is_printed_every_status_interval(echo_handler):
         call_command("runworkpump", "--drain", stdout=out)
     finally:
         registry.unregister("outbox", "cmd.slow")
-    status = [line for line in out.getvalue().splitlines() if line.startswith("workpump status:")]
+    status = [line for line in messages(out.getvalue()) if line.startswith("workpump status:")]
     assert status, out.getvalue()
     for part in (
         "claimed/s=",
@@ -169,13 +181,20 @@ def test_a_status_line_is_printed_every_status_interval(echo_handler):
 def test_json_log_format_writes_one_object_per_line(capsys, echo_handler):
     logger = logging.getLogger("django_workpump")
     handlers_before = list(logger.handlers)
+    out = StringIO()
 
-    call_command("runworkpump", "--drain", "--log-format", "json", stdout=StringIO())
+    call_command("runworkpump", "--drain", "--log-format", "json", stdout=out)
 
     assert logger.handlers == handlers_before  # the command removed what it added
-    entries = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
-    assert any(e.get("action") == "started" for e in entries)
-    assert all({"time", "level", "logger", "message"} <= e.keys() for e in entries)
+    assert capsys.readouterr().err == ""  # one stream: the command's stdout
+    entries = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [e["action"] for e in entries if e["action"] in ("started", "stopped")] == [
+        "started",
+        "stopped",
+    ]
+    assert all({"time", "level", "logger", "message", "action"} <= e.keys() for e in entries)
+    stopped = entries[-1]
+    assert stopped["workpump_exit_code"] == 0 and stopped["workpump_claimed"] == 0
 
 
 @pytest.mark.django_db
@@ -272,5 +291,7 @@ def test_with_a_root_handler_each_line_prints_once(pump_process):
     process = pump_process("--drain", settings_module="tests.settings_root_logging")
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 0, output
-    started = [line for line in output.splitlines() if "started" in line and "instance" in line]
-    assert len(started) == 1, output
+    lines = output.splitlines()
+    assert len([line for line in lines if "started:" in line]) == 1, output
+    assert len([line for line in lines if "stopped:" in line]) == 1, output
+    assert len(lines) == len(set(lines)), output

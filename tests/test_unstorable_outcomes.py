@@ -21,7 +21,7 @@ from django.test import override_settings
 import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
-from django_workpump.pump.dispatch import Dispatcher
+from django_workpump.pump.dispatch import Dispatcher, FailedAttempt
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from django_workpump.pump.supervisor import EXIT_OK
@@ -234,7 +234,9 @@ def test_a_failure_the_database_refuses_is_recorded_as_plain_ascii_and_the_batch
     dispatcher = make_dispatcher(coordinator)
     errors = ["plain error 0", "nul \x00 error", "lone \udfff error", "plain error 3"]
     for work_id, error in zip(ids, errors, strict=True):
-        dispatcher.failures.put(("outbox", work_id, tokens[work_id], error, "handler_error"))
+        dispatcher.failures.put(
+            FailedAttempt("outbox", work_id, tokens[work_id], error, "handler_error")
+        )
 
     assert dispatcher.failures.flush_once() == 4
 

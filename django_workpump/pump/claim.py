@@ -220,7 +220,8 @@ class ClaimWorker(LoopService):
             return ClaimResult(claimed=0, has_more=False, error=exc)
         if not self.startup_catch_up_count:  # the first claim that went through
             self.startup_catch_up_count += 1
-            logger.info(
+            logger.log(
+                logging.INFO if rows else logging.DEBUG,
                 "startup catch-up claim got %d rows",
                 len(rows),
                 extra={"action": "startup_catch_up"},
@@ -268,19 +269,41 @@ class ClaimWorker(LoopService):
                     exc_info=True,
                 )
                 continue
-            parked = {
+            parked_ids = {
                 outcome.work_id for outcome in outcomes if outcome.status == OutcomeStatus.DEAD
             }
             for row, error in zip(group, errors, strict=True):
-                logger.warning(
-                    "%s %s for %r not run and %s: %s",
-                    category,
-                    row.work_id,
-                    row.topic,
-                    "dead-lettered" if row.work_id in parked else "its lease was lost",
-                    error,
-                    extra={"action": UNDECODABLE_PAYLOAD},
-                )
+                parked = row.work_id in parked_ids
+                fields = {
+                    "action": UNDECODABLE_PAYLOAD,
+                    "workpump_category": category,
+                    "workpump_topic": row.topic,
+                    "workpump_id": str(row.work_id),
+                    "workpump_stream": row.stream,
+                    "workpump_attempt": row.attempts,
+                    "workpump_max_attempts": row.max_attempts,
+                    "workpump_reason": str(UNDECODABLE_PAYLOAD),
+                    "workpump_error": error,
+                }
+                if parked:
+                    logger.error(
+                        "%s %s dead-lettered (topic %r): %s. It is never run; fix or delete "
+                        "the row (the admin shows its payload as stored)",
+                        category,
+                        row.work_id,
+                        row.topic,
+                        error,
+                        extra=fields,
+                    )
+                else:
+                    logger.warning(
+                        "%s %s (topic %r) not run and its lease was lost: %s",
+                        category,
+                        row.work_id,
+                        row.topic,
+                        error,
+                        extra=fields,
+                    )
 
     def _refuse(self, reason: str) -> None:
         self.refused = reason

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import close_old_connections, connections, transaction
 
@@ -47,6 +47,7 @@ from django_workpump.states import (
 )
 from django_workpump.storable import (
     ascii_text,
+    error_headline,
     error_text,
     is_transient,
     result_note,
@@ -83,6 +84,89 @@ class Work:
         return self.lease.cancelled.is_set() or (
             self.stopping is not None and self.stopping.is_set()
         )
+
+
+class FailedAttempt(NamedTuple):
+    """A failed attempt waiting to be written, with what its log line names."""
+
+    category: str
+    work_id: uuid.UUID
+    lease_token: uuid.UUID
+    error: str
+    reason: str
+    topic: str | None = None
+    stream: str | None = None
+    attempt: int | None = None
+    max_attempts: int | None = None
+
+    @classmethod
+    def of(cls, row: ClaimedWork, error: str, reason: str) -> FailedAttempt:
+        return cls(
+            row.category,
+            row.work_id,
+            row.lease_token,
+            error,
+            reason,
+            row.topic,
+            row.stream,
+            row.attempts,
+            row.max_attempts,
+        )
+
+
+# The longest exception line a log line quotes (the row keeps the whole text).
+LOGGED_ERROR_CHARS = 500
+
+
+def log_failed_attempt(item: FailedAttempt, outcome: Any) -> None:
+    """Log one written failure: a WARNING when it will be retried, an ERROR when dead.
+
+    Called with ``fail_work``'s answer, so the retry time is the database's.
+    """
+    status = outcome.status
+    if status not in (OutcomeStatus.RETRY, OutcomeStatus.DEAD):
+        return  # lost: the fence refused it and _count logs that
+    headline = error_headline(item.error)[:LOGGED_ERROR_CHARS] or item.reason
+    retry_at = outcome.scheduled_for
+    fields = {
+        "action": "dead_lettered" if status == OutcomeStatus.DEAD else "attempt_failed",
+        "workpump_category": item.category,
+        "workpump_topic": item.topic,
+        "workpump_id": str(item.work_id),
+        "workpump_stream": item.stream,
+        "workpump_attempt": item.attempt,
+        "workpump_max_attempts": item.max_attempts,
+        "workpump_reason": str(item.reason),
+        "workpump_error": headline,
+        "workpump_retry_at": None if retry_at is None else retry_at.isoformat(),
+    }
+    where = (
+        f"topic {item.topic!r}"
+        + ("" if item.stream is None else f", stream {item.stream!r}")
+        + ("" if item.attempt is None else f", attempt {item.attempt}/{item.max_attempts}")
+    )
+    if status == OutcomeStatus.DEAD:
+        logger.error(
+            "%s %s dead-lettered (%s): %s. It is parked%s until an operator re-queues it: "
+            "manage.py workpump_action requeue %s",
+            item.category,
+            item.work_id,
+            where,
+            headline,
+            "" if item.stream is None else " and blocks its stream",
+            item.work_id,
+            extra=fields,
+        )
+        return
+    logger.warning(
+        "%s %s failed (%s): %s; retry %s",
+        item.category,
+        item.work_id,
+        where,
+        headline,
+        "now" if retry_at is None else f"at {retry_at.isoformat(timespec='seconds')}",
+        extra=fields,
+    )
 
 
 class LeaseLost(Exception):
@@ -176,8 +260,7 @@ class Dispatcher:
             group_by=_category_of,
             on_rejected=self._completion_rejected,
         )
-        # (category, work id, lease token, error, reason)
-        self.failures: BatchFlusher[tuple[str, uuid.UUID, uuid.UUID, str, str]] = BatchFlusher(
+        self.failures: BatchFlusher[FailedAttempt] = BatchFlusher(
             "workpump-failures",
             self._flush_failures,
             max_batch=100,
@@ -352,9 +435,7 @@ class Dispatcher:
         elif kind == HandlerOutcome.FAIL:
             self._outcome_queued(1)
             error, reason = value
-            self.failures.put(
-                (job.row.category, job.row.work_id, job.row.lease_token, error, reason)
-            )
+            self.failures.put(FailedAttempt.of(job.row, error, reason))
         elif kind == HandlerOutcome.LOST:
             self.stats.lost_leases += 1
             logger.warning("%s", value, extra={"action": "lease_lost"})
@@ -503,10 +584,8 @@ class Dispatcher:
             extra={"action": "abandoned"},
         )
         self.failures.put(
-            (
-                handle.category,
-                handle.work_id,
-                job.row.lease_token,
+            FailedAttempt.of(
+                job.row,
                 "the handler was still running at its lease deadline and was abandoned",
                 FailureReason.LEASE_EXPIRED,
             )
@@ -533,17 +612,25 @@ class Dispatcher:
         self._count(outcomes, "completed")
         self._outcome_queued(-len(batch))
 
-    def _flush_failures(self, batch: list[tuple[str, uuid.UUID, uuid.UUID, str, str]]) -> None:
-        category = batch[0][0]
+    def _flush_failures(self, batch: list[FailedAttempt]) -> None:
+        self._write_failures(batch)
+        self._outcome_queued(-len(batch))
+
+    def _write_failures(self, batch: list[FailedAttempt]) -> None:
+        """Fail one category's attempts in one call; log each by what the database did."""
         outcomes = self.coordinator.fail(
-            category,
-            [work_id for _, work_id, _, _, _ in batch],
-            [token for _, _, token, _, _ in batch],
-            [error for _, _, _, error, _ in batch],
-            [reason for _, _, _, _, reason in batch],
+            batch[0].category,
+            [item.work_id for item in batch],
+            [item.lease_token for item in batch],
+            [item.error for item in batch],
+            [item.reason for item in batch],
         )
         self._count(outcomes, "failed")
-        self._outcome_queued(-len(batch))
+        by_id = {item.work_id: item for item in batch}
+        for outcome in outcomes:
+            item = by_id.get(outcome.work_id)
+            if item is not None:
+                log_failed_attempt(item, outcome)
 
     def _completion_rejected(
         self, item: tuple[str, uuid.UUID, uuid.UUID, str | None], error: Exception
@@ -562,7 +649,7 @@ class Dispatcher:
             if is_transient(exc):
                 raise
             # Even the note was refused: fail the attempt with a plain ASCII error.
-            failure = (
+            failure = FailedAttempt(
                 category,
                 work_id,
                 token,
@@ -572,17 +659,12 @@ class Dispatcher:
             )
             self._failure_rejected(failure, exc)
 
-    def _failure_rejected(
-        self, item: tuple[str, uuid.UUID, uuid.UUID, str, str], error: Exception
-    ) -> None:
+    def _failure_rejected(self, item: FailedAttempt, error: Exception) -> None:
         """Fail a row whose error text the database refused, with a plain ASCII one."""
-        category, work_id, token, text, reason = item
-        plain = ascii_text(text)[-8000:]
+        plain = item._replace(error=ascii_text(item.error)[-8000:])
         try:
-            self._settle(
-                lambda: self.coordinator.fail(category, [work_id], [token], [plain], [reason]),
-                "failed",
-            )
+            self._write_failures([plain])
+            self._outcome_queued(-1)
         except Exception as exc:
             if is_transient(exc):
                 raise
@@ -634,10 +716,8 @@ class Dispatcher:
             failed += 1
             self._outcome_queued(1)
             self.failures.put(
-                (
-                    job.row.category,
-                    job.row.work_id,
-                    job.row.lease_token,
+                FailedAttempt.of(
+                    job.row,
                     f"the handler was still running when the pump stopped ({timeout} s "
                     "shutdown timeout); the attempt is counted",
                     FailureReason.SHUTDOWN,

@@ -18,7 +18,7 @@ from functools import partial
 
 from django.db import close_old_connections
 
-from django_workpump import db
+from django_workpump import db, status
 from django_workpump.conf import MIN_TOMBSTONE_RETENTION_SECONDS
 from django_workpump.pump.service import LoopService
 from django_workpump.registry import CATEGORIES
@@ -37,6 +37,12 @@ class MaintenanceResult:
     reaped: int = 0
     purged: dict[str, int] = field(default_factory=dict)
     stuck: int = 0
+    unhandled: int = 0  # topics with waiting rows that no live instance runs
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the pass found nothing to do (its log line is then DEBUG)."""
+        return not (self.reaped or any(self.purged.values()) or self.stuck or self.unhandled)
 
 
 class MaintenanceWorker(LoopService):
@@ -72,6 +78,10 @@ class MaintenanceWorker(LoopService):
         )
         self.batch = batch
         self.passes = 0
+        # What was already logged, so a pass logs only what changed: the attempts of each
+        # stuck row, and the topics no live instance runs.
+        self._stuck_logged: dict[tuple[str, object], int] = {}
+        self._unhandled_logged: set[tuple[str, str]] = set()
 
     def _purges(self) -> dict[str, Callable[[], int]]:
         """Each purge as one batch call, by the name its count is reported under."""
@@ -153,27 +163,89 @@ class MaintenanceWorker(LoopService):
             )
             stuck = db.stuck_rows(using=using)
             result.stuck = len(stuck)
-            for row in stuck:
-                logger.warning(
-                    "%s %s (%s) is on attempt %d of %d; last error: %s",
-                    row.category,
-                    row.work_id,
-                    row.topic,
-                    row.attempts,
-                    row.max_attempts,
-                    error_headline(row.last_error) or "-",
-                    extra={"action": "stuck_row"},
-                )
-            logger.info(
-                "maintenance pass: reaped %d, purged %s, stuck %d",
+            self._log_stuck(stuck)
+            result.unhandled = self._log_unhandled()
+            logger.log(
+                logging.DEBUG if result.quiet else logging.INFO,
+                "maintenance pass: reaped %d, purged %s, stuck %d, topics without a live "
+                "handler %d",
                 result.reaped,
-                result.purged,
+                ", ".join(f"{n} {name}" for name, n in result.purged.items() if n) or "nothing",
                 result.stuck,
-                extra={"action": "maintenance"},
+                result.unhandled,
+                extra={
+                    "action": "maintenance",
+                    "workpump_reaped": result.reaped,
+                    "workpump_purged": {k: v for k, v in result.purged.items() if v},
+                    "workpump_stuck": result.stuck,
+                },
             )
             return result
         finally:
             db.release_maintenance_lock(using=using)
+
+    def _log_stuck(self, stuck: list[db.StuckRow]) -> None:
+        """Warn about a row using up its attempts when its attempt count changed."""
+        seen: dict[tuple[str, object], int] = {}
+        for row in stuck:
+            key = (row.category, row.work_id)
+            seen[key] = row.attempts
+            if self._stuck_logged.get(key) == row.attempts:
+                continue
+            logger.warning(
+                "%s %s (%s) is on attempt %d of %d; last error: %s",
+                row.category,
+                row.work_id,
+                row.topic,
+                row.attempts,
+                row.max_attempts,
+                error_headline(row.last_error) or "-",
+                extra={
+                    "action": "stuck_row",
+                    "workpump_category": row.category,
+                    "workpump_topic": row.topic,
+                    "workpump_id": str(row.work_id),
+                    "workpump_attempt": row.attempts,
+                    "workpump_max_attempts": row.max_attempts,
+                    "workpump_error": error_headline(row.last_error),
+                },
+            )
+        self._stuck_logged = seen
+
+    def _log_unhandled(self) -> int:
+        """Warn once per topic whose rows wait with no live instance to run them.
+
+        A topic is named again only after it was handled in between. Return how many
+        topics wait.
+        """
+        waiting = status.unhandled_topics(
+            stale_after_seconds=self.stale_after_seconds,
+            definitively_dead_after_seconds=self.definitively_dead_after_seconds,
+            using=self.alias,
+        )
+        current = {(u.category, u.topic) for u in waiting}
+        for u in waiting:
+            if (u.category, u.topic) in self._unhandled_logged:
+                continue
+            logger.warning(
+                "%d %s rows of topic %r wait (the oldest for %.0f s) and no live instance "
+                "has a handler for it: they spend no attempt and run once an instance with "
+                "its handler starts. Deploy that handler (or correct the topic the producer "
+                "uses), or check the --topics/--queues of the running instances; "
+                "`manage.py workpump_status` lists them under 'no live handler'.",
+                u.rows,
+                u.category,
+                u.topic,
+                u.oldest_age_seconds,
+                extra={
+                    "action": "no_live_handler",
+                    "workpump_category": u.category,
+                    "workpump_topic": u.topic,
+                    "workpump_rows": u.rows,
+                },
+            )
+        self._unhandled_logged = current
+        return len(waiting)
 
     def run(self) -> None:
         while not self._stop.wait(self.interval_seconds):

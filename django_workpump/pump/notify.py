@@ -78,6 +78,9 @@ class NotifyGate(LoopService):
         self.backend_pid: int | None = None
         self._available = False
         self._alive_lock_held = False
+        # Set once the first connection attempt has ended, either way (the startup line
+        # reports the listener's real state).
+        self._settled = threading.Event()
         self._state_lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
 
@@ -90,12 +93,24 @@ class NotifyGate(LoopService):
     def alive_lock_held(self) -> bool:
         return self._available and self._alive_lock_held
 
-    def _set_available(self, available: bool, reason: str = "") -> None:
+    def wait_settled(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the first connection attempt to end; True if it did."""
+        return self._settled.wait(timeout)
+
+    @property
+    def settled(self) -> bool:
+        return self._settled.is_set()
+
+    def _set_available(self, available: bool, reason: str = "", *, stopping: bool = False) -> None:
         with self._state_lock:
             if available == self._available:
                 return
             self._available = available
-        logger.info(
+        # Routine, not news: the first connection (the startup line reports it) and going
+        # down on a normal stop.
+        routine = stopping or (available and self.connects == 1)
+        logger.log(
+            logging.DEBUG if routine else logging.INFO,
             "NOTIFY gate %s%s",
             "available" if available else "unavailable",
             f" ({reason})" if reason else "",
@@ -181,6 +196,7 @@ class NotifyGate(LoopService):
                 self._take_alive_lock(conn)
                 attempt = 0
                 self._set_available(True)
+                self._settled.set()
                 self._serve(conn)
             except Exception as exc:  # noqa: BLE001 - any failure: unavailable, reconnect
                 if self._stop.is_set():
@@ -190,6 +206,7 @@ class NotifyGate(LoopService):
                 self.last_failure = f"{type(exc).__name__}: {exc}"
                 self._alive_lock_held = False
                 self._set_available(False, self.last_failure)
+                self._settled.set()
                 delay = reconnect_delay(
                     attempt, self.reconnect_initial_seconds, self.reconnect_max_seconds
                 )
@@ -205,4 +222,5 @@ class NotifyGate(LoopService):
                     conn.close()
                 self._conn = None
         self._alive_lock_held = False
-        self._set_available(False, "stopped")
+        self._set_available(False, "stopped", stopping=True)
+        self._settled.set()

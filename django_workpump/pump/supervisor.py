@@ -345,7 +345,8 @@ class Supervisor:
                     on_drained=lambda: self.request_stop("drained: nothing left to claim", EXIT_OK),
                 )
             )
-        logger.info(
+        # DEBUG: runworkpump's startup line says it, with the details
+        logger.debug(
             "workpump instance %s started", self.identity.instance_id, extra={"action": "started"}
         )
         if not any(self.topics.values()):
@@ -416,7 +417,7 @@ class Supervisor:
         for service in list(self._services.values()):
             service.join(5)
         self._close_own_connections()
-        logger.info(
+        logger.debug(  # runworkpump's stop line says it, with the counts
             "workpump instance %s stopped (%s)",
             self.identity.instance_id,
             self.stop_reason,
@@ -440,8 +441,11 @@ class Supervisor:
             try:
                 name_thread_connections(application_name(self.identity.instance_id, "deregister"))
                 released = self.coordinator.deregister()
-                logger.info(
-                    "deregistered; released %d rows", released, extra={"action": "deregistered"}
+                logger.log(
+                    logging.INFO if released else logging.DEBUG,
+                    "deregistered; released %d rows",
+                    released,
+                    extra={"action": "deregistered"},
                 )
             except Exception:
                 logger.exception(

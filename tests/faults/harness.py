@@ -376,7 +376,7 @@ class Pump:
 
             def registered() -> uuid.UUID | None:
                 # The startup line names it; it is printed once the instance registered.
-                found = re.search(r"^workpump ([0-9a-f-]{36}) started:", self.output(), re.M)
+                found = re.search(r"workpump ([0-9a-f-]{36}) started:", self.output())
                 if found:
                     return uuid.UUID(found.group(1))
                 if not self.alive():

@@ -76,7 +76,8 @@ def test_a_postgresql_restart_mid_run_is_survived_by_every_instance(
     # The backlog drains after the restart, and a row sent now is woken by its NOTIFY.
     wait_for(lambda: db.undone() == 0, 40, "the backlog to drain after the restart")
     wait_for(
-        lambda: all(p.output().count("NOTIFY gate available") >= 2 for p in pumps),
+        # (the first connection is reported by the startup line, not by this line)
+        lambda: all(p.output().count("NOTIFY gate available") >= 1 for p in pumps),
         30,
         "every gate to report itself available again",
     )

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 from typing import Any
 
@@ -27,6 +26,14 @@ from django_workpump.registry import CATEGORIES, TopicSelectionError
 from django_workpump.tasks import load_task_code
 
 logger = logging.getLogger("django_workpump")
+# The command's own lines (startup, status, stop) are records too: one stream, one format.
+lines = logging.getLogger("django_workpump.runworkpump")
+# How long the startup line waits for the NOTIFY listener's first connection to end.
+LISTENER_SETTLE_SECONDS = 5.0
+# Attributes every LogRecord has; the rest came in ``extra`` and go into the JSON object.
+_RECORD_ATTRIBUTES = frozenset(
+    vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys() | {"message", "asctime"}
+)
 
 
 def project_configures_logging() -> bool:
@@ -42,20 +49,22 @@ def project_configures_logging() -> bool:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line, with the record's ``action`` key when it has one."""
+    """One JSON object per line: time, level, logger, message, then every ``extra`` field
+    of the record (``action``, ``workpump_topic``, ``workpump_id``, ...)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, Any] = {
             "time": self.formatTime(record),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if hasattr(record, "action"):
-            entry["action"] = record.action
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRIBUTES and not key.startswith("_"):
+                entry[key] = value
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
+        return json.dumps(entry, default=str)
 
 
 class Command(BaseCommand):
@@ -95,12 +104,14 @@ class Command(BaseCommand):
         parser.add_argument("--log-format", choices=["text", "json"], default="text")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        level = logger.level
         log_handler = self._configure_logging(options["log_format"])
         try:
             self._run(options)
         finally:
             if log_handler is not None:
                 logger.removeHandler(log_handler)
+                logger.setLevel(level)
 
     def _run(self, options: dict[str, Any]) -> None:
         categories = self._categories(options["categories"])
@@ -136,23 +147,39 @@ class Command(BaseCommand):
                 supervisor.start()
             except SchemaNotReady as exc:
                 raise CommandError(str(exc)) from None
-            self.stdout.write(self._startup_line(supervisor, alias))
-            self.stdout.flush()
+            line, fields = self._startup_line(supervisor, alias)
+            lines.info("%s", line, extra={"action": "started", **fields})
             interval = settings["STATUS_INTERVAL_SECONDS"]
             reporter = _StatusReporter(supervisor)
             while not supervisor.wait(interval):
-                self.stdout.write(reporter.line())
-                self.stdout.flush()
+                line, fields, changed = reporter.line()
+                # A line while nothing happens is routine: DEBUG until something changes.
+                lines.log(
+                    logging.INFO if changed else logging.DEBUG,
+                    "%s",
+                    line,
+                    extra={"action": "status", **fields},
+                )
             code = supervisor.shutdown()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         name_thread_connections(None)
-        self.stdout.write(
-            f"workpump {supervisor.identity.instance_id} stopped: {supervisor.stop_reason} "
-            f"(exit {code}); {reporter.totals()}"
+        lines.log(
+            logging.INFO if code == EXIT_OK else logging.ERROR,
+            "workpump %s stopped: %s (exit %s); %s",
+            supervisor.identity.instance_id,
+            supervisor.stop_reason,
+            code,
+            reporter.totals(),
+            extra={
+                "action": "stopped",
+                "workpump_instance": str(supervisor.identity.instance_id),
+                "workpump_exit_code": code,
+                "workpump_stop_reason": supervisor.stop_reason,
+                **reporter.total_fields(),
+            },
         )
-        self.stdout.flush()
         if code != EXIT_OK:
             raise SystemExit(code)
 
@@ -178,11 +205,20 @@ class Command(BaseCommand):
         return names
 
     def _configure_logging(self, log_format: str) -> logging.Handler | None:
-        """Log to stderr unless the project configured logging for the package or the root
-        logger (a handler of ours would print every line twice); return what was added."""
+        """Write the pump's lines to stdout unless the project configured logging for the
+        package or the root logger (a handler of ours would print every line twice); return
+        what was added."""
         if logger.handlers or project_configures_logging():
+            if log_format == "json":
+                lines.warning(
+                    "--log-format json is not applied: settings.LOGGING configures the "
+                    "django_workpump or root logger, so its handlers and formatters write "
+                    "these lines. Give them a JSON formatter there (or remove that logger "
+                    "configuration to let --log-format decide).",
+                    extra={"action": "log_format_ignored"},
+                )
             return None
-        handler = logging.StreamHandler(sys.stderr)
+        handler = logging.StreamHandler(self.stdout)
         handler.setFormatter(
             JsonFormatter()
             if log_format == "json"
@@ -212,13 +248,33 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, on_signal)
         return previous
 
-    def _startup_line(self, supervisor: Supervisor, alias: str) -> str:
+    def _listener_state(self, supervisor: Supervisor) -> str:
+        """off, up, down (why) or connecting: what the NOTIFY listener is doing now."""
+        gate = supervisor.gate
+        if gate is None:
+            return "off"
+        gate.wait_settled(LISTENER_SETTLE_SECONDS)
+        if gate.available:
+            return "up"
+        if gate.settled:
+            return f"down ({gate.last_failure or 'stopped'})"
+        return f"connecting (no answer within {LISTENER_SETTLE_SECONDS:.0f} s)"
+
+    def _startup_line(self, supervisor: Supervisor, alias: str) -> tuple[str, dict[str, Any]]:
         s = supervisor.settings
         db = connections[alias].settings_dict
         database = f"{db.get('HOST') or 'localhost'}:{db.get('PORT') or 5432}/{db.get('NAME')}"
         if db.get("HOST", "").startswith("/") or not db.get("HOST"):
             database = f"{db.get('NAME')} (socket)" if not db.get("PORT") else database
-        gate = supervisor.gate
+        listener = self._listener_state(supervisor)
+        fields = {
+            "workpump_instance": str(supervisor.identity.instance_id),
+            "workpump_service": supervisor.identity.service_name,
+            "workpump_categories": list(supervisor.options.categories),
+            "workpump_topics": {c: list(t) for c, t in supervisor.topics.items()},
+            "workpump_concurrency": supervisor.dispatcher.concurrency,
+            "workpump_listener": listener.split(" ", 1)[0],
+        }
         return (
             f"workpump {supervisor.identity.instance_id} started: "
             f"service={supervisor.identity.service_name} pid={supervisor.identity.process_id} "
@@ -226,9 +282,9 @@ class Command(BaseCommand):
             f"topics={sum(len(t) for t in supervisor.topics.values())} "
             f"concurrency={supervisor.dispatcher.concurrency} database={alias}:{database} "
             f"liveness={s['LIVENESS_SOURCE_MODE']} "
-            f"listener={'off' if gate is None else 'starting'} "
+            f"listener={listener} "
             f"lease={s['LEASE_SECONDS']}s heartbeat={s['HEARTBEAT_INTERVAL_SECONDS']}s"
-        )
+        ), fields
 
 
 class _StatusReporter:
@@ -239,36 +295,76 @@ class _StatusReporter:
         self.clock = supervisor.clock
         self._last_at = self.clock.monotonic()
         self._last = self._counters()
+        self._last_state = self._state()
 
-    def _counters(self) -> tuple[int, int, int]:
+    def _counters(self) -> tuple[int, ...]:
         stats = self.supervisor.dispatcher.stats
-        return self.supervisor.claim.claimed_total, stats.completed, stats.failed
+        return (
+            self.supervisor.claim.claimed_total,
+            stats.completed,
+            stats.failed,
+            stats.abandoned,
+            stats.lost_leases,
+        )
 
-    def line(self) -> str:
+    def _state(self) -> tuple[str, str, str]:
+        """(gate, alive-lock, flushers): a change of any is worth a line."""
+        gate = self.supervisor.gate
+        return (
+            "off" if gate is None else ("up" if gate.available else "DOWN"),
+            "held" if gate is not None and gate.alive_lock_held else "no",
+            flushers_state(self.supervisor),
+        )
+
+    def line(self) -> tuple[str, dict[str, Any], bool]:
+        """The status line, its fields, and whether anything happened since the last one."""
         now = self.clock.monotonic()
         counters = self._counters()
         elapsed = max(now - self._last_at, 1e-9)
-        claimed, done, _ = (c - p for c, p in zip(counters, self._last, strict=True))
+        claimed, done = (c - p for c, p in zip(counters[:2], self._last[:2], strict=True))
+        moved = counters != self._last
         self._last_at, self._last = now, counters
         sup = self.supervisor
-        gate = sup.gate
-        gate_state = "off" if gate is None else ("up" if gate.available else "DOWN")
+        state = self._state()
+        gate_state, alive_lock, flushers = state
+        changed = moved or sup.dispatcher.in_flight > 0 or state != self._last_state
+        self._last_state = state
         wait_ms = sup.claim.current_wait_ms()
+        fields = {
+            "workpump_claimed_per_s": round(claimed / elapsed, 1),
+            "workpump_done_per_s": round(done / elapsed, 1),
+            "workpump_failed": sup.dispatcher.stats.failed,
+            "workpump_in_flight": sup.dispatcher.in_flight,
+            "workpump_gate": gate_state,
+            "workpump_flushers": flushers,
+        }
         return (
-            f"workpump status: claimed/s={claimed / elapsed:.1f} done/s={done / elapsed:.1f} "
-            f"failed={sup.dispatcher.stats.failed} in_flight={sup.dispatcher.in_flight} "
-            f"renewed={sup.renewal.renewed} abandoned={sup.dispatcher.stats.abandoned} "
-            f"lost={sup.dispatcher.stats.lost_leases} gate={gate_state} "
-            f"alive_lock={'held' if gate is not None and gate.alive_lock_held else 'no'} "
-            f"poll_wait_ms={'signal' if wait_ms is None else wait_ms} "
-            f"flushers={flushers_state(sup)}"
+            (
+                f"workpump status: claimed/s={claimed / elapsed:.1f} done/s={done / elapsed:.1f} "
+                f"failed={sup.dispatcher.stats.failed} in_flight={sup.dispatcher.in_flight} "
+                f"renewed={sup.renewal.renewed} abandoned={sup.dispatcher.stats.abandoned} "
+                f"lost={sup.dispatcher.stats.lost_leases} gate={gate_state} "
+                f"alive_lock={alive_lock} "
+                f"poll_wait_ms={'signal' if wait_ms is None else wait_ms} "
+                f"flushers={flushers}"
+            ),
+            fields,
+            changed,
         )
 
-    def totals(self) -> str:
+    def total_fields(self) -> dict[str, int]:
         stats = self.supervisor.dispatcher.stats
-        return (
-            f"claimed={self.supervisor.claim.claimed_total} done={stats.completed} "
-            f"failed={stats.failed} abandoned={stats.abandoned} released={stats.released}"
+        return {
+            "workpump_claimed": self.supervisor.claim.claimed_total,
+            "workpump_done": stats.completed,
+            "workpump_failed": stats.failed,
+            "workpump_abandoned": stats.abandoned,
+            "workpump_released": stats.released,
+        }
+
+    def totals(self) -> str:
+        return " ".join(
+            f"{k.removeprefix('workpump_')}={v}" for k, v in self.total_fields().items()
         )
 
 
