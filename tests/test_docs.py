@@ -1,13 +1,20 @@
 """Docs rendered from the code cannot drift: the SQL API page from the installed functions,
-the README's settings table from ``conf.SETTINGS``."""
+the README's settings table from ``conf.SETTINGS``, and the README's Python snippets run."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 pytestmark = pytest.mark.django_db
 
@@ -124,3 +131,145 @@ def test_the_python_snippets_of_a_page_use_only_what_exists(page):
                 except ImportError:
                     missing.append(f"{page.name}:{line}: from {module} import {name}")
     assert missing == [], "snippets name things the package does not have: " + ", ".join(missing)
+
+
+# --- the README's Python snippets run ---------------------------------------------------
+#
+# Every ```python block of the README runs, in order, in one namespace (a later block uses
+# what an earlier one imported or defined), each in a transaction rolled back after it, with
+# the registries restored at the end. The comment on the line before a block says when it
+# does not run as is:
+#   <!-- snippet: settings -->         a settings fragment: executed on its own, and every
+#                                      django_workpump path and WORKPUMP key it names must exist
+#   <!-- snippet: not run (why) -->    illustrative only
+# Names the README's prose takes as given (the provider's event, some work ids, ...) are
+# provided when a block uses them without defining them.
+
+README = DOCS.parent / "README.md"
+SNIPPET_MARKER = re.compile(r"^<!-- snippet: (settings|not run)\b.*-->$")
+
+
+def marked_snippets(page: Path) -> list[tuple[int, str, str]]:
+    """(line, kind, code) of each ```python block; kind is run, settings or not run."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    found = []
+    for start, code in python_snippets(page):
+        before = lines[start - 2].strip() if start >= 2 else ""
+        marker = SNIPPET_MARKER.match(before)
+        found.append((start, marker.group(1) if marker else "run", code))
+    return found
+
+
+class SignupClient:
+    """The README's test client: its signup view sends the welcome mail."""
+
+    def post(self, path: str, data: dict[str, str]) -> None:
+        import django_workpump as workpump
+
+        assert path == "/signup/"
+        workpump.send("emails.welcome", {"email": data["email"]})
+
+
+def _some_ids() -> list[uuid.UUID]:
+    import django_workpump as workpump
+
+    return [workpump.send("readme.given", {"n": n}) for n in range(2)]
+
+
+GIVEN: dict[str, Callable[[], Any]] = {
+    "event": lambda: {"id": "evt_1PzQ", "type": "payment_intent.succeeded"},
+    "ids": _some_ids,
+    "instance_id": uuid.uuid4,
+    "client": SignupClient,
+}
+
+
+def used_names(code: str) -> set[str]:
+    return {
+        node.id
+        for node in ast.walk(ast.parse(code))
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+    }
+
+
+@contextmanager
+def sandboxed_registries() -> Iterator[None]:
+    """Let snippets register handlers and schedules; put the registries back afterwards."""
+    from django_workpump.periodic import schedules
+    from django_workpump.registry import registry
+
+    handlers, periodic = dict(registry._handlers), dict(schedules._schedules)
+    try:
+        yield
+    finally:
+        registry._handlers.clear()
+        registry._handlers.update(handlers)
+        schedules._schedules.clear()
+        schedules._schedules.update(periodic)
+
+
+def strings_in(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from strings_in(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from strings_in(item)
+
+
+def check_settings_fragment(line: int, code: str) -> None:
+    from django.utils.module_loading import import_string
+
+    from django_workpump.conf import DEFAULTS
+
+    settings: dict[str, Any] = {}
+    exec(compile(code, f"README.md:{line}", "exec"), settings)
+    for text in strings_in({k: v for k, v in settings.items() if k.isupper()}):
+        if text.split(".")[0] == "django_workpump":
+            try:
+                importlib.import_module(text)
+            except ImportError:
+                import_string(text)  # raises, naming the path, if it does not exist
+    unknown = set(settings.get("WORKPUMP", {})) - set(DEFAULTS)
+    assert not unknown, f"README.md:{line}: unknown WORKPUMP keys {sorted(unknown)}"
+
+
+def test_every_readme_snippet_is_run_or_marked():
+    kinds = [kind for _, kind, _ in marked_snippets(README)]
+    assert kinds.count("run") >= 6, kinds
+    assert set(kinds) <= {"run", "settings", "not run"}
+
+
+def test_the_readme_python_snippets_run():
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    with sandboxed_registries():
+        for line, kind, code in marked_snippets(README):
+            if kind == "not run":
+                continue
+            if kind == "settings":
+                check_settings_fragment(line, code)
+                continue
+            with transaction.atomic():
+                for name in used_names(code) & GIVEN.keys():
+                    if name not in namespace:
+                        namespace[name] = GIVEN[name]()
+                try:
+                    exec(compile(code, f"README.md:{line}", "exec"), namespace)
+                except Exception as exc:  # noqa: BLE001 - reported with the snippet's line
+                    pytest.fail(
+                        f"The README's snippet at line {line} raised "
+                        f"{type(exc).__name__}: {exc}\n{code}"
+                    )
+                finally:
+                    transaction.set_rollback(True)
+                    for name in GIVEN:
+                        namespace.pop(name, None)
+        # they ran: the handlers and schedules they define were registered
+        from django_workpump.periodic import schedules
+        from django_workpump.registry import registry
+
+        assert registry.get("outbox", "emails.welcome").func is namespace["send_welcome"]
+        assert schedules.get("reports.nightly") is not None
+        assert namespace["produced"].assert_sent("emails.welcome")
