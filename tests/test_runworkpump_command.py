@@ -295,3 +295,18 @@ def test_with_a_root_handler_each_line_prints_once(pump_process):
     assert len([line for line in lines if "started:" in line]) == 1, output
     assert len([line for line in lines if "stopped:" in line]) == 1, output
     assert len(lines) == len(set(lines)), output
+
+
+def test_json_log_format_under_a_project_logging_says_it_is_not_applied(monkeypatch, caplog):
+    from django.conf import settings
+
+    from django_workpump.management.commands.runworkpump import Command
+
+    monkeypatch.setattr(settings, "LOGGING", ROOT_HANDLER_LOGGING)
+    caplog.set_level(logging.INFO)
+    assert Command()._configure_logging("json") is None
+    [record] = [r for r in caplog.records if getattr(r, "action", "") == "log_format_ignored"]
+    assert record.levelno == logging.WARNING
+    assert "--log-format json is not applied: settings.LOGGING configures" in record.getMessage()
+    assert Command()._configure_logging("text") is None  # nothing to say for text
+    assert len([r for r in caplog.records if r.action == "log_format_ignored"]) == 1
