@@ -16,7 +16,7 @@ import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.maintenance import MaintenanceWorker
 from django_workpump.registry import registry
-from tests.conftest import FAST_PUMP, drain
+from tests.conftest import FAST_PROCESS, FAST_PUMP, drain
 
 FAST = {**FAST_PUMP, "CONCURRENCY": 2}
 
@@ -203,12 +203,24 @@ def test_an_idle_status_line_is_debug_and_a_busy_one_info(pump):
 def test_json_logs_cover_every_line_of_a_real_drain(pump_process):
     # mp.raise (tests/app/workpump.py) fails twice (max_attempts=2), then is dead
     message_id = workpump.send("mp.raise", {"raise": "Halt"})
-    process = pump_process("--drain", "--log-format", "json")
+    # a slow cadence below the fast one: a system check warning, printed before the start
+    timings = {
+        **FAST_PROCESS,
+        "HEARTBEAT_INTERVAL_SECONDS": 2,
+        "HEARTBEAT_SLOW_INTERVAL_SECONDS": 1,
+        "STALE_AFTER_SECONDS": 4,
+    }
+    process = pump_process("--drain", "--log-format", "json", timings=timings)
     output, _ = process.communicate(timeout=90)  # stdout and stderr, merged
     assert process.returncode == 0, output
     entries = [json.loads(line) for line in output.splitlines()]  # every line is JSON
     actions = [e.get("action") for e in entries]
-    assert actions[0] == "started" and actions[-1] == "stopped", actions
+    assert (
+        actions[0] == "system_checks"
+        and "HEARTBEAT_SLOW_INTERVAL_SECONDS" in (entries[0]["message"])
+    )
+    assert actions[1] == "started" and actions[-1] == "stopped", actions
+    entries = entries[1:]
     assert entries[0]["workpump_listener"] == "up"
     failed = [e for e in entries if e.get("action") in ("attempt_failed", "dead_lettered")]
     assert [(e["level"], e["workpump_attempt"]) for e in failed] == [
@@ -218,3 +230,12 @@ def test_json_logs_cover_every_line_of_a_real_drain(pump_process):
     assert failed[1]["workpump_error"] == "tests.app.workpump.Halt: raised by mp.raise"
     assert failed[1]["workpump_id"] == str(message_id)
     assert entries[-1]["workpump_failed"] == 2
+
+
+def test_json_logs_cover_a_failed_start_too(pump_process):
+    process = pump_process("--log-format", "json", "--categories", "outbx")
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 1, output
+    [entry] = [json.loads(line) for line in output.splitlines()]
+    assert (entry["level"], entry["action"]) == ("ERROR", "command_failed")
+    assert entry["message"].startswith("Unknown categories outbx in --categories")

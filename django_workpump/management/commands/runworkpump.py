@@ -6,11 +6,13 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
+from io import StringIO
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 from django.db import connections
 
 from django_workpump.conf import get_settings
@@ -67,8 +69,48 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+def json_line(level: int, message: str, action: str) -> str:
+    """One JSON line for what the command prints outside a log record."""
+    record = logging.makeLogRecord(
+        {
+            "name": lines.name,
+            "levelno": level,
+            "levelname": logging.getLevelName(level),
+            "msg": message,
+            "action": action,
+        }
+    )
+    return JsonFormatter().format(record)
+
+
 class Command(BaseCommand):
     help = "Run a work-pump instance: claim, run and complete work until stopped."
+    _json_output = False  # --log-format json, and the command writes the lines itself
+
+    def execute(self, *args: Any, **options: Any) -> Any:
+        """With --log-format json, what Django itself would print (system check warnings,
+        the error a failed start ends with) is a JSON line too."""
+        self._json_output = options.get("log_format") == "json" and not project_configures_logging()
+        try:
+            return super().execute(*args, **options)
+        except CommandError as exc:
+            if not (self._json_output and getattr(self, "_called_from_command_line", False)):
+                raise
+            self.stdout.write(json_line(logging.ERROR, str(exc).strip(), "command_failed"))
+            sys.exit(exc.returncode)
+
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        if not self._json_output:
+            return super().check(*args, **kwargs)
+        real, captured = self.stderr, StringIO()
+        self.stderr = OutputWrapper(captured)
+        try:
+            super().check(*args, **kwargs)
+        finally:
+            self.stderr = real
+            text = captured.getvalue().strip()
+            if text:
+                self.stdout.write(json_line(logging.WARNING, text, "system_checks"))
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
