@@ -8,6 +8,7 @@ its backport, django-tasks).
 
 from __future__ import annotations
 
+import logging
 import math
 import subprocess
 import sys
@@ -497,9 +498,21 @@ def test_a_task_that_raises_twice_then_succeeds_is_successful_with_two_errors(pu
 
 
 @pumped
-def test_a_task_failing_every_attempt_is_failed_with_all_its_errors(pump, signals):
+def test_a_task_failing_every_attempt_is_failed_with_all_its_errors(pump, signals, caplog):
     result = task_funcs.always_fails.enqueue()
+    caplog.set_level(logging.INFO)
     assert drain(pump(drain=True)) == EXIT_OK
+
+    # each failed attempt is logged once: a WARNING, then the dead-letter's ERROR
+    logged = [
+        (r.levelname, r.workpump_attempt, r.workpump_error)
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("django_workpump")
+    ]
+    assert logged == [
+        ("WARNING", 1, "RuntimeError: no luck"),
+        ("ERROR", 2, "RuntimeError: no luck"),
+    ]
 
     failed = task_funcs.always_fails.get_result(result.id)
     assert failed.status == TaskResultStatus.FAILED

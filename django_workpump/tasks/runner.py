@@ -159,7 +159,8 @@ class AttemptRunner:
             if self.work.attempts >= self.work.max_attempts:
                 _send(task_finished, sender, self._final(backend, TaskResultStatus.FAILED))
             else:
-                logger.warning(
+                # DEBUG: the pump logs every failed attempt (one WARNING) once it is written
+                logger.debug(
                     "task %s attempt %d/%d failed (%s); it will be retried",
                     running.task.module_path,
                     self.work.attempts,

@@ -95,6 +95,8 @@ WORKPUMP = {
     "STATUS_INTERVAL_SECONDS": 5,  # a runworkpump status line every 5 s (default 60)
 }
 
+# The pump's lines (runworkpump's startup, status and stop lines, failed attempts, ...)
+# go to stderr through this handler; without it runworkpump writes them to stdout.
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
