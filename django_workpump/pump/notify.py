@@ -106,9 +106,9 @@ class NotifyGate(LoopService):
             if available == self._available:
                 return
             self._available = available
-        # Routine, not news: the first connection (the startup line reports it) and going
-        # down on a normal stop.
-        routine = stopping or (available and self.connects == 1)
+        # Routine, not news: a first connection that went through at once (the startup line
+        # reports it) and going down on a normal stop.
+        routine = stopping or (available and self.connects == 1 and self.failures == 0)
         logger.log(
             logging.DEBUG if routine else logging.INFO,
             "NOTIFY gate %s%s",
