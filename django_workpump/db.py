@@ -190,6 +190,14 @@ def send(
     return _scalar("send", params, using)
 
 
+@dataclass(frozen=True, slots=True)
+class Received(FromRow):
+    """What ``receive`` did: ``stored`` (False: a duplicate) and the row's ``created_at``."""
+
+    stored: bool
+    created_at: datetime
+
+
 def receive(
     *,
     message_id: uuid.UUID,
@@ -206,7 +214,7 @@ def receive(
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
     using: str | None = None,
-) -> bool:
+) -> Received:
     params = {
         "message_id": message_id,
         "handler_name": handler_name,
@@ -222,7 +230,7 @@ def receive(
         "unique_key": unique_key,
         "unique_for": unique_for,
     }
-    return bool(_scalar("receive", params, using))
+    return Received.from_row(_fetch("receive", params, using)[0])
 
 
 def emit(

@@ -31,8 +31,9 @@ if not TASKS_AVAILABLE:
 from asgiref.sync import async_to_sync
 from django.apps import apps
 from django.core import checks
-from django.db import transaction
+from django.db import connection, transaction
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 import django_workpump as workpump
@@ -155,6 +156,42 @@ def test_enqueue_and_get_result_round_trip():
         task_funcs.record.get_result(result.id)
     result.refresh()
     assert result.status == TaskResultStatus.READY
+
+
+@db
+def test_enqueue_is_one_query_and_get_result_one_query_with_its_attempts():
+    with CaptureQueriesContext(connection) as enqueued:
+        result = task_funcs.add.enqueue(1, b=2)
+    assert len(enqueued) == 1, [q["sql"] for q in enqueued]
+    assert "workpump.receive" in enqueued[0]["sql"]
+    assert result.enqueued_at == row(result.id).created_at  # read in the same statement
+
+    with CaptureQueriesContext(connection) as read:
+        ready = task_backends["default"].get_result(result.id)
+    assert len(read) == 1
+    assert ready == result
+
+    # Two attempts recorded: the second failed, the first ended without an outcome.
+    first, second = uuid.uuid4(), uuid.uuid4()
+    models.TaskAttempt.objects.create(message_id=result.id, attempt=1, instance_id=first)
+    models.TaskAttempt.objects.create(
+        message_id=result.id,
+        attempt=2,
+        instance_id=second,
+        finished_at=timezone.now(),
+        error_class="builtins.ValueError",
+        traceback="ValueError: no",
+    )
+    with CaptureQueriesContext(connection) as read:
+        retried = task_backends["default"].get_result(result.id)
+    assert len(read) == 1
+    assert retried.worker_ids == [str(first), str(second)]
+    assert [e.exception_class_path for e in retried.errors] == [
+        "django_workpump.tasks.errors.AttemptLost",
+        "builtins.ValueError",
+    ]
+    assert retried.errors[1].traceback == "ValueError: no"
+    assert retried.started_at is not None and retried.last_attempted_at >= retried.started_at
 
 
 @db
