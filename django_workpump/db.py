@@ -296,8 +296,10 @@ def claim_work(
     definitively_dead_after_seconds: int = 300,
     now: datetime | None = None,
     using: str | None = None,
+    topic_prefixes: Mapping[str, Sequence[str]] | None = None,
 ) -> list[ClaimedWork]:
-    """Lease rows of ``topics`` (``{category: [topic, ...]}``; None: every topic).
+    """Lease rows of ``topics`` (``{category: [topic, ...]}``; None: every topic) and of
+    the topics starting with one of ``topic_prefixes`` (same shape; None: none).
 
     Raise InstanceRefused when this instance is evicted or not registered. A row whose
     payload cannot be decoded comes back with ``payload_error``.
@@ -309,6 +311,11 @@ def claim_work(
         "partition_count": partition_count,
         "categories": list(categories) if categories else None,
         "topics": None if topics is None else json.dumps({c: list(t) for c, t in topics.items()}),
+        "topic_prefixes": (
+            None
+            if topic_prefixes is None
+            else json.dumps({c: list(t) for c, t in topic_prefixes.items()})
+        ),
         "stale_after_seconds": stale_after_seconds,
         "definitively_dead_after_seconds": definitively_dead_after_seconds,
         "now": now,

@@ -26,7 +26,7 @@ from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
 from django_workpump.pump.dispatch import Work
 from django_workpump.pump.lease import LeaseHandle
-from django_workpump.registry import CATEGORIES, claim_topics, registry
+from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
 from django_workpump.storable import error_text, storable_result
 
 # The instance id run_pending claims as: registered in the test's transaction, like any
@@ -77,7 +77,9 @@ def run_pending(
     """
     alias = using or setting("DATABASE_ALIAS")
     chosen = [c for c in (categories or CATEGORIES)]
-    wanted = claim_topics(registry, chosen, topics=list(topics) if topics is not None else None)
+    named = list(topics) if topics is not None else None
+    wanted = claim_topics(registry, chosen, topics=named)
+    prefixes = claim_prefixes(registry, chosen, topics=named)
     report = report if report is not None else RunReport()
     _register(alias)
     for _ in range(max_rounds):
@@ -88,6 +90,7 @@ def run_pending(
             partition_count=setting("PARTITION_COUNT"),
             categories=chosen,
             topics=wanted,
+            topic_prefixes={c: p for c, p in prefixes.items() if p} or None,
             using=alias,
         )
         if not rows:

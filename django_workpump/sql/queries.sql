@@ -77,7 +77,8 @@ FROM workpump.claim_work(
     p_stale_after_seconds => %(stale_after_seconds)s,
     p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
     p_now => %(now)s,
-    p_topics => %(topics)s::jsonb)
+    p_topics => %(topics)s::jsonb,
+    p_topic_prefixes => %(topic_prefixes)s::jsonb)
 
 -- name: renew_leases
 SELECT work_id, lease_expiry
