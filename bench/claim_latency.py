@@ -1,13 +1,19 @@
 """Claim latency: single-row ``claim_work`` round trips, on an empty outbox and on a backlog.
 
     DATABASE_URL=postgres://... python bench/claim_latency.py [--calls 2000] [--backlog 100000]
+        [--topics all|named|prefix]
 
 The database must be migrated first (``python -m django migrate --settings tests.settings``);
 the script empties the work tables. Each timed call is the pump's own named query
 ``claim_work`` (all four categories, batch 1), committed, timed client-side. On the empty
 table one row is sent before each call; on the backlog the rows are inserted up front with
 set-based SQL and VACUUM ANALYZEd. Between calls (untimed) the claimed row is completed.
-Fifty calls of warm-up are not counted.
+Fifty calls of warm-up are not counted. ``--topics`` chooses what the claimer names:
+``all`` (NULL, every topic), ``named`` (its topics by name, as ``runworkpump`` passes
+them: the outbox's ``bench.noop`` among a few others, the other categories a few names
+each) or ``prefix`` (the same names but ``bench.noop``, which is claimed through the
+prefix ``bench.`` instead, and a prefix per other category, as a pump with a
+``django.tasks`` backend of empty QUEUES passes).
 """
 
 from __future__ import annotations
@@ -41,9 +47,31 @@ COMPLETE_SQL = "SELECT count(*) FROM workpump.complete_work(%s, 'outbox', %s::uu
 REGISTER_SQL = "SELECT workpump.record_heartbeat(%s, 'bench', 'localhost', 1)"
 
 
-def measure(conn: psycopg.Connection[Any], calls: int, send_each: bool) -> dict[str, float]:
+NAMED = {
+    "outbox": ["bench.noop", "emails.welcome", "reports.daily"],
+    "inbox": ["django.tasks:default:default", "stripe.webhook"],
+    "perspective_event": ["order_totals"],
+    "receptor": ["warehouse"],
+}
+PREFIXES = {"outbox": ["bench."], "inbox": ["django.tasks:open:"], "receptor": ["stock."]}
+
+
+def choice(topics: str) -> tuple[str | None, str | None]:
+    """The claim_work topics and topic prefixes (JSON) of a ``--topics`` choice."""
+    if topics == "all":
+        return None, None
+    if topics == "named":
+        return json.dumps(NAMED), None
+    named = {**NAMED, "outbox": [t for t in NAMED["outbox"] if t != "bench.noop"]}
+    return json.dumps(named), json.dumps(PREFIXES)
+
+
+def measure(
+    conn: psycopg.Connection[Any], calls: int, send_each: bool, topics: str = "all"
+) -> dict[str, float]:
     """Time ``calls`` single-row claims (after the warm-up); return milliseconds."""
     instance = uuid.uuid4()
+    named, prefixes = choice(topics)
     params = {
         "instance_id": instance,
         "max_rows": 1,
@@ -53,7 +81,8 @@ def measure(conn: psycopg.Connection[Any], calls: int, send_each: bool) -> dict[
         "stale_after_seconds": 30,
         "definitively_dead_after_seconds": 300,
         "now": None,
-        "topics": None,
+        "topics": named,
+        "topic_prefixes": prefixes,  # ignored by a schema before version 11's query
     }
     query = named_queries()["claim_work"]
     conn.execute(REGISTER_SQL, [instance])  # claim_work refuses unregistered instances
@@ -82,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--backlog", type=int, default=100_000)
+    parser.add_argument("--topics", choices=["all", "named", "prefix"], default="all")
     args = parser.parse_args()
     url = os.environ.get("DATABASE_URL")
     if not url:
@@ -89,13 +119,15 @@ def main() -> None:
     results = {}
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(RESET_SQL)
-        results["empty"] = measure(conn, args.calls, send_each=True)
+        results["empty"] = measure(conn, args.calls, send_each=True, topics=args.topics)
         conn.execute(RESET_SQL)
         conn.execute(BACKLOG_SQL, [args.backlog])
         conn.execute("VACUUM ANALYZE workpump_outbox")
-        results[f"backlog_{args.backlog}"] = measure(conn, args.calls, send_each=False)
+        results[f"backlog_{args.backlog}"] = measure(
+            conn, args.calls, send_each=False, topics=args.topics
+        )
         conn.execute(RESET_SQL)
-    print(json.dumps({"calls": args.calls, **results}))
+    print(json.dumps({"calls": args.calls, "topics": args.topics, **results}))
 
 
 if __name__ == "__main__":

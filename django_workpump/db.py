@@ -190,6 +190,14 @@ def send(
     return _scalar("send", params, using)
 
 
+@dataclass(frozen=True, slots=True)
+class Received(FromRow):
+    """What ``receive`` did: ``stored`` (False: a duplicate) and the row's ``created_at``."""
+
+    stored: bool
+    created_at: datetime
+
+
 def receive(
     *,
     message_id: uuid.UUID,
@@ -206,7 +214,7 @@ def receive(
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
     using: str | None = None,
-) -> bool:
+) -> Received:
     params = {
         "message_id": message_id,
         "handler_name": handler_name,
@@ -222,7 +230,7 @@ def receive(
         "unique_key": unique_key,
         "unique_for": unique_for,
     }
-    return bool(_scalar("receive", params, using))
+    return Received.from_row(_fetch("receive", params, using)[0])
 
 
 def emit(
@@ -288,8 +296,10 @@ def claim_work(
     definitively_dead_after_seconds: int = 300,
     now: datetime | None = None,
     using: str | None = None,
+    topic_prefixes: Mapping[str, Sequence[str]] | None = None,
 ) -> list[ClaimedWork]:
-    """Lease rows of ``topics`` (``{category: [topic, ...]}``; None: every topic).
+    """Lease rows of ``topics`` (``{category: [topic, ...]}``; None: every topic) and of
+    the topics starting with one of ``topic_prefixes`` (same shape; None: none).
 
     Raise InstanceRefused when this instance is evicted or not registered. A row whose
     payload cannot be decoded comes back with ``payload_error``.
@@ -301,6 +311,11 @@ def claim_work(
         "partition_count": partition_count,
         "categories": list(categories) if categories else None,
         "topics": None if topics is None else json.dumps({c: list(t) for c, t in topics.items()}),
+        "topic_prefixes": (
+            None
+            if topic_prefixes is None
+            else json.dumps({c: list(t) for c, t in topic_prefixes.items()})
+        ),
         "stale_after_seconds": stale_after_seconds,
         "definitively_dead_after_seconds": definitively_dead_after_seconds,
         "now": now,

@@ -398,6 +398,39 @@ def receive(
     another unprocessed message for ``handler_name`` holds the key (with ``unique_for``,
     also one created within that window), or ``Duplicate`` with ``on_conflict="raise"``.
     """
+    return receive_stamped(
+        message_id,
+        handler_name,
+        payload,
+        stream=stream,
+        priority=priority,
+        run_after=run_after,
+        max_attempts=max_attempts,
+        deduplicate=deduplicate,
+        unique_key=unique_key,
+        unique_for=unique_for,
+        on_conflict=on_conflict,
+        using=using,
+    ).stored
+
+
+def receive_stamped(
+    message_id: uuid.UUID | str,
+    handler_name: str,
+    payload: Mapping[str, Any],
+    *,
+    stream: str | int | uuid.UUID | None = None,
+    priority: int = 0,
+    run_after: datetime | None = None,
+    max_attempts: int | None = None,
+    deduplicate: bool = True,
+    unique_key: str | None = None,
+    unique_for: timedelta | None = None,
+    on_conflict: str = "return",
+    using: str | None = None,
+) -> db.Received:
+    """``receive``, also returning the stored row's ``created_at`` from the same statement
+    (``.stored`` is what ``receive`` returns; ``.created_at`` is meaningful when stored)."""
     handler_name = _name("inbox handler name", handler_name)
     what = f"inbox message for {handler_name!r}"
     key, window = _unique(what, unique_key, unique_for, on_conflict)
@@ -409,7 +442,7 @@ def receive(
         ) from exc
     alias = using or setting("DATABASE_ALIAS")
     with _schema_required(alias):
-        stored = db.receive(
+        received = db.receive(
             message_id=message_uuid,
             handler_name=handler_name,
             payload_json=_payload_json(what, payload),
@@ -425,14 +458,14 @@ def receive(
             unique_for=window,
             using=alias,
         )
-    if not stored and key is not None and on_conflict == "raise":
+    if not received.stored and key is not None and on_conflict == "raise":
         holder = unique_key_holder("inbox", handler_name, key, window, using=alias)
         if holder is not None and holder != message_uuid:
             _duplicate(f"Inbox handler {handler_name!r}", key, holder, on_conflict)
-    if stored:
+    if received.stored:
         _announce("inbox", alias)
         _tell_capture("receive", handler_name, payload, stream, message_uuid)
-    return stored
+    return received
 
 
 def emit(

@@ -32,6 +32,9 @@ class Handler:
     max_attempts: int | None = None  # None: WORKPUMP["MAX_ATTEMPTS"]
     atomic: bool = False  # run in one transaction with its own fenced completion
     events: tuple[str, ...] = ()  # perspective/receptor subscriptions
+    # True: the handler of every topic that starts with ``topic`` and has no handler of
+    # its own (a django.tasks backend with empty QUEUES runs every queue of its alias)
+    prefix: bool = False
 
     @property
     def is_async(self) -> bool:
@@ -48,6 +51,7 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._handlers: dict[tuple[str, str], Handler] = {}
+        self._prefixes: dict[tuple[str, str], Handler] = {}  # prefix handlers, by prefix
 
     def register(self, handler: Handler) -> None:
         if handler.category not in CATEGORIES:
@@ -72,25 +76,39 @@ class Registry:
             for event_type in handler.events:
                 _check_name("event type", event_type)
         key = (handler.category, handler.topic)
+        table = self._prefixes if handler.prefix else self._handlers
         with self._lock:
-            existing = self._handlers.get(key)
+            existing = table.get(key)
             if existing is not None and existing.name != handler.name:
+                what = "Prefix" if handler.prefix else TOPIC_NOUNS[handler.category].capitalize()
                 raise ImproperlyConfigured(
-                    f"{TOPIC_NOUNS[handler.category].capitalize()} {handler.topic!r} is "
-                    f"registered twice: by {existing.name} and by {handler.name}. "
-                    "Give one of them another name."
+                    f"{what} {handler.topic!r} is registered twice: by {existing.name} and "
+                    f"by {handler.name}. Give one of them another name."
                 )
-            self._handlers[key] = handler
+            table[key] = handler
 
-    def unregister(self, category: str, topic: str) -> None:
+    def unregister(self, category: str, topic: str, *, prefix: bool = False) -> None:
         with self._lock:
-            self._handlers.pop((category, topic), None)
+            (self._prefixes if prefix else self._handlers).pop((category, topic), None)
 
     def get(self, category: str, topic: str) -> Handler | None:
-        return self._handlers.get((category, topic))
+        """The handler of ``topic``: its own, else the prefix handler of the longest
+        registered prefix ``topic`` starts with."""
+        found = self._handlers.get((category, topic))
+        if found is not None or not self._prefixes:
+            return found
+        matching = [
+            h for (c, p), h in list(self._prefixes.items()) if c == category and topic.startswith(p)
+        ]
+        return max(matching, key=lambda h: len(h.topic), default=None)
 
     def handlers(self, category: str | None = None) -> list[Handler]:
+        """The handlers of named topics (prefix handlers: ``prefix_handlers``)."""
         return [h for h in self._handlers.values() if category in (None, h.category)]
+
+    def prefix_handlers(self, category: str | None = None) -> list[Handler]:
+        """The handlers of every topic starting with their ``topic``."""
+        return [h for h in self._prefixes.values() if category in (None, h.category)]
 
     def subscribers(self, event_type: str) -> list[Handler]:
         """Perspectives and receptors subscribed to ``event_type``, in a stable order."""
@@ -110,6 +128,11 @@ def task_queue_of(topic: str) -> str | None:
     return rest.partition(":")[2]
 
 
+def is_task_prefix(prefix: str) -> bool:
+    """Whether a prefix handler's prefix stands for every queue of one task backend."""
+    return task_queue_of(prefix + "queue") == "queue"
+
+
 def claim_topics(
     handlers: Registry,
     categories: Iterable[str],
@@ -120,22 +143,33 @@ def claim_topics(
     """The topics this process claims, per category: those it has a handler for.
 
     ``topics`` (handler topics, any category) and ``queues`` (django.tasks queue names)
-    narrow the choice: with either given, only what they name is claimed. A name with
-    no handler raises TopicSelectionError.
+    narrow the choice: with either given, only what they name is claimed, also a topic
+    a prefix handler serves (a queue of a task backend with empty QUEUES). A name with
+    no handler raises TopicSelectionError. Without them, the prefix handlers' topics are
+    claimed by prefix (``claim_prefixes``).
     """
+    categories = list(categories)
     available = {c: sorted(h.topic for h in handlers.handlers(c)) for c in categories}
     if topics is None and queues is None:
         return available
+    prefixes = {c: sorted(h.topic for h in handlers.prefix_handlers(c)) for c in categories}
     wanted_topics = set(topics or ())
     wanted_queues = set(queues or ())
     chosen = {
-        category: [t for t in names if t in wanted_topics or task_queue_of(t) in wanted_queues]
+        category: sorted(
+            {t for t in names if t in wanted_topics or task_queue_of(t) in wanted_queues}
+            | {t for t in wanted_topics if any(t.startswith(p) for p in prefixes[category])}
+            | {p + q for p in prefixes[category] if is_task_prefix(p) for q in wanted_queues}
+        )
         for category, names in available.items()
     }
+    all_prefixes = [p for ps in prefixes.values() for p in ps]
     known_topics = {t for names in available.values() for t in names}
     known_queues = {q for t in known_topics if (q := task_queue_of(t)) is not None}
     where = ", ".join(available)
-    missing_topics = sorted(wanted_topics - known_topics)
+    missing_topics = sorted(
+        t for t in wanted_topics - known_topics if not any(t.startswith(p) for p in all_prefixes)
+    )
     if missing_topics:
         plain = sorted(t for t in known_topics if task_queue_of(t) is None)
         raise TopicSelectionError(
@@ -143,7 +177,8 @@ def claim_topics(
             f"{where}: this process has handlers for {', '.join(plain) or 'no topic'}. "
             "Check the name, or register its handler in <app>/workpump.py."
         )
-    missing_queues = sorted(wanted_queues - known_queues)
+    any_queue = any(is_task_prefix(p) for p in all_prefixes)  # empty QUEUES: every name
+    missing_queues = [] if any_queue else sorted(wanted_queues - known_queues)
     if missing_queues:
         raise TopicSelectionError(
             f"No task backend runs queue {', '.join(map(repr, missing_queues))}: this "
@@ -151,6 +186,21 @@ def claim_topics(
             "name, or add it to the QUEUES of a WorkPumpBackend in TASKS."
         )
     return chosen
+
+
+def claim_prefixes(
+    handlers: Registry,
+    categories: Iterable[str],
+    *,
+    topics: Iterable[str] | None = None,
+    queues: Iterable[str] | None = None,
+) -> dict[str, list[str]]:
+    """The topic prefixes this process claims, per category: those of its prefix handlers
+    (e.g. ``django.tasks:<alias>:`` of a task backend with empty QUEUES); none when
+    ``topics`` or ``queues`` narrow the claim: ``claim_topics`` then names the topics."""
+    if topics is not None or queues is not None:
+        return {c: [] for c in categories}
+    return {c: sorted(h.topic for h in handlers.prefix_handlers(c)) for c in categories}
 
 
 def _check_name(what: str, value: object) -> None:

@@ -15,7 +15,7 @@ import inspect
 import json
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
 from django_workpump.pump.dispatch import Work
 from django_workpump.pump.lease import LeaseHandle
-from django_workpump.registry import CATEGORIES, claim_topics, registry
+from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
 from django_workpump.storable import error_text, storable_result
 
 # The instance id run_pending claims as: registered in the test's transaction, like any
@@ -61,6 +61,7 @@ def run_pending(
     raise_errors: bool = True,
     using: str | None = None,
     report: RunReport | None = None,
+    savepoint: bool = True,
 ) -> int:
     """Run every row that is claimable now, in rounds, until none is left; return how many.
 
@@ -71,13 +72,20 @@ def run_pending(
     later (a deferral, a retry's backoff) are not due, so they do not run.
 
     The first handler exception is raised (its row is failed first, as the pump would);
-    with ``raise_errors=False`` failures are recorded in ``report`` and the run goes on.
+    with ``raise_errors=False`` failures are recorded in ``report`` and the run goes on
+    (a ``KeyboardInterrupt`` is always raised, after its row is failed).
+    ``savepoint=False`` runs handlers without the savepoint, so a failing handler's
+    writes stay, as under ``runworkpump``, where a handler that is not ``atomic`` runs
+    in autocommit (a task's attempt records among them); use it outside a transaction
+    (``TransactionTestCase``), or with handlers that cannot break the test's transaction.
     Raises RuntimeError when work is still claimable after ``max_rounds`` rounds (a
     handler that keeps producing work for itself).
     """
     alias = using or setting("DATABASE_ALIAS")
     chosen = [c for c in (categories or CATEGORIES)]
-    wanted = claim_topics(registry, chosen, topics=list(topics) if topics is not None else None)
+    named = list(topics) if topics is not None else None
+    wanted = claim_topics(registry, chosen, topics=named)
+    prefixes = claim_prefixes(registry, chosen, topics=named)
     report = report if report is not None else RunReport()
     _register(alias)
     for _ in range(max_rounds):
@@ -88,12 +96,13 @@ def run_pending(
             partition_count=setting("PARTITION_COUNT"),
             categories=chosen,
             topics=wanted,
+            topic_prefixes={c: p for c, p in prefixes.items() if p} or None,
             using=alias,
         )
         if not rows:
             return report.ran
         for row in rows:
-            _run_one(row, alias, raise_errors, report)
+            _run_one(row, alias, raise_errors, report, savepoint)
     raise RuntimeError(
         f"run_pending: work was still claimable after {max_rounds} rounds; a handler may be "
         "producing work for itself. Raise max_rounds if that is intended."
@@ -110,7 +119,7 @@ def _register(alias: str) -> None:
     )
 
 
-def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport) -> None:
+def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport, savepoint: bool) -> None:
     handler = registry.get(row.category, row.topic)
     if handler is None:  # not claimed by topic; a row a test wrote by hand
         raise LookupError(f"No handler registered for {row.category} {row.topic!r}.")
@@ -139,12 +148,13 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport) -> Non
         lease_token=row.lease_token,
     )
     try:
-        # A savepoint: a failing handler's writes go, the test's transaction stays usable.
-        with transaction.atomic(using=alias):
+        # A savepoint: a failing handler's writes go, the test's transaction stays usable
+        # (savepoint=False: they stay, as under runworkpump).
+        with transaction.atomic(using=alias) if savepoint else nullcontext():
             result = handler.func(work)
             if inspect.isawaitable(result):
                 result = asyncio.run(_awaited(result))
-    except Exception as exc:
+    except BaseException as exc:  # as the pump: any exception fails the attempt
         db.fail_work(
             instance_id=TEST_INSTANCE_ID,
             category=row.category,
@@ -156,7 +166,7 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport) -> Non
             retry_max_seconds=setting("RETRY_BACKOFF_MAX_SECONDS"),
             using=alias,
         )
-        if raise_errors:
+        if raise_errors or isinstance(exc, KeyboardInterrupt):
             raise
         report.failures.append(Failure(row.category, row.work_id, row.topic, exc))
         return

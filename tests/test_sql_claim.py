@@ -246,8 +246,9 @@ def test_claim_work_has_the_documented_parameters_all_defaulted_but_the_instance
     ]:
         assert name in names
     assert names[0] == "p_instance_id"
-    # v5 appended p_topics after p_now, so v1's positional callers keep working
-    assert names[-2:] == ["p_now", "p_topics"]
+    # v5 appended p_topics after p_now, and v11 p_topic_prefixes after it, so earlier
+    # positional callers keep working
+    assert names[-3:] == ["p_now", "p_topics", "p_topic_prefixes"]
     assert args[0] == "p_instance_id uuid"
     assert all(" DEFAULT " in a for a in args[1:]), args
     assert rows[0]["pronargdefaults"] == rows[0]["pronargs"] - 1

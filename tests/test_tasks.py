@@ -16,6 +16,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from io import StringIO
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,10 @@ if not TASKS_AVAILABLE:
 
 from asgiref.sync import async_to_sync
 from django.apps import apps
-from django.core import checks
-from django.db import transaction
+from django.core.management import call_command
+from django.db import connection, transaction
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 import django_workpump as workpump
@@ -54,6 +56,7 @@ from django_workpump.tasks.compat import (
     task_started,
 )
 from django_workpump.tasks.runner import register_backends, unregister_backends
+from django_workpump.testing import run_pending
 from tests.conftest import FAST_PUMP, drain, wait_until
 from tests.settings_tasks import TASKS
 
@@ -159,6 +162,42 @@ def test_enqueue_and_get_result_round_trip():
 
 
 @db
+def test_enqueue_is_one_query_and_get_result_one_query_with_its_attempts():
+    with CaptureQueriesContext(connection) as enqueued:
+        result = task_funcs.add.enqueue(1, b=2)
+    assert len(enqueued) == 1, [q["sql"] for q in enqueued]
+    assert "workpump.receive" in enqueued[0]["sql"]
+    assert result.enqueued_at == row(result.id).created_at  # read in the same statement
+
+    with CaptureQueriesContext(connection) as read:
+        ready = task_backends["default"].get_result(result.id)
+    assert len(read) == 1
+    assert ready == result
+
+    # Two attempts recorded: the second failed, the first ended without an outcome.
+    first, second = uuid.uuid4(), uuid.uuid4()
+    models.TaskAttempt.objects.create(message_id=result.id, attempt=1, instance_id=first)
+    models.TaskAttempt.objects.create(
+        message_id=result.id,
+        attempt=2,
+        instance_id=second,
+        finished_at=timezone.now(),
+        error_class="builtins.ValueError",
+        traceback="ValueError: no",
+    )
+    with CaptureQueriesContext(connection) as read:
+        retried = task_backends["default"].get_result(result.id)
+    assert len(read) == 1
+    assert retried.worker_ids == [str(first), str(second)]
+    assert [e.exception_class_path for e in retried.errors] == [
+        "django_workpump.tasks.errors.AttemptLost",
+        "builtins.ValueError",
+    ]
+    assert retried.errors[1].traceback == "ValueError: no"
+    assert retried.started_at is not None and retried.last_attempted_at >= retried.started_at
+
+
+@db
 def test_enqueue_writes_one_inbox_row_per_task():
     result = task_funcs.send_email.using(priority=7).enqueue("ada@example.com")
 
@@ -212,20 +251,26 @@ def test_a_task_on_an_unknown_queue_is_refused_with_invalid_task():
     assert models.Inbox.objects.count() == 0
 
 
+# A backend with empty QUEUES: any queue name, as Django documents.
+OPEN = {
+    "BACKEND": "django_workpump.tasks.WorkPumpBackend",
+    "QUEUES": [],
+    "OPTIONS": {"TASK_MODULES": ["tests.task_funcs"]},
+}
+
+
 @db
-def test_empty_queues_accept_any_queue_name_and_warn_that_no_worker_runs_them():
-    open_backend = {
-        "BACKEND": "django_workpump.tasks.WorkPumpBackend",
-        "QUEUES": [],
-        "OPTIONS": {"TASK_MODULES": ["tests.task_funcs"]},
-    }
-    with override_settings(TASKS={**TASKS, "open": open_backend}):
-        [warning] = task_backends["open"].check()
-        assert (warning.id, warning.level) == ("workpump.W101", checks.WARNING)
-        assert "stored and never run" in warning.msg
+def test_empty_queues_accept_any_queue_name_and_pass_the_checks():
+    with override_settings(TASKS={**TASKS, "open": OPEN}):
+        assert task_backends["open"].check() == []
         result = task_funcs.add.using(backend="open", queue_name="anything").enqueue(1, b=2)
         assert result.task.queue_name == "anything"
         assert row(result.id).handler_name == "django.tasks:open:anything"
+        assert task_backends["open"].get_result(result.id).task.queue_name == "anything"
+        # one prefix handler serves every queue of the alias
+        handler = registry.get("inbox", "django.tasks:open:anything")
+        assert handler is not None and handler.prefix
+        assert handler is registry.get("inbox", "django.tasks:open:never-seen")
 
 
 @db
@@ -668,6 +713,69 @@ def test_queues_narrow_a_worker_to_the_named_task_queues(pump):
     assert task_funcs.send_email.get_result(on_emails.id).status == TaskResultStatus.SUCCESSFUL
     assert task_funcs.add.get_result(on_default.id).status == TaskResultStatus.READY
     assert row(on_default.id).attempts == 0
+
+
+@pumped
+def test_a_pump_runs_tasks_on_any_queue_of_a_backend_with_empty_queues(pump, signals):
+    with override_settings(TASKS={**TASKS, "open": OPEN}):
+        reports = task_funcs.add.using(backend="open", queue_name="reports").enqueue(1, b=2)
+        nightly = task_funcs.double_async.using(backend="open", queue_name="nightly").enqueue(4)
+        listed = task_funcs.add.enqueue(3, b=4)  # a backend with QUEUES, beside it
+
+        supervisor = pump(drain=True)
+        assert drain(supervisor) == EXIT_OK
+
+        assert supervisor.topic_prefixes["inbox"] == ["django.tasks:open:"]
+        assert not any("django.tasks:open:" in t for t in supervisor.topics["inbox"])
+        backend = task_backends["open"]
+        done = backend.get_result(reports.id)
+        assert (done.status, done.return_value) == (TaskResultStatus.SUCCESSFUL, 3)
+        assert done.task.queue_name == "reports"
+        assert backend.get_result(nightly.id).return_value == 8
+        assert task_funcs.add.get_result(listed.id).return_value == 7
+        finished = [s for s in signals if s[0] == "finished" and s[1] == reports.id]
+        assert finished == [("finished", reports.id, TaskResultStatus.SUCCESSFUL, 1)]
+
+
+@pumped
+def test_queues_narrow_a_backend_with_empty_queues_to_the_named_queues(pump):
+    with override_settings(TASKS={**TASKS, "open": OPEN}):
+        wanted = task_funcs.add.using(backend="open", queue_name="reports").enqueue(1, b=1)
+        other = task_funcs.add.using(backend="open", queue_name="nightly").enqueue(2, b=2)
+        listed = task_funcs.add.enqueue(3, b=3)
+
+        supervisor = pump(drain=True, queues=["reports"])
+        assert drain(supervisor) == EXIT_OK
+
+        assert supervisor.topics["inbox"] == ["django.tasks:open:reports"]
+        assert supervisor.topic_prefixes["inbox"] == []
+        backend = task_backends["open"]
+        assert backend.get_result(wanted.id).status == TaskResultStatus.SUCCESSFUL
+        assert backend.get_result(other.id).status == TaskResultStatus.READY
+        assert row(other.id).attempts == 0
+        assert task_funcs.add.get_result(listed.id).status == TaskResultStatus.READY
+
+
+@pumped
+def test_the_runworkpump_command_runs_a_task_on_an_unlisted_queue():
+    with override_settings(TASKS={**TASKS, "open": OPEN}):
+        result = task_funcs.add.using(backend="open", queue_name="adhoc").enqueue(20, b=22)
+        out = StringIO()
+
+        call_command("runworkpump", "--drain", "--categories", "inbox", stdout=out)
+
+        assert "topic_prefixes=django.tasks:open:" in out.getvalue().splitlines()[0]
+        done = task_backends["open"].get_result(result.id)
+        assert (done.status, done.return_value) == (TaskResultStatus.SUCCESSFUL, 42)
+
+
+@db
+def test_run_pending_runs_a_task_on_an_unlisted_queue_in_the_tests_transaction():
+    with override_settings(TASKS={**TASKS, "open": OPEN}):
+        result = task_funcs.add.using(backend="open", queue_name="adhoc").enqueue(1, b=1)
+        assert run_pending() == 1
+        done = task_backends["open"].get_result(result.id)
+        assert (done.status, done.return_value) == (TaskResultStatus.SUCCESSFUL, 2)
 
 
 @db

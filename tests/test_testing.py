@@ -33,6 +33,11 @@ def handlers() -> Iterator[None]:
         models.Outbox.objects.filter(destination="tt.record").delete()  # rolled back
         raise ValueError(f"cannot handle {work.payload['n']}")
 
+    @workpump.outbox_handler("tt.exit")
+    def exit_(work):
+        CALLS.append(("exit", work.payload["n"]))
+        raise SystemExit(f"exit {work.payload['n']}")
+
     @workpump.outbox_handler("tt.async")
     async def in_a_loop(work):
         CALLS.append(("async", work.payload["n"]))
@@ -49,6 +54,7 @@ def handlers() -> Iterator[None]:
     for category, topic in [
         ("outbox", "tt.record"),
         ("outbox", "tt.fail"),
+        ("outbox", "tt.exit"),
         ("outbox", "tt.async"),
         ("perspective_event", "tt.totals"),
         ("receptor", "tt.warehouse"),
@@ -103,6 +109,32 @@ class RunPendingInATestCase(TestCase):
         assert ran == 1
         [failure] = report.failures
         assert (failure.topic, str(failure.error)) == ("tt.fail", "cannot handle 7")
+
+    def test_without_a_savepoint_a_failing_handlers_writes_stay_as_under_the_pump(self):
+        workpump.send("tt.record", {"n": 1})  # the failing handler deletes it
+        workpump.send("tt.fail", {"n": 7})
+        report = RunReport()
+
+        ran = run_pending(topics=["tt.fail"], raise_errors=False, report=report, savepoint=False)
+
+        assert ran == 0 and len(report.failures) == 1
+        assert not models.Outbox.objects.filter(destination="tt.record").exists()
+        assert models.Outbox.objects.get(destination="tt.fail").attempts == 1
+
+    def test_a_base_exception_fails_its_attempt_like_any_other(self):
+        workpump.send("tt.exit", {"n": 3}, max_attempts=1)
+        report = RunReport()
+
+        assert run_pending(raise_errors=False, report=report) == 0
+
+        [failure] = report.failures
+        assert isinstance(failure.error, SystemExit)
+        dead = models.Outbox.objects.get(destination="tt.exit")
+        assert dead.dead_lettered_at is not None
+        assert dead.last_error.startswith("SystemExit: exit 3")
+        with pytest.raises(SystemExit):  # raised, as any error, with raise_errors
+            workpump.send("tt.exit", {"n": 4})
+            run_pending()
 
     def test_topics_narrow_what_runs(self):
         workpump.send("tt.record", {"n": 1})

@@ -119,12 +119,17 @@ class DatabaseCoordinator:
         identity: InstanceIdentity,
         categories: Sequence[str] | None = None,
         topics: Mapping[str, Sequence[str]] | None = None,
+        topic_prefixes: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.identity = identity
         self.settings = dict(get_settings())
         self.categories = list(categories) if categories else list(CATEGORIES)
         # {category: topics this process has handlers for}; None claims every topic.
         self.topics = None if topics is None else {c: list(t) for c, t in topics.items()}
+        # {category: prefixes}: also every topic starting with one of them; None: none.
+        self.topic_prefixes = (
+            None if topic_prefixes is None else {c: list(p) for c, p in topic_prefixes.items() if p}
+        )
         self.alias: str = self.settings["DATABASE_ALIAS"]
 
     def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -159,6 +164,7 @@ class DatabaseCoordinator:
             partition_count=self.settings["PARTITION_COUNT"],
             categories=self.categories,
             topics=self.topics,
+            topic_prefixes=self.topic_prefixes or None,
             stale_after_seconds=self.stale_after_seconds,
             definitively_dead_after_seconds=self.dead_after_seconds,
             using=self.alias,

@@ -44,7 +44,13 @@ from django_workpump.pump.notify import NotifyGate
 from django_workpump.pump.periodic import PeriodicWorker
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from django_workpump.pump.service import LoopService
-from django_workpump.registry import CATEGORIES, Registry, claim_topics, registry
+from django_workpump.registry import (
+    CATEGORIES,
+    Registry,
+    claim_prefixes,
+    claim_topics,
+    registry,
+)
 from django_workpump.states import CancelReason
 
 logger = logging.getLogger("django_workpump.supervisor")
@@ -149,7 +155,16 @@ class Supervisor:
             topics=self.options.topics,
             queues=self.options.queues,
         )
-        self.coordinator = DatabaseCoordinator(self.identity, self.options.categories, self.topics)
+        # ... and every topic starting with a prefix handler's prefix, unless narrowed
+        self.topic_prefixes = claim_prefixes(
+            handlers,
+            self.options.categories,
+            topics=self.options.topics,
+            queues=self.options.queues,
+        )
+        self.coordinator = DatabaseCoordinator(
+            self.identity, self.options.categories, self.topics, self.topic_prefixes
+        )
         self.leases = LeaseRegistry()
         self.dispatcher = Dispatcher(
             self.coordinator,
@@ -267,6 +282,7 @@ class Supervisor:
             "categories": list(self.options.categories),
             # What this instance claims: status and the admin count the rows nobody runs.
             "topics": self.topics,
+            "topic_prefixes": self.topic_prefixes,
             "concurrency": self.dispatcher.concurrency,
             "listener": None if self.gate is None else self.gate.available,
             "listener_down_seconds": self._listener_down_seconds(),
@@ -349,7 +365,7 @@ class Supervisor:
         logger.debug(
             "workpump instance %s started", self.identity.instance_id, extra={"action": "started"}
         )
-        if not any(self.topics.values()):
+        if not any(self.topics.values()) and not any(self.topic_prefixes.values()):
             logger.warning(
                 "no handler is registered for categories %s: this instance claims nothing",
                 ", ".join(self.options.categories),

@@ -18,6 +18,9 @@ SELECT workpump.send(
     p_on_conflict => 'return')
 
 -- name: receive
+-- stored: false for a duplicate. created_at: the stored row's created_at, whose default
+-- is the statement's timestamp (STATEMENT_TIMESTAMP(), the time this statement started,
+-- which a function it calls shares), so a caller needs no second read for it.
 SELECT workpump.receive(
     p_message_id => %(message_id)s,
     p_handler_name => %(handler_name)s,
@@ -32,7 +35,8 @@ SELECT workpump.receive(
     p_deduplicate => %(deduplicate)s,
     p_unique_key => %(unique_key)s,
     p_unique_for => %(unique_for)s::interval,
-    p_on_conflict => 'return')
+    p_on_conflict => 'return') AS stored,
+    statement_timestamp() AS created_at
 
 -- name: emit
 SELECT workpump.emit(
@@ -73,7 +77,8 @@ FROM workpump.claim_work(
     p_stale_after_seconds => %(stale_after_seconds)s,
     p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
     p_now => %(now)s,
-    p_topics => %(topics)s::jsonb)
+    p_topics => %(topics)s::jsonb,
+    p_topic_prefixes => %(topic_prefixes)s::jsonb)
 
 -- name: renew_leases
 SELECT work_id, lease_expiry

@@ -1288,10 +1288,11 @@ $$;
 -- nothing (SQLSTATE WP001).
 
 -- The outbox claim: rows of workpump.send, whose topic is the destination.
--- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any) to
--- p_instance_id until p_now + p_lease_seconds, each with a new lease token; rows whose
--- attempts are used up are parked as dead instead. Called by claim_work, which checks
--- the instance and the input and computes p_rank and p_live_count.
+-- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
+-- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
+-- each with a new lease token; rows whose attempts are used up are parked as dead instead.
+-- Called by claim_work, which checks the instance and the input and computes p_rank and
+-- p_live_count.
 CREATE FUNCTION workpump.claim_outbox(
     p_instance_id uuid,
     p_limit integer,
@@ -1299,7 +1300,8 @@ CREATE FUNCTION workpump.claim_outbox(
     p_rank integer DEFAULT 0,
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
-    p_now timestamptz DEFAULT NULL
+    p_now timestamptz DEFAULT NULL,
+    p_topic_prefixes text[] DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1318,7 +1320,8 @@ BEGIN
         WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
           AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-          AND (p_topics IS NULL OR t.destination = ANY (p_topics))
+          AND (p_topics IS NULL OR t.destination = ANY (p_topics)
+               OR t.destination ^@ ANY (p_topic_prefixes))
         ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
         LIMIT p_limit
         FOR UPDATE OF t SKIP LOCKED
@@ -1332,7 +1335,8 @@ BEGIN
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
-              AND (p_topics IS NULL OR t.destination = ANY (p_topics))
+              AND (p_topics IS NULL OR t.destination = ANY (p_topics)
+                   OR t.destination ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
             FOR UPDATE OF t SKIP LOCKED
@@ -1348,7 +1352,8 @@ BEGIN
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
-              AND (p_topics IS NULL OR t.destination = ANY (p_topics))
+              AND (p_topics IS NULL OR t.destination = ANY (p_topics)
+                   OR t.destination ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
                           - (SELECT count(*) FROM own_share WHERE own_share.leasable)
@@ -1421,10 +1426,11 @@ END
 $$;
 
 -- The inbox claim: rows of workpump.receive, whose topic is the handler_name.
--- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any) to
--- p_instance_id until p_now + p_lease_seconds, each with a new lease token; rows whose
--- attempts are used up are parked as dead instead. Called by claim_work, which checks
--- the instance and the input and computes p_rank and p_live_count.
+-- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
+-- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
+-- each with a new lease token; rows whose attempts are used up are parked as dead instead.
+-- Called by claim_work, which checks the instance and the input and computes p_rank and
+-- p_live_count.
 CREATE FUNCTION workpump.claim_inbox(
     p_instance_id uuid,
     p_limit integer,
@@ -1432,7 +1438,8 @@ CREATE FUNCTION workpump.claim_inbox(
     p_rank integer DEFAULT 0,
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
-    p_now timestamptz DEFAULT NULL
+    p_now timestamptz DEFAULT NULL,
+    p_topic_prefixes text[] DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1451,7 +1458,8 @@ BEGIN
         WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
           AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-          AND (p_topics IS NULL OR t.handler_name = ANY (p_topics))
+          AND (p_topics IS NULL OR t.handler_name = ANY (p_topics)
+               OR t.handler_name ^@ ANY (p_topic_prefixes))
         ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
         LIMIT p_limit
         FOR UPDATE OF t SKIP LOCKED
@@ -1465,7 +1473,8 @@ BEGIN
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
-              AND (p_topics IS NULL OR t.handler_name = ANY (p_topics))
+              AND (p_topics IS NULL OR t.handler_name = ANY (p_topics)
+                   OR t.handler_name ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
             FOR UPDATE OF t SKIP LOCKED
@@ -1481,7 +1490,8 @@ BEGIN
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
-              AND (p_topics IS NULL OR t.handler_name = ANY (p_topics))
+              AND (p_topics IS NULL OR t.handler_name = ANY (p_topics)
+                   OR t.handler_name ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
                           - (SELECT count(*) FROM own_share WHERE own_share.leasable)
@@ -1555,10 +1565,11 @@ $$;
 
 -- The perspective claim: rows of workpump.emit, whose topic is the perspective_name;
 -- payload and event type come from the event.
--- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any) to
--- p_instance_id until p_now + p_lease_seconds, each with a new lease token; rows whose
--- attempts are used up are parked as dead instead. Called by claim_work, which checks
--- the instance and the input and computes p_rank and p_live_count.
+-- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
+-- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
+-- each with a new lease token; rows whose attempts are used up are parked as dead instead.
+-- Called by claim_work, which checks the instance and the input and computes p_rank and
+-- p_live_count.
 CREATE FUNCTION workpump.claim_perspective_event(
     p_instance_id uuid,
     p_limit integer,
@@ -1566,7 +1577,8 @@ CREATE FUNCTION workpump.claim_perspective_event(
     p_rank integer DEFAULT 0,
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
-    p_now timestamptz DEFAULT NULL
+    p_now timestamptz DEFAULT NULL,
+    p_topic_prefixes text[] DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1585,7 +1597,8 @@ BEGIN
         WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
           AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-          AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics))
+          AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics)
+               OR t.perspective_name ^@ ANY (p_topic_prefixes))
         ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
         LIMIT p_limit
         FOR UPDATE OF t SKIP LOCKED
@@ -1599,7 +1612,8 @@ BEGIN
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
-              AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics))
+              AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics)
+                   OR t.perspective_name ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
             FOR UPDATE OF t SKIP LOCKED
@@ -1615,7 +1629,8 @@ BEGIN
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
-              AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics))
+              AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics)
+                   OR t.perspective_name ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
                           - (SELECT count(*) FROM own_share WHERE own_share.leasable)
@@ -1690,10 +1705,11 @@ $$;
 
 -- The receptor claim: rows of workpump.emit, whose topic is the receptor_name;
 -- payload and event type come from the event.
--- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any) to
--- p_instance_id until p_now + p_lease_seconds, each with a new lease token; rows whose
--- attempts are used up are parked as dead instead. Called by claim_work, which checks
--- the instance and the input and computes p_rank and p_live_count.
+-- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
+-- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
+-- each with a new lease token; rows whose attempts are used up are parked as dead instead.
+-- Called by claim_work, which checks the instance and the input and computes p_rank and
+-- p_live_count.
 CREATE FUNCTION workpump.claim_receptor(
     p_instance_id uuid,
     p_limit integer,
@@ -1701,7 +1717,8 @@ CREATE FUNCTION workpump.claim_receptor(
     p_rank integer DEFAULT 0,
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
-    p_now timestamptz DEFAULT NULL
+    p_now timestamptz DEFAULT NULL,
+    p_topic_prefixes text[] DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1720,7 +1737,8 @@ BEGIN
         WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
           AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-          AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics))
+          AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics)
+               OR t.receptor_name ^@ ANY (p_topic_prefixes))
         ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
         LIMIT p_limit
         FOR UPDATE OF t SKIP LOCKED
@@ -1734,7 +1752,8 @@ BEGIN
             WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
-              AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics))
+              AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics)
+                   OR t.receptor_name ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
             FOR UPDATE OF t SKIP LOCKED
@@ -1750,7 +1769,8 @@ BEGIN
             WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
-              AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics))
+              AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics)
+                   OR t.receptor_name ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
                           - (SELECT count(*) FROM own_share WHERE own_share.leasable)
@@ -1833,9 +1853,18 @@ RETURN CASE WHEN p_topics IS NULL THEN NULL
             ELSE ARRAY(SELECT jsonb_array_elements_text(coalesce(p_topics -> p_category, '[]')))
        END;
 
+-- Whether a claim of these topics (NULL: every topic) and topic prefixes (NULL: none) can
+-- find anything: false only for an empty choice, so claim_work skips the category's probes.
+CREATE FUNCTION workpump.any_topic_chosen(p_topics text[], p_topic_prefixes text[]) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path FROM CURRENT
+RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_prefixes), 0) > 0;
+
 -- Lease up to p_max_rows claimable rows of the given categories (all when NULL) and of
 -- the topics p_topics names (all when NULL; e.g. '{"outbox": ["emails.welcome"],
--- "inbox": ["stripe.webhook"]}') to p_instance_id for p_lease_seconds, each with a new
+-- "inbox": ["stripe.webhook"]}'), or whose topic starts with one of the prefixes
+-- p_topic_prefixes names in the same shape (e.g. '{"inbox": ["django.tasks:default:"]}'),
+-- to p_instance_id for p_lease_seconds, each with a new
 -- lease_token that every later write about the row must pass back. Raises SQLSTATE WP001
 -- when p_instance_id is evicted or not registered. A category is only claimed from when
 -- its two index probes find something, so an idle system costs a few probes and no writes.
@@ -1852,7 +1881,8 @@ CREATE FUNCTION workpump.claim_work(
     p_stale_after_seconds integer DEFAULT 30,
     p_definitively_dead_after_seconds integer DEFAULT 300,
     p_now timestamptz DEFAULT NULL,
-    p_topics jsonb DEFAULT NULL
+    p_topics jsonb DEFAULT NULL,
+    p_topic_prefixes jsonb DEFAULT NULL
 ) RETURNS TABLE (
     category text,
     work_id uuid,
@@ -1879,9 +1909,13 @@ DECLARE
                                     ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']);
     v_category text;
     v_outbox_topics text[];
+    v_outbox_prefixes text[];
     v_inbox_topics text[];
+    v_inbox_prefixes text[];
     v_perspective_topics text[];
+    v_perspective_prefixes text[];
     v_receptor_topics text[];
+    v_receptor_prefixes text[];
     v_with_work text[] := '{}';
     v_full text[] := '{}';
     v_rank integer;
@@ -1923,71 +1957,97 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'E.g. {"outbox": ["emails.welcome"], "inbox": ["stripe.webhook"]}; categories: outbox, inbox, perspective_event, receptor.';
     END IF;
+    IF p_topic_prefixes IS NOT NULL AND (
+        jsonb_typeof(p_topic_prefixes) <> 'object'
+        OR EXISTS (SELECT 1 FROM jsonb_each(p_topic_prefixes) e
+                   WHERE e.key NOT IN ('outbox', 'inbox', 'perspective_event', 'receptor')
+                      OR jsonb_typeof(e.value) <> 'array'
+                      OR EXISTS (SELECT 1 FROM jsonb_array_elements(e.value) v
+                                 WHERE jsonb_typeof(v) <> 'string' OR v #>> '{}' = ''))) THEN
+        RAISE EXCEPTION 'claim_work needs p_topic_prefixes as an object of category: [non-empty prefix, ...], not %.', p_topic_prefixes
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'E.g. {"inbox": ["django.tasks:default:"]}; to claim every topic, pass p_topics => NULL.';
+    END IF;
     PERFORM workpump.check_instance('claim_work', p_instance_id);
     v_outbox_topics := workpump.claim_topics(p_topics, 'outbox');
     v_inbox_topics := workpump.claim_topics(p_topics, 'inbox');
     v_perspective_topics := workpump.claim_topics(p_topics, 'perspective_event');
     v_receptor_topics := workpump.claim_topics(p_topics, 'receptor');
+    v_outbox_prefixes := workpump.claim_topics(p_topic_prefixes, 'outbox');
+    v_inbox_prefixes := workpump.claim_topics(p_topic_prefixes, 'inbox');
+    v_perspective_prefixes := workpump.claim_topics(p_topic_prefixes, 'perspective_event');
+    v_receptor_prefixes := workpump.claim_topics(p_topic_prefixes, 'receptor');
 
     -- Per-category guards: two index probes each (ready rows, due timers), of the topics
     -- the claimer can run. The ORDER BY of each probe is its index's order: it keeps the
     -- planner on the partial index (an EXISTS may be planned as a scan of the whole table).
-    IF 'outbox' = ANY (v_categories) AND coalesce(cardinality(v_outbox_topics) > 0, true) AND (
+    IF 'outbox' = ANY (v_categories)
+       AND workpump.any_topic_chosen(v_outbox_topics, v_outbox_prefixes) AND (
         (SELECT 1 FROM workpump_outbox t
                 WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                   AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                  AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics))
+                  AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics)
+                       OR t.destination ^@ ANY (v_outbox_prefixes))
                 ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
         OR (SELECT 1 FROM workpump_outbox t
                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                      AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
                      AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                     AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics))
+                     AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics)
+                       OR t.destination ^@ ANY (v_outbox_prefixes))
                    ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
         v_with_work := v_with_work || 'outbox'::text;
     END IF;
-    IF 'inbox' = ANY (v_categories) AND coalesce(cardinality(v_inbox_topics) > 0, true) AND (
+    IF 'inbox' = ANY (v_categories)
+       AND workpump.any_topic_chosen(v_inbox_topics, v_inbox_prefixes) AND (
         (SELECT 1 FROM workpump_inbox t
                 WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                   AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                  AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics))
+                  AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics)
+                       OR t.handler_name ^@ ANY (v_inbox_prefixes))
                 ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
         OR (SELECT 1 FROM workpump_inbox t
                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                      AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
                      AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                     AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics))
+                     AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics)
+                       OR t.handler_name ^@ ANY (v_inbox_prefixes))
                    ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
         v_with_work := v_with_work || 'inbox'::text;
     END IF;
     IF 'perspective_event' = ANY (v_categories)
-       AND coalesce(cardinality(v_perspective_topics) > 0, true) AND (
+       AND workpump.any_topic_chosen(v_perspective_topics, v_perspective_prefixes) AND (
         (SELECT 1 FROM workpump_perspective_event t
                 WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                   AND t.instance_id IS NULL AND t.scheduled_for IS NULL
                   AND (v_perspective_topics IS NULL
-                       OR t.perspective_name = ANY (v_perspective_topics))
+                       OR t.perspective_name = ANY (v_perspective_topics)
+                       OR t.perspective_name ^@ ANY (v_perspective_prefixes))
                 ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
         OR (SELECT 1 FROM workpump_perspective_event t
                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                      AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
                      AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
                      AND (v_perspective_topics IS NULL
-                          OR t.perspective_name = ANY (v_perspective_topics))
+                          OR t.perspective_name = ANY (v_perspective_topics)
+                       OR t.perspective_name ^@ ANY (v_perspective_prefixes))
                    ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
         v_with_work := v_with_work || 'perspective_event'::text;
     END IF;
-    IF 'receptor' = ANY (v_categories) AND coalesce(cardinality(v_receptor_topics) > 0, true) AND (
+    IF 'receptor' = ANY (v_categories)
+       AND workpump.any_topic_chosen(v_receptor_topics, v_receptor_prefixes) AND (
         (SELECT 1 FROM workpump_receptor_processing t
                 WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                   AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                  AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics))
+                  AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics)
+                       OR t.receptor_name ^@ ANY (v_receptor_prefixes))
                 ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
         OR (SELECT 1 FROM workpump_receptor_processing t
                    WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                      AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
                      AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                     AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics))
+                     AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics)
+                       OR t.receptor_name ^@ ANY (v_receptor_prefixes))
                    ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
         v_with_work := v_with_work || 'receptor'::text;
     END IF;
@@ -2019,16 +2079,16 @@ BEGIN
         v_rows := CASE v_category
             WHEN 'outbox' THEN ARRAY(SELECT w FROM workpump.claim_outbox(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_outbox_topics, v_now) w)
+                v_outbox_topics, v_now, v_outbox_prefixes) w)
             WHEN 'inbox' THEN ARRAY(SELECT w FROM workpump.claim_inbox(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_inbox_topics, v_now) w)
+                v_inbox_topics, v_now, v_inbox_prefixes) w)
             WHEN 'perspective_event' THEN ARRAY(SELECT w FROM workpump.claim_perspective_event(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_perspective_topics, v_now) w)
+                v_perspective_topics, v_now, v_perspective_prefixes) w)
             ELSE ARRAY(SELECT w FROM workpump.claim_receptor(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_receptor_topics, v_now) w)
+                v_receptor_topics, v_now, v_receptor_prefixes) w)
         END;
         v_count := coalesce(cardinality(v_rows), 0);
         v_remaining := v_remaining - v_count;
@@ -2046,16 +2106,16 @@ BEGIN
         v_rows := CASE v_category
             WHEN 'outbox' THEN ARRAY(SELECT w FROM workpump.claim_outbox(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_outbox_topics, v_now) w)
+                v_outbox_topics, v_now, v_outbox_prefixes) w)
             WHEN 'inbox' THEN ARRAY(SELECT w FROM workpump.claim_inbox(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_inbox_topics, v_now) w)
+                v_inbox_topics, v_now, v_inbox_prefixes) w)
             WHEN 'perspective_event' THEN ARRAY(SELECT w FROM workpump.claim_perspective_event(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_perspective_topics, v_now) w)
+                v_perspective_topics, v_now, v_perspective_prefixes) w)
             ELSE ARRAY(SELECT w FROM workpump.claim_receptor(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_receptor_topics, v_now) w)
+                v_receptor_topics, v_now, v_receptor_prefixes) w)
         END;
         v_count := coalesce(cardinality(v_rows), 0);
         v_remaining := v_remaining - v_count;

@@ -269,8 +269,9 @@ LIMIT %(limit)s
 -- Topics with rows waiting for a claimer that no live instance runs: a claimer leases
 -- only the topics it has handlers for, so these rows wait (no attempt is spent) until an
 -- instance that runs them starts. Instances advertise their topics in their heartbeat
--- metadata ({"topics": {category: [topic, ...]}}); one that advertises none (an older
--- version) is taken to run every topic of its categories.
+-- metadata ({"topics": {category: [topic, ...]}}, and {"topic_prefixes": {category:
+-- [prefix, ...]}} for the topics it claims by prefix); one that advertises no topics (an
+-- older version) is taken to run every topic of its categories.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), live AS (
@@ -282,8 +283,9 @@ WITH clock AS (
             c.now - make_interval(secs => %(stale_after_seconds)s),
             c.now - make_interval(secs => %(definitively_dead_after_seconds)s)))
 ), handled AS (
-    -- (category, topic) pairs some live instance runs; topic NULL: every topic
-    SELECT t.category, x.topic
+    -- (category, topic, prefix) some live instance runs: the topic, or every topic
+    -- starting with the prefix; both NULL: every topic
+    SELECT t.category, x.topic, NULL::text AS prefix
     FROM live l
     CROSS JOIN LATERAL jsonb_each(CASE jsonb_typeof(l.metadata -> 'topics')
                                   WHEN 'object' THEN l.metadata -> 'topics'
@@ -292,7 +294,16 @@ WITH clock AS (
                                                  WHEN 'array' THEN t.topics
                                                  ELSE '[]' END) x(topic)
     UNION ALL
-    SELECT c.category, NULL
+    SELECT t.category, NULL, x.prefix
+    FROM live l
+    CROSS JOIN LATERAL jsonb_each(CASE jsonb_typeof(l.metadata -> 'topic_prefixes')
+                                  WHEN 'object' THEN l.metadata -> 'topic_prefixes'
+                                  ELSE '{}' END) t(category, prefixes)
+    CROSS JOIN LATERAL jsonb_array_elements_text(CASE jsonb_typeof(t.prefixes)
+                                                 WHEN 'array' THEN t.prefixes
+                                                 ELSE '[]' END) x(prefix)
+    UNION ALL
+    SELECT c.category, NULL, NULL
     FROM live l
     CROSS JOIN LATERAL jsonb_array_elements_text(
         CASE jsonb_typeof(l.metadata -> 'categories') WHEN 'array' THEN l.metadata -> 'categories'
@@ -337,7 +348,9 @@ SELECT w.category, w.topic, count(*) AS rows,
        extract(epoch FROM max(c.now - w.created_at))::double precision AS oldest_age_seconds
 FROM waiting w CROSS JOIN clock c
 WHERE NOT EXISTS (SELECT 1 FROM handled h
-                  WHERE h.category = w.category AND (h.topic IS NULL OR h.topic = w.topic))
+                  WHERE h.category = w.category
+                    AND (h.topic = w.topic OR w.topic ^@ h.prefix
+                         OR (h.topic IS NULL AND h.prefix IS NULL)))
 GROUP BY w.category, w.topic
 ORDER BY count(*) DESC, w.category, w.topic
 

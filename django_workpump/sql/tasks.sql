@@ -13,3 +13,26 @@ WHERE message_id = %(message_id)s
   AND lease_token = %(lease_token)s
   AND processed_at IS NULL
 RETURNING message_id, max_attempts
+
+-- name: task_result
+-- A task's row and its recorded attempts in one statement (tasks/results.py): the
+-- attempts come as parallel arrays in attempt order (NULL when there is none). Only a
+-- row of the backend's topics (handler names starting with %(topic_prefix)s) is found.
+SELECT i.handler_name, i.payload, i.priority, i.created_at, i.attempts, i.instance_id,
+       i.lease_expiry, i.processed_at, i.dead_lettered_at, i.last_error, i.result,
+       a.numbers AS attempt_numbers, a.instance_ids AS attempt_instance_ids,
+       a.started AS attempt_started_at, a.finished AS attempt_finished_at,
+       a.error_classes AS attempt_error_classes, a.tracebacks AS attempt_tracebacks
+FROM workpump_inbox i
+CROSS JOIN LATERAL (
+    SELECT array_agg(t.attempt ORDER BY t.attempt) AS numbers,
+           array_agg(t.instance_id ORDER BY t.attempt) AS instance_ids,
+           array_agg(t.started_at ORDER BY t.attempt) AS started,
+           array_agg(t.finished_at ORDER BY t.attempt) AS finished,
+           array_agg(t.error_class ORDER BY t.attempt) AS error_classes,
+           array_agg(t.traceback ORDER BY t.attempt) AS tracebacks
+    FROM workpump_task_attempt t
+    WHERE t.message_id = i.message_id
+) a
+WHERE i.message_id = %(message_id)s
+  AND starts_with(i.handler_name, %(topic_prefix)s)

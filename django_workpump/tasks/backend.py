@@ -141,7 +141,8 @@ class WorkPumpBackend(BaseTaskBackend):
         topic = topic_of(self.alias, task.queue_name)
         unique_key = _unique_key(payload) if getattr(task, "unique", False) else None
         unique_for = getattr(task, "unique_for", None)
-        stored = producer.receive(
+        # One statement: the insert, and the row's created_at as enqueued_at.
+        received = producer.receive_stamped(
             message_id,
             topic,
             payload,
@@ -154,24 +155,17 @@ class WorkPumpBackend(BaseTaskBackend):
             on_conflict=getattr(task, "on_conflict", "return"),
             using=using,
         )
-        if not stored and unique_key is not None:
+        if not received.stored and unique_key is not None:
             holder = producer.unique_key_holder("inbox", topic, unique_key, unique_for, using=using)
             if holder is not None:
                 return self.get_result(str(holder))
             # the holder finished between the two statements: the key is free again
             return self.enqueue(task, args, kwargs)
-        from django_workpump.models import Inbox
-
-        enqueued_at = (
-            Inbox.objects.using(using)
-            .values_list("created_at", flat=True)
-            .get(message_id=message_id)
-        )
         result: TaskResult[Any, Any] = TaskResult(
             task=task,
             id=str(message_id),
             status=TaskResultStatus.READY,
-            enqueued_at=enqueued_at,
+            enqueued_at=received.created_at,
             started_at=None,
             finished_at=None,
             last_attempted_at=None,

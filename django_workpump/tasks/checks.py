@@ -4,14 +4,10 @@ Errors
     E101 ``django_workpump`` is not in ``INSTALLED_APPS``.
     E102 the alias is empty or contains ``:``.
     E103 ``QUEUES`` holds a name that is not a non-empty string (empty ``QUEUES`` is
-         Django's "any queue").
+         Django's "any queue": runworkpump then runs every queue of the alias).
     E104 ``OPTIONS`` is not a dict, or has an unknown key.
     E105 ``OPTIONS["MAX_ATTEMPTS"]`` is not a whole number >= 1.
     E106 ``OPTIONS["TASK_MODULES"]`` is not a list of module names.
-
-Warnings
-    W101 ``QUEUES`` is empty: any queue name is accepted at enqueue, but a worker claims
-         the queues it knows by name only.
 """
 
 from __future__ import annotations
@@ -53,16 +49,6 @@ def check_backend(alias: str, queues: Iterable[Any], options: Any) -> Iterable[c
             "a non-empty string without ':'.",
             hint="Rename the alias in TASKS.",
             id="workpump.E102",
-        )
-    queues = list(queues)
-    if not queues:
-        yield checks.Warning(
-            f"{where}['QUEUES'] is empty: enqueue accepts any queue name (as Django "
-            "documents), but runworkpump runs the queues QUEUES names and no other, so these "
-            'tasks are stored and never run (workpump_status lists them under "no live '
-            'handler").',
-            hint="List the queues your tasks use in QUEUES.",
-            id="workpump.W101",
         )
     for queue in queues:
         if not isinstance(queue, str) or not queue.strip():

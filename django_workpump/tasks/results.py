@@ -8,6 +8,7 @@ row's ``last_error`` only holds the last error.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 from datetime import datetime
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
+from django_workpump import db
 from django_workpump.conf import setting
 from django_workpump.tasks.compat import (
     InvalidTask,
@@ -32,40 +34,43 @@ if TYPE_CHECKING:
 
 def read_result(backend: WorkPumpBackend, result_id: Any) -> TaskResult:
     """The ``TaskResult`` of one task row of ``backend``, from the database."""
-    from django_workpump.models import Inbox, TaskAttempt
-
     try:
         message_id = uuid.UUID(str(result_id))
     except ValueError:
         raise TaskResultDoesNotExist(result_id) from None
     using = setting("DATABASE_ALIAS")
     prefix = topic_of(backend.alias, "")
-    row = (
-        Inbox.objects.using(using)
-        .filter(message_id=message_id, handler_name__startswith=prefix)
-        .values(
-            "handler_name",
-            "payload",
-            "priority",
-            "created_at",
-            "attempts",
-            "instance_id",
-            "lease_expiry",
-            "processed_at",
-            "dead_lettered_at",
-            "last_error",
-            "result",
-        )
-        .first()
+    # One statement: the row and its attempts.
+    rows = db.fetch_named(
+        "tasks.sql",
+        "task_result",
+        {"message_id": message_id, "topic_prefix": prefix},
+        using=using,
     )
-    if row is None:
+    if not rows:
         raise TaskResultDoesNotExist(result_id)
-    attempts = list(
-        TaskAttempt.objects.using(using)
-        .filter(message_id=message_id)
-        .order_by("attempt")
-        .values("attempt", "instance_id", "started_at", "finished_at", "error_class", "traceback")
-    )
+    row = rows[0]
+    # Django's connections load jsonb as its text.
+    row["payload"], row["result"] = (_json(row["payload"]), _json(row["result"]))
+    attempts = [
+        {
+            "attempt": number,
+            "instance_id": instance_id,
+            "started_at": started_at,
+            "finished_at": finished_at,
+            "error_class": error_class,
+            "traceback": traceback,
+        }
+        for number, instance_id, started_at, finished_at, error_class, traceback in zip(
+            row["attempt_numbers"] or (),
+            row["attempt_instance_ids"] or (),
+            row["attempt_started_at"] or (),
+            row["attempt_finished_at"] or (),
+            row["attempt_error_classes"] or (),
+            row["attempt_tracebacks"] or (),
+            strict=True,
+        )
+    ]
     payload = row["payload"] if isinstance(row["payload"], Mapping) else {}
     run_after = parse_time(payload.get("run_after"))
     declared = resolve_task(payload.get("task"), backend)
@@ -136,6 +141,10 @@ def read_result(backend: WorkPumpBackend, result_id: Any) -> TaskResult:
     if status == TaskResultStatus.SUCCESSFUL:
         object.__setattr__(result, "_return_value", row["result"])
     return result
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
 
 
 def _lost(attempt: Mapping[str, Any]) -> str:

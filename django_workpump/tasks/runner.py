@@ -63,11 +63,27 @@ TRACEBACK_CHARS = 20_000  # the end of a long trace is what explains it
 # -- handlers: one per (alias, queue) ----------------------------------------------------
 
 _registered: set[str] = set()
+_registered_prefixes: set[str] = set()  # of backends with empty QUEUES
 _registered_lock = threading.Lock()
 
 
 def register_queues(alias: str, queues: Iterable[Any]) -> list[str]:
-    """Register the inbox handler of each queue of backend ``alias``; return the topics."""
+    """Register the inbox handler of each queue of backend ``alias``; return the topics.
+
+    Empty ``queues`` (Django's "any queue name") registers one prefix handler instead,
+    for every topic ``topic_of(alias, <any queue>)``; its topic, the prefix, is returned.
+    """
+    queues = list(queues)
+    if not queues:
+        if not valid_name(alias):
+            return []  # reported by the backend's check()
+        prefix = topic_of(alias, "")
+        with _registered_lock:
+            known = {h.topic for h in registry.prefix_handlers("inbox")}
+            if prefix not in _registered_prefixes or prefix not in known:
+                registry.register(Handler("inbox", prefix, _prefix_handler(alias), prefix=True))
+                _registered_prefixes.add(prefix)
+        return [prefix]
     topics = []
     for queue in queues:
         if not (valid_name(alias) and isinstance(queue, str) and queue.strip()):
@@ -105,6 +121,9 @@ def unregister_backends() -> None:
         for topic in _registered:
             registry.unregister("inbox", topic)
         _registered.clear()
+        for prefix in _registered_prefixes:
+            registry.unregister("inbox", prefix, prefix=True)
+        _registered_prefixes.clear()
 
 
 @receiver(setting_changed)
@@ -117,6 +136,17 @@ def _tasks_changed(*, setting: str, **kwargs: Any) -> None:
 def _handler(alias: str, queue: str) -> Any:
     def run_task(work: Work) -> Any:
         return AttemptRunner(alias, queue, work).run()
+
+    return run_task
+
+
+def _prefix_handler(alias: str) -> Any:
+    """The handler of every queue of backend ``alias`` (empty QUEUES): the queue is the
+    rest of the row's topic."""
+    prefix = topic_of(alias, "")
+
+    def run_task(work: Work) -> Any:
+        return AttemptRunner(alias, work.topic[len(prefix) :], work).run()
 
     return run_task
 

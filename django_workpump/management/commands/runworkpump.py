@@ -322,11 +322,18 @@ class Command(BaseCommand):
             f"service={supervisor.identity.service_name} pid={supervisor.identity.process_id} "
             f"categories={','.join(supervisor.options.categories)} "
             f"topics={sum(len(t) for t in supervisor.topics.values())} "
+            f"{_prefixes_part(supervisor)}"
             f"concurrency={supervisor.dispatcher.concurrency} database={alias}:{database} "
             f"liveness={s['LIVENESS_SOURCE_MODE']} "
             f"listener={listener} "
             f"lease={s['LEASE_SECONDS']}s heartbeat={s['HEARTBEAT_INTERVAL_SECONDS']}s"
         ), fields
+
+
+def _prefixes_part(supervisor: Supervisor) -> str:
+    """``topic_prefixes=a,b `` when the pump claims by prefix too (empty QUEUES), else ''."""
+    prefixes = [p for ps in supervisor.topic_prefixes.values() for p in ps]
+    return f"topic_prefixes={','.join(prefixes)} " if prefixes else ""
 
 
 class _StatusReporter:
