@@ -1,14 +1,23 @@
 """django-workpump: PostgreSQL as a reliable work pump for Django.
 
-Produce work inside your transaction with ``send``, ``receive`` and ``emit``; handle it
-with the decorators, ``periodic`` schedules it; run it with ``manage.py runworkpump``;
+Produce work inside your transaction with ``send``, ``receive`` and ``emit`` (``send_many``
+and ``emit_many`` for lists); handle it with the decorators, ``periodic`` schedules it;
+run it with ``manage.py runworkpump``;
 ``retry_now``, ``requeue_dead``, ``dead_letter``, ``release`` and ``evict`` are the
 operator's actions.
 """
 
 from django_workpump.actions import dead_letter, evict, release, requeue_dead, retry_now
 from django_workpump.periodic import InvalidSchedule, periodic
-from django_workpump.producer import Duplicate, InvalidWork, emit, receive, send
+from django_workpump.producer import (
+    Duplicate,
+    InvalidWork,
+    emit,
+    emit_many,
+    receive,
+    send,
+    send_many,
+)
 from django_workpump.pump.dispatch import Work
 from django_workpump.registry import inbox_handler, outbox_handler, perspective, receptor
 
@@ -19,6 +28,7 @@ __all__ = [
     "Work",
     "dead_letter",
     "emit",
+    "emit_many",
     "evict",
     "inbox_handler",
     "outbox_handler",
@@ -30,4 +40,5 @@ __all__ = [
     "requeue_dead",
     "retry_now",
     "send",
+    "send_many",
 ]

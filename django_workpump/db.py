@@ -190,6 +190,64 @@ def send(
     return _scalar("send", params, using)
 
 
+def send_many(
+    *,
+    destination: str,
+    payloads_json: Sequence[str],
+    streams: Sequence[str | None] | None,
+    priority: int,
+    scheduled_for: datetime | None,
+    max_attempts: int,
+    message_ids: Sequence[uuid.UUID] | None,
+    partition_count: int,
+    max_payload_bytes: int,
+    max_payload_depth: int,
+    using: str | None = None,
+) -> list[uuid.UUID]:
+    """Store one outbox row per payload, in list order, in one statement; their ids."""
+    params = {
+        "destination": destination,
+        "payloads": list(payloads_json),
+        "streams": None if streams is None else list(streams),
+        "priority": priority,
+        "scheduled_for": scheduled_for,
+        "max_attempts": max_attempts,
+        "message_ids": None if message_ids is None else list(message_ids),
+        "partition_count": partition_count,
+        "max_payload_bytes": max_payload_bytes,
+        "max_payload_depth": max_payload_depth,
+    }
+    return list(_scalar("send_many", params, using))
+
+
+def emit_many(
+    *,
+    event_type: str,
+    payloads_json: Sequence[str],
+    streams: Sequence[str | None] | None,
+    subscribers_json: str,
+    event_ids: Sequence[uuid.UUID] | None,
+    priority: int,
+    partition_count: int,
+    max_payload_bytes: int,
+    max_payload_depth: int,
+    using: str | None = None,
+) -> list[uuid.UUID]:
+    """Store one event per payload and its work, in list order, in one statement."""
+    params = {
+        "event_type": event_type,
+        "payloads": list(payloads_json),
+        "streams": None if streams is None else list(streams),
+        "subscribers": subscribers_json,
+        "event_ids": None if event_ids is None else list(event_ids),
+        "priority": priority,
+        "partition_count": partition_count,
+        "max_payload_bytes": max_payload_bytes,
+        "max_payload_depth": max_payload_depth,
+    }
+    return list(_scalar("emit_many", params, using))
+
+
 @dataclass(frozen=True, slots=True)
 class Received(FromRow):
     """What ``receive`` did: ``stored`` (False: a duplicate) and the row's ``created_at``."""

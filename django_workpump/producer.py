@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
@@ -521,3 +521,168 @@ def emit(
         _announce(category, alias)
     _tell_capture("emit", event_type, payload, stream, result)
     return result
+
+
+# Rows per statement of send_many and emit_many: one round trip per chunk, each chunk
+# small enough that its arrays stay a few megabytes at typical payload sizes.
+BULK_CHUNK_ROWS = 5000
+
+
+def _bulk_lists(
+    what: str, payloads: Any, streams: Any
+) -> tuple[list[Mapping[str, Any]], list[Any] | None]:
+    """Check the shape of a bulk call: a list of payloads and None or a parallel list."""
+    if isinstance(payloads, Mapping | str | bytes) or not isinstance(payloads, Iterable):
+        raise InvalidWork(
+            f"The payloads of {what} must be a list of dicts, not {type(payloads).__name__}. "
+            "For one payload call the single-row producer."
+        )
+    payloads = list(payloads)
+    if streams is None:
+        return payloads, None
+    if isinstance(streams, str | bytes | Mapping) or not isinstance(streams, Iterable):
+        raise InvalidWork(
+            f"The streams of {what} must be None or a list parallel to the payloads, "
+            f"not {type(streams).__name__}."
+        )
+    streams = list(streams)
+    if len(streams) != len(payloads):
+        raise InvalidWork(
+            f"The streams of {what} must hold one key (or None) per payload: got "
+            f"{len(payloads)} payloads and {len(streams)} streams."
+        )
+    return payloads, streams
+
+
+def _chunks(count: int, size: int) -> Iterator[slice]:
+    for start in range(0, count, size):
+        yield slice(start, start + size)
+
+
+def send_many(
+    destination: str,
+    payloads: Iterable[Mapping[str, Any]],
+    *,
+    streams: Iterable[str | int | uuid.UUID | None] | None = None,
+    priority: int = 0,
+    run_after: datetime | None = None,
+    max_attempts: int | None = None,
+    using: str | None = None,
+) -> list[uuid.UUID]:
+    """Store one outbox message for ``destination`` per payload, in the current transaction.
+
+    One statement per chunk of ``BULK_CHUNK_ROWS`` rows. ``streams`` is None or a list
+    parallel to ``payloads`` (None entries: no ordering); within a stream the messages
+    keep list order after anything already sent. Every payload is checked as ``send``
+    checks it, before anything is written: one bad payload refuses the whole call.
+    Returns the message ids in list order.
+    """
+    destination = _name("outbox destination", destination)
+    what = f"send_many to {destination!r}"
+    payloads, streams = _bulk_lists(what, payloads, streams)
+    texts = [
+        _payload_json(f"outbox message {index} to {destination!r}", payload)
+        for index, payload in enumerate(payloads)
+    ]
+    keys = (
+        None
+        if streams is None
+        else [
+            _stream_key(f"outbox message {index} to {destination!r}", stream)
+            for index, stream in enumerate(streams)
+        ]
+    )
+    priority = _priority(what, priority)
+    scheduled_for = _when(what, run_after)
+    max_attempts = _max_attempts("outbox", destination, max_attempts)
+    if not texts:
+        return []
+    alias = using or setting("DATABASE_ALIAS")
+    ids: list[uuid.UUID] = []
+    with _schema_required(alias), transaction.atomic(using=alias):
+        for part in _chunks(len(texts), BULK_CHUNK_ROWS):
+            ids += db.send_many(
+                destination=destination,
+                payloads_json=texts[part],
+                streams=None if keys is None else keys[part],
+                priority=priority,
+                scheduled_for=scheduled_for,
+                max_attempts=max_attempts,
+                message_ids=None,
+                partition_count=setting("PARTITION_COUNT"),
+                max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
+                max_payload_depth=MAX_DEPTH,
+                using=alias,
+            )
+    _announce("outbox", alias)
+    if capture_listeners:
+        for index, payload in enumerate(payloads):
+            stream = None if streams is None else streams[index]
+            _tell_capture("send", destination, payload, stream, ids[index])
+    return ids
+
+
+def emit_many(
+    event_type: str,
+    payloads: Iterable[Mapping[str, Any]],
+    *,
+    streams: Iterable[str | int | uuid.UUID | None] | None = None,
+    priority: int = 0,
+    using: str | None = None,
+) -> list[uuid.UUID]:
+    """Store one event of ``event_type`` per payload and its work, in the current transaction.
+
+    As ``emit`` for each payload, in list order, one statement per chunk of events whose
+    work rows number at most ``BULK_CHUNK_ROWS``; ``streams`` as in ``send_many``.
+    Returns the event ids in list order.
+    """
+    event_type = _name("event type", event_type)
+    what = f"emit_many of event {event_type!r}"
+    payloads, streams = _bulk_lists(what, payloads, streams)
+    texts = [
+        _payload_json(f"event {index} of type {event_type!r}", payload)
+        for index, payload in enumerate(payloads)
+    ]
+    keys = (
+        None
+        if streams is None
+        else [
+            _stream_key(f"event {index} of type {event_type!r}", stream)
+            for index, stream in enumerate(streams)
+        ]
+    )
+    priority = _priority(what, priority)
+    subscribers = [
+        {
+            "category": handler.category,
+            "name": handler.topic,
+            "max_attempts": _max_attempts(handler.category, handler.topic, None),
+        }
+        for handler in registry.subscribers(event_type)
+    ]
+    if not texts:
+        return []
+    alias = using or setting("DATABASE_ALIAS")
+    per_chunk = max(1, BULK_CHUNK_ROWS // max(1, len(subscribers)))
+    ids: list[uuid.UUID] = []
+    with _schema_required(alias), transaction.atomic(using=alias):
+        for part in _chunks(len(texts), per_chunk):
+            ids += db.emit_many(
+                event_type=event_type,
+                payloads_json=texts[part],
+                streams=None if keys is None else keys[part],
+                subscribers_json=json.dumps(subscribers),
+                event_ids=None,
+                priority=priority,
+                partition_count=setting("PARTITION_COUNT"),
+                max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
+                max_payload_depth=MAX_DEPTH,
+                using=alias,
+            )
+    for category in sorted({subscriber["category"] for subscriber in subscribers}):
+        _announce(category, alias)
+    if capture_listeners:
+        for index, payload in enumerate(payloads):
+            stream = None if streams is None else streams[index]
+            _tell_capture("emit", event_type, payload, stream, ids[index])
+    return ids

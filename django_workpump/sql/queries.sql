@@ -17,6 +17,31 @@ SELECT workpump.send(
     p_unique_for => %(unique_for)s::interval,
     p_on_conflict => 'return')
 
+-- name: send_many
+SELECT workpump.send_many(
+    p_destination => %(destination)s,
+    p_payloads => %(payloads)s::jsonb[],
+    p_streams => %(streams)s::text[],
+    p_priority => %(priority)s,
+    p_scheduled_for => %(scheduled_for)s,
+    p_max_attempts => %(max_attempts)s,
+    p_message_ids => %(message_ids)s::uuid[],
+    p_partition_count => %(partition_count)s,
+    p_max_payload_bytes => %(max_payload_bytes)s,
+    p_max_payload_depth => %(max_payload_depth)s)
+
+-- name: emit_many
+SELECT workpump.emit_many(
+    p_event_type => %(event_type)s,
+    p_payloads => %(payloads)s::jsonb[],
+    p_streams => %(streams)s::text[],
+    p_subscribers => %(subscribers)s::jsonb,
+    p_event_ids => %(event_ids)s::uuid[],
+    p_priority => %(priority)s,
+    p_partition_count => %(partition_count)s,
+    p_max_payload_bytes => %(max_payload_bytes)s,
+    p_max_payload_depth => %(max_payload_depth)s)
+
 -- name: receive
 -- stored: false for a duplicate. created_at: the stored row's created_at, whose default
 -- is the statement's timestamp (STATEMENT_TIMESTAMP(), the time this statement started,
