@@ -188,7 +188,7 @@ SETTINGS: tuple[Setting, ...] = (
     # The lease renewal batcher.
     Setting(
         "RENEWAL_MAX_BATCH",
-        200,
+        5_000,
         "int",
         minimum=1,
         meaning="the renewal batcher: most renewals one write sends",
@@ -209,7 +209,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "RENEWAL_CAPACITY",
-        5_000,
+        20_000,
         "int",
         minimum=1,
         meaning="the renewal batcher: most renewals waiting; more are refused",

@@ -268,9 +268,10 @@ def test_retry_backoff_of_zero_means_retry_at_once_and_is_clean():
 
 
 def test_renewal_immediate_flush_above_max_batch_is_an_error():
-    assert check(RENEWAL_IMMEDIATE_FLUSH_AT=300) == [
+    assert check(RENEWAL_IMMEDIATE_FLUSH_AT=6000) == [
         Error(
-            "WORKPUMP['RENEWAL_IMMEDIATE_FLUSH_AT'] (300) must be at most RENEWAL_MAX_BATCH (200).",
+            "WORKPUMP['RENEWAL_IMMEDIATE_FLUSH_AT'] (6000) must be at most RENEWAL_MAX_BATCH "
+            "(5000).",
             hint="Lower RENEWAL_IMMEDIATE_FLUSH_AT or raise RENEWAL_MAX_BATCH.",
             id="workpump.E006",
         )
@@ -278,9 +279,9 @@ def test_renewal_immediate_flush_above_max_batch_is_an_error():
 
 
 def test_renewal_max_batch_above_capacity_is_an_error():
-    assert check(RENEWAL_MAX_BATCH=6000) == [
+    assert check(RENEWAL_MAX_BATCH=30000) == [
         Error(
-            "WORKPUMP['RENEWAL_MAX_BATCH'] (6000) must be at most RENEWAL_CAPACITY (5000).",
+            "WORKPUMP['RENEWAL_MAX_BATCH'] (30000) must be at most RENEWAL_CAPACITY (20000).",
             hint="Lower RENEWAL_MAX_BATCH or raise RENEWAL_CAPACITY.",
             id="workpump.E006",
         )

@@ -370,3 +370,51 @@ def test_a_refused_renewal_stops_the_instance_once_and_renews_nothing_more(clock
     assert stops == [str(refusal)]
     assert coordinator.calls.count("renew") == 1  # the other category was not even tried
     assert all(h.renewal_count == 0 for h in handles)
+
+
+# One renew_leases per category per renewal window
+
+
+def test_a_round_of_1000_due_renewals_is_one_renew_call_per_category(clock, leases):
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, leases, clock)
+    handles = [
+        register(leases, clock, seconds_left=50, category=("outbox", "receptor")[n % 2])
+        for n in range(1000)
+    ]
+
+    _, requested = worker.run_once()
+    assert requested == 1000
+    assert worker.flusher.flush_once() == 1000
+
+    assert [(category, len(ids)) for category, ids in coordinator.renewals] == [
+        ("outbox", 500),
+        ("receptor", 500),
+    ]
+    assert sorted(coordinator.renewed_ids) == sorted(handle.work_id for handle in handles)
+    assert len(worker.flusher) == 0
+
+
+def test_renewals_past_the_max_batch_are_chunked(clock, leases):
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, leases, clock, max_batch=400, capacity=1000)
+    for _ in range(1000):
+        register(leases, clock, seconds_left=50)
+
+    worker.run_once()
+    while worker.flusher.flush_once():
+        pass
+
+    assert [len(ids) for _, ids in coordinator.renewals] == [400, 400, 200]
+
+
+def test_a_round_larger_than_the_buffer_asks_again_for_what_was_refused(clock, leases):
+    coordinator = FakeCoordinator()
+    worker = make_worker(coordinator, leases, clock, max_batch=300, capacity=300)
+    for _ in range(500):
+        register(leases, clock, seconds_left=50)
+
+    assert worker.run_once() == (0, 300)
+    worker.flusher.flush_once()
+    # the 200 refused were not marked as asked: the next tick asks for them at once
+    assert worker.run_once() == (0, 200)

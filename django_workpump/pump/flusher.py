@@ -145,6 +145,31 @@ class BatchFlusher(Generic[T]):
         )
         return False
 
+    def put_many(self, items: list[T]) -> int:
+        """Buffer items at once, so one flush sees them all; return how many were taken.
+
+        Items past the capacity are refused (dropped), as ``put`` refuses one.
+        """
+        if not items:
+            return 0
+        with self._cond:
+            size = len(self._buffer)
+            taken = max(0, min(len(items), self.capacity - size))
+            if taken:
+                if size == 0:
+                    self._first_at = self._clock.monotonic()
+                self._buffer.extend(items[:taken])
+                self._cond.notify()
+        if taken < len(items):
+            logger.warning(
+                "Flusher %s is full (%s items); %s items were refused.",
+                self.name,
+                self.capacity,
+                len(items) - taken,
+                extra={"action": "flusher_full"},
+            )
+        return taken
+
     def due(self) -> bool:
         """Return whether a flush should happen now."""
         with self._cond:

@@ -1,8 +1,9 @@
 """LeaseRenewalWorker: keeps the leases of running handlers alive, within the cap.
 
-Each tick it (1) abandons dispatches whose local deadline passed, and (2) enqueues a
-renewal for each dispatch whose deadline is near. Renewals are coalesced by a
-``BatchFlusher`` into one ``renew_leases`` call per category, fenced by each dispatch's
+Each tick it (1) abandons dispatches whose local deadline passed, and (2) hands the
+flusher the renewals of every dispatch whose deadline is near, all at once. A
+``BatchFlusher`` sends them as one ``renew_leases`` call per category (chunked only past
+``RENEWAL_MAX_BATCH`` rows), fenced by each dispatch's
 lease token; a handle's deadline moves only for the ids the database confirmed. A call
 that fails on the connection is retried by the flusher (only that category's ids); an id
 the database refuses for its data is dropped and logged, and its lease runs out. A handle
@@ -49,10 +50,10 @@ class LeaseRenewalWorker(LoopService):
         *,
         lease_seconds: float = 300,
         lease_grace_seconds: float = 30,
-        max_batch: int = 200,
+        max_batch: int = 5_000,
         coalesce_window: float = 0.2,
         immediate_flush_at: int = 100,
-        capacity: int = 5_000,
+        capacity: int = 20_000,
         tick_seconds: float = 0.5,
         on_deadline: Callable[[LeaseHandle], Any] | None = None,
         on_refused: Callable[[str], Any] | None = None,
@@ -211,24 +212,27 @@ class LeaseRenewalWorker(LoopService):
         for handle in expired:
             if self.on_deadline is not None:
                 self.on_deadline(handle)
-        requested = 0
-        for handle in self.leases.handles():
-            if handle.seconds_left() > self.renew_when_left or not handle.can_renew():
-                continue
-            key = (handle.category, handle.work_id)
-            now = self.clock.monotonic()
-            with self._requested_lock:
+        # Every renewal due this tick goes to the flusher at once: one flush then sends
+        # one renew_leases per category, however many rows are due.
+        due: list[tuple[str, uuid.UUID, uuid.UUID | None]] = []
+        now = self.clock.monotonic()
+        with self._requested_lock:
+            for handle in self.leases.handles():
+                if handle.seconds_left() > self.renew_when_left or not handle.can_renew():
+                    continue
+                key = (handle.category, handle.work_id)
                 asked_at = self._requested.get(key)
                 # A request not flushed within the retry window was dropped (a full
                 # buffer, an overflow on put-back): ask again rather than let it lapse.
                 if asked_at is not None and now - asked_at < self.request_retry_seconds:
                     continue
                 self._requested[key] = now
-            if self.enqueue(*key, handle.lease_token):
-                requested += 1
-            else:
-                with self._requested_lock:
-                    self._requested.pop(key, None)
+                due.append((*key, handle.lease_token))
+        requested = self.flusher.put_many(due)
+        if requested < len(due):
+            with self._requested_lock:
+                for category, work_id, _ in due[requested:]:
+                    self._requested.pop((category, work_id), None)
         return len(expired), requested
 
     def run(self) -> None:
