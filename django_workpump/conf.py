@@ -8,7 +8,8 @@ validates it (``checks.py``) and what it means (the README's settings table, ren
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal
 
@@ -324,6 +325,8 @@ SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 DEFAULTS: dict[str, Any] = {s.name: s.default for s in SETTINGS}
 
 _cache: dict[str, Any] | None = None
+# Keys this process overrides while a block of ``overridden`` runs (runworkpump --database).
+_overrides: dict[str, Any] = {}
 
 
 def get_settings() -> Mapping[str, Any]:
@@ -336,8 +339,31 @@ def get_settings() -> Mapping[str, Any]:
         merged = dict(DEFAULTS)
         if isinstance(user, Mapping):
             merged.update(user)
+        merged.update(_overrides)
         _cache = merged
     return _cache
+
+
+@contextmanager
+def overridden(**values: Any) -> Iterator[None]:
+    """Override ``WORKPUMP`` keys for this whole process while the block runs.
+
+    ``runworkpump --database ALIAS`` runs under ``DATABASE_ALIAS=ALIAS``, so the pump and
+    the producers its handlers call write to that database.
+    """
+    global _cache
+    unknown = sorted(set(values) - set(DEFAULTS))
+    if unknown:
+        raise KeyError(f"Unknown WORKPUMP keys {', '.join(unknown)}.")
+    previous = dict(_overrides)
+    _overrides.update(values)
+    _cache = None
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(previous)
+        _cache = None
 
 
 def setting(name: str) -> Any:

@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, connections
 from psycopg.rows import dict_row
 
 # A fixed point in time; SQL tests pass it (and offsets of it) as p_now.
@@ -267,3 +267,16 @@ def pump_process() -> Iterator[Callable[..., subprocess.Popen[str]]]:
         if process.poll() is None:
             process.kill()
         process.wait(10)
+
+
+@pytest.fixture(autouse=True)
+def _second_database_closed() -> None:
+    """Close this thread's connection to the "second" alias before each test.
+
+    A test that uses it leaves it open (Django flushes it after the test), and a later
+    test that may not query it would then trip on it where the pump names every open
+    connection of the thread.
+    """
+    for wrapper in connections.all(initialized_only=True):
+        if wrapper.alias == "second" and wrapper.connection is not None:
+            wrapper.close()

@@ -11,6 +11,13 @@ env = environ.Env()
 DATABASE_URL = env.str("DATABASE_URL", default="") or embedded_database_url()
 DATABASES = {"default": env.db_url_config(DATABASE_URL)}
 DATABASES["default"]["TEST"] = {"NAME": "test_" + DATABASES["default"]["NAME"]}
+# A second database on the same server, for one pump per database (runworkpump
+# --database). Its test database is created only for tests that name it.
+DATABASES["second"] = {
+    **DATABASES["default"],
+    "NAME": DATABASES["default"]["NAME"] + "_second",
+    "TEST": {"NAME": "test_" + DATABASES["default"]["NAME"] + "_second"},
+}
 
 SECRET_KEY = "tests-only-not-secret"
 USE_TZ = True

@@ -486,7 +486,7 @@ def test_database_alias_must_exist():
     assert check(DATABASE_ALIAS="replica") == [
         Error(
             "WORKPUMP['DATABASE_ALIAS'] ('replica') must name a database in settings.DATABASES.",
-            hint="Use one of the configured aliases: 'default'.",
+            hint="Use one of the configured aliases: 'default', 'second'.",
             id="workpump.E011",
         )
     ]

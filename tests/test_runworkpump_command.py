@@ -310,3 +310,35 @@ def test_json_log_format_under_a_project_logging_says_it_is_not_applied(monkeypa
     assert "--log-format json is not applied: settings.LOGGING configures" in record.getMessage()
     assert Command()._configure_logging("text") is None  # nothing to say for text
     assert len([r for r in caplog.records if r.action == "log_format_ignored"]) == 1
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "second"])
+@override_settings(WORKPUMP=FAST)
+def test_database_runs_the_pump_against_another_database_alias(echo_handler):
+    """Producers write to the second database with using=; the pump started with
+    --database second processes them there and leaves the default database alone."""
+    on_second = workpump.send_many("cmd.echo", [{"n": n} for n in range(4)], using="second")
+    on_default = workpump.send("cmd.echo", {"n": "default"})
+    out = StringIO()
+
+    call_command("runworkpump", "--drain", "--database", "second", stdout=out)
+
+    lines = out.getvalue().splitlines()
+    assert "database=second:" in lines[0]
+    assert "_second" in lines[0]
+    assert "claimed=4 done=4" in lines[-1]
+    done = models.Outbox.objects.using("second").filter(processed_at__isnull=False)
+    assert sorted(done.values_list("message_id", flat=True)) == sorted(on_second)
+    assert models.ServiceInstance.objects.using("second").count() == 0
+    # the default database was not touched: its row waits, never claimed
+    untouched = models.Outbox.objects.get(message_id=on_default)
+    assert (untouched.processed_at, untouched.attempts, untouched.claimed_at) == (None, 0, None)
+    # the process-wide override ended with the command
+    from django_workpump.conf import setting
+
+    assert setting("DATABASE_ALIAS") == "default"
+
+
+def test_an_unknown_database_alias_is_refused_with_the_known_ones_named():
+    with pytest.raises(CommandError, match="--database 'shard9' is not a Django database"):
+        call_command("runworkpump", "--drain", "--database", "shard9")

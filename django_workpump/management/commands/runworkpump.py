@@ -15,7 +15,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 from django.db import connections
 
-from django_workpump.conf import get_settings
+from django_workpump.conf import get_settings, overridden
 from django_workpump.management.database import ensure_reachable
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.supervisor import (
@@ -143,13 +143,29 @@ class Command(BaseCommand):
             action="store_true",
             help="Do not LISTEN: poll only (no NOTIFY wakes, no alive-lock).",
         )
+        parser.add_argument(
+            "--database",
+            help="The Django database alias to run against (default WORKPUMP "
+            "DATABASE_ALIAS): one pump per database shard.",
+        )
         parser.add_argument("--log-format", choices=["text", "json"], default="text")
 
     def handle(self, *args: Any, **options: Any) -> None:
         level = logger.level
+        alias = options.get("database")
+        if alias is not None and alias not in settings.DATABASES:
+            raise CommandError(
+                f"--database {alias!r} is not a Django database; choose one of "
+                f"{', '.join(settings.DATABASES)} (settings.DATABASES)."
+            )
         log_handler = self._configure_logging(options["log_format"])
         try:
-            self._run(options)
+            if alias is None:
+                self._run(options)
+            else:
+                # The pump, and every producer its handlers call, use this database.
+                with overridden(DATABASE_ALIAS=alias):
+                    self._run(options)
         finally:
             if log_handler is not None:
                 logger.removeHandler(log_handler)
