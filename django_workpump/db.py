@@ -207,8 +207,8 @@ def send_many(
     """Store one outbox row per payload, in list order, in one statement; their ids."""
     params = {
         "destination": destination,
-        "payloads": list(payloads_json),
-        "streams": None if streams is None else list(streams),
+        "payloads": "[" + ",".join(payloads_json) + "]",
+        "streams": None if streams is None else json.dumps(list(streams)),
         "priority": priority,
         "scheduled_for": scheduled_for,
         "max_attempts": max_attempts,
@@ -236,8 +236,8 @@ def emit_many(
     """Store one event per payload and its work, in list order, in one statement."""
     params = {
         "event_type": event_type,
-        "payloads": list(payloads_json),
-        "streams": None if streams is None else list(streams),
+        "payloads": "[" + ",".join(payloads_json) + "]",
+        "streams": None if streams is None else json.dumps(list(streams)),
         "subscribers": subscribers_json,
         "event_ids": None if event_ids is None else list(event_ids),
         "priority": priority,

@@ -18,10 +18,15 @@ SELECT workpump.send(
     p_on_conflict => 'return')
 
 -- name: send_many
+-- The payloads and the streams travel as one JSON array each: one parameter, no
+-- per-element array quoting on the client.
 SELECT workpump.send_many(
     p_destination => %(destination)s,
-    p_payloads => %(payloads)s::jsonb[],
-    p_streams => %(streams)s::text[],
+    p_payloads => ARRAY(SELECT e.value FROM jsonb_array_elements(%(payloads)s::jsonb)
+                        WITH ORDINALITY e(value, n) ORDER BY e.n),
+    p_streams => CASE WHEN %(streams)s::jsonb IS NOT NULL THEN
+        ARRAY(SELECT e.value FROM jsonb_array_elements_text(%(streams)s::jsonb)
+              WITH ORDINALITY e(value, n) ORDER BY e.n) END,
     p_priority => %(priority)s,
     p_scheduled_for => %(scheduled_for)s,
     p_max_attempts => %(max_attempts)s,
@@ -33,8 +38,11 @@ SELECT workpump.send_many(
 -- name: emit_many
 SELECT workpump.emit_many(
     p_event_type => %(event_type)s,
-    p_payloads => %(payloads)s::jsonb[],
-    p_streams => %(streams)s::text[],
+    p_payloads => ARRAY(SELECT e.value FROM jsonb_array_elements(%(payloads)s::jsonb)
+                        WITH ORDINALITY e(value, n) ORDER BY e.n),
+    p_streams => CASE WHEN %(streams)s::jsonb IS NOT NULL THEN
+        ARRAY(SELECT e.value FROM jsonb_array_elements_text(%(streams)s::jsonb)
+              WITH ORDINALITY e(value, n) ORDER BY e.n) END,
     p_subscribers => %(subscribers)s::jsonb,
     p_event_ids => %(event_ids)s::uuid[],
     p_priority => %(priority)s,

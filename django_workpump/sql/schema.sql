@@ -852,17 +852,20 @@ BEGIN
     FROM (SELECT DISTINCT u.stream FROM unnest(p_streams) u(stream)
           WHERE u.stream IS NOT NULL ORDER BY u.stream) s;
 
-    SELECT array_agg(coalesce(p_message_ids[u.i], gen_random_uuid()) ORDER BY u.i)
-    INTO v_ids
-    FROM generate_subscripts(p_payloads, 1) u(i);
-
-    INSERT INTO workpump_outbox (message_id, destination, payload, stream, partition_number,
-                                 priority, scheduled_for, max_attempts)
-    SELECT v_ids[u.i], p_destination, p_payloads[u.i], p_streams[u.i],
-           workpump.partition_of(coalesce(p_streams[u.i], v_ids[u.i]::text), p_partition_count),
-           p_priority, p_scheduled_for, p_max_attempts
-    FROM generate_subscripts(p_payloads, 1) u(i)
-    ORDER BY u.i;
+    -- unnest, not subscripts: p_payloads[i] walks the array from its start every time
+    WITH new_rows AS MATERIALIZED (
+        SELECT u.i, coalesce(u.id, gen_random_uuid()) AS id, u.payload, u.stream
+        FROM unnest(p_payloads, p_streams, p_message_ids) WITH ORDINALITY u(payload, stream, id, i)
+    ), inserted AS (
+        INSERT INTO workpump_outbox (message_id, destination, payload, stream,
+                                     partition_number, priority, scheduled_for, max_attempts)
+        SELECT r.id, p_destination, r.payload, r.stream,
+               workpump.partition_of(coalesce(r.stream, r.id::text), p_partition_count),
+               p_priority, p_scheduled_for, p_max_attempts
+        FROM new_rows r
+        ORDER BY r.i
+    )
+    SELECT array_agg(r.id ORDER BY r.i) INTO v_ids FROM new_rows r;
     RETURN v_ids;
 END
 $$;
@@ -939,31 +942,32 @@ BEGIN
           WHERE u.stream IS NOT NULL
           ORDER BY 1, 2, 3) l;
 
-    SELECT array_agg(coalesce(p_event_ids[u.i], gen_random_uuid()) ORDER BY u.i)
+    -- unnest, not subscripts: p_payloads[i] walks the array from its start every time
+    SELECT array_agg(coalesce(u.id, gen_random_uuid()) ORDER BY u.i)
     INTO v_ids
-    FROM generate_subscripts(p_payloads, 1) u(i);
+    FROM unnest(p_payloads, p_event_ids) WITH ORDINALITY u(payload, id, i);
 
     INSERT INTO workpump_event (event_id, event_type, payload, stream)
-    SELECT v_ids[u.i], p_event_type, p_payloads[u.i], p_streams[u.i]
-    FROM generate_subscripts(p_payloads, 1) u(i)
+    SELECT u.id, p_event_type, u.payload, u.stream
+    FROM unnest(v_ids, p_payloads, p_streams) WITH ORDINALITY u(id, payload, stream, i)
     ORDER BY u.i;
 
     INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id, stream,
                                             partition_number, priority, max_attempts)
-    SELECT gen_random_uuid(), s.value->>'name', v_ids[u.i], p_streams[u.i],
-           workpump.partition_of(coalesce(p_streams[u.i], v_ids[u.i]::text), p_partition_count),
+    SELECT gen_random_uuid(), s.value->>'name', u.id, u.stream,
+           workpump.partition_of(coalesce(u.stream, u.id::text), p_partition_count),
            p_priority, coalesce((s.value->>'max_attempts')::integer, 10)
-    FROM generate_subscripts(p_payloads, 1) u(i)
+    FROM unnest(v_ids, p_streams) WITH ORDINALITY u(id, stream, i)
     CROSS JOIN jsonb_array_elements(v_subscribers) WITH ORDINALITY s(value, n)
     WHERE s.value->>'category' = 'perspective_event'
     ORDER BY u.i, s.n;
 
     INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, stream,
                                               partition_number, priority, max_attempts)
-    SELECT gen_random_uuid(), s.value->>'name', v_ids[u.i], p_streams[u.i],
-           workpump.partition_of(coalesce(p_streams[u.i], v_ids[u.i]::text), p_partition_count),
+    SELECT gen_random_uuid(), s.value->>'name', u.id, u.stream,
+           workpump.partition_of(coalesce(u.stream, u.id::text), p_partition_count),
            p_priority, coalesce((s.value->>'max_attempts')::integer, 10)
-    FROM generate_subscripts(p_payloads, 1) u(i)
+    FROM unnest(v_ids, p_streams) WITH ORDINALITY u(id, stream, i)
     CROSS JOIN jsonb_array_elements(v_subscribers) WITH ORDINALITY s(value, n)
     WHERE s.value->>'category' = 'receptor'
     ORDER BY u.i, s.n;
