@@ -344,19 +344,36 @@ def test_a_bulk_producer_in_reverse_order_waits_instead_of_deadlocking(raw_conne
 
 
 def test_the_v11_migration_reverses_and_applies_again(scratch_database):
-    def bulk_functions() -> list[str]:
+    def v11_state() -> tuple[list[str], int]:
+        """(the bulk functions, insert triggers that fire only for rows that need them)."""
         with scratch_database.connect() as conn:
             rows = conn.execute(
                 "SELECT proname FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
                 " AND proname IN ('send_many', 'emit_many', 'check_payloads', 'check_streams')"
                 " ORDER BY proname"
             ).fetchall()
-            return [next(iter(row.values())) if isinstance(row, dict) else row[0] for row in rows]
+            conditional = conn.execute(
+                "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'workpump%_before_insert'"
+                " AND tgqual IS NOT NULL"
+            ).fetchone()
+            return [row[0] for row in rows], conditional[0]
 
     everything = ["check_payloads", "check_streams", "emit_many", "send_many"]
     scratch_database.migrate("workpump", "0016")
-    assert bulk_functions() == everything
+    assert v11_state() == (everything, 4)
     scratch_database.migrate("workpump", "0015")
-    assert bulk_functions() == []
+    assert v11_state() == ([], 0)
     scratch_database.migrate("workpump", "0016")
-    assert bulk_functions() == everything
+    assert v11_state() == (everything, 4)
+
+
+def test_an_unordered_row_without_a_partition_still_gets_one_from_the_trigger():
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO workpump_outbox (message_id, destination, payload, max_attempts)"
+            " VALUES (gen_random_uuid(), 'raw.insert', '{}', 3) RETURNING partition_number,"
+            " stream_head, seq"
+        )
+        partition, head, seq = cursor.fetchone()
+    assert head is True
+    assert partition == scalar("SELECT workpump.partition_of(%s, 10000)", (str(seq),))

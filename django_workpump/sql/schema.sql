@@ -978,8 +978,9 @@ $$;
 -- --------------------------------------------------------------------------------------
 -- Insert triggers of the work tables
 -- --------------------------------------------------------------------------------------
--- Before each row: fill partition_number and decide stream_head. A row is its stream's
--- head iff no undone row of its ordering scope exists; the stream lock makes that check
+-- Before each row with a stream or without a partition number: fill partition_number
+-- and decide stream_head (an unordered row is a head by the column's default). A row is
+-- its stream's head iff no undone row of its ordering scope exists; the stream lock makes that check
 -- and complete_work's promotion of the next head mutually exclusive, so exactly one
 -- undone row per stream is a head, and rows become heads in commit order.
 --
@@ -1046,13 +1047,17 @@ END
 $$;
 
 CREATE TRIGGER workpump_outbox_before_insert BEFORE INSERT ON workpump_outbox
-    FOR EACH ROW EXECUTE FUNCTION workpump.before_insert_work('outbox');
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    EXECUTE FUNCTION workpump.before_insert_work('outbox');
 CREATE TRIGGER workpump_inbox_before_insert BEFORE INSERT ON workpump_inbox
-    FOR EACH ROW EXECUTE FUNCTION workpump.before_insert_work('inbox');
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    EXECUTE FUNCTION workpump.before_insert_work('inbox');
 CREATE TRIGGER workpump_perspective_event_before_insert BEFORE INSERT ON workpump_perspective_event
-    FOR EACH ROW EXECUTE FUNCTION workpump.before_insert_work('perspective_event');
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    EXECUTE FUNCTION workpump.before_insert_work('perspective_event');
 CREATE TRIGGER workpump_receptor_processing_before_insert BEFORE INSERT ON workpump_receptor_processing
-    FOR EACH ROW EXECUTE FUNCTION workpump.before_insert_work('receptor');
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    EXECUTE FUNCTION workpump.before_insert_work('receptor');
 
 CREATE TRIGGER workpump_outbox_notify AFTER INSERT ON workpump_outbox
     REFERENCING NEW TABLE AS inserted_rows

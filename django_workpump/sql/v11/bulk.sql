@@ -10,6 +10,27 @@
 -- deadlocking. The insert trigger takes each lock again, which is free once held. The
 -- same checks as send and emit apply to every row; one bad row refuses the whole call.
 
+-- The insert trigger before_insert_work fires only for rows that need it: rows with a
+-- stream (the stream lock and the head decision) or without a partition number. An
+-- unordered row that names its partition, as every producer's does, is a head by the
+-- column's default, so a bulk insert makes no function call per such row.
+DROP TRIGGER workpump_outbox_before_insert ON workpump_outbox;
+CREATE TRIGGER workpump_outbox_before_insert BEFORE INSERT ON workpump_outbox
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    EXECUTE FUNCTION workpump.before_insert_work('outbox');
+DROP TRIGGER workpump_inbox_before_insert ON workpump_inbox;
+CREATE TRIGGER workpump_inbox_before_insert BEFORE INSERT ON workpump_inbox
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    EXECUTE FUNCTION workpump.before_insert_work('inbox');
+DROP TRIGGER workpump_perspective_event_before_insert ON workpump_perspective_event;
+CREATE TRIGGER workpump_perspective_event_before_insert BEFORE INSERT ON workpump_perspective_event
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    EXECUTE FUNCTION workpump.before_insert_work('perspective_event');
+DROP TRIGGER workpump_receptor_processing_before_insert ON workpump_receptor_processing;
+CREATE TRIGGER workpump_receptor_processing_before_insert BEFORE INSERT ON workpump_receptor_processing
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    EXECUTE FUNCTION workpump.before_insert_work('receptor');
+
 -- Raise unless every payload of a bulk call is a JSON object within the size and nesting
 -- limits (check_new_work and check_payload, as one set query); p_what names the topic
 -- noun, as in send and emit. Errors name the payload's index in the list, from 0.
