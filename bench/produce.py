@@ -1,8 +1,11 @@
 """Producers of the benchmark, one subprocess per use so each system runs in its own
 process with its own client: ``python -m bench.produce SYSTEM MODE ...``.
 
-MODE ``bulk``: enqueue N jobs in batches (timed); MODE ``latency``: single enqueues at a
-fixed gap, each in its own transaction, printing the commit time of each. The last line
+MODE ``bulk``: enqueue N jobs in batches (timed; for django-workpump ``--variant`` says
+how: ``send`` per row in one transaction per batch, ``single`` one ``send`` per
+transaction in autocommit, ``many`` with ``send_many``, ``set`` a raw INSERT); MODE
+``latency``: single enqueues at a fixed gap, each in its own transaction, printing the
+commit time of each. The last line
 of output is one JSON object.
 """
 
@@ -43,12 +46,18 @@ def ours_bulk(n: int, batch: int, task: str, variant: str) -> dict[str, Any]:
     connection.ensure_connection()
     started = now_ns()
     done = 0
+    if variant == "single":  # one send per call, each its own transaction (autocommit)
+        for i in range(n):
+            workpump.send(destination, {"i": i})
+        return {"n": n, "seconds": (now_ns() - started) / 1e9}
     while done < n:
         size = min(batch, n - done)
         with transaction.atomic():
             if variant == "send":
                 for i in range(done, done + size):
                     workpump.send(destination, {"i": i})
+            elif variant == "many":  # the bulk producer: one statement per batch
+                workpump.send_many(destination, [{"i": i} for i in range(done, done + size)])
             else:  # "set": what a bulk producer (send_many) would run: one INSERT per batch
                 with connection.cursor() as cursor:
                     cursor.execute(
@@ -161,7 +170,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, required=True)
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--task", default="noop")
-    parser.add_argument("--variant", default="send", choices=["send", "set"])
+    parser.add_argument("--variant", default="send", choices=["send", "single", "many", "set"])
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--offset", type=int, default=0)
     a = parser.parse_args()

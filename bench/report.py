@@ -509,6 +509,9 @@ def render(results: dict[str, Any]) -> str:
         "`workpump.send_many()` taking arrays (one INSERT ... SELECT FROM unnest per batch, "
         "through the same trigger) would run the 'set-based' row of the enqueue table above.\n"
     )
+    sc = s.get("scale")
+    if sc:
+        out.extend(render_scale(sc, results.get("command")))
     w("## Notes on method\n")
     w(
         "- PgQueuer 1.6.0's `pgq run` stops before starting with the installed typer (its "
@@ -526,3 +529,85 @@ def render(results: dict[str, Any]) -> str:
         "revision at the start and at the end of the run.\n"
     )
     return "\n".join(out) + "\n"
+
+
+def render_scale(sc: dict[str, Any], command: str | None) -> list[str]:
+    """The scale-out section (bench/scale.py): its lines, for render() or on its own."""
+    out: list[str] = []
+    w = out.append
+    w("## 7. Hot path and scale-out\n")
+    w(
+        f"From `bench/scale.py` on {sc.get('server')}: every system on that one server, "
+        f"in one run (`{command}`). Two shared cores: read the ratios.\n"
+    )
+    enq = sc.get("enqueue", {})
+    if enq:
+        w("| Enqueue | rows | rows/s |\n|---|---|---|")
+        for key, label in (
+            ("workpump_send_many", "django-workpump `send_many`, batches of 1,000"),
+            ("pgqueuer_batch", "PgQueuer `enqueue` of 1,000"),
+            ("workpump_send", "django-workpump `send`, one per call (autocommit)"),
+            ("pgqueuer_single", "PgQueuer `enqueue` of one per call"),
+        ):
+            row = enq.get(key, {})
+            w(f"| {label} | {_f(row.get('n'))} | {_f(row.get('rate'))} |")
+        w(
+            f"\nBatch ratio {_f(enq.get('many_ratio_vs_pgqueuer'), 2)}, single ratio "
+            f"{_f(enq.get('single_ratio_vs_pgqueuer'), 2)} (django-workpump / PgQueuer).\n"
+        )
+    lat = sc.get("latency", {})
+    if lat:
+        w("| Latency, enqueue commit -> handler start | samples | p50 | p95 | p99 | max |")
+        w("|---|---|---|---|---|---|")
+        for system in ("workpump", "pgqueuer"):
+            row = lat.get(system)
+            if row:
+                w(
+                    f"| {LABELS[system]} | {row['samples']} | {row['p50']:.2f} ms | "
+                    f"{row['p95']:.2f} ms | {row['p99']:.2f} ms | {row['max']:.2f} ms |"
+                )
+        w(
+            f"\np50 ratio {_f(lat.get('p50_ratio_vs_pgqueuer'), 2)}, p99 ratio "
+            f"{_f(lat.get('p99_ratio_vs_pgqueuer'), 2)}.\n"
+        )
+    ren = sc.get("renewals", {})
+    if ren:
+        w(
+            f"Renewals: {ren.get('rows')} leased rows of {ren.get('categories')} categories, "
+            f"{ren.get('windows')} renewal windows: {ren.get('renew_statements')} "
+            f"`renew_leases` statements, "
+            f"{_f(ren.get('statements_per_category_per_window'), 2)} per category per "
+            "window.\n"
+        )
+    ins = sc.get("instances", {})
+    if ins:
+        w(
+            "| Processes x CONCURRENCY | jobs | aggregate jobs/s | shares (done per instance) "
+            "| spread | commits/s | server CPU | connections / instance |"
+        )
+        w("|---|---|---|---|---|---|---|---|")
+        for r in ins.get("runs", []):
+            shares = r.get("shares", [])
+            shown = (
+                ", ".join(str(x) for x in shares)
+                if len(shares) <= 8
+                else (f"min {min(shares)}, max {max(shares)}, mean {sum(shares) / len(shares):.0f}")
+            )
+            w(
+                f"| {r['processes']} x {r['concurrency']} | {_f(r['jobs'])} | {_f(r['rate'])} "
+                f"| {shown} | {_f(r.get('share_spread'), 2)} | {_f(r.get('commits_per_s'))} "
+                f"| {_f(100 * (r.get('server_cpu_share') or 0))}% "
+                f"| {_f(r.get('connections_per_instance'), 1)} |"
+            )
+        w(
+            f"\n8 processes / 1: {_f(ins.get('scale_8_vs_1_ratio'), 2)}; 32 x 1 / 1 x 4: "
+            f"{_f(ins.get('scale_32_vs_1_ratio'), 2)}; 32-instance share spread (largest "
+            f"distance from the mean share, over the mean): "
+            f"{_f(ins.get('scale_32_share_spread'), 2)}. Idle, after the drain: "
+            f"{_f(ins.get('idle_row_writes_per_instance_per_min'), 2)} row writes per "
+            "instance per minute in the workpump tables. Claim conflicts (rows a SKIP LOCKED "
+            "claim passed over) are not counted: PostgreSQL reports no such number. Server "
+            "CPU is the embedded server's share of the machine's cores during the middle of "
+            "the drain.\n"
+        )
+    return out

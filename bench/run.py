@@ -20,7 +20,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VENV = BENCH / ".venv"
-SECTIONS = ("latency", "throughput", "claim", "writes", "profile")
+SECTIONS = ("latency", "throughput", "claim", "writes", "profile", "scale")
 
 
 def bootstrap() -> None:

@@ -244,12 +244,24 @@ def section_profile(cfg: Config, server: h.Server, workdir: Path) -> dict[str, A
     return out
 
 
+def section_scale(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
+    from bench import embedded, scale
+
+    pg = embedded.start()
+    try:
+        h.log(f"scale: embedded PostgreSQL {pg.version()} at {pg.host}")
+        return scale.run(pg, workdir, quick=cfg.mode == "quick")
+    finally:
+        embedded.stop()
+
+
 RUNNERS = {
     "latency": section_latency,
     "throughput": section_throughput,
     "claim": section_claim,
     "writes": section_writes,
     "profile": section_profile,
+    "scale": section_scale,
 }
 
 
@@ -280,6 +292,24 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     out["throughput_ratio_vs_pgqueuer_tuned"] = _round(
         tp.get("tuned_vs_pgqueuer_p1", {}).get("median")
     )
+    scale = sections.get("scale", {})
+    out["enqueue_many_ratio_vs_pgqueuer"] = _round(
+        scale.get("enqueue", {}).get("many_ratio_vs_pgqueuer")
+    )
+    out["enqueue_single_ratio_vs_pgqueuer"] = _round(
+        scale.get("enqueue", {}).get("single_ratio_vs_pgqueuer")
+    )
+    out["latency_p50_ratio_vs_pgqueuer"] = _round(
+        scale.get("latency", {}).get("p50_ratio_vs_pgqueuer")
+    )
+    out["latency_p99_ratio_vs_pgqueuer"] = _round(
+        scale.get("latency", {}).get("p99_ratio_vs_pgqueuer")
+    )
+    out["renewal_statements_per_window"] = _round(
+        scale.get("renewals", {}).get("statements_per_category_per_window")
+    )
+    out["scale_8_vs_1_ratio"] = _round(scale.get("instances", {}).get("scale_8_vs_1_ratio"))
+    out["scale_32_share_spread"] = _round(scale.get("instances", {}).get("scale_32_share_spread"))
     return out
 
 
@@ -349,9 +379,11 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
             h.save_json(cfg.mode, results)
             h.log(f"section {name} done in {time.monotonic() - t0:.0f} s")
     finally:
-        for database in DATABASES.values():
-            with contextlib.suppress(Exception):
-                server.drop(database)
+        # only the databases this run used (the scale section keeps to its own server)
+        if set(chosen) & {"latency", "throughput", "profile"}:
+            for database in DATABASES.values():
+                with contextlib.suppress(Exception):
+                    server.drop(database)
     results["versions"]["django-workpump at the end of the run"] = _revision()
     results["wall_seconds"] = time.monotonic() - started
     results["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
