@@ -1,4 +1,4 @@
--- Bulk producers, schema version 11: send_many and emit_many store many rows in one
+-- Bulk producers, schema version 12: send_many and emit_many store many rows in one
 -- call, so an import, a fan-out or a backfill pays one round trip per chunk, not one per
 -- row.
 --

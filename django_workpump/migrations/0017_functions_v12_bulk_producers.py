@@ -1,16 +1,16 @@
-"""Schema version 11: send_many and emit_many, the bulk producers; the insert trigger
+"""Schema version 12: send_many and emit_many, the bulk producers; the insert trigger
 fires only for rows that need it."""
 
 from django.db import migrations
 
 from django_workpump.sql import PIN_SEARCH_PATH, read
 
-SQL_FILES = ["v11/bulk.sql"]
+SQL_FILES = ["v12/bulk.sql"]
 
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workpump", "0015_admin_indexes"),
+        ("workpump", "0016_functions_v11_claim_prefixes"),
     ]
 
     operations = [
