@@ -310,6 +310,28 @@ SETTINGS: tuple[Setting, ...] = (
             "call, the first outermost ([docs/middleware.md](docs/middleware.md))"
         ),
     ),
+    # Metrics (docs/metrics.md).
+    Setting(
+        "METRICS_PORT",
+        None,
+        "int",
+        minimum=0,
+        optional=True,
+        meaning=(
+            "`runworkpump` serves Prometheus metrics at `/metrics` on this port (the "
+            "`prometheus` extra; `--metrics-port` overrides); None: not served"
+        ),
+    ),
+    Setting(
+        "METRICS_CACHE_SECONDS",
+        5,
+        "int",
+        minimum=0,
+        meaning=(
+            "the database-wide gauges (rows per state, oldest waiting row, instances) are "
+            "read at most this often, however often Prometheus scrapes"
+        ),
+    ),
     # Periodic work (docs/periodic.md).
     Setting(
         "PERIODIC_ENABLED",

@@ -1,4 +1,9 @@
 from django.contrib import admin
 from django.urls import path
 
-urlpatterns = [path("admin/", admin.site.urls)]
+from django_workpump.metrics import metrics_view
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("metrics", metrics_view),
+]

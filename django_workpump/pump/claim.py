@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.db import ClaimedWork, InstanceRefused
+from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.service import LoopService
 from django_workpump.states import FailureReason, OutcomeStatus
@@ -116,9 +117,11 @@ class ClaimWorker(LoopService):
         enabled: bool = True,
         before_first_claim: Callable[[], Any] | None = None,
         on_refused: Callable[[str], Any] | None = None,
+        metrics: NullRecorder | None = None,
     ) -> None:
         super().__init__()
         self.coordinator = coordinator
+        self.metrics = recorder() if metrics is None else metrics
         self.sink = sink
         self.policy = policy
         self.gate = gate
@@ -205,6 +208,7 @@ class ClaimWorker(LoopService):
         max_rows = self._batch_size(free)
         self.polls += 1
         poll_number = self.polls
+        claim_started = self.clock.monotonic()
         try:
             rows = self.coordinator.claim(max_rows)
         except InstanceRefused as exc:
@@ -218,6 +222,7 @@ class ClaimWorker(LoopService):
                 "claim_work failed: %s", exc, extra={"action": "claim_failed"}, exc_info=True
             )
             return ClaimResult(claimed=0, has_more=False, error=exc)
+        self.metrics.claim(rows, self.clock.monotonic() - claim_started)
         if not self.startup_catch_up_count:  # the first claim that went through
             self.startup_catch_up_count += 1
             logger.log(
@@ -272,6 +277,9 @@ class ClaimWorker(LoopService):
             parked_ids = {
                 outcome.work_id for outcome in outcomes if outcome.status == OutcomeStatus.DEAD
             }
+            for row in group:
+                if row.work_id in parked_ids:
+                    self.metrics.dead_lettered(category, row.topic, UNDECODABLE_PAYLOAD)
             for row, error in zip(group, errors, strict=True):
                 parked = row.work_id in parked_ids
                 fields = {

@@ -120,8 +120,12 @@ class DatabaseCoordinator:
         categories: Sequence[str] | None = None,
         topics: Mapping[str, Sequence[str]] | None = None,
         topic_prefixes: Mapping[str, Sequence[str]] | None = None,
+        *,
+        claim_due_at: bool = False,
     ) -> None:
         self.identity = identity
+        # Claims also say when each row became claimable (the queue-wait metric).
+        self.claim_due_at = claim_due_at
         self.settings = dict(get_settings())
         self.categories = list(categories) if categories else list(CATEGORIES)
         # {category: topics this process has handlers for}; None claims every topic.
@@ -168,6 +172,7 @@ class DatabaseCoordinator:
             stale_after_seconds=self.stale_after_seconds,
             definitively_dead_after_seconds=self.dead_after_seconds,
             using=self.alias,
+            due_at=self.claim_due_at,
         )
 
     def renew(

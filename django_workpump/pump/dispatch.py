@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 from django.db import close_old_connections, connections, transaction
 
 from django_workpump.clock import Clock, SystemClock
-from django_workpump.db import ClaimedWork
+from django_workpump.db import ClaimedWork, Outcome
+from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.middleware import Middleware
 from django_workpump.middleware import wrap as wrap_in_middleware
 from django_workpump.pump.coordinator import Coordinator
@@ -179,6 +180,7 @@ class _Job:
     handle: LeaseHandle
     state: JobState = JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
+    received_at: float = 0.0  # monotonic, when the dispatcher took the row
 
 
 @dataclass
@@ -220,8 +222,13 @@ class Dispatcher:
         on_slot_free: Callable[[], Any] | None = None,
         on_fatal: Callable[[str], Any] | None = None,
         middleware: Sequence[Middleware] = (),
+        metrics: NullRecorder | None = None,
     ) -> None:
         self.coordinator = coordinator
+        self.metrics = recorder() if metrics is None else metrics
+        # (category, work id) -> topic of an outcome waiting in a flusher, for the metrics
+        # (filled only when they are recorded)
+        self._outcome_topics: dict[tuple[str, uuid.UUID], str] = {}
         self.middleware = tuple(middleware)  # wraps every handler call, the first outermost
         self.handlers = handlers
         self.leases = leases
@@ -293,9 +300,11 @@ class Dispatcher:
         with self._lock:
             return self._pending_outcomes
 
-    def _outcome_queued(self, count: int) -> None:
+    def _outcome_queued(self, count: int, row: ClaimedWork | None = None) -> None:
         with self._lock:
             self._pending_outcomes += count
+        if row is not None and self.metrics.enabled:
+            self._outcome_topics[(row.category, row.work_id)] = row.topic
 
     def submit(self, rows: list[ClaimedWork]) -> None:
         """Take claimed rows: one lease handle each, queued for the workers."""
@@ -317,10 +326,11 @@ class Dispatcher:
             if previous is not None:
                 self._supersede(previous, row.attempts)
             self.leases.register(handle)
-            job = _Job(row, handle)
+            job = _Job(row, handle, received_at=received_at)
             with self._lock:
                 self._jobs[(row.category, row.work_id)] = job
                 self._in_flight += 1
+            self.metrics.held(row.category, 1)
             self._queue.put(job)
 
     # -- workers -------------------------------------------------------------------
@@ -380,6 +390,10 @@ class Dispatcher:
         close_old_connections()
         self.stats.started += 1
         handler = self.handlers.get(job.row.category, job.row.topic)
+        measured = self.metrics.enabled and handler is not None
+        if measured:
+            started_at = self.clock.monotonic()
+            self.metrics.handler_started(job.row, _queue_wait(job, started_at))
         # (DONE, result) | (DONE_COMMITTED, None) | (FAIL, (error, reason)) | (LOST, text)
         outcome: tuple[HandlerOutcome, Any]
         try:
@@ -401,6 +415,8 @@ class Dispatcher:
                 self._discard_loop()
             outcome = (HandlerOutcome.FAIL, (_describe(exc), FailureReason.HANDLER_ERROR))
         finally:
+            if measured:
+                self.metrics.handler_finished(job.row, self.clock.monotonic() - started_at)
             close_old_connections()
         with job.lock:
             if job.state == JobState.ABANDONED:
@@ -430,17 +446,20 @@ class Dispatcher:
         kind: HandlerOutcome = outcome[0]
         value: Any = outcome[1]
         if kind == HandlerOutcome.DONE:
-            self._outcome_queued(1)
+            self._outcome_queued(1, job.row)
             self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, value))
         elif kind == HandlerOutcome.FAIL:
-            self._outcome_queued(1)
+            self._outcome_queued(1, job.row)
             error, reason = value
             self.failures.put(FailedAttempt.of(job.row, error, reason))
         elif kind == HandlerOutcome.LOST:
             self.stats.lost_leases += 1
+            self.metrics.lost(job.row.category)
             logger.warning("%s", value, extra={"action": "lease_lost"})
         else:
             self.stats.completed += 1  # committed with the handler's own transaction
+            done = [Outcome(job.row.work_id, OutcomeStatus.DONE)]
+            self.metrics.outcomes(job.row.category, done, lambda _: job.row.topic)
         self._finish(job)
         return True
 
@@ -551,6 +570,7 @@ class Dispatcher:
                 del self._jobs[key]
             self._in_flight -= 1
             self._idle.notify_all()
+        self.metrics.held(job.row.category, -1)
         if self.on_slot_free is not None:
             self.on_slot_free()
 
@@ -575,7 +595,8 @@ class Dispatcher:
                 return False  # queued jobs are released by their worker; finished ones are done
             job.state = JobState.ABANDONED
         self.stats.abandoned += 1
-        self._outcome_queued(1)
+        self.metrics.abandoned(job.row.category, job.row.topic)
+        self._outcome_queued(1, job.row)
         logger.error(
             "handler of %s %s still running at its lease deadline: abandoned (%d so far)",
             handle.category,
@@ -609,7 +630,7 @@ class Dispatcher:
             [token for _, _, token, _ in batch],
             [result for _, _, _, result in batch],
         )
-        self._count(outcomes, "completed")
+        self._count(outcomes, "completed", category)
         self._outcome_queued(-len(batch))
 
     def _flush_failures(self, batch: list[FailedAttempt]) -> None:
@@ -625,8 +646,9 @@ class Dispatcher:
             [item.error for item in batch],
             [item.reason for item in batch],
         )
-        self._count(outcomes, "failed")
         by_id = {item.work_id: item for item in batch}
+        reasons = {item.work_id: item.reason for item in batch}
+        self._count(outcomes, "failed", batch[0].category, reasons)
         for outcome in outcomes:
             item = by_id.get(outcome.work_id)
             if item is not None:
@@ -644,6 +666,7 @@ class Dispatcher:
             self._settle(
                 lambda: self.coordinator.complete(category, [work_id], [token], [note]),
                 "completed",
+                category,
             )
         except Exception as exc:
             if is_transient(exc):
@@ -669,14 +692,28 @@ class Dispatcher:
             if is_transient(exc):
                 raise
             self._outcome_queued(-1)
+            self._outcome_topics.pop((item.category, item.work_id), None)
             raise  # the flusher drops and logs it; the lease runs out and the row re-runs
 
-    def _settle(self, write: Callable[[], list[Any]], counter: str) -> None:
+    def _settle(self, write: Callable[[], list[Any]], counter: str, category: str) -> None:
         """Write one item's outcome through a safe path and count it."""
-        self._count(write(), counter)
+        self._count(write(), counter, category)
         self._outcome_queued(-1)
 
-    def _count(self, outcomes: list[Any], counter: str) -> None:
+    def _count(
+        self,
+        outcomes: list[Any],
+        counter: str,
+        category: str,
+        reasons: Mapping[uuid.UUID, str] | None = None,
+    ) -> None:
+        if self.metrics.enabled:
+            topics = {
+                o.work_id: self._outcome_topics.pop((category, o.work_id), "") for o in outcomes
+            }
+            self.metrics.outcomes(
+                category, outcomes, topics.__getitem__, None if reasons is None else reasons.get
+            )
         for outcome in outcomes:
             if outcome.status == OutcomeStatus.LOST:
                 self.stats.lost_leases += 1
@@ -714,7 +751,7 @@ class Dispatcher:
                     continue  # queued ones are released by their worker
                 job.state = JobState.ABANDONED
             failed += 1
-            self._outcome_queued(1)
+            self._outcome_queued(1, job.row)
             self.failures.put(
                 FailedAttempt.of(
                     job.row,
@@ -756,6 +793,18 @@ class Dispatcher:
         """
         completions = self.completions.join(timeout)
         return self.failures.join(timeout) and completions
+
+
+def _queue_wait(job: _Job, started_at: float) -> float | None:
+    """Seconds from when the row became claimable to its handler's start, or None.
+
+    The database's clock up to the claim, this process's monotonic clock from there on:
+    no clock skew between the two enters.
+    """
+    row = job.row
+    if row.due_at is None:
+        return None
+    return (row.claimed_at - row.due_at).total_seconds() + (started_at - job.received_at)
 
 
 def _first_line(error: Exception) -> str:

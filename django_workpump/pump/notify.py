@@ -20,6 +20,7 @@ from psycopg import sql
 
 from django_workpump import db
 from django_workpump.clock import Clock, SystemClock
+from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.pump.service import LoopService
 
 logger = logging.getLogger("django_workpump.notify")
@@ -58,9 +59,11 @@ class NotifyGate(LoopService):
         reconnect_max_seconds: float = 30.0,
         hold_alive_lock: bool = True,
         clock: Clock | None = None,
+        metrics: NullRecorder | None = None,
     ) -> None:
         super().__init__()
         self.conninfo = conninfo
+        self.metrics = recorder() if metrics is None else metrics
         self.instance_id = instance_id
         self.on_signal = on_signal
         self.on_availability = on_availability
@@ -106,6 +109,7 @@ class NotifyGate(LoopService):
             if available == self._available:
                 return
             self._available = available
+        self.metrics.gate(available)
         # Routine, not news: a first connection that went through at once (the startup line
         # reports it) and going down on a normal stop.
         routine = stopping or (available and self.connects == 1 and self.failures == 0)

@@ -24,6 +24,7 @@ from django.db import connections
 
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.db import InstanceRefused
+from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
@@ -58,9 +59,11 @@ class LeaseRenewalWorker(LoopService):
         on_deadline: Callable[[LeaseHandle], Any] | None = None,
         on_refused: Callable[[str], Any] | None = None,
         clock: Clock | None = None,
+        metrics: NullRecorder | None = None,
     ) -> None:
         super().__init__()
         self.coordinator = coordinator
+        self.metrics = recorder() if metrics is None else metrics
         self.leases = leases
         self.lease_seconds = lease_seconds
         self.lease_grace_seconds = lease_grace_seconds
@@ -151,6 +154,7 @@ class LeaseRenewalWorker(LoopService):
         # The DB set expiry = its now + lease; its now is after sent_at, so this
         # local deadline is on the safe side.
         deadline = sent_at + self.lease_seconds - self.lease_grace_seconds
+        self.metrics.renewed(category, len(renewed))
         for work_id in renewed:
             self.renewed += 1
             if self.leases is not None:

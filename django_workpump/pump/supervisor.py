@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from django.db import connections
 
-from django_workpump import middleware, subscriptions
+from django_workpump import metrics, middleware, subscriptions
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.conf import (
     get_settings,
@@ -76,6 +76,7 @@ class PumpOptions:
     drain: bool = False
     topics: Sequence[str] | None = None  # None: every topic with a handler here
     queues: Sequence[str] | None = None  # django.tasks queues; None: as topics says
+    metrics_port: int | None = None  # serve /metrics here; None: WORKPUMP["METRICS_PORT"]
 
 
 class DrainWatcher(LoopService):
@@ -162,8 +163,26 @@ class Supervisor:
             topics=self.options.topics,
             queues=self.options.queues,
         )
+        # Serve /metrics on this port (0: any free one) while the pump runs; None: off.
+        self.metrics_port: int | None = (
+            self.options.metrics_port
+            if self.options.metrics_port is not None
+            else s["METRICS_PORT"]
+        )
+        if self.metrics_port is not None:
+            metrics.require()  # before anything starts: name the extra to install
+            if not 0 <= self.metrics_port <= 65535:
+                raise ValueError(
+                    f"The metrics port ({self.metrics_port}) must be between 0 and 65535."
+                )
+        self.metrics = metrics.recorder()
+        self.metrics_server: metrics.MetricsServer | None = None
         self.coordinator = DatabaseCoordinator(
-            self.identity, self.options.categories, self.topics, self.topic_prefixes
+            self.identity,
+            self.options.categories,
+            self.topics,
+            self.topic_prefixes,
+            claim_due_at=self.metrics.enabled,
         )
         self.leases = LeaseRegistry()
         self.dispatcher = Dispatcher(
@@ -332,6 +351,9 @@ class Supervisor:
         }
         if not self.coordinator.schema_ready():
             raise SchemaNotReady(MISSING_MIGRATIONS)
+        if self.metrics_port is not None and self.metrics_server is None:
+            # First: a port already taken fails the start before anything registers.
+            self.metrics_server = metrics.MetricsServer(self.metrics_port)
         if self.heartbeat.policy.enabled:
             first = self.heartbeat.beat()  # registers the instance before the first claim
             if first.accepted is False:
@@ -405,6 +427,8 @@ class Supervisor:
         """Stop everything in order; return the exit code."""
         self.request_stop("shutdown requested", EXIT_OK)
         if not self._started:
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             return self.exit_code or EXIT_OK
         s = self.settings
         self.claim.stop()
@@ -432,6 +456,8 @@ class Supervisor:
             self.gate.stop()
         for service in list(self._services.values()):
             service.join(5)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self._close_own_connections()
         logger.debug(  # runworkpump's stop line says it, with the counts
             "workpump instance %s stopped (%s)",

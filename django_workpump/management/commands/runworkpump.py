@@ -15,6 +15,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 from django.db import connections
 
+from django_workpump import metrics
 from django_workpump.conf import get_settings, overridden
 from django_workpump.management.database import ensure_reachable
 from django_workpump.pump.naming import application_name, name_thread_connections
@@ -148,6 +149,12 @@ class Command(BaseCommand):
             help="The Django database alias to run against (default WORKPUMP "
             "DATABASE_ALIAS): one pump per database shard.",
         )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            help="Serve Prometheus metrics at http://<host>:PORT/metrics while running "
+            "(WORKPUMP METRICS_PORT; needs the prometheus extra).",
+        )
         parser.add_argument("--log-format", choices=["text", "json"], default="text")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -177,6 +184,9 @@ class Command(BaseCommand):
             raise CommandError(f"--concurrency must be at least 1, not {options['concurrency']}.")
         settings = get_settings()
         alias = settings["DATABASE_ALIAS"]
+        port = options["metrics_port"]
+        if port is not None and not 0 <= port <= 65535:
+            raise CommandError(f"--metrics-port must be between 0 and 65535, not {port}.")
         topics = self._names("--topics", options["topics"])
         queues = self._names("--queues", options["queues"])
         ensure_reachable(alias)
@@ -192,9 +202,10 @@ class Command(BaseCommand):
                     drain=options["drain"],
                     topics=topics,
                     queues=queues,
+                    metrics_port=options["metrics_port"],
                 )
             )
-        except TopicSelectionError as exc:
+        except (TopicSelectionError, metrics.MetricsUnavailable) as exc:
             raise CommandError(str(exc)) from None
         # This thread registers the instance and waits for it: name its connection too.
         name_thread_connections(application_name(supervisor.identity.instance_id, "main"))
@@ -203,7 +214,8 @@ class Command(BaseCommand):
         try:
             try:
                 supervisor.start()
-            except SchemaNotReady as exc:
+            except (SchemaNotReady, metrics.MetricsPortUnavailable) as exc:
+                supervisor.shutdown()
                 raise CommandError(str(exc)) from None
             line, fields = self._startup_line(supervisor, alias)
             lines.info("%s", line, extra={"action": "started", **fields})
@@ -222,7 +234,7 @@ class Command(BaseCommand):
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        name_thread_connections(None)
+            name_thread_connections(None)  # a failed start too: this thread is the caller's
         lines.log(
             logging.INFO if code == EXIT_OK else logging.ERROR,
             "workpump %s stopped: %s (exit %s); %s",

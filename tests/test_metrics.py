@@ -1,0 +1,324 @@
+"""Prometheus metrics: the pump's series after real work, the cached database gauges,
+the endpoint of ``runworkpump --metrics-port`` and the view, and the package without
+``prometheus_client``.
+
+Counters live in Prometheus's default registry for the whole test process, so each test
+uses topics of its own and reads the series of those topics only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test import Client, override_settings
+from django.test.utils import CaptureQueriesContext
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+import django_workpump as workpump
+from django_workpump import db, metrics, models
+from django_workpump.clock import FrozenClock
+from django_workpump.pump.supervisor import EXIT_OK
+from django_workpump.registry import registry
+from tests.conftest import FAST_PUMP, ROOT, at, drain, enroll, run_sql, scalar, wait_until
+
+FAST = {**FAST_PUMP, "CONCURRENCY": 4}
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of an exposition, by (name, sorted labels)."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(found: dict[Any, float], name: str, **labels: str) -> float | None:
+    return found.get((name, tuple(sorted(labels.items()))))
+
+
+@pytest.fixture
+def handlers() -> Iterator[Callable[..., Any]]:
+    registered: list[str] = []
+
+    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
+        workpump.outbox_handler(topic, **options)(func)
+        registered.append(topic)
+
+    yield register
+    for topic in registered:
+        registry.unregister("outbox", topic)
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_the_view_after_a_drained_pump_counts_runs_outcomes_and_rows(handlers, pump):
+    def boom(work: Any) -> None:
+        raise ValueError("no")
+
+    handlers("metrics.ok", lambda work: {"ok": True})
+    handlers("metrics.boom", boom, max_attempts=1)
+    for n in range(5):
+        workpump.send("metrics.ok", {"n": n})
+    for n in range(2):
+        workpump.send("metrics.boom", {"n": n})
+
+    assert drain(pump(drain=True)) == EXIT_OK
+    metrics.database_collector().clear()  # the database gauges as of now
+    response = Client().get("/metrics")
+
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain; version=")
+    found = samples(response.content.decode())
+    ok = {"category": "outbox", "topic": "metrics.ok"}
+    bad = {"category": "outbox", "topic": "metrics.boom"}
+    assert value(found, "workpump_claimed_total", **ok) == 5
+    assert value(found, "workpump_done_total", **ok) == 5
+    assert value(found, "workpump_failed_total", **ok, reason="handler_error") is None
+    assert value(found, "workpump_claimed_total", **bad) == 2
+    assert value(found, "workpump_done_total", **bad) is None
+    assert value(found, "workpump_failed_total", **bad, reason="handler_error") == 2
+    assert value(found, "workpump_dead_lettered_total", **bad, reason="handler_error") == 2
+    # one observation per handler run, and per start for the queue wait
+    assert value(found, "workpump_handler_duration_seconds_count", **ok) == 5
+    assert value(found, "workpump_handler_duration_seconds_count", **bad) == 2
+    assert value(found, "workpump_queue_wait_seconds_count", **ok) == 5
+    assert value(found, "workpump_queue_wait_seconds_sum", **ok) >= 0
+    assert value(found, "workpump_claim_duration_seconds_count") >= 1
+    # the database-wide gauges: the two dead rows, nothing waiting, no instance left
+    assert value(found, "workpump_pending", category="outbox", state="dead") == 2
+    assert value(found, "workpump_pending", category="outbox", state="pending") == 0
+    assert value(found, "workpump_oldest_pending_age_seconds", category="outbox") == 0
+    assert value(found, "workpump_instances", state="live") == 0
+    assert value(found, "workpump_notify_gate_up") == 0  # the gate stopped with the pump
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_runworkpump_serves_metrics_on_its_port_while_it_runs(handlers, pump):
+    started = threading.Event()
+    release = threading.Event()
+
+    def hold(work: Any) -> None:
+        started.set()
+        assert release.wait(10)
+
+    handlers("metrics.port", lambda work: None)
+    handlers("metrics.hold", hold)
+    supervisor = pump(metrics_port=0)  # any free port
+    url = f"http://127.0.0.1:{supervisor.metrics_server.port}/metrics"
+    for n in range(3):
+        workpump.send("metrics.port", {"n": n})
+    workpump.send("metrics.hold", {})
+    assert started.wait(10)
+    # the instance is registered and one row runs: the database and process gauges say so
+    metrics.database_collector().clear()
+    with urllib.request.urlopen(url, timeout=5) as response:
+        during = samples(response.read().decode())
+    release.set()
+    assert value(during, "workpump_instances", state="live") == 1
+    assert value(during, "workpump_in_flight", category="outbox") >= 1
+    assert value(during, "workpump_notify_gate_up") == 1
+    assert value(during, "workpump_pending", category="outbox", state="leased") >= 1
+
+    def three_done() -> bool:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            found = samples(response.read().decode())
+        done = {"category": "outbox", "topic": "metrics.port"}
+        return value(found, "workpump_done_total", **done) == 3
+
+    assert wait_until(three_done)
+    assert supervisor.shutdown() == EXIT_OK
+    with pytest.raises(urllib.error.URLError):  # closed with the pump
+        urllib.request.urlopen(url, timeout=5)
+
+
+@pytest.mark.django_db
+def test_scrapes_within_the_cache_window_read_the_database_once():
+    clock = FrozenClock()
+    collector = metrics.DatabaseCollector(cache_seconds=5, clock=clock)
+    workpump.send("metrics.cached", {})
+
+    with CaptureQueriesContext(connection) as first:
+        families = {f.name: f for f in collector.collect()}
+    with CaptureQueriesContext(connection) as second:
+        again = {f.name: f for f in collector.collect()}
+    clock.advance(5)
+    with CaptureQueriesContext(connection) as third:
+        list(collector.collect())
+
+    assert len(first.captured_queries) == 2  # state counts, instances
+    assert len(second.captured_queries) == 0
+    assert len(third.captured_queries) == 2  # the window passed
+    assert collector.reads == 2
+    assert families.keys() == again.keys()
+    pending = {tuple(s.labels.values()): s.value for s in families["workpump_pending"].samples}
+    assert pending[("outbox", "pending")] == 1
+
+
+@pytest.mark.django_db
+@override_settings(WORKPUMP={"METRICS_CACHE_SECONDS": 60})
+def test_two_scrapes_of_the_view_within_the_window_issue_no_second_query():
+    metrics.database_collector().clear()
+    client = Client()
+    with CaptureQueriesContext(connection) as first:
+        assert client.get("/metrics").status_code == 200
+    with CaptureQueriesContext(connection) as second:
+        assert client.get("/metrics").status_code == 200
+    assert len(first.captured_queries) == 2
+    assert second.captured_queries == []
+
+
+@pytest.mark.django_db
+def test_the_claim_says_when_each_row_became_claimable_in_claim_order():
+    instance = uuid.uuid4()
+    enroll(instance)
+    plain = scalar("SELECT workpump.send('metrics.due', '{}'::jsonb)")
+    deferred = scalar(
+        "SELECT workpump.send('metrics.due', '{}'::jsonb, p_scheduled_for => %s, p_priority => 5)",
+        [at(60)],
+    )
+    created = scalar("SELECT created_at FROM workpump_outbox WHERE message_id = %s", [plain])
+
+    rows = db.claim_work(
+        instance_id=instance,
+        max_rows=10,
+        lease_seconds=300,
+        partition_count=10_000,
+        now=at(3600),
+        due_at=True,
+    )
+
+    assert [row.work_id for row in rows] == [deferred, plain]  # timers first, as claim_work
+    assert rows[0].due_at == at(60)  # its deferral fell due
+    assert rows[1].due_at == created
+    assert all(row.claimed_at == at(3600) for row in rows)
+    # without the option the claim asks for nothing more
+    run_sql(
+        "UPDATE workpump_outbox SET instance_id = NULL, lease_expiry = NULL,"
+        " lease_token = NULL, claimed_at = NULL"
+    )
+    again = db.claim_work(
+        instance_id=instance,
+        max_rows=10,
+        lease_seconds=300,
+        partition_count=10_000,
+        now=at(3601),
+    )
+    assert {row.work_id for row in again} == {plain, deferred}
+    assert all(row.due_at is None for row in again)
+
+
+def test_the_queue_wait_adds_the_local_wait_to_the_database_wait():
+    from django_workpump.pump.dispatch import _Job, _queue_wait
+    from tests.fakes import make_row
+
+    row = make_row()
+    due = row.claimed_at - timedelta(seconds=2)
+    job = _Job(type(row)(**{**row.__dict__, "due_at": due}), handle=None, received_at=100.0)
+    assert _queue_wait(job, 100.25) == pytest.approx(2.25)
+    assert _queue_wait(_Job(row, handle=None, received_at=100.0), 101.0) is None
+
+
+# -- without prometheus_client -----------------------------------------------------------
+
+
+@pytest.fixture
+def without_prometheus_client(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """django_workpump.metrics as imported where prometheus_client is not installed."""
+    kept = (metrics._default, metrics._collector)
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
+    monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
+    importlib.reload(metrics)
+    try:
+        yield metrics
+    finally:
+        monkeypatch.undo()
+        importlib.reload(metrics)
+        # the series stay registered in Prometheus's registry: keep using the same ones
+        metrics._default, metrics._collector = kept
+
+
+def test_without_prometheus_client_the_recorder_does_nothing_and_use_names_the_extra(
+    without_prometheus_client,
+):
+    m = without_prometheus_client
+    assert m.AVAILABLE is False
+    assert m.recorder().enabled is False
+    assert type(m.recorder()) is m.NullRecorder
+    with pytest.raises(m.MetricsUnavailable) as error:
+        m.metrics_view(None)
+    assert "pip install 'django-workpump[prometheus]'" in str(error.value)
+    with pytest.raises(m.MetricsUnavailable):
+        m.MetricsServer(0)
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_without_prometheus_client_the_pump_runs_and_records_nothing(
+    without_prometheus_client, handlers, pump
+):
+    handlers("metrics.absent", lambda work: None)
+    workpump.send("metrics.absent", {})
+    supervisor = pump(drain=True)
+    assert supervisor.coordinator.claim_due_at is False  # no index probes for the metric
+    assert supervisor.dispatcher.metrics.enabled is False
+    assert drain(supervisor) == EXIT_OK
+    assert models.Outbox.objects.get().processed_at is not None
+    labels = {"category": "outbox", "topic": "metrics.absent"}
+    assert REGISTRY.get_sample_value("workpump_done_total", labels) is None
+    assert REGISTRY.get_sample_value("workpump_claimed_total", labels) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_prometheus_client_metrics_port_fails_with_the_install_line(
+    without_prometheus_client,
+):
+    with pytest.raises(CommandError, match=r"pip install 'django-workpump\[prometheus\]'"):
+        call_command("runworkpump", "--metrics-port", "0", "--drain")
+
+
+def test_the_package_imports_without_prometheus_client():
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import django; from django.conf import settings\n"
+        "settings.configure(INSTALLED_APPS=['django_workpump'])\n"
+        "django.setup()\n"
+        "import django_workpump, django_workpump.pump.supervisor\n"
+        "from django_workpump import metrics\n"
+        "assert not metrics.AVAILABLE and not metrics.recorder().enabled\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_metrics_port_out_of_range_is_refused_in_one_sentence():
+    with pytest.raises(CommandError, match="--metrics-port must be between 0 and 65535"):
+        call_command("runworkpump", "--metrics-port", "70000", "--drain")
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_a_metrics_port_in_use_fails_the_start_in_one_sentence(pump):
+    supervisor = pump(metrics_port=0)
+    taken = supervisor.metrics_server.port
+    with pytest.raises(CommandError, match=f"cannot listen on port {taken}"):
+        call_command("runworkpump", "--metrics-port", str(taken), "--drain")
+    assert models.ServiceInstance.objects.count() == 1  # the failed start registered nothing
