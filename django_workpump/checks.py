@@ -19,6 +19,7 @@ Errors
     E012 ``DATABASE_ALIAS`` is not a PostgreSQL database.
     E013 ``LISTEN_DSN`` unusable.
     E014 ``MIDDLEWARE`` names something that does not import or is not callable.
+    E015 ``METRICS_PORT`` is not a port, or is set without ``prometheus_client``.
 Warnings
     W001 slow heartbeat faster than the fast one.
     W002 ``LEASE_SECONDS`` at most twice ``LEASE_GRACE_SECONDS``.
@@ -452,6 +453,30 @@ def _claim_disabled(v: Mapping[str, Any]) -> CheckMessage | None:
         hint="Set it to True to process work again.",
         id="workpump.I002",
     )
+
+
+@_rule("METRICS_PORT")
+def _metrics_port(v: Mapping[str, Any]) -> CheckMessage | None:
+    """E015: the metrics endpoint needs a real port and the prometheus extra."""
+    from django_workpump import metrics
+
+    port = v["METRICS_PORT"]
+    if port is None:
+        return None
+    if port > 65535:
+        return Error(
+            f"{_name('METRICS_PORT')} ({port!r}) must be a TCP port, at most 65535.",
+            hint="Choose a free port such as 9464, or None to serve no metrics.",
+            id="workpump.E015",
+        )
+    if not metrics.AVAILABLE:
+        return Error(
+            f"{_name('METRICS_PORT')} ({port!r}) serves Prometheus metrics, but "
+            "prometheus_client is not installed.",
+            hint=f"Install it with: {metrics.INSTALL}; or set METRICS_PORT to None.",
+            id="workpump.E015",
+        )
+    return None
 
 
 def validate_settings() -> list[CheckMessage]:

@@ -594,3 +594,29 @@ def test_every_message_is_a_sentence_with_an_id_and_a_hint():
         assert message.id.startswith("workpump.")
         assert message.msg.endswith(".") and message.msg.startswith("WORKPUMP[")
         assert message.hint
+
+
+def test_a_metrics_port_above_65535_is_refused():
+    assert check(METRICS_PORT=70000) == [
+        Error(
+            "WORKPUMP['METRICS_PORT'] (70000) must be a TCP port, at most 65535.",
+            hint="Choose a free port such as 9464, or None to serve no metrics.",
+            id="workpump.E015",
+        )
+    ]
+
+
+def test_a_metrics_port_without_prometheus_client_names_the_extra(monkeypatch):
+    from django_workpump import metrics
+
+    assert check(METRICS_PORT=9464) == []
+    monkeypatch.setattr(metrics, "AVAILABLE", False)
+    assert check(METRICS_PORT=9464) == [
+        Error(
+            "WORKPUMP['METRICS_PORT'] (9464) serves Prometheus metrics, but "
+            "prometheus_client is not installed.",
+            hint="Install it with: pip install 'django-workpump[prometheus]'; or set "
+            "METRICS_PORT to None.",
+            id="workpump.E015",
+        )
+    ]

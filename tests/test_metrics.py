@@ -322,3 +322,39 @@ def test_a_metrics_port_in_use_fails_the_start_in_one_sentence(pump):
     with pytest.raises(CommandError, match=f"cannot listen on port {taken}"):
         call_command("runworkpump", "--metrics-port", str(taken), "--drain")
     assert models.ServiceInstance.objects.count() == 1  # the failed start registered nothing
+
+
+def test_the_grafana_dashboard_queries_only_series_the_package_exports():
+    import json
+    import re
+
+    from prometheus_client import CollectorRegistry
+
+    own = CollectorRegistry()
+    metrics.PrometheusRecorder(own)
+    exported = {family.name for family in own.collect()} | {
+        family.name for family in metrics.DatabaseCollector(cache_seconds=0).describe()
+    }
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    expressions = [t["expr"] for p in panels for t in p["targets"]]
+    used = {
+        re.sub(r"_(total|bucket|count|sum)$", "", name)
+        for expr in expressions
+        for name in re.findall(r"\bworkpump_\w+", expr)
+    }
+
+    assert used - exported == set()
+    # throughput, backlog age, failures, dead letters, instances, in flight, durations
+    for series in (
+        "workpump_done",
+        "workpump_claimed",
+        "workpump_oldest_pending_age_seconds",
+        "workpump_failed",
+        "workpump_dead_lettered",
+        "workpump_instances",
+        "workpump_in_flight",
+        "workpump_handler_duration_seconds",
+    ):
+        assert series in used, series
+    assert any("histogram_quantile(0.99" in expr for expr in expressions)
