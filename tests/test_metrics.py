@@ -8,6 +8,7 @@ uses topics of its own and reads the series of those topics only.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import subprocess
 import sys
@@ -30,9 +31,14 @@ from prometheus_client.parser import text_string_to_metric_families
 import django_workpump as workpump
 from django_workpump import db, metrics, models
 from django_workpump.clock import FrozenClock
+from django_workpump.db import Outcome
+from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
+from django_workpump.pump.dispatch import Dispatcher
+from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.supervisor import EXIT_OK
-from django_workpump.registry import registry
+from django_workpump.registry import Handler, Registry, registry
 from tests.conftest import FAST_PUMP, ROOT, at, drain, enroll, run_sql, scalar, wait_until
+from tests.fakes import WAIT, FakeCoordinator, FakeSink, make_row
 
 FAST = {**FAST_PUMP, "CONCURRENCY": 4}
 
@@ -358,3 +364,148 @@ def test_the_grafana_dashboard_queries_only_series_the_package_exports():
     ):
         assert series in used, series
     assert any("histogram_quantile(0.99" in expr for expr in expressions)
+
+
+# -- the instrumentation points, on fakes and a registry of the test's own ----------------
+
+
+def own_recorder() -> tuple[metrics.PrometheusRecorder, Callable[..., float | None]]:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    return metrics.PrometheusRecorder(registry), sample
+
+
+class LosingCoordinator(FakeCoordinator):
+    """Completions come back ``lost``: the lease went to someone else meanwhile."""
+
+    def complete(self, category, ids, tokens, results):
+        super().complete(category, ids, tokens, results)
+        return [Outcome(work_id, "lost") for work_id in ids]
+
+
+def test_the_dispatcher_counts_runs_outcomes_and_rows_in_flight():
+    recorder, sample = own_recorder()
+    coordinator = FakeCoordinator()
+    handlers = Registry()
+    handlers.register(Handler("outbox", "ok", lambda work: None))
+
+    def boom(work: Any) -> None:
+        raise RuntimeError("boom")
+
+    handlers.register(Handler("outbox", "boom", boom))
+    dispatcher = Dispatcher(
+        coordinator,
+        handlers,
+        LeaseRegistry(),
+        concurrency=1,
+        lease_grace_seconds=5,
+        clock=FrozenClock(),
+        metrics=recorder,
+    )
+    rows = [dataclasses.replace(make_row(), topic=t) for t in ("ok", "ok", "boom")]
+    dispatcher.submit(rows)
+    assert sample("workpump_in_flight", category="outbox") == 3
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+
+    ok = {"category": "outbox", "topic": "ok"}
+    boom_ = {"category": "outbox", "topic": "boom"}
+    assert sample("workpump_in_flight", category="outbox") == 0
+    assert sample("workpump_done_total", **ok) == 2
+    assert sample("workpump_failed_total", **boom_, reason="handler_error") == 1  # a retry
+    assert sample("workpump_dead_lettered_total", **boom_, reason="handler_error") is None
+    assert sample("workpump_handler_duration_seconds_count", **ok) == 2
+    assert sample("workpump_handler_duration_seconds_count", **boom_) == 1
+    assert sample("workpump_queue_wait_seconds_count", **ok) is None  # no due_at claimed
+    assert dispatcher._outcome_topics == {}  # nothing left behind
+
+
+def test_an_outcome_fenced_out_counts_as_lost_not_done():
+    recorder, sample = own_recorder()
+    handlers = Registry()
+    handlers.register(Handler("outbox", "ok", lambda work: None))
+    dispatcher = Dispatcher(
+        LosingCoordinator(),
+        handlers,
+        LeaseRegistry(),
+        concurrency=1,
+        lease_grace_seconds=5,
+        clock=FrozenClock(),
+        metrics=recorder,
+    )
+    dispatcher.submit([dataclasses.replace(make_row(), topic="ok")])
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+    assert sample("workpump_lost_total", category="outbox") == 1
+    assert sample("workpump_done_total", category="outbox", topic="ok") is None
+    assert dispatcher._outcome_topics == {}
+
+
+def test_the_claim_worker_times_claims_and_counts_rows_and_undecodable_dead_letters():
+    recorder, sample = own_recorder()
+    good = make_row()
+    bad = dataclasses.replace(make_row(), payload={}, payload_error="not JSON")
+    worker = ClaimWorker(
+        FakeCoordinator(claims=[[good, bad]]),
+        FakeSink(free=4),
+        ClaimPolicy(),
+        clock=FrozenClock(),
+        metrics=recorder,
+    )
+    assert worker.run_once().claimed == 2
+    work = {"category": "outbox", "topic": "orders.created"}
+    assert sample("workpump_claimed_total", **work) == 2
+    assert sample("workpump_claim_duration_seconds_count") == 1
+    assert sample("workpump_dead_lettered_total", **work, reason="undecodable_payload") == 1
+
+
+def test_the_renewal_worker_counts_the_renewals_the_database_confirmed():
+    from django_workpump.pump.lease import LeaseHandle
+    from django_workpump.pump.renewal import LeaseRenewalWorker
+
+    recorder, sample = own_recorder()
+    clock = FrozenClock()
+    leases = LeaseRegistry()
+    handles = [
+        LeaseHandle(
+            "outbox", uuid.uuid4(), clock.monotonic() + 10, 6, clock, lease_token=uuid.uuid4()
+        )
+        for _ in range(3)
+    ]
+    for handle in handles:
+        leases.register(handle)
+    coordinator = FakeCoordinator(refuse_renewal=[handles[0].work_id])
+    worker = LeaseRenewalWorker(
+        coordinator,
+        leases,
+        lease_seconds=300,
+        lease_grace_seconds=30,
+        clock=clock,
+        metrics=recorder,
+    )
+    assert worker.run_once() == (0, 3)
+    worker.flusher.flush_once()
+    assert sample("workpump_renewals_total", category="outbox") == 2
+
+
+def test_the_notify_gate_reports_its_state():
+    from django_workpump.pump.notify import NotifyGate
+
+    recorder, sample = own_recorder()
+    gate = NotifyGate("", uuid.uuid4(), on_signal=lambda s: None, metrics=recorder)
+    assert sample("workpump_notify_gate_up") == 0
+    gate._set_available(True)
+    assert sample("workpump_notify_gate_up") == 1
+    gate._set_available(False, "lost")
+    assert sample("workpump_notify_gate_up") == 0
