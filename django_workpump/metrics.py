@@ -1,10 +1,10 @@
 """Prometheus metrics of the work pump (the ``prometheus`` extra, ``prometheus_client``).
 
-The pump's services record what they do through a ``Recorder``: counters and histograms
-of claims, handler runs and outcomes, and gauges of this process (rows in flight, the
-NOTIFY gate). Without ``prometheus_client`` the recorder is a ``NullRecorder`` whose
-methods do nothing, so the instrumentation costs a method call and importing the package
-needs nothing more.
+The pump's services record what they do through a recorder (``recorder()``): a
+``PrometheusRecorder`` keeps counters and histograms of claims, handler runs and
+outcomes, and gauges of this process (rows in flight, the NOTIFY gate). Without
+``prometheus_client`` it is a ``NullRecorder`` whose methods do nothing, so the
+instrumentation costs a method call and importing the package needs nothing more.
 
 The database-wide gauges (rows per state, the oldest waiting row, instances) are read by
 ``DatabaseCollector`` with the two queries ``workpump_status`` uses for them, at most once
@@ -28,6 +28,7 @@ from django.db import connections
 
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.conf import setting
+from django_workpump.states import OutcomeStatus, WorkState
 
 try:
     import prometheus_client
@@ -46,13 +47,13 @@ INSTALL = "pip install 'django-workpump[prometheus]'"
 # Whether prometheus_client could be imported.
 AVAILABLE = prometheus_client is not None
 
-# Seconds: handler runs, from a millisecond to the longest lease with its renewals.
+# Seconds: handler runs from a millisecond to the default lease (300 s).
 HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 
 # The undone states workpump_pending reports (done rows are not a backlog).
-PENDING_STATES = ("pending", "scheduled", "leased", "orphaned", "dead")
+PENDING_STATES = tuple(state for state in WorkState if state != WorkState.DONE)
 
 
 class MetricsUnavailable(ImproperlyConfigured):
@@ -68,7 +69,7 @@ def require() -> None:
     if not AVAILABLE:
         raise MetricsUnavailable(
             "Prometheus metrics need the prometheus_client package, which is not installed. "
-            f"Install it with: {INSTALL}"
+            f"Install it with: {INSTALL}."
         )
 
 
@@ -213,8 +214,6 @@ class PrometheusRecorder(NullRecorder):
         topics: Callable[[Any], str],
         reasons: Callable[[Any], str | None] | None = None,
     ) -> None:
-        from django_workpump.states import OutcomeStatus
-
         for outcome in outcomes:
             status = outcome.status
             if status == OutcomeStatus.LOST:
