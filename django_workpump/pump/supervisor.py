@@ -3,9 +3,9 @@
 Start: schema gate -> first heartbeat (registers the instance) -> NOTIFY gate (takes the
 alive-lock) -> dispatcher, renewals, heartbeat, maintenance, periodic -> claiming.
 Stop: stop claiming -> wait for in-flight handlers (bounded) -> flush outcomes and
-renewals -> deregister (own timeout) -> stop the rest. If any service dies, or the
-instance is evicted (its heartbeat, claim or renewal is refused), everything stops and
-the exit code says why.
+renewals -> stop heartbeats -> deregister (own timeout) -> stop the rest. If any service
+dies, or the instance is evicted (its heartbeat, claim or renewal is refused), everything
+stops and the exit code says why.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class DrainWatcher(LoopService):
     """In drain mode: stop the pump once nothing is left to claim.
 
     That is once a poll that started after the last outcome was written (so it saw
-    every head that outcome promoted) found nothing.
+    every head that outcome promoted) found nothing, and no claim took rows meanwhile.
     """
 
     name = "drain"
@@ -110,12 +110,16 @@ class DrainWatcher(LoopService):
         while not self._stopped(0.05):
             if self.dispatcher.in_flight or self.dispatcher.pending_outcomes:
                 continue
+            claimed_before = self.claim.claimed_total
             started_before = self.claim.polls
             self.claim.request_immediate_poll()
             while self.claim.last_poll[0] <= started_before and not self._stopped(0.01):
                 pass
             idle = not self.dispatcher.in_flight and not self.dispatcher.pending_outcomes
-            if idle and self.claim.last_poll[1] == 0:
+            # A poll under way at the idle check may have claimed rows whose outcomes were
+            # written after the empty poll began: then look again.
+            claimed_meanwhile = self.claim.claimed_total != claimed_before
+            if idle and self.claim.last_poll[1] == 0 and not claimed_meanwhile:
                 self.on_drained()
                 return
 
@@ -446,12 +450,14 @@ class Supervisor:
         self.dispatcher.stop()
         self.renewal.stop()  # flushes the renewals still buffered
         self.renewal.join(5)
+        # Before deregistering: a beat landing after it would register the instance again.
+        self.heartbeat.stop()
+        self.heartbeat.join(5)
         if self.exit_code != EXIT_EVICTED:
             self._deregister(timeout=5)
         self.maintenance.stop()
         if self.periodic is not None:
             self.periodic.stop()
-        self.heartbeat.stop()
         if self.gate is not None:
             self.gate.stop()
         for service in list(self._services.values()):
