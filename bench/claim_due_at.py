@@ -46,6 +46,7 @@ def main() -> None:
         "partition_count": 10_000,
         "categories": ["outbox"],
         "topics": json.dumps({"outbox": [TOPIC]}),
+        "topic_prefixes": None,
         "stale_after_seconds": 30,
         "definitively_dead_after_seconds": 300,
         "now": None,
