@@ -72,6 +72,8 @@ class ClaimedWork(FromRow):
     claimed_at: datetime
     lease_token: uuid.UUID  # this claim's token: every later write about the row names it
     has_more: bool
+    # What the producer stored with the row (e.g. a W3C trace context); None when nothing.
+    headers: dict[str, str] | None = None
     # Why the payload could not be decoded (then ``payload`` is empty): the row must be
     # dead-lettered, not run.
     payload_error: str | None = None
@@ -172,6 +174,7 @@ def send(
     max_payload_depth: int,
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
+    headers_json: str | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an outbox row; with ``unique_key``, the id of the row holding it if any."""
@@ -188,6 +191,7 @@ def send(
         "max_payload_depth": max_payload_depth,
         "unique_key": unique_key,
         "unique_for": unique_for,
+        "headers": headers_json,
     }
     return _scalar("send", params, using)
 
@@ -273,6 +277,7 @@ def receive(
     deduplicate: bool = True,
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
+    headers_json: str | None = None,
     using: str | None = None,
 ) -> Received:
     params = {
@@ -289,6 +294,7 @@ def receive(
         "deduplicate": deduplicate,
         "unique_key": unique_key,
         "unique_for": unique_for,
+        "headers": headers_json,
     }
     return Received.from_row(_fetch("receive", params, using)[0])
 
@@ -306,6 +312,7 @@ def emit(
     max_payload_depth: int,
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
+    headers_json: str | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an event and its work; with ``unique_key``, the id of the event holding it."""
@@ -321,6 +328,7 @@ def emit(
         "max_payload_depth": max_payload_depth,
         "unique_key": unique_key,
         "unique_for": unique_for,
+        "headers": headers_json,
     }
     return _scalar("emit", params, using)
 
@@ -391,6 +399,7 @@ def claim_work(
 
 
 def _claimed(row: Row) -> ClaimedWork:
+    row = {**row, "headers": _headers(row.get("headers"))}
     text: str = row["payload"]  # the payload's JSON text
     try:
         payload = decode(text)
@@ -400,6 +409,17 @@ def _claimed(row: Row) -> ClaimedWork:
         error = f"it is a JSON {type(payload).__name__}, not an object"
         return ClaimedWork.from_row({**row, "payload": {}, "payload_error": error})
     return ClaimedWork.from_row({**row, "payload": payload})
+
+
+def _headers(text: str | None) -> dict[str, str] | None:
+    """A row's headers from their JSON text; None for none, or for any that do not decode."""
+    if text is None:
+        return None
+    try:
+        headers = json.loads(text)
+    except ValueError:
+        return None  # the producers store objects of strings: a hand-written row at worst
+    return headers if isinstance(headers, dict) else None
 
 
 def renew_leases(

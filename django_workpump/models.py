@@ -47,6 +47,9 @@ class WorkRow(models.Model):
     failure_reason = models.CharField(max_length=40, null=True, blank=True)
     dead_lettered_at = models.DateTimeField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
+    # What the producer sent along, a JSON object of strings: e.g. the W3C trace context
+    # ("traceparent", "tracestate") that links a handler's span to its producer's.
+    headers = models.JSONField(null=True, blank=True, editable=False)
 
     class Meta:
         abstract = True

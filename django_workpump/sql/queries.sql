@@ -15,7 +15,8 @@ SELECT workpump.send(
     p_max_payload_depth => %(max_payload_depth)s,
     p_unique_key => %(unique_key)s,
     p_unique_for => %(unique_for)s::interval,
-    p_on_conflict => 'return')
+    p_on_conflict => 'return',
+    p_headers => %(headers)s::jsonb)
 
 -- name: send_many
 -- The payloads and the streams travel as one JSON array each: one parameter, no
@@ -68,7 +69,8 @@ SELECT workpump.receive(
     p_deduplicate => %(deduplicate)s,
     p_unique_key => %(unique_key)s,
     p_unique_for => %(unique_for)s::interval,
-    p_on_conflict => 'return') AS stored,
+    p_on_conflict => 'return',
+    p_headers => %(headers)s::jsonb) AS stored,
     statement_timestamp() AS created_at
 
 -- name: emit
@@ -84,7 +86,8 @@ SELECT workpump.emit(
     p_max_payload_depth => %(max_payload_depth)s,
     p_unique_key => %(unique_key)s,
     p_unique_for => %(unique_for)s::interval,
-    p_on_conflict => 'return')
+    p_on_conflict => 'return',
+    p_headers => %(headers)s::jsonb)
 
 -- name: unique_key_holder
 SELECT workpump.unique_key_holder(
@@ -100,7 +103,7 @@ SELECT workpump.sync_subscriptions(
 
 -- name: claim_work
 SELECT category, work_id, topic, payload, stream, attempts, max_attempts, lease_expiry,
-       event_id, event_type, priority, claimed_at, lease_token, has_more
+       event_id, event_type, priority, claimed_at, lease_token, headers, has_more
 FROM workpump.claim_work(
     p_instance_id => %(instance_id)s,
     p_max_rows => %(max_rows)s,

@@ -61,7 +61,8 @@ CREATE TYPE workpump.leased_work AS (
     event_type text,
     priority integer,
     claimed_at timestamptz,
-    lease_token uuid
+    lease_token uuid,
+    headers jsonb
 );
 
 -- --------------------------------------------------------------------------------------
@@ -324,6 +325,34 @@ BEGIN
 END
 $$;
 
+-- Raise unless p_headers is NULL or a JSON object of strings of at most 8192 bytes.
+-- p_what names the producer's topic noun ('outbox destination', 'event type').
+CREATE FUNCTION workpump.check_headers(p_what text, p_topic text, p_headers jsonb)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_headers IS NULL THEN
+        RETURN;
+    END IF;
+    IF jsonb_typeof(p_headers) <> 'object'
+       OR EXISTS (SELECT 1 FROM jsonb_each(p_headers) h WHERE jsonb_typeof(h.value) <> 'string')
+    THEN
+        RAISE EXCEPTION 'p_headers of % % must be a JSON object of strings, not %.',
+            p_what, quote_literal(p_topic), left(p_headers::text, 200)
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'E.g. {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}, or NULL for none.';
+    END IF;
+    IF octet_length(p_headers::text) > 8192 THEN
+        RAISE EXCEPTION 'p_headers of % % are % bytes of JSON, over the limit of 8192 bytes.',
+            p_what, quote_literal(p_topic), octet_length(p_headers::text)
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Headers carry small metadata such as a trace context; put data in the payload.';
+    END IF;
+END
+$$;
+
 -- Raise unless a unique key, its window and the conflict policy are valid. p_what names
 -- the producer's topic noun ('outbox destination', 'event type').
 CREATE FUNCTION workpump.check_unique_key(
@@ -428,7 +457,7 @@ $$;
 -- Store an outbox message for p_destination; return its message id. With p_unique_key,
 -- return the id of the row that holds the key instead, writing nothing: an unprocessed
 -- row with that key, or (with p_unique_for) one created within the window
--- (unique_key_holder).
+-- (unique_key_holder). p_headers are stored with the row (check_headers).
 CREATE FUNCTION workpump.send(
     p_destination text,
     p_payload jsonb,
@@ -443,7 +472,8 @@ CREATE FUNCTION workpump.send(
     p_unique_key text DEFAULT NULL,
     p_unique_for interval DEFAULT NULL,
     p_on_conflict text DEFAULT 'return',
-    p_now timestamptz DEFAULT NULL
+    p_now timestamptz DEFAULT NULL,
+    p_headers jsonb DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -456,6 +486,7 @@ BEGIN
                                     p_priority, p_max_attempts, p_partition_count);
     PERFORM workpump.check_payload('outbox destination', p_destination, p_payload,
                                    p_max_payload_bytes, p_max_payload_depth);
+    PERFORM workpump.check_headers('outbox destination', p_destination, p_headers);
     PERFORM workpump.check_unique_key('outbox destination', p_destination, p_unique_key,
                                       p_unique_for, p_on_conflict);
     IF p_unique_key IS NOT NULL THEN
@@ -466,10 +497,10 @@ BEGIN
         IF v_holder IS NULL THEN
             INSERT INTO workpump_outbox (message_id, destination, payload, stream,
                                          partition_number, priority, scheduled_for,
-                                         max_attempts, unique_key)
+                                         max_attempts, unique_key, headers)
             VALUES (v_id, p_destination, p_payload, p_stream,
                     workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
-                    p_priority, p_scheduled_for, p_max_attempts, p_unique_key)
+                    p_priority, p_scheduled_for, p_max_attempts, p_unique_key, p_headers)
             ON CONFLICT (destination, unique_key)
                 WHERE processed_at IS NULL AND unique_key IS NOT NULL DO NOTHING;
             IF FOUND THEN
@@ -489,10 +520,10 @@ BEGIN
         RETURN v_holder;
     END IF;
     INSERT INTO workpump_outbox (message_id, destination, payload, stream, partition_number,
-                                 priority, scheduled_for, max_attempts)
+                                 priority, scheduled_for, max_attempts, headers)
     VALUES (v_id, p_destination, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
-            p_priority, p_scheduled_for, p_max_attempts);
+            p_priority, p_scheduled_for, p_max_attempts, p_headers);
     RETURN v_id;
 END
 $$;
@@ -517,7 +548,8 @@ CREATE FUNCTION workpump.receive(
     p_unique_key text DEFAULT NULL,
     p_unique_for interval DEFAULT NULL,
     p_on_conflict text DEFAULT 'return',
-    p_now timestamptz DEFAULT NULL
+    p_now timestamptz DEFAULT NULL,
+    p_headers jsonb DEFAULT NULL
 ) RETURNS boolean
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -533,6 +565,7 @@ BEGIN
                                     p_priority, p_max_attempts, p_partition_count);
     PERFORM workpump.check_payload('inbox handler', p_handler_name, p_payload,
                                    p_max_payload_bytes, p_max_payload_depth);
+    PERFORM workpump.check_headers('inbox handler', p_handler_name, p_headers);
     PERFORM workpump.check_unique_key('inbox handler', p_handler_name, p_unique_key,
                                       p_unique_for, p_on_conflict);
     IF p_unique_key IS NOT NULL THEN
@@ -561,10 +594,10 @@ BEGIN
     -- a holder of the key this snapshot could not see (REPEATABLE READ) fails the
     -- partial unique index workpump_inbox_unique_key here
     INSERT INTO workpump_inbox (message_id, handler_name, payload, stream, partition_number,
-                                priority, scheduled_for, max_attempts, unique_key)
+                                priority, scheduled_for, max_attempts, unique_key, headers)
     VALUES (p_message_id, p_handler_name, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, p_message_id::text), p_partition_count),
-            p_priority, p_scheduled_for, p_max_attempts, p_unique_key);
+            p_priority, p_scheduled_for, p_max_attempts, p_unique_key, p_headers);
     RETURN true;
 END
 $$;
@@ -641,7 +674,8 @@ CREATE FUNCTION workpump.emit(
     p_unique_key text DEFAULT NULL,
     p_unique_for interval DEFAULT NULL,
     p_on_conflict text DEFAULT 'return',
-    p_now timestamptz DEFAULT NULL
+    p_now timestamptz DEFAULT NULL,
+    p_headers jsonb DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -657,6 +691,7 @@ BEGIN
                                     p_partition_count);
     PERFORM workpump.check_payload('event type', p_event_type, p_payload,
                                    p_max_payload_bytes, p_max_payload_depth);
+    PERFORM workpump.check_headers('event type', p_event_type, p_headers);
     PERFORM workpump.check_unique_key('event type', p_event_type, p_unique_key,
                                       p_unique_for, p_on_conflict);
     v_partition := workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count);
@@ -702,17 +737,18 @@ BEGIN
     INSERT INTO workpump_event (event_id, event_type, payload, stream, unique_key)
     VALUES (v_id, p_event_type, p_payload, p_stream, p_unique_key);
 
+    -- every subscriber's row carries the event's headers (its trace context)
     INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id, stream,
-                                            partition_number, priority, max_attempts)
+                                            partition_number, priority, max_attempts, headers)
     SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
-           coalesce((s->>'max_attempts')::integer, 10)
+           coalesce((s->>'max_attempts')::integer, 10), p_headers
     FROM jsonb_array_elements(v_subscribers) s
     WHERE s->>'category' = 'perspective_event';
 
     INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, stream,
-                                              partition_number, priority, max_attempts)
+                                              partition_number, priority, max_attempts, headers)
     SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
-           coalesce((s->>'max_attempts')::integer, 10)
+           coalesce((s->>'max_attempts')::integer, 10), p_headers
     FROM jsonb_array_elements(v_subscribers) s
     WHERE s->>'category' = 'receptor';
     RETURN v_id;
@@ -1656,7 +1692,7 @@ BEGIN
                   t.payload AS payload, t.stream, '' AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
     ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
@@ -1678,7 +1714,7 @@ BEGIN
     -- the leased rows (parked ones are not returned), pass by pass as claimed
     SELECT 'outbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-           c.claimed_at, c.lease_token
+           c.claimed_at, c.lease_token, c.headers
     FROM claimed c
     JOIN candidates USING (seq)
     WHERE NOT c.dead
@@ -1794,7 +1830,7 @@ BEGIN
                   t.payload AS payload, t.stream, '' AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
     ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
@@ -1816,7 +1852,7 @@ BEGIN
     -- the leased rows (parked ones are not returned), pass by pass as claimed
     SELECT 'inbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-           c.claimed_at, c.lease_token
+           c.claimed_at, c.lease_token, c.headers
     FROM claimed c
     JOIN candidates USING (seq)
     WHERE NOT c.dead
@@ -1933,7 +1969,7 @@ BEGIN
                   NULL::jsonb AS payload, t.stream, t.perspective_name AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
     ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
@@ -1955,7 +1991,7 @@ BEGIN
     -- the leased rows (parked ones are not returned), pass by pass as claimed
     SELECT 'perspective_event'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
-           c.claimed_at, c.lease_token
+           c.claimed_at, c.lease_token, c.headers
     FROM claimed c
     JOIN candidates USING (seq)
     JOIN workpump_event e ON e.event_id = c.event_id
@@ -2073,7 +2109,7 @@ BEGIN
                   NULL::jsonb AS payload, t.stream, t.receptor_name AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
     ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
@@ -2095,7 +2131,7 @@ BEGIN
     -- the leased rows (parked ones are not returned), pass by pass as claimed
     SELECT 'receptor'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
-           c.claimed_at, c.lease_token
+           c.claimed_at, c.lease_token, c.headers
     FROM claimed c
     JOIN candidates USING (seq)
     JOIN workpump_event e ON e.event_id = c.event_id
@@ -2129,6 +2165,7 @@ RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_
 -- lease_token that every later write about the row must pass back. Raises SQLSTATE WP001
 -- when p_instance_id is evicted or not registered. A category is only claimed from when
 -- its two index probes find something, so an idle system costs a few probes and no writes.
+-- headers are the row's, as its producer stored them (NULL when none).
 -- has_more is true on the rows of a category that filled its share of the budget (the
 -- caller should poll again at once); a NOTICE 'workpump.has_more=true' says the same.
 -- Each category's rows are leased by its own function: claim_outbox, claim_inbox,
@@ -2158,6 +2195,7 @@ CREATE FUNCTION workpump.claim_work(
     priority integer,
     claimed_at timestamptz,
     lease_token uuid,
+    headers jsonb,
     has_more boolean
 )
 LANGUAGE plpgsql
