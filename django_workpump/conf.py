@@ -332,6 +332,17 @@ SETTINGS: tuple[Setting, ...] = (
             "read at most this often, however often Prometheus scrapes"
         ),
     ),
+    # Tracing (docs/tracing.md).
+    Setting(
+        "TRACING",
+        True,
+        "bool",
+        meaning=(
+            "OpenTelemetry producer and consumer spans, trace context in each row's headers; "
+            "takes effect only when `opentelemetry-api` is installed (extra `otel`) "
+            "([docs/tracing.md](docs/tracing.md))"
+        ),
+    ),
     # Periodic work (docs/periodic.md).
     Setting(
         "PERIODIC_ENABLED",

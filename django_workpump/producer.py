@@ -18,7 +18,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import ProgrammingError, transaction
 
-from django_workpump import db
+from django_workpump import db, tracing
 from django_workpump.conf import setting
 from django_workpump.payloads import MAX_DEPTH
 from django_workpump.registry import TOPIC_NOUNS, registry
@@ -218,6 +218,45 @@ def _name(what: str, value: Any) -> str:
     return value
 
 
+# Most bytes of JSON a row's headers may take (the SQL producers check the same).
+MAX_HEADERS_BYTES = 8192
+
+
+def _headers(what: str, headers: Any) -> dict[str, str] | None:
+    """Check headers: None, or a mapping of str to str of at most MAX_HEADERS_BYTES."""
+    if headers is None:
+        return None
+    if not isinstance(headers, Mapping):
+        raise InvalidWork(
+            f"The headers of {what} must be a dict of str to str (or None), not "
+            f"{type(headers).__name__}."
+        )
+    for key, value in headers.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidWork(
+                f"The headers of {what} must map str to str; {key!r}: {value!r} does not. "
+                "Convert the value to a string, e.g. str(value)."
+            )
+        for text in (key, value):
+            if problem := _unstorable(text):
+                raise InvalidWork(f"The headers of {what} have {problem} in {text!r}.")
+    return dict(headers)
+
+
+def _headers_json(what: str, headers: dict[str, str] | None) -> str | None:
+    if not headers:
+        return None
+    text = json.dumps(headers, ensure_ascii=False)
+    size = len(text.encode())
+    if size > MAX_HEADERS_BYTES:
+        raise InvalidWork(
+            f"The headers of {what} are {size} bytes of JSON, over the limit of "
+            f"{MAX_HEADERS_BYTES}. Headers carry small metadata such as a trace context; "
+            "put data in the payload."
+        )
+    return text
+
+
 def _priority(what: str, priority: Any) -> int:
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidWork(f"The priority of {what} must be an int, not {priority!r}.")
@@ -338,6 +377,7 @@ def send(
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
     on_conflict: str = "return",
+    headers: Mapping[str, str] | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an outbox message for ``destination`` in the current transaction.
@@ -345,18 +385,25 @@ def send(
     With ``unique_key``, at most one unprocessed message per (destination, key) exists
     (with ``unique_for``, also none created within that window): a duplicate writes
     nothing and returns the holder's id, or raises ``Duplicate`` (``on_conflict="raise"``).
+    ``headers`` (str to str) are stored with the row and given to its handler as
+    ``work.headers``; with tracing on they carry the producer span's context.
     """
     destination = _name("outbox destination", destination)
     what = f"outbox message to {destination!r}"
     key, window = _unique(what, unique_key, unique_for, on_conflict)
+    given = _headers(what, headers)
+    stream_key = _stream_key(what, stream)
     if key is not None and message_id is None:
         message_id = uuid.uuid4()  # a returned id that differs names the holder
     alias = using or setting("DATABASE_ALIAS")
-    with _schema_required(alias):
+    with (
+        tracing.producing("send", "outbox", destination, stream=stream_key, headers=given) as out,
+        _schema_required(alias),
+    ):
         result = db.send(
             destination=destination,
             payload_json=_payload_json(what, payload),
-            stream=_stream_key(what, stream),
+            stream=stream_key,
             priority=_priority(what, priority),
             scheduled_for=_when(what, run_after),
             max_attempts=_max_attempts("outbox", destination, max_attempts),
@@ -366,10 +413,12 @@ def send(
             max_payload_depth=MAX_DEPTH,
             unique_key=key,
             unique_for=window,
+            headers_json=_headers_json(what, out.headers),
             using=alias,
         )
-    if key is not None and result != message_id:
-        return _duplicate(f"Outbox destination {destination!r}", key, result, on_conflict)
+        out.stored(result)
+        if key is not None and result != message_id:  # Duplicate fails the span too
+            return _duplicate(f"Outbox destination {destination!r}", key, result, on_conflict)
     _announce("outbox", alias)
     _tell_capture("send", destination, payload, stream, result)
     return result
@@ -388,6 +437,7 @@ def receive(
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
     on_conflict: str = "return",
+    headers: Mapping[str, str] | None = None,
     using: str | None = None,
 ) -> bool:
     """Store an inbox message once per ``message_id``; False if it was received before.
@@ -397,6 +447,7 @@ def receive(
     (a repeated id then raises ``IntegrityError``). With ``unique_key``, also False while
     another unprocessed message for ``handler_name`` holds the key (with ``unique_for``,
     also one created within that window), or ``Duplicate`` with ``on_conflict="raise"``.
+    ``headers`` are stored with the row, as for ``send``.
     """
     return receive_stamped(
         message_id,
@@ -410,6 +461,7 @@ def receive(
         unique_key=unique_key,
         unique_for=unique_for,
         on_conflict=on_conflict,
+        headers=headers,
         using=using,
     ).stored
 
@@ -427,6 +479,7 @@ def receive_stamped(
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
     on_conflict: str = "return",
+    headers: Mapping[str, str] | None = None,
     using: str | None = None,
 ) -> db.Received:
     """``receive``, also returning the stored row's ``created_at`` from the same statement
@@ -434,6 +487,8 @@ def receive_stamped(
     handler_name = _name("inbox handler name", handler_name)
     what = f"inbox message for {handler_name!r}"
     key, window = _unique(what, unique_key, unique_for, on_conflict)
+    given = _headers(what, headers)
+    stream_key = _stream_key(what, stream)
     try:
         message_uuid = message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(message_id)
     except (TypeError, ValueError, AttributeError) as exc:
@@ -441,12 +496,18 @@ def receive_stamped(
             f"The message id of {what} must be a UUID (or its string), not {message_id!r}."
         ) from exc
     alias = using or setting("DATABASE_ALIAS")
-    with _schema_required(alias):
+    with (
+        tracing.producing(
+            "receive", "inbox", handler_name, stream=stream_key, headers=given
+        ) as out,
+        _schema_required(alias),
+    ):
+        out.stored(message_uuid)
         received = db.receive(
             message_id=message_uuid,
             handler_name=handler_name,
             payload_json=_payload_json(what, payload),
-            stream=_stream_key(what, stream),
+            stream=stream_key,
             priority=_priority(what, priority),
             scheduled_for=_when(what, run_after),
             max_attempts=_max_attempts("inbox", handler_name, max_attempts),
@@ -456,6 +517,7 @@ def receive_stamped(
             deduplicate=deduplicate,
             unique_key=key,
             unique_for=window,
+            headers_json=_headers_json(what, out.headers),
             using=alias,
         )
     if not received.stored and key is not None and on_conflict == "raise":
@@ -478,6 +540,7 @@ def emit(
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
     on_conflict: str = "return",
+    headers: Mapping[str, str] | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an event and one work row per perspective and receptor subscribed to it.
@@ -485,10 +548,13 @@ def emit(
     With ``unique_key``, at most one event per (event type, key) has work not yet done
     (with ``unique_for``, also none created within that window): a duplicate writes
     nothing and returns the holder's id, or raises ``Duplicate`` (``on_conflict="raise"``).
+    ``headers`` are stored with every subscriber's row, as for ``send``.
     """
     event_type = _name("event type", event_type)
     what = f"event {event_type!r}"
     key, window = _unique(what, unique_key, unique_for, on_conflict)
+    given = _headers(what, headers)
+    stream_key = _stream_key(what, stream)
     if key is not None and event_id is None:
         event_id = uuid.uuid4()  # a returned id that differs names the holder
     subscribers = [
@@ -500,11 +566,14 @@ def emit(
         for handler in registry.subscribers(event_type)
     ]
     alias = using or setting("DATABASE_ALIAS")
-    with _schema_required(alias):
+    with (
+        tracing.producing("emit", "event", event_type, stream=stream_key, headers=given) as out,
+        _schema_required(alias),
+    ):
         result = db.emit(
             event_type=event_type,
             payload_json=_payload_json(what, payload),
-            stream=_stream_key(what, stream),
+            stream=stream_key,
             subscribers_json=json.dumps(subscribers),
             event_id=event_id,
             priority=_priority(what, priority),
@@ -513,10 +582,12 @@ def emit(
             max_payload_depth=MAX_DEPTH,
             unique_key=key,
             unique_for=window,
+            headers_json=_headers_json(what, out.headers),
             using=alias,
         )
-    if key is not None and result != event_id:
-        return _duplicate(f"Event type {event_type!r}", key, result, on_conflict)
+        out.stored(result)
+        if key is not None and result != event_id:  # Duplicate fails the span too
+            return _duplicate(f"Event type {event_type!r}", key, result, on_conflict)
     for category in sorted({handler.category for handler in registry.subscribers(event_type)}):
         _announce(category, alias)
     _tell_capture("emit", event_type, payload, stream, result)

@@ -21,7 +21,7 @@ from typing import Any
 
 from django.db import transaction
 
-from django_workpump import db, producer
+from django_workpump import db, producer, tracing
 from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
 from django_workpump.pump.dispatch import Work
@@ -146,11 +146,15 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport, savepo
         lease=handle,
         instance_id=TEST_INSTANCE_ID,
         lease_token=row.lease_token,
+        headers=row.headers,
     )
     try:
         # A savepoint: a failing handler's writes go, the test's transaction stays usable
         # (savepoint=False: they stay, as under runworkpump).
-        with transaction.atomic(using=alias) if savepoint else nullcontext():
+        with (
+            transaction.atomic(using=alias) if savepoint else nullcontext(),
+            tracing.handling(work),
+        ):
             result = handler.func(work)
             if inspect.isawaitable(result):
                 result = asyncio.run(_awaited(result))

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from django.db import close_old_connections, connections, transaction
 
+from django_workpump import tracing
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.metrics import NullRecorder, recorder
@@ -78,6 +79,8 @@ class Work:
     lease_token: uuid.UUID | None = None  # the claim this attempt belongs to
     # Set when the pump begins a graceful stop (the lease is kept, and renewed, meanwhile).
     stopping: threading.Event | None = None
+    # What the producer stored with the row, e.g. its trace context ("traceparent").
+    headers: Mapping[str, str] | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -481,6 +484,7 @@ class Dispatcher:
             self.coordinator.identity.instance_id,
             row.lease_token,
             self._stopping,
+            row.headers,
         )
 
     def _discard_loop(self) -> None:
@@ -499,12 +503,15 @@ class Dispatcher:
 
     def _call(self, handler: Handler, job: _Job) -> str | None:
         work = self._work_for(job)
-        result = wrap_in_middleware(handler.func, self.middleware)(work)
-        if inspect.isawaitable(result):  # an async handler, or an async middleware
-            loop = getattr(self._local, "loop", None)
-            if loop is None:
-                loop = self._local.loop = asyncio.new_event_loop()
-            result = loop.run_until_complete(result)
+        # One consumer span per run, middleware included, awaited to the end (an async
+        # handler's task copies the context, so the span is current inside it).
+        with tracing.handling(work):
+            result = wrap_in_middleware(handler.func, self.middleware)(work)
+            if inspect.isawaitable(result):  # an async handler, or an async middleware
+                loop = getattr(self._local, "loop", None)
+                if loop is None:
+                    loop = self._local.loop = asyncio.new_event_loop()
+                result = loop.run_until_complete(result)
 
         def warn(change: str) -> None:
             logger.warning(

@@ -20,7 +20,7 @@ from typing import Any
 from django.core import checks
 from django.db import transaction
 
-from django_workpump import producer
+from django_workpump import producer, tracing
 from django_workpump.conf import setting
 from django_workpump.tasks.checks import check_backend
 from django_workpump.tasks.compat import (
@@ -141,20 +141,24 @@ class WorkPumpBackend(BaseTaskBackend):
         topic = topic_of(self.alias, task.queue_name)
         unique_key = _unique_key(payload) if getattr(task, "unique", False) else None
         unique_for = getattr(task, "unique_for", None)
-        # One statement: the insert, and the row's created_at as enqueued_at.
-        received = producer.receive_stamped(
-            message_id,
-            topic,
-            payload,
-            priority=task.priority,
-            run_after=task.run_after,
-            max_attempts=self.max_attempts_of(task),
-            deduplicate=False,  # a fresh UUID: nothing to de-duplicate
-            unique_key=unique_key,
-            unique_for=unique_for,
-            on_conflict=getattr(task, "on_conflict", "return"),
-            using=using,
-        )
+        # One statement: the insert, and the row's created_at as enqueued_at. The
+        # enqueue span is the producer: the row's headers carry its context.
+        with tracing.producing("enqueue", "inbox", topic) as out:
+            out.note(tracing.TASK, task.module_path)
+            out.stored(message_id)
+            received = producer.receive_stamped(
+                message_id,
+                topic,
+                payload,
+                priority=task.priority,
+                run_after=task.run_after,
+                max_attempts=self.max_attempts_of(task),
+                deduplicate=False,  # a fresh UUID: nothing to de-duplicate
+                unique_key=unique_key,
+                unique_for=unique_for,
+                on_conflict=getattr(task, "on_conflict", "return"),
+                using=using,
+            )
         if not received.stored and unique_key is not None:
             holder = producer.unique_key_holder("inbox", topic, unique_key, unique_for, using=using)
             if holder is not None:
