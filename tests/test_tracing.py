@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 
 pytest.importorskip("opentelemetry.sdk.trace")
@@ -297,11 +297,12 @@ def test_the_sql_producers_refuse_bad_headers(headers, message):
         "SELECT workpump.emit('tr.happened', '{}'::jsonb, p_headers => %s::jsonb)",
     ]
     for call in calls:
-        with pytest.raises(Exception, match=message) as raised, connection.cursor() as cursor:
-            from django.db import transaction
-
-            with transaction.atomic():
-                cursor.execute(call, [headers])
+        with (
+            pytest.raises(Exception, match=message) as raised,
+            transaction.atomic(),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute(call, [headers])
         assert getattr(raised.value.__cause__, "sqlstate", None) == "22023"
 
 
