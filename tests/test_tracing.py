@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
 from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.util._once import Once
 
 import django_workpump as workpump
 from django_workpump import models, tracing
@@ -43,37 +44,21 @@ EXPORTER = InMemorySpanExporter()
 SEEN: list[dict[str, Any]] = []  # what the in-process handlers saw
 
 
-class Recorder(SimpleSpanProcessor):
-    """Exports to EXPORTER while this module's tests run; drops spans of other modules."""
-
-    active = False
-    installed = False
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if self.active:
-            super().on_end(span)
-
-
-RECORDER = Recorder(EXPORTER)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def sdk() -> Iterator[None]:
-    """An SDK tracer provider (the process's global one) recording into EXPORTER.
+    """An SDK tracer provider, the process's global one while this module's tests run.
 
-    pytest-django runs transactional tests last, so this may run twice per session.
+    It is unset after them (as OpenTelemetry's own test utilities do), so the rest of
+    the suite runs without one. pytest-django runs transactional tests last, so this may
+    run twice per session.
     """
-    if not Recorder.installed:
-        provider = trace.get_tracer_provider()
-        if not isinstance(provider, TracerProvider):
-            provider = TracerProvider()
-            trace.set_tracer_provider(provider)
-        provider.add_span_processor(RECORDER)
-        Recorder.installed = True
-    RECORDER.active = True
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+    trace.set_tracer_provider(provider)
     yield
-    RECORDER.active = False
     EXPORTER.clear()
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace._TRACER_PROVIDER = None
 
 
 @pytest.fixture(autouse=True)
