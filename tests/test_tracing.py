@@ -460,8 +460,8 @@ def test_a_runworkpump_process_continues_the_trace_of_a_producer_in_another(
 # -- the migration -----------------------------------------------------------------------
 
 
-def test_the_v12_migration_reverses_and_applies_again(scratch_database):
-    def v12_state() -> tuple[int, int, int, bool, int]:
+def test_the_v13_migration_reverses_and_applies_again(scratch_database):
+    def v13_state() -> tuple[int, int, int, bool, int]:
         """(arguments of send, receive, emit; outbox.headers; attributes of leased_work)."""
         with psycopg.connect(scratch_database.url) as conn:
             send, receive, emit = (
@@ -492,9 +492,9 @@ def test_the_v12_migration_reverses_and_applies_again(scratch_database):
             conn.rollback()
             return send, receive, emit, column, attributes
 
+    scratch_database.migrate("workpump", "0018")
+    assert v13_state() == (15, 16, 14, True, 14)
     scratch_database.migrate("workpump", "0017")
-    assert v12_state() == (15, 16, 14, True, 14)
-    scratch_database.migrate("workpump", "0016")
-    assert v12_state() == (14, 15, 13, False, 13)
-    scratch_database.migrate("workpump", "0017")
-    assert v12_state() == (15, 16, 14, True, 14)
+    assert v13_state() == (14, 15, 13, False, 13)
+    scratch_database.migrate("workpump", "0018")
+    assert v13_state() == (15, 16, 14, True, 14)

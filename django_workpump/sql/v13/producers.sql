@@ -1,4 +1,4 @@
--- Producers, schema version 12: headers that travel with the work.
+-- Producers, schema version 13: headers that travel with the work.
 --
 -- send, receive and emit take p_headers, a JSON object of string values (at most 8192
 -- bytes of JSON) stored in the row's headers column and returned by the claim, e.g. the

@@ -1,10 +1,10 @@
-"""Schema version 12: headers stored with every work row and returned by the claim."""
+"""Schema version 13: headers stored with every work row and returned by the claim."""
 
 from django.db import migrations, models
 
 from django_workpump.sql import PIN_SEARCH_PATH, function_definitions, read
 
-SQL_FILES = ["v12/producers.sql", "v12/claim.sql"]
+SQL_FILES = ["v13/producers.sql", "v13/claim.sql"]
 V10_REPLACED = ["send", "receive", "emit"]
 V11_REPLACED = [
     "claim_outbox",
@@ -22,7 +22,7 @@ def headers_field() -> models.JSONField:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workpump", "0016_functions_v11_claim_prefixes"),
+        ("workpump", "0017_functions_v12_bulk_producers"),
     ]
 
     operations = [

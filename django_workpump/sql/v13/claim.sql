@@ -1,6 +1,6 @@
--- Schema version 12, the claim returns each row's headers.
+-- Schema version 13, the claim returns each row's headers.
 --
--- The producers of version 12 store headers with the row (e.g. a W3C trace context);
+-- The producers of version 13 store headers with the row (e.g. a W3C trace context);
 -- the claim hands them to the process that runs the row, so its handler's span links to
 -- the producer's (docs/tracing.md). leased_work gains the attribute headers and the
 -- claim functions return it; what a claim does is unchanged from version 11.
