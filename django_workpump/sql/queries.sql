@@ -124,7 +124,7 @@ FROM workpump.claim_work(
 -- is one probe of the work id's unique index, run for the row's own category only.
 SELECT c.category, c.work_id, c.topic, c.payload, c.stream, c.attempts, c.max_attempts,
        c.lease_expiry, c.event_id, c.event_type, c.priority, c.claimed_at, c.lease_token,
-       c.has_more,
+       c.headers, c.has_more,
        CASE c.category
            WHEN 'outbox' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
                                FROM workpump_outbox t WHERE t.message_id = c.work_id)
