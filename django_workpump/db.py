@@ -11,13 +11,14 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
 from typing import Any, ClassVar, Self
 
-from django.db import DatabaseError, ProgrammingError, connections
+from django.db import DatabaseError, ProgrammingError, connections, transaction
 from psycopg.types.string import TextLoader
 
 from django_workpump.conf import setting
@@ -141,6 +142,28 @@ def _fetch(
 
 def _column(rows: list[dict[str, Any]], column: str) -> list[Any]:
     return [row[column] for row in rows]
+
+
+@contextmanager
+def without_jit(*, using: str | None = None) -> Iterator[None]:
+    """A transaction whose queries PostgreSQL does not JIT-compile (``SET LOCAL jit = off``).
+
+    For the admin's pages and the status report: short interactive queries that the
+    planner may cost past ``jit_above_cost`` (the per-row liveness and stuck rules), where
+    compiling takes longer than running. The setting ends with the transaction; inside
+    a caller's transaction (ATOMIC_REQUESTS, a test) it lasts until that one ends, and
+    no savepoint is made: an error inside is the caller's to handle, as without this.
+    """
+    connection = connections[_alias(using)]
+    if connection.in_atomic_block:
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL jit = off")
+        yield
+        return
+    with transaction.atomic(using=connection.alias):
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL jit = off")
+        yield
 
 
 def fetch_named(

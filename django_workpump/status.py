@@ -308,9 +308,15 @@ def periodic_schedules(
 
 
 def collect(*, now: datetime | None = None, using: str | None = None) -> StatusReport:
-    """Gather the whole status report (seven queries)."""
+    """Gather the whole status report: seven queries in one transaction, without JIT."""
     settings = get_settings()
     using = using or settings["DATABASE_ALIAS"]
+    with db.without_jit(using=using):
+        return _collect(now=now, using=using)
+
+
+def _collect(*, now: datetime | None, using: str) -> StatusReport:
+    settings = get_settings()
     counts = state_counts(now=now, using=using)
     blocked = blocked_streams(now=now, using=using)
     return StatusReport(

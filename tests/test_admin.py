@@ -68,12 +68,12 @@ LIST_URLS = [
 
 # Queries of one page, pinned (see test_..._query_count_...): session + user, then the
 # page's own. They do not grow with the number of rows shown.
-OUTBOX_CHANGELIST_QUERIES = 6  # session, user, count, page, destination filter, owner filter
+OUTBOX_CHANGELIST_QUERIES = 7  # session, user, SET LOCAL jit, count, page, topic and owner filters
 OPERATOR_EXTRA_QUERIES = 3  # user perms, group perms, per-model workpump perms (non-superuser)
-INSTANCES_CHANGELIST_QUERIES = 6  # session, user, count, page, service filter, host filter
-STREAMS_CHANGELIST_QUERIES = 5  # session, user, count, page, category filter
-SUMMARY_QUERIES = 9  # session, user, and status.collect()'s seven
-DETAIL_QUERIES = 5  # session, user, row, neighbours before, neighbours after
+INSTANCES_CHANGELIST_QUERIES = 7  # session, user, SET LOCAL jit, count, page, service, host
+STREAMS_CHANGELIST_QUERIES = 6  # session, user, SET LOCAL jit, count, page, category filter
+SUMMARY_QUERIES = 10  # session, user, SET LOCAL jit and status.collect()'s seven
+DETAIL_QUERIES = 6  # session, user, SET LOCAL jit, row, neighbours before and after
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from django.utils.safestring import SafeString
 
 from django_workpump import db, status
 from django_workpump.admin import display
+from django_workpump.admin.base import WorkpumpModelAdmin
 from django_workpump.admin.expressions import (
     HOLDER_LIVE,
     held_alive_lock_keys,
@@ -58,7 +59,7 @@ WORK_MODELS = {
 }
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(WorkpumpModelAdmin):
     """Rows written by the SQL functions only: shown, never added, edited or deleted here."""
 
     show_full_result_count = False  # a filtered page runs no extra count of the whole table
@@ -255,7 +256,7 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
         """Counts per category x state and the rest of ``workpump_status``."""
         if not can_view_summary(self.admin_site, request):
             raise PermissionDenied
-        report = status.collect()
+        report = status.collect()  # without JIT, as every page (admin/base.py)
         categories = []
         for category in report.categories:
             model = WORK_MODELS[category.category][0]

@@ -21,6 +21,7 @@ from django.utils.safestring import SafeString
 
 from django_workpump import db
 from django_workpump.admin import display
+from django_workpump.admin.base import WorkpumpModelAdmin
 from django_workpump.admin.expressions import (
     ADMIN_QUERIES,
     HOLDER_LIVE,
@@ -178,7 +179,7 @@ class WorkChangeList(ChangeList):
         self.result_count_estimated = getattr(self.paginator, "estimated", False)
 
 
-class WorkAdmin(admin.ModelAdmin):
+class WorkAdmin(WorkpumpModelAdmin):
     """Base of the four work admins; a subclass names its table's columns in ``spec``."""
 
     spec: WorkSpec

@@ -1,0 +1,52 @@
+"""What every workpump admin page shares: its queries run in one transaction without JIT.
+
+The pages' queries are short and interactive, but the planner may cost some of them
+(the liveness and stuck rules per row) past ``jit_above_cost``; compiling them then
+takes longer than running them, and how long depends on the server's JIT setting. A
+page runs in one transaction with ``SET LOCAL jit = off`` (``db.without_jit``), its
+template rendered inside it: a ``TemplateResponse`` renders lazily, and the page's rows
+are fetched while it renders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.contrib import admin
+from django.db import router
+from django.http import HttpRequest, HttpResponse
+from django.template.response import SimpleTemplateResponse
+
+from django_workpump import db
+
+
+def rendered_without_jit(model: Any, view: Callable[[], HttpResponse]) -> HttpResponse:
+    """The response of ``view``, run and rendered in one transaction without JIT."""
+    with db.without_jit(using=router.db_for_read(model)):
+        response = view()
+        if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
+            response.render()
+    return response
+
+
+class WorkpumpModelAdmin(admin.ModelAdmin):
+    """A ModelAdmin whose list and detail pages run without JIT (``rendered_without_jit``)."""
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        parent = super().changelist_view
+        return rendered_without_jit(self.model, lambda: parent(request, extra_context))
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        parent = super().change_view
+        return rendered_without_jit(
+            self.model, lambda: parent(request, object_id, form_url, extra_context)
+        )
