@@ -176,6 +176,20 @@ def fetch_named(
         return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
 
 
+def explain_arms(
+    path: str, name: str, params: dict[str, Any] | None = None, *, using: str | None = None
+) -> list[int]:
+    """The planner's row estimate of each arm of query ``name`` of ``sql/<path>``, a
+    UNION ALL (EXPLAIN, not run): one number per arm, in the query's order."""
+    with connections[_alias(using)].cursor() as cursor:
+        cursor.execute("EXPLAIN (FORMAT JSON) " + named_queries(path)[name], params or {})
+        (plan,) = cursor.fetchone()
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+    top = plan[0]["Plan"]
+    arms = top["Plans"] if top["Node Type"] == "Append" else [top]
+    return [int(arm["Plan Rows"]) for arm in arms]
+
+
 def _scalar(name: str, params: dict[str, Any], using: str | None) -> Any:
     """The value of a query that returns one row of one column."""
     rows = _fetch(name, params, using)

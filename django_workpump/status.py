@@ -116,7 +116,8 @@ class InstanceStatus:
     stalled_flushers: dict[str, Any]
     # seconds its NOTIFY listener had been down at its last beat; None while it is up
     listener_down_seconds: float | None
-    rows_held: dict[str, int]  # per category
+    rows_held: dict[str, int]  # per category; EXACT_COUNT_LIMIT + 1: at least that many
+    rows_held_estimated: tuple[str, ...] = ()  # categories counted no further than the limit
 
     @property
     def total_held(self) -> int:
@@ -129,8 +130,9 @@ class UnhandledTopic:
 
     category: str
     topic: str
-    rows: int
+    rows: int  # past EXACT_COUNT_LIMIT waiting rows of a category: of the rows read
     oldest_age_seconds: float
+    estimated: bool = False  # rows (and the age) are of the first rows read, not all
 
 
 @dataclass(frozen=True)
@@ -189,8 +191,10 @@ def schema_ready(*, using: str | None = None) -> bool:
 def state_counts(*, now: datetime | None = None, using: str | None = None) -> StateCounts:
     """Count rows per category x state (one query) with each category's oldest waiting age.
 
-    Undone rows are counted exactly; done rows past ``EXACT_COUNT_LIMIT`` are estimated
-    (``CategoryStatus.estimated``), so the report never reads every row of a table.
+    Each state is counted exactly up to ``EXACT_COUNT_LIMIT`` rows (per partial index it
+    is read through); past it, its count is the planner's estimate (one EXPLAIN more) or,
+    for done rows, the _done index's ``reltuples``, listed in ``CategoryStatus.estimated``:
+    the report never reads every row of a table.
     """
     params = {
         "now": now,
@@ -199,6 +203,8 @@ def state_counts(*, now: datetime | None = None, using: str | None = None) -> St
         "exact_limit": EXACT_COUNT_LIMIT,
     }
     rows = db.fetch_named(QUERIES, "state_counts", params, using=using)
+    if any(row["estimated"] and row["state"] != WorkState.DONE for row in rows):
+        rows = _with_estimates(rows, now=now, using=using)
     categories = []
     for category in CATEGORIES:
         mine = [row for row in rows if row["category"] == category]
@@ -216,6 +222,33 @@ def state_counts(*, now: datetime | None = None, using: str | None = None) -> St
             )
         )
     return StateCounts(taken_at=rows[0]["now"], categories=categories)
+
+
+# The arms of the state_estimates query, in its order.
+ESTIMATED_STATES = (
+    WorkState.PENDING,
+    WorkState.SCHEDULED,
+    WorkState.LEASED,
+    WorkState.ORPHANED,
+    WorkState.DEAD,
+)
+
+
+def _with_estimates(
+    rows: list[dict[str, Any]], *, now: datetime | None, using: str | None
+) -> list[dict[str, Any]]:
+    """``rows`` with each undone count found past the limit raised to the planner's
+    estimate of its state (one EXPLAIN, not run, of every category x undone state)."""
+    arms = db.explain_arms(QUERIES, "state_estimates", {"now": now}, using=using)
+    keys = [(category, state) for category in CATEGORIES for state in ESTIMATED_STATES]
+    estimates = dict(zip(keys, arms, strict=True))
+    result = []
+    for row in rows:
+        key = (row["category"], row["state"])
+        if row["estimated"] and key in estimates:
+            row = {**row, "count": max(int(row["count"]), estimates[key])}
+        result.append(row)
+    return result
 
 
 def blocked_streams(
@@ -249,14 +282,23 @@ def instances(*, now: datetime | None = None, using: str | None = None) -> list[
         "now": now,
         "stale_after_seconds": settings["STALE_AFTER_SECONDS"],
         "definitively_dead_after_seconds": settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+        "exact_limit": EXACT_COUNT_LIMIT,
     }
     result = []
     for row in db.fetch_named(QUERIES, "instances", params, using=using):
         held = {category: int(row.pop(f"held_{category}")) for category in CATEGORIES}
+        capped = tuple(c for c, n in held.items() if n > EXACT_COUNT_LIMIT)
         stalled = row.pop("stalled_flushers")
         # Django's psycopg setup leaves jsonb as text.
         stalled = json.loads(stalled) if isinstance(stalled, str) else stalled
-        result.append(InstanceStatus(**row, stalled_flushers=stalled or {}, rows_held=held))
+        result.append(
+            InstanceStatus(
+                **row,
+                stalled_flushers=stalled or {},
+                rows_held=held,
+                rows_held_estimated=capped,
+            )
+        )
     return result
 
 
@@ -280,6 +322,7 @@ def unhandled_topics(
         "definitively_dead_after_seconds": settings["DEFINITIVELY_DEAD_AFTER_SECONDS"]
         if definitively_dead_after_seconds is None
         else definitively_dead_after_seconds,
+        "exact_limit": EXACT_COUNT_LIMIT,
     }
     rows = db.fetch_named(QUERIES, "unhandled_topics", params, using=using)
     return [UnhandledTopic(**{**row, "rows": int(row["rows"])}) for row in rows]

@@ -4,100 +4,299 @@
 
 -- name: state_counts
 -- One row per category x state, zeros included, with the age of the oldest row in each
--- (category, state) but done, and the clock the report was taken with. Undone rows are
--- counted exactly through the partial indexes; done rows, most of a large table, are
--- counted up to %(exact_limit)s and past it estimated from pg_class.reltuples (estimated
--- is true on those rows). Neither reads every row of a table.
+-- (category, state) but done, and the clock the report was taken with. Neither reads
+-- every row of a table: each state is counted as the rows of a few partial indexes (the
+-- arms below), each arm no further than one past %(exact_limit)s rows. A state whose
+-- every arm stays within the limit is counted exactly; past it (estimated is true) the
+-- count is the rows counted, which status.py raises to the planner's estimate. Done
+-- rows, most of a large table, are counted up to the limit in the _done index and past
+-- it estimated from pg_class.reltuples. The oldest age of an estimated state is that
+-- of the rows counted.
 WITH clock AS (
     -- the one "now" of this report
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
-), undone AS (
-    -- undone rows of the four tables with their state; the arms of each WHERE name the
-    -- rows of one partial index (_dead, _ready, _timer, _stream): every undone row is
-    -- dead, a live stream head, or waits behind one
-    SELECT 'outbox' AS category, t.created_at,
-           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now) AS state
-    FROM workpump_outbox t CROSS JOIN clock c
-    WHERE t.processed_at IS NULL
-      AND (t.dead_lettered_at IS NOT NULL
-           OR (t.dead_lettered_at IS NULL AND t.stream_head AND t.instance_id IS NULL
-               AND t.scheduled_for IS NULL)
-           OR (t.dead_lettered_at IS NULL AND t.stream_head
-               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL))
-           OR (t.dead_lettered_at IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
+), arms AS (
+    -- the rows of each undone state, as disjoint arms that each read one partial index:
+    -- pending = claimable heads (_ready) + unleased rows whose time has come (_waiting)
+    -- + unscheduled rows behind a head (_stream); scheduled = _waiting not yet due;
+    -- leased = held (_held) with an unexpired lease; orphaned = held with an expired
+    -- lease (_timer: a claim takes stream heads only, so held rows are heads) + rows of
+    -- an evicted holder not re-claimed (_orphan); dead = _dead
+    SELECT 'outbox' AS category, a.state, a.capped, a.oldest_created_at
+    FROM clock c CROSS JOIN LATERAL (
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_outbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.stream_head
+                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
+              ORDER BY t.priority DESC, t.seq
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_outbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
+              ORDER BY t.scheduled_for
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_outbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND NOT t.stream_head AND t.stream IS NOT NULL
+                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_outbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.scheduled_for > c.now AND t.claimed_at IS NULL
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_outbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NOT NULL
+                AND t.lease_expiry > c.now
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_outbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.stream_head AND t.instance_id IS NOT NULL
+                AND coalesce(t.lease_expiry, t.scheduled_for) <= c.now
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_outbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.claimed_at IS NOT NULL
+              ORDER BY t.seq
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_outbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+              LIMIT %(exact_limit)s + 1) x
+    ) a
     UNION ALL
-    SELECT 'inbox' AS category, t.created_at,
-           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now) AS state
-    FROM workpump_inbox t CROSS JOIN clock c
-    WHERE t.processed_at IS NULL
-      AND (t.dead_lettered_at IS NOT NULL
-           OR (t.dead_lettered_at IS NULL AND t.stream_head AND t.instance_id IS NULL
-               AND t.scheduled_for IS NULL)
-           OR (t.dead_lettered_at IS NULL AND t.stream_head
-               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL))
-           OR (t.dead_lettered_at IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
+    SELECT 'inbox' AS category, a.state, a.capped, a.oldest_created_at
+    FROM clock c CROSS JOIN LATERAL (
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_inbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.stream_head
+                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
+              ORDER BY t.priority DESC, t.seq
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_inbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
+              ORDER BY t.scheduled_for
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_inbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND NOT t.stream_head AND t.stream IS NOT NULL
+                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_inbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.scheduled_for > c.now AND t.claimed_at IS NULL
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_inbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NOT NULL
+                AND t.lease_expiry > c.now
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_inbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.stream_head AND t.instance_id IS NOT NULL
+                AND coalesce(t.lease_expiry, t.scheduled_for) <= c.now
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_inbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.claimed_at IS NOT NULL
+              ORDER BY t.seq
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_inbox t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+              LIMIT %(exact_limit)s + 1) x
+    ) a
     UNION ALL
-    SELECT 'perspective_event' AS category, t.created_at,
-           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now) AS state
-    FROM workpump_perspective_event t CROSS JOIN clock c
-    WHERE t.processed_at IS NULL
-      AND (t.dead_lettered_at IS NOT NULL
-           OR (t.dead_lettered_at IS NULL AND t.stream_head AND t.instance_id IS NULL
-               AND t.scheduled_for IS NULL)
-           OR (t.dead_lettered_at IS NULL AND t.stream_head
-               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL))
-           OR (t.dead_lettered_at IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
+    SELECT 'perspective_event' AS category, a.state, a.capped, a.oldest_created_at
+    FROM clock c CROSS JOIN LATERAL (
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_perspective_event t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.stream_head
+                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
+              ORDER BY t.priority DESC, t.seq
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_perspective_event t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
+              ORDER BY t.scheduled_for
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_perspective_event t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND NOT t.stream_head AND t.stream IS NOT NULL
+                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_perspective_event t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.scheduled_for > c.now AND t.claimed_at IS NULL
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_perspective_event t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NOT NULL
+                AND t.lease_expiry > c.now
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_perspective_event t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.stream_head AND t.instance_id IS NOT NULL
+                AND coalesce(t.lease_expiry, t.scheduled_for) <= c.now
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_perspective_event t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.claimed_at IS NOT NULL
+              ORDER BY t.seq
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_perspective_event t
+              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+              LIMIT %(exact_limit)s + 1) x
+    ) a
     UNION ALL
-    SELECT 'receptor' AS category, t.created_at,
-           workpump.state_of(t.completed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now) AS state
-    FROM workpump_receptor_processing t CROSS JOIN clock c
-    WHERE t.completed_at IS NULL
-      AND (t.dead_lettered_at IS NOT NULL
-           OR (t.dead_lettered_at IS NULL AND t.stream_head AND t.instance_id IS NULL
-               AND t.scheduled_for IS NULL)
-           OR (t.dead_lettered_at IS NULL AND t.stream_head
-               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL))
-           OR (t.dead_lettered_at IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
+    SELECT 'receptor' AS category, a.state, a.capped, a.oldest_created_at
+    FROM clock c CROSS JOIN LATERAL (
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_receptor_processing t
+              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.stream_head
+                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
+              ORDER BY t.priority DESC, t.seq
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_receptor_processing t
+              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
+              ORDER BY t.scheduled_for
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_receptor_processing t
+              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND NOT t.stream_head AND t.stream IS NOT NULL
+                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_receptor_processing t
+              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.scheduled_for > c.now AND t.claimed_at IS NULL
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_receptor_processing t
+              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NOT NULL
+                AND t.lease_expiry > c.now
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_receptor_processing t
+              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.stream_head AND t.instance_id IS NOT NULL
+                AND coalesce(t.lease_expiry, t.scheduled_for) <= c.now
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_receptor_processing t
+              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.instance_id IS NULL
+                AND t.claimed_at IS NOT NULL
+              ORDER BY t.seq
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM workpump_receptor_processing t
+              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+              LIMIT %(exact_limit)s + 1) x
+    ) a
 ), counted AS (
-    -- one group per (category, state) that has undone rows
-    SELECT u.category, u.state, count(*) AS count, min(u.created_at) AS oldest_created_at,
-           false AS estimated
-    FROM undone u
-    GROUP BY u.category, u.state
+    SELECT a.category, a.state, sum(a.capped)::bigint AS count,
+           min(a.oldest_created_at) AS oldest_created_at,
+           bool_or(a.capped > %(exact_limit)s) AS estimated
+    FROM arms a
+    GROUP BY a.category, a.state
 ), done_capped AS (
     -- done rows per table, counted no further than one past the exact limit, in the
-    -- order of the _done index (a bounded read of it, whatever the table holds)
-    SELECT 'outbox' AS category, 'workpump_outbox'::regclass AS rel,
+    -- order of the _done index (a bounded read of it, whatever the table holds), and
+    -- that index's row count at the last VACUUM or ANALYZE (pg_class.reltuples)
+    SELECT 'outbox' AS category, 'wp_outbox_done'::regclass AS index,
            (SELECT count(*) FROM (SELECT FROM workpump_outbox t WHERE t.processed_at IS NOT NULL
                                   ORDER BY t.processed_at LIMIT %(exact_limit)s + 1) d) AS capped
     UNION ALL
-    SELECT 'inbox', 'workpump_inbox'::regclass,
+    SELECT 'inbox', 'wp_inbox_done'::regclass,
            (SELECT count(*) FROM (SELECT FROM workpump_inbox t WHERE t.processed_at IS NOT NULL
                                   ORDER BY t.processed_at LIMIT %(exact_limit)s + 1) d)
     UNION ALL
-    SELECT 'perspective_event', 'workpump_perspective_event'::regclass,
-           (SELECT count(*) FROM (SELECT FROM workpump_perspective_event t WHERE t.processed_at IS NOT NULL
+    SELECT 'perspective_event', 'wp_persp_done'::regclass,
+           (SELECT count(*) FROM (SELECT FROM workpump_perspective_event t
+                                  WHERE t.processed_at IS NOT NULL
                                   ORDER BY t.processed_at LIMIT %(exact_limit)s + 1) d)
     UNION ALL
-    SELECT 'receptor', 'workpump_receptor_processing'::regclass,
-           (SELECT count(*) FROM (SELECT FROM workpump_receptor_processing t WHERE t.completed_at IS NOT NULL
+    SELECT 'receptor', 'wp_receptor_done'::regclass,
+           (SELECT count(*) FROM (SELECT FROM workpump_receptor_processing t
+                                  WHERE t.completed_at IS NOT NULL
                                   ORDER BY t.completed_at LIMIT %(exact_limit)s + 1) d)
 ), done AS (
-    -- exact up to the limit; past it the table's estimated rows less its undone rows
+    -- exact up to the limit; past it the _done index's estimated rows
     SELECT d.category, 'done' AS state,
            CASE WHEN d.capped <= %(exact_limit)s THEN d.capped
-                ELSE greatest(d.capped,
-                              p.reltuples::bigint
-                              - (SELECT coalesce(sum(n.count), 0) FROM counted n
-                                 WHERE n.category = d.category)::bigint)
+                ELSE greatest(d.capped, p.reltuples::bigint)
            END AS count,
            NULL::timestamptz AS oldest_created_at,
            d.capped > %(exact_limit)s AS estimated
-    FROM done_capped d JOIN pg_class p ON p.oid = d.rel
+    FROM done_capped d JOIN pg_class p ON p.oid = d.index
 ), every AS (
     SELECT * FROM counted
     UNION ALL
@@ -111,6 +310,98 @@ CROSS JOIN unnest(%(categories)s::text[]) WITH ORDINALITY AS k(category, k_order
 CROSS JOIN unnest(%(states)s::text[]) WITH ORDINALITY AS s(state, s_order)
 LEFT JOIN every n ON n.category = k.category AND n.state = s.state
 ORDER BY k.k_order, s.s_order
+
+-- name: state_estimates
+-- The rows of each undone state of each category, for EXPLAIN only (never run): the
+-- planner's estimate of each arm (the children of its Append, in this order) is the count
+-- of a state that state_counts found past its exact limit.
+SELECT 'outbox' AS category, 'pending' AS state FROM workpump_outbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NULL AND t.claimed_at IS NULL
+  AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
+UNION ALL
+SELECT 'outbox' AS category, 'scheduled' AS state FROM workpump_outbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NULL AND t.claimed_at IS NULL
+  AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
+UNION ALL
+SELECT 'outbox' AS category, 'leased' AS state FROM workpump_outbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
+UNION ALL
+SELECT 'outbox' AS category, 'orphaned' AS state FROM workpump_outbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
+       OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
+UNION ALL
+SELECT 'outbox' AS category, 'dead' AS state FROM workpump_outbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+UNION ALL
+SELECT 'inbox' AS category, 'pending' AS state FROM workpump_inbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NULL AND t.claimed_at IS NULL
+  AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
+UNION ALL
+SELECT 'inbox' AS category, 'scheduled' AS state FROM workpump_inbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NULL AND t.claimed_at IS NULL
+  AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
+UNION ALL
+SELECT 'inbox' AS category, 'leased' AS state FROM workpump_inbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
+UNION ALL
+SELECT 'inbox' AS category, 'orphaned' AS state FROM workpump_inbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
+       OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
+UNION ALL
+SELECT 'inbox' AS category, 'dead' AS state FROM workpump_inbox t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+UNION ALL
+SELECT 'perspective_event' AS category, 'pending' AS state FROM workpump_perspective_event t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NULL AND t.claimed_at IS NULL
+  AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
+UNION ALL
+SELECT 'perspective_event' AS category, 'scheduled' AS state FROM workpump_perspective_event t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NULL AND t.claimed_at IS NULL
+  AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
+UNION ALL
+SELECT 'perspective_event' AS category, 'leased' AS state FROM workpump_perspective_event t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
+UNION ALL
+SELECT 'perspective_event' AS category, 'orphaned' AS state FROM workpump_perspective_event t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
+       OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
+UNION ALL
+SELECT 'perspective_event' AS category, 'dead' AS state FROM workpump_perspective_event t
+WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+UNION ALL
+SELECT 'receptor' AS category, 'pending' AS state FROM workpump_receptor_processing t
+WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NULL AND t.claimed_at IS NULL
+  AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
+UNION ALL
+SELECT 'receptor' AS category, 'scheduled' AS state FROM workpump_receptor_processing t
+WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NULL AND t.claimed_at IS NULL
+  AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
+UNION ALL
+SELECT 'receptor' AS category, 'leased' AS state FROM workpump_receptor_processing t
+WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
+UNION ALL
+SELECT 'receptor' AS category, 'orphaned' AS state FROM workpump_receptor_processing t
+WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+  AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
+       OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
+UNION ALL
+SELECT 'receptor' AS category, 'dead' AS state FROM workpump_receptor_processing t
+WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NOT NULL
 
 -- name: blocked_streams
 -- Ordered streams whose head is dead or waiting for a retry (scheduled after a failed
@@ -212,7 +503,8 @@ LIMIT %(limit)s
 -- name: instances
 -- Every registered instance with its heartbeat age, alive-lock, liveness (the one rule of
 -- workpump.live_instances), LISTEN session, stalled flushers and the rows it holds per
--- category.
+-- category, counted no further than one past %(exact_limit)s (an instance holds as many
+-- rows as it runs at once; past the limit the count says "at least").
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), held_keys AS (
@@ -245,13 +537,17 @@ SELECT si.instance_id, si.service_name, si.host_name, si.process_id, si.started_
        CASE jsonb_typeof(si.metadata -> 'listener_down_seconds') WHEN 'number'
             THEN (si.metadata ->> 'listener_down_seconds')::double precision END
            AS listener_down_seconds,
-       (SELECT count(*) FROM workpump_outbox t WHERE t.instance_id = si.instance_id)
+       (SELECT count(*) FROM (SELECT FROM workpump_outbox t WHERE t.instance_id = si.instance_id
+                              LIMIT %(exact_limit)s + 1) x)
            AS held_outbox,
-       (SELECT count(*) FROM workpump_inbox t WHERE t.instance_id = si.instance_id)
+       (SELECT count(*) FROM (SELECT FROM workpump_inbox t WHERE t.instance_id = si.instance_id
+                              LIMIT %(exact_limit)s + 1) x)
            AS held_inbox,
-       (SELECT count(*) FROM workpump_perspective_event t WHERE t.instance_id = si.instance_id)
+       (SELECT count(*) FROM (SELECT FROM workpump_perspective_event t WHERE t.instance_id = si.instance_id
+                              LIMIT %(exact_limit)s + 1) x)
            AS held_perspective_event,
-       (SELECT count(*) FROM workpump_receptor_processing t WHERE t.instance_id = si.instance_id)
+       (SELECT count(*) FROM (SELECT FROM workpump_receptor_processing t WHERE t.instance_id = si.instance_id
+                              LIMIT %(exact_limit)s + 1) x)
            AS held_receptor
 FROM workpump_service_instance si CROSS JOIN clock c
 ORDER BY si.started_at, si.instance_id
@@ -271,7 +567,8 @@ LIMIT %(limit)s
 -- instance that runs them starts. Instances advertise their topics in their heartbeat
 -- metadata ({"topics": {category: [topic, ...]}}, and {"topic_prefixes": {category:
 -- [prefix, ...]}} for the topics it claims by prefix); one that advertises no topics (an
--- older version) is taken to run every topic of its categories.
+-- older version) is taken to run every topic of its categories. Past %(exact_limit)s
+-- rows of an index the counts are of the rows read, and estimated is true.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), live AS (
@@ -309,43 +606,121 @@ WITH clock AS (
         CASE jsonb_typeof(l.metadata -> 'categories') WHEN 'array' THEN l.metadata -> 'categories'
              ELSE '["outbox", "inbox", "perspective_event", "receptor"]' END) c(category)
     WHERE jsonb_typeof(l.metadata -> 'topics') IS DISTINCT FROM 'object'
+), everything AS (
+    -- categories of which some live instance runs every topic: none of their rows waits
+    -- for a handler, and none is read
+    SELECT DISTINCT h.category FROM handled h WHERE h.topic IS NULL AND h.prefix IS NULL
 ), waiting AS (
-    -- undone rows, not dead, that no unexpired lease holds, by topic; each arm names the
-    -- rows of one partial index (_ready, _timer, _held, _stream)
-    SELECT 'outbox' AS category, t.destination AS topic, t.created_at
-    FROM workpump_outbox t, clock c
-    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
-      AND ((t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NULL)
-           OR (t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NOT NULL)
-           OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now)
-           OR (t.instance_id IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
+    -- undone rows, not dead, that no unexpired lease holds: the first %(exact_limit)s + 1
+    -- of each partial index (_ready, _timer, _stream), in claim order. Rows no instance
+    -- runs are never claimed, so they stay first; past the limit the counts are of the
+    -- rows read (estimated)
+    (SELECT 'outbox' AS category, 'ready' AS arm, t.destination AS topic, t.created_at
+     FROM workpump_outbox t, clock c
+     WHERE 'outbox' NOT IN (SELECT e.category FROM everything e)
+       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+       ORDER BY t.priority DESC, t.seq
+     LIMIT %(exact_limit)s + 1)
     UNION ALL
-    SELECT 'inbox', t.handler_name, t.created_at
-    FROM workpump_inbox t, clock c
-    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
-      AND ((t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NULL)
-           OR (t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NOT NULL)
-           OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now)
-           OR (t.instance_id IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
+    (SELECT 'outbox' AS category, 'timer' AS arm, t.destination AS topic, t.created_at
+     FROM workpump_outbox t, clock c
+     WHERE 'outbox' NOT IN (SELECT e.category FROM everything e)
+       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.stream_head
+       AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
+            OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
+       ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+     LIMIT %(exact_limit)s + 1)
     UNION ALL
-    SELECT 'perspective_event', t.perspective_name, t.created_at
-    FROM workpump_perspective_event t, clock c
-    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
-      AND ((t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NULL)
-           OR (t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NOT NULL)
-           OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now)
-           OR (t.instance_id IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
+    (SELECT 'outbox' AS category, 'behind' AS arm, t.destination AS topic, t.created_at
+     FROM workpump_outbox t, clock c
+     WHERE 'outbox' NOT IN (SELECT e.category FROM everything e)
+       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
+     LIMIT %(exact_limit)s + 1)
     UNION ALL
-    SELECT 'receptor', t.receptor_name, t.created_at
-    FROM workpump_receptor_processing t, clock c
-    WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
-      AND ((t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NULL)
-           OR (t.instance_id IS NULL AND t.stream_head AND t.scheduled_for IS NOT NULL)
-           OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now)
-           OR (t.instance_id IS NULL AND NOT t.stream_head AND t.stream IS NOT NULL))
+    (SELECT 'inbox' AS category, 'ready' AS arm, t.handler_name AS topic, t.created_at
+     FROM workpump_inbox t, clock c
+     WHERE 'inbox' NOT IN (SELECT e.category FROM everything e)
+       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+       ORDER BY t.priority DESC, t.seq
+     LIMIT %(exact_limit)s + 1)
+    UNION ALL
+    (SELECT 'inbox' AS category, 'timer' AS arm, t.handler_name AS topic, t.created_at
+     FROM workpump_inbox t, clock c
+     WHERE 'inbox' NOT IN (SELECT e.category FROM everything e)
+       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.stream_head
+       AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
+            OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
+       ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+     LIMIT %(exact_limit)s + 1)
+    UNION ALL
+    (SELECT 'inbox' AS category, 'behind' AS arm, t.handler_name AS topic, t.created_at
+     FROM workpump_inbox t, clock c
+     WHERE 'inbox' NOT IN (SELECT e.category FROM everything e)
+       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
+     LIMIT %(exact_limit)s + 1)
+    UNION ALL
+    (SELECT 'perspective_event' AS category, 'ready' AS arm, t.perspective_name AS topic, t.created_at
+     FROM workpump_perspective_event t, clock c
+     WHERE 'perspective_event' NOT IN (SELECT e.category FROM everything e)
+       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+       ORDER BY t.priority DESC, t.seq
+     LIMIT %(exact_limit)s + 1)
+    UNION ALL
+    (SELECT 'perspective_event' AS category, 'timer' AS arm, t.perspective_name AS topic, t.created_at
+     FROM workpump_perspective_event t, clock c
+     WHERE 'perspective_event' NOT IN (SELECT e.category FROM everything e)
+       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.stream_head
+       AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
+            OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
+       ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+     LIMIT %(exact_limit)s + 1)
+    UNION ALL
+    (SELECT 'perspective_event' AS category, 'behind' AS arm, t.perspective_name AS topic, t.created_at
+     FROM workpump_perspective_event t, clock c
+     WHERE 'perspective_event' NOT IN (SELECT e.category FROM everything e)
+       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
+     LIMIT %(exact_limit)s + 1)
+    UNION ALL
+    (SELECT 'receptor' AS category, 'ready' AS arm, t.receptor_name AS topic, t.created_at
+     FROM workpump_receptor_processing t, clock c
+     WHERE 'receptor' NOT IN (SELECT e.category FROM everything e)
+       AND t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+       ORDER BY t.priority DESC, t.seq
+     LIMIT %(exact_limit)s + 1)
+    UNION ALL
+    (SELECT 'receptor' AS category, 'timer' AS arm, t.receptor_name AS topic, t.created_at
+     FROM workpump_receptor_processing t, clock c
+     WHERE 'receptor' NOT IN (SELECT e.category FROM everything e)
+       AND t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.stream_head
+       AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
+            OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
+       ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+     LIMIT %(exact_limit)s + 1)
+    UNION ALL
+    (SELECT 'receptor' AS category, 'behind' AS arm, t.receptor_name AS topic, t.created_at
+     FROM workpump_receptor_processing t, clock c
+     WHERE 'receptor' NOT IN (SELECT e.category FROM everything e)
+       AND t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
+     LIMIT %(exact_limit)s + 1)
+), capped AS (
+    SELECT w.category, w.arm, count(*) > %(exact_limit)s AS capped
+    FROM waiting w GROUP BY w.category, w.arm
 )
 SELECT w.category, w.topic, count(*) AS rows,
-       extract(epoch FROM max(c.now - w.created_at))::double precision AS oldest_age_seconds
+       extract(epoch FROM max(c.now - w.created_at))::double precision AS oldest_age_seconds,
+       EXISTS (SELECT 1 FROM capped p WHERE p.category = w.category AND p.capped) AS estimated
 FROM waiting w CROSS JOIN clock c
 WHERE NOT EXISTS (SELECT 1 FROM handled h
                   WHERE h.category = w.category

@@ -149,7 +149,12 @@ def render_text(report: status.StatusReport) -> list[str]:
         lines += _table(
             ["category", "topic", "rows", "oldest"],
             [
-                [u.category, u.topic, str(u.rows), _age(u.oldest_age_seconds)]
+                [
+                    u.category,
+                    u.topic,
+                    ("~" if u.estimated else "") + str(u.rows),
+                    _age(u.oldest_age_seconds),
+                ]
                 for u in report.unhandled
             ],
         )
