@@ -126,9 +126,12 @@ def _work_indexes(prefix: str, done: str, scope: tuple[str, ...] = ()) -> list[m
             name=f"{prefix}_timer",
             condition=timer_condition(done),
         ),
-        # Rows held by an instance (eviction, deregistration, admin).
+        # Rows held by an instance (eviction, deregistration, admin), newest first per
+        # holder: the admin's stuck and owner = not-live pages read a page of each.
         models.Index(
-            fields=["instance_id"], name=f"{prefix}_held", condition=Q(instance_id__isnull=False)
+            fields=["instance_id", "seq"],
+            name=f"{prefix}_held",
+            condition=Q(instance_id__isnull=False),
         ),
         # Undone rows of each ordered stream, in order (head promotion, blocked streams).
         models.Index(

@@ -14,23 +14,28 @@ import pytest
 from django.contrib import admin
 from django.contrib.auth.models import User
 from django.db import connection
+from django.db.models import Q
 from django.test import Client, RequestFactory
 from django.test.utils import CaptureQueriesContext
 
 from django_workpump import models, status
 from django_workpump.admin import pagination
 from django_workpump.admin.expressions import (
+    NOT_LIVE_HOLDERS,
     WorkSpec,
     annotate_work,
+    held_seqs,
+    not_live_seqs,
     state_condition,
-    stuck_candidates,
+    stuck_seqs,
 )
-from django_workpump.admin.work import STUCK, topic_choices
+from django_workpump.admin.work import STUCK as STUCK_FILTER
+from django_workpump.admin.work import topic_choices
 from django_workpump.registry import Handler, Registry
 from django_workpump.sql import named_queries
 from django_workpump.states import WorkState
 from tests.conftest import run_sql
-from tests.test_admin import OUTBOX_CHANGELIST_QUERIES, OUTBOX_URL, World, secs
+from tests.test_admin import OUTBOX_CHANGELIST_QUERIES, OUTBOX_URL, STUCK, World, secs
 
 pytestmark = pytest.mark.django_db
 
@@ -72,10 +77,103 @@ def test_each_state_condition_selects_the_rows_of_state_of(world: World, state: 
     assert rows_matching(state_condition(SPEC, state)) == expected
 
 
-def test_the_stuck_candidates_hold_every_stuck_row(world: World) -> None:
+@pytest.fixture
+def overlapping(world: World, now: datetime) -> World:
+    """Rows that more than one arm of the stuck filter could select, and held rows of a
+    live instance that are not stuck, on top of the admin's fixture."""
+    held = {"claimed_at": now - secs(60)}
+    live = world.live.instance_id
+    world.add("retried_gone", attempts=6, instance_id=world.gone_id,
+              lease_expiry=now + secs(100), **held)  # fmt: skip
+    world.add("retried_expired", attempts=6, instance_id=live, lease_expiry=now - secs(9), **held)
+    world.add("retried_leased_live", attempts=6, instance_id=live,
+              lease_expiry=now + secs(100), **held)  # fmt: skip
+    world.add("retried_evicted", attempts=6, failure_reason="instance_evicted", **held)
+    world.add("retried_behind_dead", stream="s-dead", attempts=6)
+    world.add("expired_behind_dead", stream="s-dead", instance_id=live,
+              lease_expiry=now - secs(5), **held)  # fmt: skip
+    world.add("leased_behind_dead", stream="s-dead", instance_id=live,
+              lease_expiry=now + secs(100), **held)  # fmt: skip
+    world.add("leased_live_2", instance_id=live, lease_expiry=now + secs(90), **held)
+    return world
+
+
+# Each kind of stuck row, and rows that are not stuck, by the fixtures' names.
+STUCK_KINDS = [
+    *sorted(STUCK),
+    "attempts_high_pending",
+    "retried_gone",
+    "retried_expired",
+    "retried_leased_live",
+    "retried_evicted",
+    "retried_behind_dead",
+    "expired_behind_dead",
+    "leased_behind_dead",
+]
+NOT_STUCK = [
+    *("pending", "leased_live", "leased_live_2", "ok_head", "behind_ok", "done", "dead"),
+    *("dead_head", "attempts_below_half", "first_of_two", "deferred_head", "behind_deferred"),
+    *("retry_head", "due_retry", "deferred_behind", "due_behind"),
+]
+
+
+def outbox_seqs(*names: str, world: World) -> set[int]:
+    return {world.rows[name].seq for name in names}
+
+
+def test_the_stuck_filter_selects_every_stuck_row_and_no_other(overlapping: World) -> None:
+    world = overlapping
     stuck = rows_where(wp_stuck=True)
-    assert stuck
-    assert rows_matching(stuck_candidates(SPEC), wp_stuck=True) == stuck
+    assert stuck == outbox_seqs(*STUCK_KINDS, world=world)
+    assert not stuck & outbox_seqs(*NOT_STUCK, world=world)
+    assert rows_matching(Q(seq__in=stuck_seqs(SPEC))) == stuck
+
+
+def test_the_not_live_filter_selects_the_rows_of_holders_that_are_not_live(
+    overlapping: World,
+) -> None:
+    expected = rows_where(instance_id__isnull=False, wp_holder__in=NOT_LIVE_HOLDERS)
+    assert expected == outbox_seqs(
+        "leased_stale", "leased_evicted", "leased_gone", "retried_gone", world=overlapping
+    )
+    assert rows_matching(Q(seq__in=not_live_seqs(SPEC))) == expected
+
+
+BOUNDED = {
+    "stuck": stuck_seqs,
+    "not-live": not_live_seqs,
+    "leased": lambda spec: held_seqs(spec, WorkState.LEASED),
+    "orphaned": lambda spec: held_seqs(spec, WorkState.ORPHANED),
+}
+
+
+@pytest.mark.parametrize("state", [WorkState.LEASED, WorkState.ORPHANED])
+def test_the_held_states_select_the_rows_of_state_of(overlapping: World, state: str) -> None:
+    expected = rows_where(wp_state=state)
+    assert len(expected) >= 3
+    assert rows_matching(Q(seq__in=held_seqs(SPEC, state))) == expected
+
+
+@pytest.mark.parametrize("seqs", list(BOUNDED.values()), ids=list(BOUNDED))
+def test_a_bounded_filter_pages_and_counts_as_the_whole_set(overlapping: World, seqs: Any) -> None:
+    """A page newest first reads as many rows as it shows, a count as many as its limit:
+    each gives what it would over the whole set, at every size and offset."""
+    queryset = models.Outbox.objects.filter(seq__in=seqs(SPEC))
+    every = sorted(queryset.order_by().values_list("seq", flat=True), reverse=True)
+    assert len(every) == len(set(every)) >= 4
+    for size in range(1, len(every) + 2):
+        assert queryset.order_by().values("pk")[:size].count() == min(size, len(every))
+        # the paginator counts the fragment's rows as it reads them
+        assert pagination.filtered_seqs_count(queryset, size) == min(size, len(every))
+        for offset in range(len(every) + 1):
+            page = queryset.order_by("-seq").values_list("seq", flat=True)[offset : offset + size]
+            assert list(page) == every[offset : offset + size], (offset, size)
+    # With another condition the paginator counts the rows of the table.
+    assert pagination.filtered_seqs_count(queryset.filter(attempts__gte=0), 5) is None
+    # Any other order reads every row, then sorts.
+    by_created = queryset.order_by("created_at", "seq").values_list("seq", flat=True)[:2]
+    first = sorted(queryset.values_list("created_at", "seq"))[:2]
+    assert list(by_created) == [seq for _, seq in first]
 
 
 def test_topic_choices_are_registered_topics_and_those_of_rows_needing_attention(
@@ -111,7 +209,7 @@ def changelist_queryset(params: dict[str, str]) -> Any:
 
 FILTERS = [
     *({"state": state} for state in WorkState if state != WorkState.DONE),
-    {"state": STUCK},
+    {"state": STUCK_FILTER},
     {"owner": "not-live"},
 ]
 
@@ -120,7 +218,9 @@ FILTERS = [
 def test_each_filter_reads_its_rows_through_an_index(world: World, params: dict[str, str]) -> None:
     bulk_done(BULK_DONE_ROWS)
     queryset = changelist_queryset(params)
-    for query in (queryset[:51], queryset.order_by().values("pk")):
+    # The page, and the capped count (the estimate past it is EXPLAINed, not run).
+    count = queryset.order_by().values("pk")[: pagination.EXACT_COUNT_LIMIT + 1]
+    for query in (queryset[:51], count):
         plan = query.explain()
         assert "Seq Scan on workpump_outbox" not in plan, plan
         assert re.search(r"Index (Only )?Scan|Bitmap Index Scan", plan), plan
@@ -204,3 +304,46 @@ def test_done_rows_past_the_limit_are_estimated_and_labelled(
     }
     data = status.as_json(status.collect())
     assert data["categories"]["outbox"]["estimated"] == ["done"]
+
+
+# -- JIT -------------------------------------------------------------------------------------
+
+
+def jit_setting() -> str:
+    return str(run_sql("SELECT current_setting('jit') AS jit")[0]["jit"])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_jit_turns_jit_off_for_its_transaction_only() -> None:
+    from django_workpump import db
+
+    assert connection.in_atomic_block is False
+    before = jit_setting()
+    with db.without_jit():
+        assert connection.in_atomic_block
+        assert jit_setting() == "off"
+    assert jit_setting() == before
+
+
+def test_a_page_turns_jit_off_before_its_queries_and_renders_inside(
+    admin_client: Client, world: World
+) -> None:
+    run_sql("SET LOCAL jit = on")
+    with CaptureQueriesContext(connection) as queries:
+        response = admin_client.get(OUTBOX_URL, {"state": STUCK_FILTER})
+    assert response.status_code == 200
+    sql = [q["sql"] for q in queries.captured_queries]
+    jit_off = sql.index("SET LOCAL jit = off")
+    # Everything about the rows comes after it: the count, the page (fetched while the
+    # template renders) and the filters' choices.
+    rows = [i for i, q in enumerate(sql) if "workpump_outbox" in q]
+    assert rows and min(rows) > jit_off
+    assert jit_setting() == "off"
+
+
+def test_the_status_report_runs_without_jit(world: World) -> None:
+    run_sql("SET LOCAL jit = on")
+    with CaptureQueriesContext(connection) as queries:
+        status.collect()
+    assert queries.captured_queries[0]["sql"] == "SET LOCAL jit = off"
+    assert jit_setting() == "off"

@@ -105,6 +105,97 @@ def _fragment(name: str, params: tuple[Any, ...] = ()) -> RawSQL:
     return RawSQL(named_queries(ADMIN_QUERIES)[name], params)
 
 
+class FilteredSeqs(RawSQL):
+    """The seqs a filter of ``sql/admin.sql`` selects (``stuck_seqs``, ``not_live_seqs``),
+    for ``seq__in``, bounded by what the query around it fetches.
+
+    The fragment reads each partial index newest first and stops after as many rows as
+    the query around it can use: the page's last row (``[offset:offset + 50]``, ordered
+    by ``-seq``, the default) or the count's limit (unordered). Any other ordering, or
+    no limit (the planner's estimate), reads them all.
+    """
+
+    def __init__(
+        self, name: str, spec: WorkSpec, bounds: int, *, cutoffs: bool = True, **parts: str
+    ) -> None:
+        self.name, self.spec, self.bounds = name, spec, bounds
+        self.cutoffs, self.parts = cutoffs, parts
+        super().__init__("", (), output_field=models.BigIntegerField())
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, list[Any]]:
+        sql, params = self.select(connection, *fetch_bound(compiler.query))
+        return f"({sql})", params
+
+    def select(self, connection: Any, bound: int | None, ordered: bool) -> tuple[str, list[Any]]:
+        """The fragment's SELECT reading at most ``bound`` rows (None: all), newest first
+        when ``ordered``, and its parameters."""
+        scope = self.spec.scope_field
+        names = {
+            "table": connection.ops.quote_name(category(self.spec.category).table),
+            "done": connection.ops.quote_name(self.spec.done_field),
+            "same_scope": f"AND h.{scope} = r.{scope}" if scope else "",
+            "newest_first": "ORDER BY s.seq DESC" if ordered else "",
+        }
+        parts = {key: part.format(**names) for key, part in self.parts.items()}
+        sql = named_queries(ADMIN_QUERIES)[self.name].format(**names, **parts)
+        params: list[Any] = []
+        if self.cutoffs:
+            settings = get_settings()
+            params += [settings["STALE_AFTER_SECONDS"], settings["DEFINITIVELY_DEAD_AFTER_SECONDS"]]
+        return sql, [*params, *[bound] * self.bounds]
+
+
+NEWEST_FIRST = ("-seq", "-pk")
+
+
+def fetch_bound(query: Any) -> tuple[int | None, bool]:
+    """How many rows a query can use, and whether they must be the newest: its limit
+    when it is ordered newest first (a page) or not at all (a count, any rows will do);
+    None (all, newest first) otherwise."""
+    ordering = list(query.order_by) or list(query.get_meta().ordering)
+    if query.high_mark is None:
+        return None, True
+    if not ordering:
+        return int(query.high_mark), False
+    if query.standard_ordering and ordering[0] in NEWEST_FIRST:
+        return int(query.high_mark), True
+    return None, True
+
+
+def stuck_seqs(spec: WorkSpec) -> FilteredSeqs:
+    """The stuck rows of ``spec``'s table (the stuck rule), through its partial indexes."""
+    return FilteredSeqs("stuck_seqs", spec, bounds=5)
+
+
+def not_live_seqs(spec: WorkSpec) -> FilteredSeqs:
+    """The rows of ``spec``'s table held by an instance that is not live."""
+    return FilteredSeqs("not_live_seqs", spec, bounds=2)
+
+
+# The rows of an evicted holder that no one re-claimed (_orphan), an arm of held_seqs.
+UNHELD_ORPHANS = """UNION ALL
+    (SELECT t.seq FROM {table} t
+     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
+       AND t.instance_id IS NULL AND t.claimed_at IS NOT NULL
+     ORDER BY t.seq DESC LIMIT %s)"""
+
+
+def held_seqs(spec: WorkSpec, state: str) -> FilteredSeqs:
+    """The leased or orphaned rows of ``spec``'s table, each holder's through _held."""
+    if state == WorkState.LEASED:
+        return FilteredSeqs(
+            "held_seqs", spec, 2, cutoffs=False, lease="t.lease_expiry > now()", unheld_arm=""
+        )
+    return FilteredSeqs(
+        "held_seqs",
+        spec,
+        3,
+        cutoffs=False,
+        lease="t.lease_expiry <= now()",
+        unheld_arm=UNHELD_ORPHANS,
+    )
+
+
 def live_instance_ids() -> RawSQL:
     """The ids of live instances: workpump.live_instances with the configured cutoffs."""
     settings = get_settings()

@@ -13,7 +13,11 @@ from functools import cached_property
 from typing import Any, cast
 
 from django.core.paginator import Paginator
+from django.db import connections
 from django.db.models import QuerySet
+from django.db.models.lookups import In
+
+from django_workpump.admin.expressions import FilteredSeqs
 
 # Counted exactly up to here; past it the page says "about N" from the planner.
 EXACT_COUNT_LIMIT = 10_000
@@ -28,11 +32,34 @@ class EstimatingPaginator(Paginator):
     def count(self) -> int:
         queryset = cast("QuerySet[Any]", self.object_list)
         rows = queryset.order_by().values("pk")
-        capped = rows[: EXACT_COUNT_LIMIT + 1].count()
+        capped = filtered_seqs_count(queryset, EXACT_COUNT_LIMIT + 1)
+        if capped is None:
+            capped = rows[: EXACT_COUNT_LIMIT + 1].count()
         if capped <= EXACT_COUNT_LIMIT:
             return capped
         self.estimated = True
         return max(planner_estimate(rows), capped)
+
+
+def filtered_seqs_count(queryset: QuerySet[Any], limit: int) -> int | None:
+    """The rows of ``queryset``, counted no further than ``limit``, when its one condition
+    is a ``seq IN (FilteredSeqs)`` (the stuck, not-live, leased and orphaned filters): the
+    fragment's rows are counted as they are read, without looking each up in the table.
+    None for any other queryset."""
+    children = queryset.query.where.children
+    if queryset.query.where.negated or len(children) != 1:
+        return None
+    (lookup,) = children
+    if not isinstance(lookup, In) or not isinstance(lookup.rhs, FilteredSeqs):
+        return None
+    if getattr(lookup.lhs, "target", None) != queryset.model._meta.pk:
+        return None
+    connection = connections[queryset.db]
+    sql, params = lookup.rhs.select(connection, limit, ordered=False)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM ({sql}) s", params)
+        (count,) = cursor.fetchone()
+    return int(count)
 
 
 def planner_estimate(queryset: QuerySet[Any]) -> int:

@@ -28,9 +28,11 @@ from django_workpump.admin.expressions import (
     NOT_LIVE_HOLDERS,
     WorkSpec,
     annotate_work,
+    held_seqs,
+    not_live_seqs,
     state_condition,
     state_of,
-    stuck_candidates,
+    stuck_seqs,
 )
 from django_workpump.admin.pagination import EstimatingPaginator
 from django_workpump.admin.perms import has_model_permission
@@ -77,7 +79,10 @@ class StateFilter(WorkFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
         if value == STUCK:
-            return queryset.filter(stuck_candidates(self.spec), wp_stuck=True)
+            return queryset.filter(seq__in=stuck_seqs(self.spec))
+        if value in (WorkState.LEASED, WorkState.ORPHANED):
+            # Each holder's rows newest first (_held), not a scan past newer rows.
+            return queryset.filter(seq__in=held_seqs(self.spec, value))
         if value in STATES:
             return queryset.filter(state_condition(self.spec, value))
         return queryset
@@ -133,7 +138,7 @@ def topic_choices(model: Any, spec: WorkSpec) -> list[str]:
     return sorted(registered | set(found))
 
 
-class OwnerFilter(admin.SimpleListFilter):
+class OwnerFilter(WorkFilter):
     """The instance holding the lease: a registered one, none, or one that is not live."""
 
     title = "owner"
@@ -156,8 +161,8 @@ class OwnerFilter(admin.SimpleListFilter):
         if value == self.NONE:
             return queryset.filter(instance_id__isnull=True)
         if value == self.NOT_LIVE:
-            # Held rows only (the _held index), then the liveness rule on those.
-            return queryset.filter(instance_id__isnull=False, wp_holder__in=NOT_LIVE_HOLDERS)
+            # The rows of each holder that is not live, through the _held index.
+            return queryset.filter(seq__in=not_live_seqs(self.spec))
         try:
             return queryset.filter(instance_id=value)
         except ValidationError:

@@ -53,3 +53,114 @@ SELECT CASE WHEN a.application_name ~ '^workpump-[0-9a-f-]{36}$'
             THEN substr(a.application_name, 10)::uuid END
 FROM pg_stat_activity a
 WHERE a.datname = current_database()
+
+-- name: stuck_seqs
+-- Seqs of the rows of one work table that a filter selects (for a "seq IN (...)" test).
+-- The names in braces are filled in by admin/expressions.py (FilteredSeqs): table, its
+-- done column, for perspective and receptor rows the condition that a head h orders the
+-- same rows as r (same_scope), and newest_first: "ORDER BY s.seq DESC" for a page, empty
+-- for a count. Each arm reads one partial index newest first, at most the given number of rows
+-- (NULL: all): the rows a page shows, or the count's limit, not every row of the table.
+--
+-- Stuck rows (docs/admin.md, the stuck rule), as four disjoint arms, so a count stops
+-- after its limit without removing duplicates: held by an instance that is not live, or
+-- past the lease's expiry (the _held index per holder, newest first; the holders are
+-- found by a loose index scan of it, one probe each); orphaned by an eviction
+-- (_orphan); past half their attempts (_retried) and in neither; behind a dead or
+-- retrying stream head (_stream) and in none. Parameters: the stale and definitive-dead
+-- cutoffs in seconds, then the bound, five times.
+WITH RECURSIVE holders AS (
+    (SELECT t.instance_id FROM {table} t
+     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.instance_id FROM {table} t
+            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
+    FROM holders h WHERE h.instance_id IS NOT NULL
+), judged AS MATERIALIZED (
+    SELECT h.instance_id,
+           h.instance_id IN (SELECT workpump.live_instances(
+               now() - make_interval(secs => %s), now() - make_interval(secs => %s))) AS live
+    FROM holders h WHERE h.instance_id IS NOT NULL
+), stuck AS (
+    SELECT s.seq FROM judged j CROSS JOIN LATERAL (
+        SELECT t.seq FROM {table} t
+        WHERE t.instance_id = j.instance_id
+          AND t.{done} IS NULL AND t.dead_lettered_at IS NULL
+          AND (NOT j.live OR t.lease_expiry <= now())
+        ORDER BY t.seq DESC LIMIT %s) s
+    UNION ALL
+    (SELECT t.seq FROM {table} t
+     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
+       AND t.instance_id IS NULL AND t.claimed_at IS NOT NULL
+     ORDER BY t.seq DESC LIMIT %s)
+    UNION ALL
+    (SELECT t.seq FROM {table} t
+     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
+       AND t.attempts > 1 AND t.max_attempts <= t.attempts * 2
+       AND ((t.instance_id IS NULL AND t.claimed_at IS NULL)
+            OR (t.lease_expiry > now()
+                AND t.instance_id IN (SELECT j.instance_id FROM judged j WHERE j.live)))
+     ORDER BY t.seq DESC LIMIT %s)
+    UNION ALL
+    (SELECT r.seq FROM {table} r
+     WHERE r.{done} IS NULL AND r.dead_lettered_at IS NULL
+       AND NOT r.stream_head AND r.stream IS NOT NULL
+       AND NOT (r.attempts > 1 AND r.max_attempts <= r.attempts * 2)
+       AND ((r.instance_id IS NULL AND r.claimed_at IS NULL)
+            OR (r.lease_expiry > now()
+                AND r.instance_id IN (SELECT j.instance_id FROM judged j WHERE j.live)))
+       AND EXISTS (SELECT 1 FROM {table} h
+                   WHERE h.stream = r.stream {same_scope} AND h.seq < r.seq
+                     AND h.stream_head AND h.{done} IS NULL
+                     AND (h.dead_lettered_at IS NOT NULL
+                          OR (h.scheduled_for > now() AND h.attempts > 0)))
+     ORDER BY r.seq DESC LIMIT %s)
+)
+SELECT s.seq FROM stuck s {newest_first} LIMIT %s
+
+-- name: not_live_seqs
+-- Rows held by an instance that is not live (stale, evicted or gone): the holders by a
+-- loose index scan of _held, one probe each, then each not-live holder's rows through
+-- the same index. Parameters: the stale and definitive-dead cutoffs in seconds, then the
+-- bound, twice.
+WITH RECURSIVE holders AS (
+    (SELECT t.instance_id FROM {table} t
+     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.instance_id FROM {table} t
+            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
+    FROM holders h WHERE h.instance_id IS NOT NULL
+), not_live AS (
+    SELECT h.instance_id FROM holders h
+    WHERE h.instance_id IS NOT NULL
+      AND h.instance_id NOT IN (SELECT workpump.live_instances(
+          now() - make_interval(secs => %s), now() - make_interval(secs => %s)))
+)
+SELECT s.seq FROM not_live n CROSS JOIN LATERAL (
+    SELECT t.seq FROM {table} t WHERE t.instance_id = n.instance_id
+    ORDER BY t.seq DESC LIMIT %s) s
+{newest_first} LIMIT %s
+
+-- name: held_seqs
+-- Rows held by an instance, each holder's newest first through the _held index (the
+-- holders found by the same loose index scan). The lease condition is an unexpired lease
+-- for the leased state, an expired one for the held half of the orphaned state; the
+-- unheld arm is empty, or for the orphaned state the rows an eviction released and no
+-- one re-claimed (_orphan), newest first. Parameters: the bound, two or three times.
+WITH RECURSIVE holders AS (
+    (SELECT t.instance_id FROM {table} t
+     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.instance_id FROM {table} t
+            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
+    FROM holders h WHERE h.instance_id IS NOT NULL
+), held AS (
+    SELECT s.seq FROM holders h CROSS JOIN LATERAL (
+        SELECT t.seq FROM {table} t
+        WHERE t.instance_id = h.instance_id
+          AND t.{done} IS NULL AND t.dead_lettered_at IS NULL AND {lease}
+        ORDER BY t.seq DESC LIMIT %s) s
+    WHERE h.instance_id IS NOT NULL
+    {unheld_arm}
+)
+SELECT s.seq FROM held s {newest_first} LIMIT %s
