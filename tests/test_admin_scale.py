@@ -347,3 +347,44 @@ def test_the_status_report_runs_without_jit(world: World) -> None:
         status.collect()
     assert queries.captured_queries[0]["sql"] == "SET LOCAL jit = off"
     assert jit_setting() == "off"
+
+
+def outbox_truth() -> dict[str, int]:
+    """Rows per state by workpump.state_of, counted row by row."""
+    states = annotate_work(models.Outbox.objects.all(), SPEC).values_list("wp_state", flat=True)
+    return {state: sum(1 for s in states if s == state) for state in WorkState}
+
+
+def test_undone_states_are_exact_within_the_limit_and_estimated_past_it(
+    overlapping: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    truth = outbox_truth()
+    exact = status.state_counts().by_category()["outbox"]
+    assert exact.counts == truth
+    assert exact.estimated == ()
+
+    monkeypatch.setattr(status, "EXACT_COUNT_LIMIT", 3)
+    capped = status.state_counts().by_category()["outbox"]
+    assert set(capped.estimated) >= {s for s, n in truth.items() if n > 3 * 3}
+    for state, count in capped.counts.items():
+        if state in capped.estimated:
+            assert count >= 4  # at least the rows counted: one past the limit
+        else:
+            assert count == truth[state], state
+    assert WorkState.DEAD not in capped.estimated  # two dead rows
+
+
+def test_unhandled_topics_past_the_limit_are_estimated(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models.ServiceInstance.objects.filter(pk=world.live.pk).update(
+        metadata={"categories": ["outbox"], "topics": {"outbox": ["topic.pending"]}}
+    )
+    exact = {u.topic: u for u in status.unhandled_topics() if u.category == "outbox"}
+    assert "topic.pending" not in exact
+    assert exact["topic.due_retry"].rows == 1 and not exact["topic.due_retry"].estimated
+    # Every category but the outbox is run whole by the live instance: none is read.
+    monkeypatch.setattr(status, "EXACT_COUNT_LIMIT", 1)
+    capped = status.unhandled_topics()
+    assert capped and all(u.estimated for u in capped)
+    assert {u.topic for u in capped} <= set(exact)

@@ -12,16 +12,48 @@
 -- rows, most of a large table, are counted up to the limit in the _done index and past
 -- it estimated from pg_class.reltuples. The oldest age of an estimated state is that
 -- of the rows counted.
-WITH clock AS (
+WITH RECURSIVE clock AS (
     -- the one "now" of this report
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), holders_outbox AS (
+    -- the holders of rows (loose index scan of _held)
+    (SELECT t.instance_id FROM workpump_outbox t
+     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.instance_id FROM workpump_outbox t
+            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
+    FROM holders_outbox h WHERE h.instance_id IS NOT NULL
+), holders_inbox AS (
+    -- the holders of rows (loose index scan of _held)
+    (SELECT t.instance_id FROM workpump_inbox t
+     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.instance_id FROM workpump_inbox t
+            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
+    FROM holders_inbox h WHERE h.instance_id IS NOT NULL
+), holders_perspective_event AS (
+    -- the holders of rows (loose index scan of _held)
+    (SELECT t.instance_id FROM workpump_perspective_event t
+     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.instance_id FROM workpump_perspective_event t
+            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
+    FROM holders_perspective_event h WHERE h.instance_id IS NOT NULL
+), holders_receptor AS (
+    -- the holders of rows (loose index scan of _held)
+    (SELECT t.instance_id FROM workpump_receptor_processing t
+     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.instance_id FROM workpump_receptor_processing t
+            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
+    FROM holders_receptor h WHERE h.instance_id IS NOT NULL
 ), arms AS (
     -- the rows of each undone state, as disjoint arms that each read one partial index:
     -- pending = claimable heads (_ready) + unleased rows whose time has come (_waiting)
     -- + unscheduled rows behind a head (_stream); scheduled = _waiting not yet due;
     -- leased = held (_held) with an unexpired lease; orphaned = held with an expired
-    -- lease (_timer: a claim takes stream heads only, so held rows are heads) + rows of
-    -- an evicted holder not re-claimed (_orphan); dead = _dead
+    -- lease (_held, each holder's rows) + rows of an evicted holder not re-claimed
+    -- (_orphan); dead = _dead
     SELECT 'outbox' AS category, a.state, a.capped, a.oldest_created_at
     FROM clock c CROSS JOIN LATERAL (
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
@@ -62,10 +94,13 @@ WITH clock AS (
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_outbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.stream_head AND t.instance_id IS NOT NULL
-                AND coalesce(t.lease_expiry, t.scheduled_for) <= c.now
+        FROM (SELECT e.created_at FROM holders_outbox h CROSS JOIN LATERAL (
+                  SELECT t.created_at FROM workpump_outbox t
+                  WHERE t.instance_id = h.instance_id
+                    AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                    AND t.lease_expiry <= c.now
+                  LIMIT %(exact_limit)s + 1) e
+              WHERE h.instance_id IS NOT NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
@@ -122,10 +157,13 @@ WITH clock AS (
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.stream_head AND t.instance_id IS NOT NULL
-                AND coalesce(t.lease_expiry, t.scheduled_for) <= c.now
+        FROM (SELECT e.created_at FROM holders_inbox h CROSS JOIN LATERAL (
+                  SELECT t.created_at FROM workpump_inbox t
+                  WHERE t.instance_id = h.instance_id
+                    AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                    AND t.lease_expiry <= c.now
+                  LIMIT %(exact_limit)s + 1) e
+              WHERE h.instance_id IS NOT NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
@@ -182,10 +220,13 @@ WITH clock AS (
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.stream_head AND t.instance_id IS NOT NULL
-                AND coalesce(t.lease_expiry, t.scheduled_for) <= c.now
+        FROM (SELECT e.created_at FROM holders_perspective_event h CROSS JOIN LATERAL (
+                  SELECT t.created_at FROM workpump_perspective_event t
+                  WHERE t.instance_id = h.instance_id
+                    AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                    AND t.lease_expiry <= c.now
+                  LIMIT %(exact_limit)s + 1) e
+              WHERE h.instance_id IS NOT NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
@@ -242,10 +283,13 @@ WITH clock AS (
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.stream_head AND t.instance_id IS NOT NULL
-                AND coalesce(t.lease_expiry, t.scheduled_for) <= c.now
+        FROM (SELECT e.created_at FROM holders_receptor h CROSS JOIN LATERAL (
+                  SELECT t.created_at FROM workpump_receptor_processing t
+                  WHERE t.instance_id = h.instance_id
+                    AND t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+                    AND t.lease_expiry <= c.now
+                  LIMIT %(exact_limit)s + 1) e
+              WHERE h.instance_id IS NOT NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
