@@ -46,6 +46,17 @@ def filtered_seqs_count(queryset: QuerySet[Any], limit: int) -> int | None:
     is a ``seq IN (FilteredSeqs)`` (the stuck, not-live, leased and orphaned filters): the
     fragment's rows are counted as they are read, without looking each up in the table.
     None for any other queryset."""
+    query = filtered_seqs_count_sql(queryset, limit)
+    if query is None:
+        return None
+    with connections[queryset.db].cursor() as cursor:
+        cursor.execute(*query)
+        (count,) = cursor.fetchone()
+    return int(count)
+
+
+def filtered_seqs_count_sql(queryset: QuerySet[Any], limit: int) -> tuple[str, list[Any]] | None:
+    """The SQL of ``filtered_seqs_count`` and its parameters, or None."""
     children = queryset.query.where.children
     if queryset.query.where.negated or len(children) != 1:
         return None
@@ -54,12 +65,8 @@ def filtered_seqs_count(queryset: QuerySet[Any], limit: int) -> int | None:
         return None
     if getattr(lookup.lhs, "target", None) != queryset.model._meta.pk:
         return None
-    connection = connections[queryset.db]
-    sql, params = lookup.rhs.select(connection, limit, ordered=False)
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT count(*) FROM ({sql}) s", params)
-        (count,) = cursor.fetchone()
-    return int(count)
+    sql, params = lookup.rhs.select(connections[queryset.db], limit, ordered=False)
+    return f"SELECT count(*) FROM ({sql}) s", params
 
 
 def planner_estimate(queryset: QuerySet[Any]) -> int:
