@@ -180,14 +180,22 @@ def explain_arms(
     path: str, name: str, params: dict[str, Any] | None = None, *, using: str | None = None
 ) -> list[int]:
     """The planner's row estimate of each arm of query ``name`` of ``sql/<path>``, a
-    UNION ALL (EXPLAIN, not run): one number per arm, in the query's order."""
-    with connections[_alias(using)].cursor() as cursor:
+    UNION ALL (EXPLAIN, not run): one number per arm, in the query's order; empty when
+    the plan is not one Append of them. Planned without parallel workers, whose Parallel
+    Append would reorder the arms (SET LOCAL: the caller's transaction, or one of its own)."""
+    connection = connections[_alias(using)]
+    with (
+        transaction.atomic(using=connection.alias, savepoint=False),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")
         cursor.execute("EXPLAIN (FORMAT JSON) " + named_queries(path)[name], params or {})
         (plan,) = cursor.fetchone()
     plan = json.loads(plan) if isinstance(plan, str) else plan
     top = plan[0]["Plan"]
-    arms = top["Plans"] if top["Node Type"] == "Append" else [top]
-    return [int(arm["Plan Rows"]) for arm in arms]
+    if top["Node Type"] != "Append":
+        return []
+    return [int(arm["Plan Rows"]) for arm in top["Plans"]]
 
 
 def _scalar(name: str, params: dict[str, Any], using: str | None) -> Any:

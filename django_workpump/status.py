@@ -241,7 +241,8 @@ def _with_estimates(
     estimate of its state (one EXPLAIN, not run, of every category x undone state)."""
     arms = db.explain_arms(QUERIES, "state_estimates", {"now": now}, using=using)
     keys = [(category, state) for category in CATEGORIES for state in ESTIMATED_STATES]
-    estimates = dict(zip(keys, arms, strict=True))
+    # No estimate (a plan of another shape): the rows counted, still marked estimated.
+    estimates = dict(zip(keys, arms, strict=True)) if len(arms) == len(keys) else {}
     result = []
     for row in rows:
         key = (row["category"], row["state"])
@@ -400,7 +401,11 @@ def as_json(report: StatusReport) -> dict[str, Any]:
             "streams": [_plain(asdict(s)) for s in report.blocked_streams],
         },
         "dead_rows": [_plain(asdict(r)) for r in report.dead_rows],
-        "instances": [_plain(asdict(i)) | {"total_held": i.total_held} for i in report.instances],
+        "instances": [
+            _plain(asdict(i))
+            | {"total_held": i.total_held, "rows_held_estimated": list(i.rows_held_estimated)}
+            for i in report.instances
+        ],
         "tombstones": [_plain(asdict(t)) for t in report.tombstones],
         "no_live_handler": [_plain(asdict(u)) for u in report.unhandled],
         "periodic": [_plain(asdict(p)) for p in report.periodic],

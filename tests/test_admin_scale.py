@@ -457,3 +457,18 @@ def test_each_filter_of_every_category_reads_its_rows_through_an_index(
         for plan in (queryset[:51].explain(), count_plan(queryset)):
             assert f"Seq Scan on {table}" not in plan, (params, plan)
             assert re.search(r"Index (Only )?Scan|Bitmap Index Scan", plan), (params, plan)
+
+
+def test_rows_held_per_instance_are_counted_up_to_the_limit(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    live = str(world.live.instance_id)
+    exact = {str(i.instance_id): i for i in status.instances()}[live]
+    assert exact.rows_held["outbox"] == 3  # leased_live, lease_expired, ok_head
+    assert exact.rows_held_estimated == ()
+    monkeypatch.setattr(status, "EXACT_COUNT_LIMIT", 1)
+    capped = {str(i.instance_id): i for i in status.instances()}[live]
+    assert capped.rows_held["outbox"] == 2  # one past the limit: "at least"
+    assert capped.rows_held_estimated == ("outbox",)
+    listed = {i["instance_id"]: i for i in status.as_json(status.collect())["instances"]}
+    assert listed[live]["rows_held_estimated"] == ["outbox"]

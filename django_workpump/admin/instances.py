@@ -292,6 +292,7 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
                 "status": instance,
                 "age": display.heartbeat(instance.heartbeat_age_seconds),
                 "held": instance.total_held,
+                "held_estimated": bool(instance.rows_held_estimated),
             }
             for instance in report.instances
         ]

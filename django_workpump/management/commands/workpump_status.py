@@ -209,7 +209,12 @@ def render_text(report: status.StatusReport) -> list[str]:
                     _yes(i.live),
                     _yes(i.listening),
                     _flushers(i.stalled_flushers),
-                    " ".join(f"{k}={v}" for k, v in i.rows_held.items() if v) or "0",
+                    " ".join(
+                        f"{k}={'~' if k in i.rows_held_estimated else ''}{v}"
+                        for k, v in i.rows_held.items()
+                        if v
+                    )
+                    or "0",
                 ]
                 for i in report.instances
             ],
