@@ -472,3 +472,20 @@ def test_rows_held_per_instance_are_counted_up_to_the_limit(
     assert capped.rows_held_estimated == ("outbox",)
     listed = {i["instance_id"]: i for i in status.as_json(status.collect())["instances"]}
     assert listed[live]["rows_held_estimated"] == ["outbox"]
+
+
+def test_the_held_index_migration_reverses_and_applies_again(scratch_database: Any) -> None:
+    def held_keys() -> set[str]:
+        with scratch_database.connect() as conn:
+            rows = conn.execute(
+                "SELECT indexdef FROM pg_indexes WHERE indexname IN"
+                " ('wp_outbox_held', 'wp_inbox_held', 'wp_persp_held', 'wp_receptor_held')"
+            ).fetchall()
+        return {re.sub(r".*USING btree \((.*?)\).*", r"\1", row[0]) for row in rows}
+
+    scratch_database.migrate("workpump", "0016")
+    assert held_keys() == {"instance_id, seq"}
+    scratch_database.migrate("workpump", "0015")
+    assert held_keys() == {"instance_id"}
+    scratch_database.migrate("workpump", "0016")
+    assert held_keys() == {"instance_id, seq"}
