@@ -1,4 +1,4 @@
-"""Admin pages and ``workpump_status --json`` at 10k and 1M outbox rows (issue 20).
+"""Admin pages and ``workpump_status --json`` at 10k, 1M and 10M outbox rows.
 
 For each size the outbox is rebuilt with set-based SQL (``generate_series``; no ORM):
 90 % processed, then dead, waiting for a retry, past half their attempts, leased by a
