@@ -172,14 +172,6 @@ def not_live_seqs(spec: WorkSpec) -> FilteredSeqs:
     return FilteredSeqs("not_live_seqs", spec, bounds=2)
 
 
-# The rows of an evicted holder that no one re-claimed (_orphan), an arm of held_seqs.
-UNHELD_ORPHANS = """UNION ALL
-    (SELECT t.seq FROM {table} t
-     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
-       AND t.instance_id IS NULL AND t.claimed_at IS NOT NULL
-     ORDER BY t.seq DESC LIMIT %s)"""
-
-
 def held_seqs(spec: WorkSpec, state: str) -> FilteredSeqs:
     """The leased or orphaned rows of ``spec``'s table, each holder's through _held."""
     if state == WorkState.LEASED:
@@ -192,7 +184,7 @@ def held_seqs(spec: WorkSpec, state: str) -> FilteredSeqs:
         3,
         cutoffs=False,
         lease="t.lease_expiry <= now()",
-        unheld_arm=UNHELD_ORPHANS,
+        unheld_arm=named_queries(ADMIN_QUERIES)["orphans_arm"],
     )
 
 

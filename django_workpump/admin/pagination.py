@@ -17,7 +17,8 @@ from django.db import connections
 from django.db.models import QuerySet
 from django.db.models.lookups import In
 
-from django_workpump.admin.expressions import FilteredSeqs
+from django_workpump.admin.expressions import ADMIN_QUERIES, FilteredSeqs
+from django_workpump.sql import named_queries
 
 # Counted exactly up to here; past it the page says "about N" from the planner.
 EXACT_COUNT_LIMIT = 10_000
@@ -66,7 +67,7 @@ def filtered_seqs_count_sql(queryset: QuerySet[Any], limit: int) -> tuple[str, l
     if getattr(lookup.lhs, "target", None) != queryset.model._meta.pk:
         return None
     sql, params = lookup.rhs.select(connections[queryset.db], limit, ordered=False)
-    return f"SELECT count(*) FROM ({sql}) s", params
+    return named_queries(ADMIN_QUERIES)["count_rows"].format(rows=sql), params
 
 
 def planner_estimate(queryset: QuerySet[Any]) -> int:

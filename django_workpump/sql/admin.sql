@@ -164,3 +164,17 @@ WITH RECURSIVE holders AS (
     {unheld_arm}
 )
 SELECT s.seq FROM held s {newest_first} LIMIT %s
+
+-- name: orphans_arm
+-- The orphaned state's arm of held_seqs for rows an eviction released and no one
+-- re-claimed (_orphan), newest first. One parameter: the bound.
+UNION ALL
+    (SELECT t.seq FROM {table} t
+     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
+       AND t.instance_id IS NULL AND t.claimed_at IS NOT NULL
+     ORDER BY t.seq DESC LIMIT %s)
+
+-- name: count_rows
+-- The rows of one of the fragments above, counted as they are read (the admin
+-- paginator's capped count).
+SELECT count(*) FROM ({rows}) s
