@@ -25,9 +25,7 @@ SELECT gen_random_uuid(), 'bench.noop', jsonb_build_object('i', g), g %% 10000, 
        %(attempts)s::integer, %(processed_at)s::timestamptz, %(processed_at)s::timestamptz, now()
 FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) g
 """
-COMPLETE_SQL = (
-    "SELECT count(*) FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[])"
-)
+COMPLETE_SQL = "SELECT count(*) FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[])"
 REGISTER_SQL = "SELECT workpump.record_heartbeat(%s, 'bench', 'localhost', 1)"
 CHUNK = 500_000
 

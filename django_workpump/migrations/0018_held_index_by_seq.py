@@ -11,7 +11,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workpump", "0016_functions_v11_claim_prefixes"),
+        ("workpump", "0017_functions_v12_bulk_producers"),
     ]
 
     operations = [
