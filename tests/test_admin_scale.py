@@ -483,9 +483,9 @@ def test_the_held_index_migration_reverses_and_applies_again(scratch_database: A
             ).fetchall()
         return {re.sub(r".*USING btree \((.*?)\).*", r"\1", row[0]) for row in rows}
 
-    scratch_database.migrate("workpump", "0018")
+    scratch_database.migrate("workpump", "0019")
     assert held_keys() == {"instance_id, seq"}
-    scratch_database.migrate("workpump", "0017")
-    assert held_keys() == {"instance_id"}
     scratch_database.migrate("workpump", "0018")
+    assert held_keys() == {"instance_id"}
+    scratch_database.migrate("workpump", "0019")
     assert held_keys() == {"instance_id, seq"}

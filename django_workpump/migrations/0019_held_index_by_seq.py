@@ -11,7 +11,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workpump", "0017_functions_v12_bulk_producers"),
+        ("workpump", "0018_functions_v13_headers"),
     ]
 
     operations = [
