@@ -750,7 +750,7 @@ def emit_many(
                 max_payload_depth=MAX_DEPTH,
                 using=alias,
             )
-    for category in sorted({subscriber["category"] for subscriber in subscribers}):
+    for category in sorted({handler.category for handler in registry.subscribers(event_type)}):
         _announce(category, alias)
     if capture_listeners:
         for index, payload in enumerate(payloads):

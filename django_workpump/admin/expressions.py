@@ -122,7 +122,7 @@ class FilteredSeqs(RawSQL):
         self.cutoffs, self.parts = cutoffs, parts
         super().__init__("", (), output_field=models.BigIntegerField())
 
-    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, list[Any]]:
+    def as_sql(self, compiler: Any, connection: Any) -> Any:
         sql, params = self.select(connection, *fetch_bound(compiler.query))
         return f"({sql})", params
 
