@@ -342,3 +342,26 @@ def test_database_runs_the_pump_against_another_database_alias(echo_handler):
 def test_an_unknown_database_alias_is_refused_with_the_known_ones_named():
     with pytest.raises(CommandError, match="--database 'shard9' is not a Django database"):
         call_command("runworkpump", "--drain", "--database", "shard9")
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(
+    WORKPUMP={**FAST, "RETRY_BACKOFF_BASE_SECONDS": 60, "RETRY_BACKOFF_MAX_SECONDS": 60}
+)
+def test_the_startup_line_comes_before_anything_the_claimed_work_logs():
+    """The line is printed before the first claim, so even a handler that fails at
+    once (its WARNING written by the failure flusher) logs after it."""
+    workpump.outbox_handler("cmd.fails_at_once")(lambda work: 1 / 0)
+    try:
+        for n in range(3):
+            workpump.send("cmd.fails_at_once", {"n": n})
+        out = StringIO()
+
+        call_command("runworkpump", "--drain", "--topics", "cmd.fails_at_once", stdout=out)
+
+        lines = messages(out.getvalue())
+        assert "started:" in lines[0], lines
+        failures = [line for line in lines if "ZeroDivisionError" in line]
+        assert len(failures) == 3
+    finally:
+        registry.unregister("outbox", "cmd.fails_at_once")

@@ -341,11 +341,14 @@ class Supervisor:
         ]
 
     # -- lifecycle -----------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, on_ready: Callable[[], None] | None = None) -> None:
         """Check the schema, register, and start every service thread.
 
-        A stop requested meanwhile (a signal during startup) starts no claiming; the
-        caller's ``shutdown()`` then releases whatever is held.
+        ``on_ready`` is called once every service but the claim runs, just before the
+        first claim: ``runworkpump`` prints its startup line there, so that line comes
+        before anything the claimed work logs. A stop requested meanwhile (a signal
+        during startup) starts no claiming; the caller's ``shutdown()`` then releases
+        whatever is held.
         """
         if self._stopping.is_set():
             return
@@ -375,6 +378,8 @@ class Supervisor:
         self._launch(self.maintenance)
         if self.periodic is not None:
             self._launch(self.periodic)
+        if on_ready is not None:
+            on_ready()
         if self._stopping.is_set():
             return  # stopped while starting: claim nothing
         self._launch(self.claim)

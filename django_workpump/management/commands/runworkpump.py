@@ -212,13 +212,16 @@ class Command(BaseCommand):
         # Before the start: a signal while it registers and claims stops it cleanly.
         previous = self._install_signal_handlers(supervisor)
         try:
+
+            def announce() -> None:  # before the first claim: the startup line comes first
+                line, fields = self._startup_line(supervisor, alias)
+                lines.info("%s", line, extra={"action": "started", **fields})
+
             try:
-                supervisor.start()
+                supervisor.start(on_ready=announce)
             except (SchemaNotReady, metrics.MetricsPortUnavailable) as exc:
                 supervisor.shutdown()
                 raise CommandError(str(exc)) from None
-            line, fields = self._startup_line(supervisor, alias)
-            lines.info("%s", line, extra={"action": "started", **fields})
             interval = settings["STATUS_INTERVAL_SECONDS"]
             reporter = _StatusReporter(supervisor)
             while not supervisor.wait(interval):
