@@ -3,11 +3,21 @@
 Produce work inside your transaction with ``send``, ``receive`` and ``emit`` (``send_many``
 and ``emit_many`` for lists); handle it with the decorators, ``periodic`` schedules it;
 run it with ``manage.py runworkpump``;
-``retry_now``, ``requeue_dead``, ``dead_letter``, ``release`` and ``evict`` are the
-operator's actions.
+``retry_now``, ``requeue_dead``, ``dead_letter``, ``release``, ``cancel`` and ``evict``
+are the operator's actions. A handler raises ``Snooze`` or ``Discard`` to steer its row,
+and takes a ``Retry`` policy and a ``timeout`` at registration.
 """
 
-from django_workpump.actions import dead_letter, evict, release, requeue_dead, retry_now
+from django_workpump.actions import (
+    Cancelled,
+    cancel,
+    dead_letter,
+    evict,
+    release,
+    requeue_dead,
+    retry_now,
+)
+from django_workpump.control import Discard, Retry, Snooze
 from django_workpump.periodic import InvalidSchedule, periodic
 from django_workpump.producer import (
     Duplicate,
@@ -22,10 +32,15 @@ from django_workpump.pump.dispatch import Work
 from django_workpump.registry import inbox_handler, outbox_handler, perspective, receptor
 
 __all__ = [
+    "Cancelled",
+    "Discard",
     "Duplicate",
     "InvalidSchedule",
     "InvalidWork",
+    "Retry",
+    "Snooze",
     "Work",
+    "cancel",
     "dead_letter",
     "emit",
     "emit_many",

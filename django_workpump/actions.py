@@ -1,11 +1,12 @@
-"""Operator actions in Python: retry, re-queue, dead-letter, release, evict.
+"""Operator actions in Python: retry, re-queue, dead-letter, release, cancel, evict.
 
 Each runs the SQL function the admin's actions run (docs/sql-api.md), on the
 ``WORKPUMP['DATABASE_ALIAS']`` connection (or ``using``), so it joins the caller's
 transaction, and returns what it changed. Work ids may be of any category: each id's
 category is looked up unless ``category=`` names it. Ids that match no row, or rows an
 action does not apply to (``retry_now`` of a dead row, ...), are left alone and are not
-in the result. ``manage.py workpump_action`` is the command-line face of these.
+in the result (``cancel`` reports them too). ``manage.py workpump_action`` is the
+command-line face of these.
 """
 
 from __future__ import annotations
@@ -141,6 +142,72 @@ def release(
             definitively_dead_after_seconds=settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
             using=a,
         ),
+    )
+
+
+class Cancelled(list[uuid.UUID]):
+    """The ids ``cancel`` changed (a list), and what it found about the others.
+
+    - ``running``: the changed ids whose attempt was running; their holder is told by
+      NOTIFY when the caller's transaction commits.
+    - ``unknown``: ids of no work row.
+    - ``ended``: ids of rows that had already ended (done, cancelled or discarded),
+      left as they were.
+    """
+
+    def __init__(
+        self,
+        changed: Iterable[uuid.UUID] = (),
+        *,
+        running: Iterable[uuid.UUID] = (),
+        unknown: Iterable[uuid.UUID] = (),
+        ended: Iterable[uuid.UUID] = (),
+    ) -> None:
+        super().__init__(changed)
+        self.running = list(running)
+        self.unknown = list(unknown)
+        self.ended = list(ended)
+
+    def __repr__(self) -> str:
+        return (
+            f"Cancelled({list(self)!r}, running={self.running!r}, unknown={self.unknown!r}, "
+            f"ended={self.ended!r})"
+        )
+
+
+def cancel(ids: WorkIds, *, category: str | None = None, using: str | None = None) -> Cancelled:
+    """End undone rows as ``cancelled``: they never run (again) and their stream moves on.
+
+    A pending, scheduled, orphaned or dead row just ends. A running row ends too, at
+    once: its holder is told by NOTIFY when the caller's transaction commits (and by its
+    next renewal, should the NOTIFY be missed), ``work.cancelled`` turns true for its
+    handler, an async handler's task is cancelled, and whatever the attempt reports
+    later is fenced out. Ids of no row are reported in ``result.unknown``, not raised.
+    """
+    _check_category(category)
+    alias = using or setting("DATABASE_ALIAS")
+    wanted = as_ids(ids)
+    if not wanted:
+        return Cancelled()
+    found = {row.work_id: row for row in db.select_work(ids=wanted, using=alias)}
+    if category is not None:
+        found = {i: row for i, row in found.items() if row.category == category}
+    grouped: dict[str, list[uuid.UUID]] = {}
+    for row in found.values():
+        grouped.setdefault(row.category, []).append(row.work_id)
+    changed: list[uuid.UUID] = []
+    running: list[uuid.UUID] = []
+    for found_category, found_ids in grouped.items():
+        for cancelled in db.cancel_work(category=found_category, ids=found_ids, using=alias):
+            changed.append(cancelled.work_id)
+            if cancelled.holder is not None:
+                running.append(cancelled.work_id)
+    done = set(changed)
+    return Cancelled(
+        changed,
+        running=running,
+        unknown=[i for i in dict.fromkeys(wanted) if i not in found],
+        ended=[i for i in dict.fromkeys(wanted) if i in found and i not in done],
     )
 
 

@@ -89,6 +89,16 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=0,
         meaning="retry delay cap; 0 retries at once",
     ),
+    Setting(
+        "MAX_SNOOZES",
+        25,
+        "int",
+        minimum=0,
+        meaning=(
+            "times a row may raise `workpump.Snooze`; the next snooze counts as a failed "
+            "attempt (reason `max_snoozes`)"
+        ),
+    ),
     # Liveness.
     Setting(
         "HEARTBEAT_INTERVAL_SECONDS",

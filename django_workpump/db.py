@@ -476,8 +476,9 @@ def renew_leases(
     instance_id: uuid.UUID | None,
     now: datetime | None = None,
     using: str | None = None,
-) -> dict[uuid.UUID, datetime]:
-    """Renew; return ``{id: new lease_expiry}`` for the rows that were renewed.
+) -> dict[uuid.UUID, datetime | None]:
+    """Renew; return ``{id: new lease_expiry}`` for the rows that were renewed, and
+    ``{id: None}`` for the attempts an operator cancelled (the holder must stop them).
 
     Raise InstanceRefused when ``instance_id`` is evicted or not registered.
     """
@@ -493,7 +494,10 @@ def renew_leases(
         rows = _fetch("renew_leases", params, using)
     except DatabaseError as exc:
         raise (_refused(exc) or exc) from exc
-    return {row["work_id"]: row["lease_expiry"] for row in rows}
+    return {
+        row["work_id"]: None if row["status"] == OutcomeStatus.CANCELLED else row["lease_expiry"]
+        for row in rows
+    }
 
 
 def complete_work(
@@ -528,9 +532,12 @@ def fail_work(
     reasons: Sequence[str] | None = None,
     retry_base_seconds: int = 30,
     retry_max_seconds: int = 300,
+    retry_delays: Sequence[float | None] | None = None,
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[Outcome]:
+    """Fail attempts; ``retry_delays`` (one per id, None for the default backoff) are a
+    handler's own retry delays in seconds."""
     params = {
         "instance_id": instance_id,
         "category": category,
@@ -540,9 +547,58 @@ def fail_work(
         "reasons": list(reasons) if reasons else None,
         "retry_base_seconds": retry_base_seconds,
         "retry_max_seconds": retry_max_seconds,
+        "retry_delays": None
+        if retry_delays is None or all(d is None for d in retry_delays)
+        else list(retry_delays),
         "now": now,
     }
     return [Outcome.from_row(row) for row in _fetch("fail_work", params, using)]
+
+
+def snooze_work(
+    *,
+    instance_id: uuid.UUID,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    lease_tokens: Sequence[uuid.UUID],
+    seconds: Sequence[float],
+    max_snoozes: int,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[Outcome]:
+    """Give held rows back to run after ``seconds`` each, their attempts not spent."""
+    params = {
+        "instance_id": instance_id,
+        "category": category,
+        "ids": list(ids),
+        "lease_tokens": list(lease_tokens),
+        "seconds": list(seconds),
+        "max_snoozes": max_snoozes,
+        "now": now,
+    }
+    return [Outcome.from_row(row) for row in _fetch("snooze_work", params, using)]
+
+
+def discard_work(
+    *,
+    instance_id: uuid.UUID,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    lease_tokens: Sequence[uuid.UUID],
+    reasons: Sequence[str],
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[Outcome]:
+    """End held rows as discarded, each with its reason."""
+    params = {
+        "instance_id": instance_id,
+        "category": category,
+        "ids": list(ids),
+        "lease_tokens": list(lease_tokens),
+        "reasons": list(reasons),
+        "now": now,
+    }
+    return [Outcome.from_row(row) for row in _fetch("discard_work", params, using)]
 
 
 def dead_letter(
@@ -891,6 +947,28 @@ class SelectedWork(FromRow):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", WorkState(self.state))
+
+
+@dataclass(frozen=True)
+class CancelledWork(FromRow):
+    """A row ``cancel_work`` ended, and the instance that held it (None: not leased)."""
+
+    COLUMNS = {"id": "work_id"}
+
+    work_id: uuid.UUID
+    holder: uuid.UUID | None
+
+
+def cancel_work(
+    *,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[CancelledWork]:
+    """End undone rows as cancelled; their holders are told by NOTIFY on commit."""
+    params = {"category": category, "ids": list(ids), "now": now}
+    return [CancelledWork.from_row(row) for row in _fetch("cancel_work", params, using)]
 
 
 def select_work(

@@ -4,7 +4,8 @@ Rows are written by the SQL functions in ``sql/`` (producers, claim, renew, comp
 fail), never by forms; these models exist for migrations, the admin and factories.
 
 Every work row carries the same lease columns (``WorkRow``). A row's state is derived
-from them (``pending``, ``scheduled``, ``leased``, ``orphaned``, ``done``, ``dead``):
+from them (``pending``, ``scheduled``, ``leased``, ``orphaned``, ``done``, ``dead``,
+``cancelled``, ``discarded``):
 see ``states.py``.
 
 ``stream_head`` is maintained by triggers and ``complete_work``: it is true for the
@@ -50,6 +51,11 @@ class WorkRow(models.Model):
     # What the producer sent along, a JSON object of strings: e.g. the W3C trace context
     # ("traceparent", "tracestate") that links a handler's span to its producer's.
     headers = models.JSONField(null=True, blank=True, editable=False)
+    # How a done row ended when not by completing: "cancelled" (workpump.cancel) or
+    # "discarded" (the handler raised workpump.Discard). NULL for a completed row.
+    end_state = models.CharField(max_length=20, null=True, blank=True, editable=False)
+    # Times the handler raised workpump.Snooze; capped by MAX_SNOOZES.
+    snoozes = models.IntegerField(db_default=0, editable=False)
 
     class Meta:
         abstract = True
@@ -62,6 +68,7 @@ WORK_PERMISSIONS: list[tuple[str, str | StrPromise]] = [
     ("force_release_work_lease", "Can force-release work leases held by live instances"),
     ("dead_letter_work", "Can dead-letter work"),
     ("requeue_work", "Can re-queue dead work"),
+    ("cancel_work", "Can cancel work"),
 ]
 
 
@@ -102,6 +109,11 @@ def orphan_condition(done: str) -> Q:
 def waiting_condition(done: str) -> Q:
     """Unleased live rows with a time set: a retry wait or a deferral (due or not)."""
     return _live(done) & Q(instance_id__isnull=True, scheduled_for__isnull=False)
+
+
+def ended_condition(done: str) -> Q:
+    """Rows that ended cancelled or discarded rather than completed."""
+    return Q(**{f"{done}__isnull": False}) & Q(end_state__isnull=False)
 
 
 def attempts_high_condition(done: str) -> Q:
@@ -158,6 +170,8 @@ def _work_indexes(prefix: str, done: str, scope: tuple[str, ...] = ()) -> list[m
         models.Index(
             fields=["seq"], name=f"{prefix}_retried", condition=attempts_high_condition(done)
         ),
+        # Rows that ended cancelled or discarded (admin state filter, status counts).
+        models.Index(fields=[done], name=f"{prefix}_ended", condition=ended_condition(done)),
     ]
 
 

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from django.core.exceptions import ImproperlyConfigured
 
 from django_workpump import categories
+from django_workpump.control import Retry, check_timeout
 
 # Derived from django_workpump.categories, where the facts of each category live.
 CATEGORIES = categories.NAMES
@@ -35,6 +36,8 @@ class Handler:
     # True: the handler of every topic that starts with ``topic`` and has no handler of
     # its own (a django.tasks backend with empty QUEUES runs every queue of its alias)
     prefix: bool = False
+    retry: Retry | None = None  # which exceptions retry, and after how long
+    timeout: float | None = None  # seconds one attempt may run; None: the lease settings
 
     @property
     def is_async(self) -> bool:
@@ -67,6 +70,13 @@ class Registry:
                 f"max_attempts of {TOPIC_NOUNS[handler.category]} {handler.topic!r} must be "
                 f"a whole number >= 1, not {handler.max_attempts!r}."
             )
+        where = f"{TOPIC_NOUNS[handler.category]} {handler.topic!r}"
+        if handler.retry is not None and not isinstance(handler.retry, Retry):
+            raise ImproperlyConfigured(
+                f"retry of {where} must be a workpump.Retry(max_attempts=..., backoff=..., "
+                f"on=(...)), not {handler.retry!r}."
+            )
+        check_timeout(handler.timeout, where)
         if handler.category in ("perspective_event", "receptor"):
             if not handler.events:
                 raise ImproperlyConfigured(
@@ -218,7 +228,23 @@ def _decorator(
     max_attempts: int | None,
     atomic: bool,
     events: Iterable[str] = (),
+    retry: Retry | None = None,
+    timeout: float | None = None,
 ) -> Callable[[F], F]:
+    where = f"{TOPIC_NOUNS[category]} {topic!r}"
+    if retry is not None and not isinstance(retry, Retry):
+        raise ImproperlyConfigured(
+            f"retry of {where} must be a workpump.Retry(max_attempts=..., backoff=..., "
+            f"on=(...)), not {retry!r}."
+        )
+    if retry is not None and retry.max_attempts is not None:
+        if max_attempts is not None and max_attempts != retry.max_attempts:
+            raise ImproperlyConfigured(
+                f"{where} is given max_attempts={max_attempts!r} and "
+                f"retry=Retry(max_attempts={retry.max_attempts!r}); give one of them."
+            )
+        max_attempts = retry.max_attempts
+    timeout = check_timeout(timeout, where)
     if isinstance(events, str):
         raise ImproperlyConfigured(
             f"events of {TOPIC_NOUNS[category]} {topic!r} must be a list of event types, "
@@ -228,37 +254,100 @@ def _decorator(
     def decorate(func: F) -> F:
         if not callable(func):
             raise ImproperlyConfigured(f"{func!r} is not callable and cannot handle work.")
-        registry.register(Handler(category, topic, func, max_attempts, atomic, tuple(events)))
+        registry.register(
+            Handler(
+                category,
+                topic,
+                func,
+                max_attempts,
+                atomic,
+                tuple(events),
+                retry=retry,
+                timeout=timeout,
+            )
+        )
         return func
 
     return decorate
 
 
 def outbox_handler(
-    destination: str, *, max_attempts: int | None = None, atomic: bool = False
+    destination: str,
+    *,
+    max_attempts: int | None = None,
+    atomic: bool = False,
+    retry: Retry | None = None,
+    timeout: float | None = None,
 ) -> Callable[[F], F]:
-    """Register the handler of outbox messages sent to ``destination``."""
-    return _decorator("outbox", destination, max_attempts=max_attempts, atomic=atomic)
+    """Register the handler of outbox messages sent to ``destination``.
+
+    ``retry``: a ``workpump.Retry`` policy; ``timeout``: seconds one attempt may run
+    (drives its lease, renewals and cap instead of the LEASE settings).
+    """
+    return _decorator(
+        "outbox",
+        destination,
+        max_attempts=max_attempts,
+        atomic=atomic,
+        retry=retry,
+        timeout=timeout,
+    )
 
 
 def inbox_handler(
-    name: str, *, max_attempts: int | None = None, atomic: bool = False
+    name: str,
+    *,
+    max_attempts: int | None = None,
+    atomic: bool = False,
+    retry: Retry | None = None,
+    timeout: float | None = None,
 ) -> Callable[[F], F]:
-    """Register the handler of inbox messages received for ``name``."""
-    return _decorator("inbox", name, max_attempts=max_attempts, atomic=atomic)
+    """Register the handler of inbox messages received for ``name`` (``retry`` and
+    ``timeout`` as for ``outbox_handler``)."""
+    return _decorator(
+        "inbox", name, max_attempts=max_attempts, atomic=atomic, retry=retry, timeout=timeout
+    )
 
 
 def perspective(
-    name: str, *, events: Iterable[str], max_attempts: int | None = None, atomic: bool = False
+    name: str,
+    *,
+    events: Iterable[str],
+    max_attempts: int | None = None,
+    atomic: bool = False,
+    retry: Retry | None = None,
+    timeout: float | None = None,
 ) -> Callable[[F], F]:
-    """Register a perspective: it sees ``events`` of each stream in strict order."""
+    """Register a perspective: it sees ``events`` of each stream in strict order
+    (``retry`` and ``timeout`` as for ``outbox_handler``)."""
     return _decorator(
-        "perspective_event", name, max_attempts=max_attempts, atomic=atomic, events=events
+        "perspective_event",
+        name,
+        max_attempts=max_attempts,
+        atomic=atomic,
+        events=events,
+        retry=retry,
+        timeout=timeout,
     )
 
 
 def receptor(
-    name: str, *, events: Iterable[str], max_attempts: int | None = None, atomic: bool = False
+    name: str,
+    *,
+    events: Iterable[str],
+    max_attempts: int | None = None,
+    atomic: bool = False,
+    retry: Retry | None = None,
+    timeout: float | None = None,
 ) -> Callable[[F], F]:
-    """Register a receptor: it reacts once to each of ``events``."""
-    return _decorator("receptor", name, max_attempts=max_attempts, atomic=atomic, events=events)
+    """Register a receptor: it reacts once to each of ``events`` (``retry`` and
+    ``timeout`` as for ``outbox_handler``)."""
+    return _decorator(
+        "receptor",
+        name,
+        max_attempts=max_attempts,
+        atomic=atomic,
+        events=events,
+        retry=retry,
+        timeout=timeout,
+    )

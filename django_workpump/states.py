@@ -18,8 +18,14 @@ class WorkState(StrEnum):
     SCHEDULED = "scheduled"  # waiting for a retry or a deferral
     LEASED = "leased"  # held by an instance under an unexpired lease
     ORPHANED = "orphaned"  # its lease expired, or its holder was evicted mid-attempt
-    DONE = "done"
+    DONE = "done"  # completed
     DEAD = "dead"  # parked after its last attempt, or by an operator
+    CANCELLED = "cancelled"  # ended by workpump.cancel; never runs (again)
+    DISCARDED = "discarded"  # ended by its handler raising workpump.Discard
+
+
+# The states of rows that ended: their stream has moved on and they never run again.
+ENDED_STATES = (WorkState.DONE, WorkState.CANCELLED, WorkState.DISCARDED)
 
 
 # The states whose rows wait for a claimer: their oldest row is the pump's backlog age.
@@ -33,6 +39,10 @@ class OutcomeStatus(StrEnum):
     RETRY = "retry"  # failed; scheduled for another attempt
     DEAD = "dead"  # failed on its last attempt (or parked): dead-lettered
     RELEASED = "released"  # lease given back unrun
+    SNOOZED = "snoozed"  # given back to run later, its attempt not spent (snooze_work)
+    DISCARDED = "discarded"  # ended by its handler as discarded (discard_work)
+    RENEWED = "renewed"  # lease extended (renew_leases)
+    CANCELLED = "cancelled"  # the attempt was cancelled (renew_leases)
     LOST = "lost"  # fenced out: the caller no longer held the row under that token
 
 
@@ -42,6 +52,8 @@ class HandlerOutcome(StrEnum):
     DONE = "done"  # returned: complete the row with its result
     DONE_COMMITTED = "done_committed"  # atomic: completed inside the handler's transaction
     FAIL = "fail"  # raised (or had no handler): fail the attempt
+    SNOOZE = "snooze"  # raised workpump.Snooze: run again later, the attempt not spent
+    DISCARD = "discard"  # raised workpump.Discard: end the row as discarded
     LOST = "lost"  # the lease was lost before an atomic handler could commit
 
 
@@ -76,6 +88,11 @@ class FailureReason(StrEnum):
     OPERATOR_RELEASED = "operator_released"  # an operator released the lease
     SHUTDOWN = "shutdown"  # its handler still ran when a graceful stop timed out
     OPERATOR = "operator"  # dead-lettered by an operator who gave no reason
+    NOT_RETRYABLE = "not_retryable"  # raised an exception its Retry(on=...) does not name
+    TIMEOUT = "timeout"  # its handler still ran at the end of its own timeout
+    MAX_SNOOZES = "max_snoozes"  # it snoozed MAX_SNOOZES times; the next snooze failed
+    DISCARDED = "discarded"  # its handler raised workpump.Discard (the row ended)
+    CANCELLED = "cancelled"  # an operator cancelled it (the row ended)
 
 
 class CancelReason(StrEnum):
@@ -85,3 +102,4 @@ class CancelReason(StrEnum):
     SHUTDOWN = "shutdown"  # the pump is stopping
     DISPOSED = "disposed"  # the dispatch let go of it
     LOST = "lost"  # the database refused a renewal (another holder, or evicted)
+    CANCELLED = "cancelled"  # an operator cancelled the row (workpump.cancel)

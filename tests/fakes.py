@@ -76,6 +76,7 @@ class FakeCoordinator:
         refuse_renewal: Iterable[uuid.UUID] = (),
         renew_errors: int = 0,
         renew_refusal: BaseException | None = None,
+        cancelled_renewal: Iterable[uuid.UUID] = (),
         on_heartbeat: Callable[[], Any] | None = None,
     ) -> None:
         self.identity = InstanceIdentity(host_name="test-host", process_id=4242)
@@ -88,6 +89,11 @@ class FakeCoordinator:
         self.released: list[uuid.UUID] = []
         self.failed: list[tuple[uuid.UUID, str, str]] = []  # (work id, error, reason)
         self.dead_lettered: list[tuple[uuid.UUID, str]] = []  # (id, error)
+        self.dead_letter_reasons: list[str] = []
+        self.fail_delays: list[float | None] = []  # the retry delay of each failure
+        self.snoozed: list[tuple[uuid.UUID, float]] = []  # (work id, seconds)
+        self.discarded: list[tuple[uuid.UUID, str]] = []  # (work id, reason)
+        self.cancelled_renewals = set(cancelled_renewal)  # renew answers these 'cancelled'
         # (method, work id, lease token) of every outcome and release, in call order
         self.tokens: list[tuple[str, uuid.UUID, uuid.UUID]] = []
         self.reap_calls = 0
@@ -147,7 +153,11 @@ class FakeCoordinator:
             raise self.renew_refusal
         self.renewals.append((category, list(ids)))
         self.renewal_tokens.extend(tokens)
-        return {work_id: CLAIMED_AT for work_id in ids if work_id not in self.refused}
+        return {
+            work_id: None if work_id in self.cancelled_renewals else CLAIMED_AT
+            for work_id in ids
+            if work_id not in self.refused
+        }
 
     def complete(
         self,
@@ -169,9 +179,11 @@ class FakeCoordinator:
         tokens: Sequence[uuid.UUID],
         errors: Sequence[str],
         reasons: Sequence[str],
+        delays: Sequence[float | None] | None = None,
     ) -> list[Outcome]:
         with self._cond:
             self.failed.extend(zip(ids, errors, reasons, strict=True))
+            self.fail_delays.extend(delays or [None] * len(ids))
             self.tokens.extend(("fail", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("fail")
         return [Outcome(work_id, "retry") for work_id in ids]
@@ -195,9 +207,36 @@ class FakeCoordinator:
     ) -> list[Outcome]:
         with self._cond:
             self.dead_lettered.extend(zip(ids, errors, strict=True))
+            self.dead_letter_reasons.extend([reason] * len(ids))
             self.tokens.extend(("dead_letter", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("dead_letter")
         return [Outcome(work_id, "dead") for work_id in ids]
+
+    def snooze(
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        seconds: Sequence[float],
+    ) -> list[Outcome]:
+        with self._cond:
+            self.snoozed.extend(zip(ids, seconds, strict=True))
+            self.tokens.extend(("snooze", i, t) for i, t in zip(ids, tokens, strict=True))
+        self._record("snooze")
+        return [Outcome(work_id, "snoozed") for work_id in ids]
+
+    def discard(
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        reasons: Sequence[str],
+    ) -> list[Outcome]:
+        with self._cond:
+            self.discarded.extend(zip(ids, reasons, strict=True))
+            self.tokens.extend(("discard", i, t) for i, t in zip(ids, tokens, strict=True))
+        self._record("discard")
+        return [Outcome(work_id, "discarded") for work_id in ids]
 
     def heartbeat(self, metadata: Mapping[str, Any]) -> bool:
         self._record("heartbeat")

@@ -52,6 +52,9 @@ def world(now: datetime) -> World:
     world.add("deferred_behind", stream="s-ok", scheduled_for=now + secs(90))
     world.add("due_behind", stream="s-ok", scheduled_for=now - secs(90))
     world.add("attempts_high_pending", attempts=6)
+    # Rows that ended other than by completing.
+    for end_state in ("cancelled", "discarded"):
+        world.add(end_state, attempts=1, processed_at=now - secs(5), end_state=end_state)
     return world
 
 

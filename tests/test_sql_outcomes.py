@@ -262,7 +262,7 @@ def test_renewal_extends_the_lease_from_now_and_counts_it(category):
     assert row(category, work_id)["lease_expiry"] == at(300)
 
     assert renew(category, [work_id], seconds=600, instance=me, now=at(100)) == [
-        {"work_id": work_id, "lease_expiry": at(700)}
+        {"work_id": work_id, "lease_expiry": at(700), "status": "renewed"}
     ]
     after = row(category, work_id)
     assert (after["instance_id"], after["lease_expiry"], after["lease_renewals"]) == (
@@ -647,7 +647,7 @@ def test_a_failure_of_a_row_the_caller_does_not_hold_is_lost():
 )
 def test_a_failure_needs_one_error_and_reason_per_id(errors, reasons):
     ids = [uuid.uuid4(), uuid.uuid4()]
-    with raises_invalid(r"one error \(and one reason, when given\) per id"):
+    with raises_invalid(r"one error \(and one reason and retry delay, when given\) per id"):
         fail(uuid.uuid4(), "outbox", ids, errors, reasons)
 
 

@@ -31,7 +31,18 @@ PYTHON_ONLY_REASONS = {
     FailureReason.UNDECODABLE_PAYLOAD,
     FailureReason.UNSTORABLE_OUTCOME,
     FailureReason.SHUTDOWN,
+    FailureReason.NOT_RETRYABLE,
+    FailureReason.TIMEOUT,
 }
+# The functions that report what they did with each row they were given.
+OUTCOME_FUNCTIONS = (
+    "renew_leases",
+    "complete_work",
+    "fail_work",
+    "release_work",
+    "snooze_work",
+    "discard_work",
+)
 
 
 def sql_text(pattern: str = "**/*.sql") -> str:
@@ -48,10 +59,22 @@ def failure_reasons_in_sql() -> set[str]:
     return words
 
 
+def function_body(name: str) -> str:
+    """The definition of workpump.<name> in schema.sql (the current one)."""
+    found = re.search(
+        r"^CREATE FUNCTION workpump\." + name + r"\(.*?^\$\$;$", sql_text("schema.sql"), re.S | re.M
+    )
+    assert found is not None, name
+    return found.group(0)
+
+
 def outcome_statuses_in_sql() -> set[str]:
-    """The words the outcome functions' CASE expressions return (failure reasons aside)."""
-    text = FAILURE_ASSIGNMENT.sub("", sql_text("**/outcomes.sql"))
-    return set(re.findall(r"\b(?:THEN|ELSE)\s+" + WORD, text))
+    """The words the outcome functions return (failure reasons aside): CASE branches and
+    literal status columns."""
+    text = FAILURE_ASSIGNMENT.sub("", "\n".join(map(function_body, OUTCOME_FUNCTIONS)))
+    return set(re.findall(r"\b(?:THEN|ELSE)\s+" + WORD, text)) | set(
+        re.findall(WORD + r"::text", text)
+    )
 
 
 def test_failure_reasons_cover_every_reason_the_sql_writes():
@@ -66,25 +89,28 @@ def test_outcome_statuses_are_the_words_the_outcome_functions_return():
     assert outcome_statuses_in_sql() == set(OutcomeStatus)
 
 
-# (done_at, dead_lettered_at, has holder, lease left s, claimed, scheduled in s) -> state
+# (done_at, dead_lettered_at, has holder, lease left s, claimed, scheduled in s,
+#  end_state) -> state
 STATE_CASES = [
-    ((T0, None, False, None, False, None), WorkState.DONE),
-    ((None, T0, False, None, False, None), WorkState.DEAD),
-    ((None, None, True, 60, True, None), WorkState.LEASED),
-    ((None, None, True, 0, True, None), WorkState.ORPHANED),
-    ((None, None, False, None, True, None), WorkState.ORPHANED),
-    ((None, None, False, None, False, 60), WorkState.SCHEDULED),
-    ((None, None, False, None, False, None), WorkState.PENDING),
+    ((T0, None, False, None, False, None, None), WorkState.DONE),
+    ((T0, None, False, None, True, None, "cancelled"), WorkState.CANCELLED),
+    ((T0, None, False, None, False, None, "discarded"), WorkState.DISCARDED),
+    ((None, T0, False, None, False, None, None), WorkState.DEAD),
+    ((None, None, True, 60, True, None, None), WorkState.LEASED),
+    ((None, None, True, 0, True, None, None), WorkState.ORPHANED),
+    ((None, None, False, None, True, None, None), WorkState.ORPHANED),
+    ((None, None, False, None, False, 60, None), WorkState.SCHEDULED),
+    ((None, None, False, None, False, None, None), WorkState.PENDING),
 ]
 
 
 @pytest.mark.django_db
 @pytest.mark.parametrize(("inputs", "expected"), STATE_CASES)
 def test_each_branch_of_state_of_returns_a_work_state(inputs, expected):
-    done_at, dead_at, held, lease_left, claimed, scheduled_in = inputs
+    done_at, dead_at, held, lease_left, claimed, scheduled_in, end_state = inputs
     state = scalar(
         "SELECT workpump.state_of(%s::timestamptz, %s::timestamptz, %s::uuid, %s::timestamptz,"
-        " %s::timestamptz, %s::timestamptz, %s::timestamptz)",
+        " %s::timestamptz, %s::timestamptz, %s::timestamptz, %s::text)",
         (
             done_at,
             dead_at,
@@ -93,6 +119,7 @@ def test_each_branch_of_state_of_returns_a_work_state(inputs, expected):
             T0 - timedelta(seconds=1) if claimed else None,
             None if scheduled_in is None else T0 + timedelta(seconds=scheduled_in),
             T0,
+            end_state,
         ),
     )
 
@@ -106,4 +133,9 @@ def test_every_work_state_has_a_branch_of_state_of():
         r"CREATE FUNCTION workpump\.state_of\(.*?RETURN CASE(.*?)END;", sql_text(), re.S
     )
     assert branches is not None
-    assert set(re.findall(r"\b(?:THEN|ELSE)\s+" + WORD, branches.group(1))) == set(WorkState)
+    # a done row reads as its end_state when it has one: the words the SQL stores there
+    assert "coalesce(p_end_state, 'done')" in branches.group(1)
+    end_states = set(re.findall(r"end_state\s*=\s*" + WORD, sql_text("schema.sql")))
+    assert end_states == {WorkState.CANCELLED, WorkState.DISCARDED}
+    words = set(re.findall(r"\b(?:THEN|ELSE)\s+" + WORD, branches.group(1)))
+    assert words | {"done"} | end_states == set(WorkState)

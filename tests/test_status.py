@@ -26,7 +26,16 @@ from tests.conftest import T0, at, run_sql, scalar
 pytestmark = pytest.mark.django_db
 
 CATEGORIES = ["outbox", "inbox", "perspective_event", "receptor"]
-STATES = ["pending", "scheduled", "leased", "orphaned", "done", "dead"]
+STATES = [
+    "pending",
+    "scheduled",
+    "leased",
+    "orphaned",
+    "done",
+    "dead",
+    "cancelled",
+    "discarded",
+]
 FACTORIES = {
     "outbox": factories.OutboxFactory,
     "inbox": factories.InboxFactory,
@@ -78,6 +87,15 @@ def one_row_in_each_state(category: str, *, holder: uuid.UUID = HOLDER, offset: 
         attempts=1,
     )  # orphaned: the lease ran out before NOW
     make(category, created_at=old, attempts=1, **{DONE_COLUMN[category]: T0})  # done
+    for end_state in ("cancelled", "discarded"):
+        make(
+            category,
+            created_at=old,
+            attempts=1,
+            end_state=end_state,
+            failure_reason=end_state,
+            **{DONE_COLUMN[category]: T0},
+        )
     make(
         category,
         created_at=old,
@@ -105,7 +123,7 @@ def test_counts_have_one_row_per_category_and_state(every_state):
     assert [c.category for c in counts.categories] == CATEGORIES
     for c in counts.categories:
         assert c.counts == dict.fromkeys(STATES, 1), c.category
-        assert c.total == 6
+        assert c.total == 8
 
 
 def test_counts_follow_the_clock_they_are_given(every_state):
@@ -431,7 +449,7 @@ def test_json_output_carries_the_numbers(every_state, two_instances):
     outbox = data["categories"]["outbox"]
     # two_instances added two leased outbox rows; every_state one row per state
     assert outbox["counts"] == {**dict.fromkeys(STATES, 1), "leased": 3}
-    assert outbox["total"] == 8
+    assert outbox["total"] == 10
     assert outbox["oldest_pending_age_seconds"] == pytest.approx(
         (now - at(-200)).total_seconds(), abs=1e-6
     )
@@ -466,16 +484,26 @@ def test_text_output_is_a_table_of_categories_and_states(every_state, two_instan
     start = next(n for n, line in enumerate(lines) if line.split()[:1] == ["category"])
     end = lines.index("", start)  # the counts table ends at the first blank line
     header, *table = (line.split() for line in lines[start:end])
-    assert header[1:8] == ["pending", "sched", "leased", "orphan", "done", "dead", "total"]
-    rows = {cells[0]: cells[1:8] for cells in table}
+    assert header[1:10] == [
+        "pending",
+        "sched",
+        "leased",
+        "orphan",
+        "done",
+        "dead",
+        "cancelled",
+        "discarded",
+        "total",
+    ]
+    rows = {cells[0]: cells[1:10] for cells in table}
     assert list(rows) == [*CATEGORIES, "total"]
     # outbox: every_state + two leased rows + the blocked stream's dead head and its follower;
     # inbox: every_state + an orphaned and an unowned row; receptor: + one leased row
-    assert rows["outbox"] == ["2", "1", "3", "1", "1", "2", "10"]
-    assert rows["inbox"] == ["2", "1", "1", "2", "1", "1", "8"]
-    assert rows["perspective_event"] == ["1", "1", "1", "1", "1", "1", "6"]
-    assert rows["receptor"] == ["1", "1", "2", "1", "1", "1", "7"]
-    assert rows["total"] == ["6", "4", "7", "5", "4", "5", "31"]
+    assert rows["outbox"] == ["2", "1", "3", "1", "1", "2", "1", "1", "12"]
+    assert rows["inbox"] == ["2", "1", "1", "2", "1", "1", "1", "1", "10"]
+    assert rows["perspective_event"] == ["1", "1", "1", "1", "1", "1", "1", "1", "8"]
+    assert rows["receptor"] == ["1", "1", "2", "1", "1", "1", "1", "1", "9"]
+    assert rows["total"] == ["6", "4", "7", "5", "4", "5", "4", "4", "39"]
     assert "blocked streams: 1" in text
     assert re.search(r"outbox\s+-\s+stuck-1\s+dead\s+0/10\s+1\s+-\s+SMTP down", text)
     assert "dead rows: 5 (outbox 2, inbox 1, perspective_event 1, receptor 1)" in text

@@ -29,6 +29,8 @@ STATE_COLOURS: dict[str, str] = {
     WorkState.ORPHANED: "#c2410c",
     WorkState.DONE: "#6b7280",
     WorkState.DEAD: "#b91c1c",
+    WorkState.CANCELLED: "#6b21a8",
+    WorkState.DISCARDED: "#57534e",
 }
 FRESHNESS_COLOURS = {"fresh": "#2e7d32", "stale": "#c2410c", "dead": "#b91c1c"}
 

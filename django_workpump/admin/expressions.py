@@ -37,6 +37,7 @@ from django_workpump.models import (
     ServiceInstance,
     attempts_high_condition,
     dead_condition,
+    ended_condition,
     orphan_condition,
     ready_condition,
     timer_condition,
@@ -262,6 +263,7 @@ def state_of(spec: WorkSpec) -> Func:
         F("claimed_at"),
         F("scheduled_for"),
         DbNow(),
+        F("end_state"),
         function="workpump.state_of",
         output_field=CharField(),
     )
@@ -315,7 +317,9 @@ def state_condition(spec: WorkSpec, state: str) -> Q:
     unheld = live & Q(instance_id__isnull=True, claimed_at__isnull=True)
     now = DbNow()
     if state == WorkState.DONE:
-        return Q(**{f"{done}__isnull": False})  # the _done index
+        return Q(**{f"{done}__isnull": False}, end_state__isnull=True)  # the _done index
+    if state in (WorkState.CANCELLED, WorkState.DISCARDED):
+        return ended_condition(done) & Q(end_state=state)  # the _ended index
     if state == WorkState.DEAD:
         return dead_condition(done)
     if state == WorkState.LEASED:

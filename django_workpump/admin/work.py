@@ -44,7 +44,7 @@ from django_workpump.models import (
     timer_condition,
 )
 from django_workpump.registry import registry
-from django_workpump.states import WorkState
+from django_workpump.states import ENDED_STATES, WorkState
 from django_workpump.status import STATES
 
 # The most rows one admin action changes: "select all" over a large table is refused
@@ -192,7 +192,14 @@ class WorkAdmin(WorkpumpModelAdmin):
     show_full_result_count = False  # a filtered page runs no extra count of the whole table
     paginator = EstimatingPaginator  # no exact count past EXACT_COUNT_LIMIT rows
     empty_value_display = display.DASH
-    actions = ["retry_now", "release_lease", "force_release_lease", "dead_letter", "requeue_dead"]
+    actions = [
+        "retry_now",
+        "release_lease",
+        "force_release_lease",
+        "dead_letter",
+        "requeue_dead",
+        "cancel",
+    ]
     list_display_links = ["work_id"]
     ordering = ["-seq"]
 
@@ -218,6 +225,9 @@ class WorkAdmin(WorkpumpModelAdmin):
 
     def has_requeue_work_permission(self, request: HttpRequest) -> bool:
         return has_model_permission(request, self.model, "requeue_work")
+
+    def has_cancel_work_permission(self, request: HttpRequest) -> bool:
+        return has_model_permission(request, self.model, "cancel_work")
 
     # -- queries
 
@@ -485,7 +495,7 @@ class WorkAdmin(WorkpumpModelAdmin):
                 row.seq,
                 link,
                 display.badge(row.wp_state),
-                "head" if row.stream_head and row.wp_state != WorkState.DONE else "",
+                "head" if row.stream_head and row.wp_state not in ENDED_STATES else "",
                 f"{row.attempts}/{row.max_attempts}",
                 display.when(row.created_at),
             )
@@ -672,6 +682,45 @@ class WorkAdmin(WorkpumpModelAdmin):
                 f"{self._rows(skipped)} left as they were: only dead rows can be re-queued.",
                 messages.WARNING,
             )
+
+    @admin.action(
+        permissions=["cancel_work"],
+        description="Cancel (end as cancelled; asks first for rows a live instance runs)",
+    )
+    def cancel(self, request: HttpRequest, queryset: QuerySet[Any]) -> TemplateResponse | None:
+        if self._too_many(request, queryset):
+            return None
+        held = any(obj.instance_id is not None for obj in queryset)
+        if held and request.POST.get("post") != "yes":
+            return self._confirm(
+                request,
+                queryset,
+                action="cancel",
+                title="Cancel rows that are running?",
+                warning=(
+                    "Some of these rows are leased: their handlers are told to stop at once "
+                    "(work.cancelled; an async handler's task is cancelled) and what they "
+                    "report later is fenced out, but what they already did is not undone."
+                ),
+                button="Yes, cancel these rows",
+            )
+        ids = self._ids(queryset)
+        changed = self._run("cancel_work", ids=ids)
+        if changed:
+            self.message_user(
+                request,
+                f"Cancelled {self._rows(len(changed))}; they never run again and their "
+                "streams move on.",
+                messages.SUCCESS,
+            )
+        if skipped := len(ids) - len(changed):
+            self.message_user(
+                request,
+                f"{self._rows(skipped)} left as they were: already ended (done, cancelled or "
+                "discarded).",
+                messages.WARNING,
+            )
+        return None
 
     def _confirm(
         self,

@@ -42,7 +42,7 @@ class Coordinator(Protocol):
     def claim(self, max_rows: int) -> list[ClaimedWork]: ...
     def renew(
         self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
-    ) -> dict[uuid.UUID, Any]: ...
+    ) -> dict[uuid.UUID, Any]: ...  # id -> new expiry, or None: the attempt was cancelled
     def complete(
         self,
         category: str,
@@ -56,6 +56,21 @@ class Coordinator(Protocol):
         ids: Sequence[uuid.UUID],
         tokens: Sequence[uuid.UUID],
         errors: Sequence[str],
+        reasons: Sequence[str],
+        delays: Sequence[float | None] | None = None,
+    ) -> list[Outcome]: ...
+    def snooze(
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        seconds: Sequence[float],
+    ) -> list[Outcome]: ...
+    def discard(
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
         reasons: Sequence[str],
     ) -> list[Outcome]: ...
     def release(
@@ -212,6 +227,7 @@ class DatabaseCoordinator:
         tokens: Sequence[uuid.UUID],
         errors: Sequence[str],
         reasons: Sequence[str],
+        delays: Sequence[float | None] | None = None,
     ) -> list[Outcome]:
         return self._call(
             db.fail_work,
@@ -223,6 +239,42 @@ class DatabaseCoordinator:
             reasons=reasons,
             retry_base_seconds=self.settings["RETRY_BACKOFF_BASE_SECONDS"],
             retry_max_seconds=self.settings["RETRY_BACKOFF_MAX_SECONDS"],
+            retry_delays=delays,
+            using=self.alias,
+        )
+
+    def snooze(
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        seconds: Sequence[float],
+    ) -> list[Outcome]:
+        return self._call(
+            db.snooze_work,
+            instance_id=self.identity.instance_id,
+            category=category,
+            ids=ids,
+            lease_tokens=tokens,
+            seconds=seconds,
+            max_snoozes=self.settings["MAX_SNOOZES"],
+            using=self.alias,
+        )
+
+    def discard(
+        self,
+        category: str,
+        ids: Sequence[uuid.UUID],
+        tokens: Sequence[uuid.UUID],
+        reasons: Sequence[str],
+    ) -> list[Outcome]:
+        return self._call(
+            db.discard_work,
+            instance_id=self.identity.instance_id,
+            category=category,
+            ids=ids,
+            lease_tokens=tokens,
+            reasons=reasons,
             using=self.alias,
         )
 

@@ -10,14 +10,24 @@ A row can come back to this same instance while its previous attempt still runs 
 (an operator force-released it, or its lease ran out): the database has given it a new
 lease, so the old attempt is superseded: its handle is cancelled as ``lost``, its
 outcome is dropped and an atomic handler's transaction rolls back.
+
+A handler controls its row by raising ``workpump.Snooze`` (``snooze_work``: run again
+later, the attempt not spent) or ``workpump.Discard`` (``discard_work``: the row ends
+discarded); a handler's ``Retry`` policy picks the retry delay or fails a row at once
+(docs/control-flow.md). An operator's ``workpump.cancel`` reaches a running attempt
+through ``cancel_running`` (the NOTIFY gate, or a renewal reporting it cancelled): its
+``work.cancelled`` turns true, an async handler's task is cancelled, and its outcome is
+dropped (the database fences it out anyway).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
+import math
 import queue
 import threading
 import uuid
@@ -31,6 +41,7 @@ from django.db import close_old_connections, connections, transaction
 
 from django_workpump import tracing
 from django_workpump.clock import Clock, SystemClock
+from django_workpump.control import Discard, Snooze
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.middleware import Middleware
@@ -84,7 +95,8 @@ class Work:
 
     @property
     def cancelled(self) -> bool:
-        """True once the lease deadline passed or the pump shuts down: stop early."""
+        """True once the lease deadline (or the handler's timeout) passed, the row was
+        cancelled by an operator, or the pump shuts down: stop early."""
         return self.lease.cancelled.is_set() or (
             self.stopping is not None and self.stopping.is_set()
         )
@@ -102,9 +114,12 @@ class FailedAttempt(NamedTuple):
     stream: str | None = None
     attempt: int | None = None
     max_attempts: int | None = None
+    delay: float | None = None  # a handler's own retry delay (Retry backoff); None: default
 
     @classmethod
-    def of(cls, row: ClaimedWork, error: str, reason: str) -> FailedAttempt:
+    def of(
+        cls, row: ClaimedWork, error: str, reason: str, delay: float | None = None
+    ) -> FailedAttempt:
         return cls(
             row.category,
             row.work_id,
@@ -115,6 +130,7 @@ class FailedAttempt(NamedTuple):
             row.stream,
             row.attempts,
             row.max_attempts,
+            delay,
         )
 
 
@@ -184,6 +200,8 @@ class _Job:
     state: JobState = JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
     received_at: float = 0.0  # monotonic, when the dispatcher took the row
+    # An async handler's loop and task while it runs, so a cancel can reach the task.
+    task: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
 
 
 @dataclass
@@ -195,6 +213,9 @@ class DispatchStats:
     released: int = 0
     lost_leases: int = 0
     superseded: int = 0
+    snoozed: int = 0
+    discarded: int = 0
+    cancelled: int = 0  # running attempts an operator cancelled
 
 
 # How long stop() waits for each outcome flusher's final flush when not told.
@@ -220,6 +241,7 @@ class Dispatcher:
         lease_grace_seconds: float = 30,
         max_renewals: int = 6,
         abandoned_limit: int = 10,
+        lease_seconds: float | None = None,
         alias: str = "default",
         clock: Clock | None = None,
         on_slot_free: Callable[[], Any] | None = None,
@@ -239,6 +261,8 @@ class Dispatcher:
         self.lease_grace_seconds = lease_grace_seconds
         self.max_renewals = max_renewals
         self.abandoned_limit = abandoned_limit
+        # The length of a renewal (LEASE_SECONDS); None: each claim's own lease length.
+        self.lease_seconds = lease_seconds
         self.alias = alias
         self.clock = clock or SystemClock()
         self.on_slot_free = on_slot_free
@@ -316,13 +340,23 @@ class Dispatcher:
             # Local deadline from the DB's own lease length, so clock skew cannot matter.
             lease_length = (row.lease_expiry - row.claimed_at).total_seconds()
             deadline = received_at + lease_length - self.lease_grace_seconds
+            max_renewals, hard_deadline = self.max_renewals, None
+            handler = self.handlers.get(row.category, row.topic)
+            if handler is not None and handler.timeout is not None:
+                # The handler's own timeout bounds the dispatch instead of the renewal
+                # cap: as many renewals as reaching it takes, and never past it.
+                hard_deadline = received_at + handler.timeout
+                per_renewal = (self.lease_seconds or lease_length) - self.lease_grace_seconds
+                short = handler.timeout - (lease_length - self.lease_grace_seconds)
+                max_renewals = max(math.ceil(short / max(per_renewal, 1.0)), 0)
             handle = LeaseHandle(
                 row.category,
                 row.work_id,
                 deadline,
-                self.max_renewals,
+                max_renewals,
                 self.clock,
                 lease_token=row.lease_token,
+                hard_deadline=hard_deadline,
             )
             with self._lock:
                 previous = self._jobs.get((row.category, row.work_id))
@@ -397,13 +431,14 @@ class Dispatcher:
         if measured:
             started_at = self.clock.monotonic()
             self.metrics.handler_started(job.row, _queue_wait(job, started_at))
-        # (DONE, result) | (DONE_COMMITTED, None) | (FAIL, (error, reason)) | (LOST, text)
+        # (DONE, result) | (DONE_COMMITTED, None) | (FAIL, (error, reason, delay))
+        # | (SNOOZE, seconds) | (DISCARD, reason) | (LOST, text)
         outcome: tuple[HandlerOutcome, Any]
         try:
             if handler is None:
                 noun = TOPIC_NOUNS[job.row.category]
                 error = f"no handler registered for {noun} {job.row.topic!r}"
-                outcome = (HandlerOutcome.FAIL, (error, FailureReason.NO_HANDLER))
+                outcome = (HandlerOutcome.FAIL, (error, FailureReason.NO_HANDLER, None))
             elif handler.atomic:
                 self._call_atomic(handler, job)
                 outcome = (HandlerOutcome.DONE_COMMITTED, None)
@@ -411,12 +446,16 @@ class Dispatcher:
                 outcome = (HandlerOutcome.DONE, self._call(handler, job))
         except LeaseLost as exc:
             outcome = (HandlerOutcome.LOST, str(exc))
+        except Snooze as exc:
+            outcome = (HandlerOutcome.SNOOZE, exc.seconds)
+        except Discard as exc:
+            outcome = (HandlerOutcome.DISCARD, exc.reason)
         except BaseException as exc:  # noqa: BLE001 (a handler's exit ends its attempt only)
             # SystemExit, KeyboardInterrupt and the like from a handler end its attempt,
             # not this thread: re-raised, they would leave the row leased by no one.
             if not isinstance(exc, Exception):
                 self._discard_loop()
-            outcome = (HandlerOutcome.FAIL, (_describe(exc), FailureReason.HANDLER_ERROR))
+            outcome = (HandlerOutcome.FAIL, self._failure_of(handler, job, exc))
         finally:
             if measured:
                 self.metrics.handler_finished(job.row, self.clock.monotonic() - started_at)
@@ -446,15 +485,34 @@ class Dispatcher:
         if superseded:
             self._finish(job)
             return True
+        if job.handle.cancel_reason == CancelReason.CANCELLED:
+            # The row already ended cancelled; whatever the attempt reports is fenced out.
+            self.stats.cancelled += 1
+            logger.info(
+                "%s %s was cancelled while its handler ran; its outcome (%s) is dropped",
+                job.row.category,
+                job.row.work_id,
+                outcome[0],
+                extra={"action": "cancelled_outcome_dropped"},
+            )
+            self._finish(job)
+            return True
         kind: HandlerOutcome = outcome[0]
         value: Any = outcome[1]
         if kind == HandlerOutcome.DONE:
             self._outcome_queued(1, job.row)
             self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, value))
         elif kind == HandlerOutcome.FAIL:
-            self._outcome_queued(1, job.row)
-            error, reason = value
-            self.failures.put(FailedAttempt.of(job.row, error, reason))
+            error, reason, delay = value
+            if reason == FailureReason.NOT_RETRYABLE:
+                self._write_now(job, "dead-lettering", self._dead_letter, error, reason)
+            else:
+                self._outcome_queued(1, job.row)
+                self.failures.put(FailedAttempt.of(job.row, error, reason, delay))
+        elif kind == HandlerOutcome.SNOOZE:
+            self._write_now(job, "snooze", self._snooze, value)
+        elif kind == HandlerOutcome.DISCARD:
+            self._write_now(job, "discard", self._discard, value)
         elif kind == HandlerOutcome.LOST:
             self.stats.lost_leases += 1
             self.metrics.lost(job.row.category)
@@ -465,6 +523,103 @@ class Dispatcher:
             self.metrics.outcomes(job.row.category, done, lambda _: job.row.topic)
         self._finish(job)
         return True
+
+    def _failure_of(
+        self, handler: Handler | None, job: _Job, exc: BaseException
+    ) -> tuple[str, str, float | None]:
+        """(error, reason, retry delay or None) of an exception, by the handler's Retry."""
+        error = _describe(exc)
+        retry = handler.retry if handler is not None else None
+        if retry is None:
+            return error, FailureReason.HANDLER_ERROR, None
+        if not retry.retries(exc):
+            return error, FailureReason.NOT_RETRYABLE, None
+        try:
+            delay = retry.delay(job.row.attempts, exc)
+        except Exception as backoff_error:  # noqa: BLE001 (any backoff bug: default backoff)
+            logger.error(
+                "the Retry backoff of %s %s failed (%s); the default backoff is used",
+                job.row.category,
+                job.row.topic,
+                _first_line(backoff_error) or type(backoff_error).__name__,
+                extra={"action": "backoff_failed"},
+            )
+            delay = None
+        return error, FailureReason.HANDLER_ERROR, delay
+
+    def _write_now(self, job: _Job, what: str, write: Callable[..., list[Any]], *args: Any) -> None:
+        """Write a rare outcome from the handler thread; on failure the lease runs out."""
+        try:
+            outcomes = write(job, *args)
+        except Exception:
+            logger.exception(
+                "the %s of %s %s could not be written; its lease runs out and it runs again",
+                what,
+                job.row.category,
+                job.row.work_id,
+                extra={"action": "outcome_write_failed"},
+            )
+            return
+        for outcome in outcomes:
+            if outcome.status == OutcomeStatus.LOST:
+                self.stats.lost_leases += 1
+                logger.warning(
+                    "lease of %s was lost before its %s was recorded (fenced out)",
+                    outcome.work_id,
+                    what,
+                    extra={"action": "lease_lost"},
+                )
+            elif outcome.status == OutcomeStatus.SNOOZED:
+                self.stats.snoozed += 1
+            elif outcome.status == OutcomeStatus.DISCARDED:
+                self.stats.discarded += 1
+            else:
+                self.stats.failed += 1
+
+    def _snooze(self, job: _Job, seconds: float) -> list[Any]:
+        return self.coordinator.snooze(
+            job.row.category, [job.row.work_id], [job.row.lease_token], [seconds]
+        )
+
+    def _discard(self, job: _Job, reason: str) -> list[Any]:
+        return self.coordinator.discard(
+            job.row.category, [job.row.work_id], [job.row.lease_token], [reason]
+        )
+
+    def _dead_letter(self, job: _Job, error: str, reason: str) -> list[Any]:
+        return self.coordinator.dead_letter(
+            job.row.category, [job.row.work_id], [job.row.lease_token], [error], reason
+        )
+
+    def cancel_running(self, category: str, attempts: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> int:
+        """Stop attempts an operator cancelled: ``(work id, lease token)`` pairs.
+
+        Each matching dispatch gets ``work.cancelled`` (reason ``cancelled``) and, for an
+        async handler, its task cancelled; attempts not in flight here are ignored.
+        Returns how many were told.
+        """
+        told = 0
+        for work_id, token in attempts:
+            with self._lock:
+                job = self._jobs.get((category, work_id))
+            if job is None or job.row.lease_token != token:
+                continue
+            job.handle.cancel(CancelReason.CANCELLED)
+            told += 1
+            running = job.task
+            if running is not None:
+                loop, task = running
+                # A closed loop raises RuntimeError: the handler has returned already.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(task.cancel)
+        if told:
+            logger.info(
+                "%d running %s attempt(s) cancelled by an operator",
+                told,
+                category,
+                extra={"action": "cancel_running"},
+            )
+        return told
 
     def _work_for(self, job: _Job) -> Work:
         row = job.row
@@ -511,7 +666,14 @@ class Dispatcher:
                 loop = getattr(self._local, "loop", None)
                 if loop is None:
                     loop = self._local.loop = asyncio.new_event_loop()
-                result = loop.run_until_complete(result)
+                task = loop.create_task(_awaited(result))
+                job.task = (loop, task)
+                if job.handle.cancel_reason == CancelReason.CANCELLED:
+                    task.cancel()  # cancelled before the task existed
+                try:
+                    result = loop.run_until_complete(task)
+                finally:
+                    job.task = None
 
         def warn(change: str) -> None:
             logger.warning(
@@ -611,13 +773,18 @@ class Dispatcher:
             self.stats.abandoned,
             extra={"action": "abandoned"},
         )
-        self.failures.put(
-            FailedAttempt.of(
-                job.row,
-                "the handler was still running at its lease deadline and was abandoned",
-                FailureReason.LEASE_EXPIRED,
+        if handle.timed_out:
+            handler = self.handlers.get(handle.category, job.row.topic)
+            timeout = handler.timeout if handler is not None else None
+            error = (
+                f"the handler was still running at the end of its timeout ({timeout} s) "
+                "and was abandoned"
             )
-        )
+            reason = FailureReason.TIMEOUT
+        else:
+            error = "the handler was still running at its lease deadline and was abandoned"
+            reason = FailureReason.LEASE_EXPIRED
+        self.failures.put(FailedAttempt.of(job.row, error, reason))
         self._finish(job)
         self._start_worker()  # the stuck thread keeps its handler; the slot gets a new one
         if self.stats.abandoned > self.abandoned_limit and self.on_fatal is not None:
@@ -652,6 +819,7 @@ class Dispatcher:
             [item.lease_token for item in batch],
             [item.error for item in batch],
             [item.reason for item in batch],
+            [item.delay for item in batch],
         )
         by_id = {item.work_id: item for item in batch}
         reasons = {item.work_id: item.reason for item in batch}
@@ -812,6 +980,11 @@ def _queue_wait(job: _Job, started_at: float) -> float | None:
     if row.due_at is None:
         return None
     return (row.claimed_at - row.due_at).total_seconds() + (started_at - job.received_at)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    """A coroutine of any awaitable, so it can run as a task."""
+    return await awaitable
 
 
 def _first_line(error: Exception) -> str:

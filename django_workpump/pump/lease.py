@@ -35,6 +35,7 @@ class LeaseHandle:
         clock: Clock,
         *,
         lease_token: uuid.UUID | None = None,
+        hard_deadline: float | None = None,
     ) -> None:
         if max_renewals < 0:
             raise ValueError(f"max_renewals ({max_renewals}) must be zero or more.")
@@ -44,10 +45,13 @@ class LeaseHandle:
         # database tells this attempt from any other of the same row.
         self.lease_token = lease_token
         self.max_renewals = max_renewals
+        # The end of the handler's own timeout (monotonic): renewals never move the
+        # deadline past it. None: only the lease settings bound the dispatch.
+        self.hard_deadline = hard_deadline
         self.cancelled = threading.Event()
         self._clock = clock
         self._lock = threading.Lock()
-        self._deadline = deadline
+        self._deadline = deadline if hard_deadline is None else min(deadline, hard_deadline)
         self._renewal_count = 0
         self._cancel_reason: CancelReason | None = None
         self._disposed = False
@@ -92,6 +96,16 @@ class LeaseHandle:
         with self._lock:
             return self._deadline - self._clock.monotonic()
 
+    @property
+    def timed_out(self) -> bool:
+        """Whether the handler's own timeout (not the lease) ended the dispatch."""
+        with self._lock:
+            return (
+                self._cancel_reason == CancelReason.DEADLINE
+                and self.hard_deadline is not None
+                and self._deadline >= self.hard_deadline
+            )
+
     def can_renew(self) -> bool:
         """Return whether a renewal may still be asked of the database."""
         with self._lock:
@@ -100,6 +114,8 @@ class LeaseHandle:
     def confirm_renewal(self, new_deadline: float) -> bool:
         """Move the deadline after the database confirmed a renewal; return False if refused."""
         with self._lock:
+            if self.hard_deadline is not None:
+                new_deadline = min(new_deadline, self.hard_deadline)
             if not self._renewable_locked() or new_deadline <= self._clock.monotonic():
                 return False
             self._deadline = new_deadline
@@ -153,6 +169,7 @@ class LeaseHandle:
             not self._disposed
             and self._cancel_reason is None
             and self._renewal_count < self.max_renewals
+            and (self.hard_deadline is None or self._deadline < self.hard_deadline)
         )
 
     def _cancel_locked(self, reason: CancelReason) -> bool:

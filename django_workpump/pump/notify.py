@@ -1,6 +1,8 @@
 """The NOTIFY gate: one dedicated psycopg connection per instance.
 
-It LISTENs on the work channels, proves itself with a self-NOTIFY probe, holds the
+It LISTENs on the work channels and on ``workpump_cancel`` (``cancel_work`` names there
+the instance holding each cancelled attempt; the gate passes this instance's to
+``on_cancel``), proves itself with a self-NOTIFY probe, holds the
 instance's alive-lock, sends a keepalive, and on any error reports itself unavailable
 and reconnects with capped exponential backoff. Availability changes are reported
 exactly once per real transition.
@@ -8,6 +10,7 @@ exactly once per real transition.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -34,6 +37,8 @@ CHANNELS = {
     "workpump_receptor": "receptor",
     "workpump_orphan": "orphan",
 }
+# cancel_work's channel: the payload names the holder, the category and the attempts.
+CANCEL_CHANNEL = "workpump_cancel"
 
 
 def reconnect_delay(attempt: int, initial: float = 1.0, maximum: float = 30.0) -> float:
@@ -53,6 +58,7 @@ class NotifyGate(LoopService):
         *,
         on_signal: Callable[[str], Any],
         on_availability: Callable[[bool], Any] | None = None,
+        on_cancel: Callable[[str, list[tuple[uuid.UUID, uuid.UUID]]], Any] | None = None,
         keepalive_seconds: float = 30.0,
         probe_timeout_seconds: float = 2.0,
         reconnect_initial_seconds: float = 1.0,
@@ -67,6 +73,8 @@ class NotifyGate(LoopService):
         self.instance_id = instance_id
         self.on_signal = on_signal
         self.on_availability = on_availability
+        self.on_cancel = on_cancel
+        self.cancels_received = 0
         self.keepalive_seconds = keepalive_seconds
         self.probe_timeout_seconds = probe_timeout_seconds
         self.reconnect_initial_seconds = reconnect_initial_seconds
@@ -136,7 +144,7 @@ class NotifyGate(LoopService):
         )
         self.connects += 1
         self.backend_pid = conn.info.backend_pid
-        for channel in CHANNELS:
+        for channel in (*CHANNELS, CANCEL_CHANNEL):
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         return conn
 
@@ -150,7 +158,7 @@ class NotifyGate(LoopService):
             if notify.channel == channel:
                 seen = True
                 break
-            self._dispatch(notify.channel)
+            self._dispatch(notify.channel, notify.payload)
         conn.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
         if not seen:
             raise TimeoutError(
@@ -169,7 +177,10 @@ class NotifyGate(LoopService):
                 extra={"action": "alive_lock_not_taken"},
             )
 
-    def _dispatch(self, channel: str) -> None:
+    def _dispatch(self, channel: str, payload: str = "") -> None:
+        if channel == CANCEL_CHANNEL:
+            self._cancel(payload)
+            return
         signal = CHANNELS.get(channel)
         if signal is None:
             return
@@ -179,11 +190,35 @@ class NotifyGate(LoopService):
         except Exception:
             logger.exception("signal subscriber failed", extra={"action": "signal_subscriber"})
 
+    def _cancel(self, payload: str) -> None:
+        """Pass the attempts of this instance that ``cancel_work`` names to ``on_cancel``."""
+        try:
+            message = json.loads(payload)
+            if message.get("instance") != str(self.instance_id):
+                return  # another instance's attempts
+            category = str(message["category"])
+            attempts = [(uuid.UUID(i), uuid.UUID(t)) for i, t in message["work"] if t]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            logger.warning(
+                "ignored a malformed %s notification: %r",
+                CANCEL_CHANNEL,
+                payload[:200],
+                extra={"action": "cancel_malformed"},
+            )
+            return
+        self.cancels_received += 1
+        if self.on_cancel is None or not attempts:
+            return
+        try:
+            self.on_cancel(category, attempts)
+        except Exception:
+            logger.exception("cancel subscriber failed", extra={"action": "cancel_subscriber"})
+
     def _serve(self, conn: psycopg.Connection[Any]) -> None:
         last_keepalive = self.clock.monotonic()
         while not self._stop.is_set():
             for notify in conn.notifies(timeout=0.5):
-                self._dispatch(notify.channel)
+                self._dispatch(notify.channel, notify.payload)
             if self.clock.monotonic() - last_keepalive >= self.keepalive_seconds:
                 db.keepalive(conn)
                 self._take_alive_lock(conn)  # retried until registered

@@ -9,7 +9,9 @@ that fails on the connection is retried by the flusher (only that category's ids
 the database refuses for its data is dropped and logged, and its lease runs out. A handle
 that used its renewals (or was disposed, or superseded by a newer claim of its row) is
 skipped: its lease expires and the row surfaces through a re-claim. A refused instance
-(evicted, or no longer registered) stops: ``on_refused`` is called.
+(evicted, or no longer registered) stops: ``on_refused`` is called. A renewal the
+database answers ``cancelled`` (an operator cancelled the row) cancels the handle and
+calls ``on_cancelled``: the fallback when the NOTIFY of the cancel was missed.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class LeaseRenewalWorker(LoopService):
         tick_seconds: float = 0.5,
         on_deadline: Callable[[LeaseHandle], Any] | None = None,
         on_refused: Callable[[str], Any] | None = None,
+        on_cancelled: Callable[[str, list[tuple[uuid.UUID, uuid.UUID]]], Any] | None = None,
         clock: Clock | None = None,
         metrics: NullRecorder | None = None,
     ) -> None:
@@ -70,6 +73,7 @@ class LeaseRenewalWorker(LoopService):
         self.tick_seconds = tick_seconds
         self.on_deadline = on_deadline
         self.on_refused = on_refused
+        self.on_cancelled = on_cancelled
         self.refused: str | None = None  # why the database refused this instance
         self.clock = clock or SystemClock()
         # Renew once a third of the local lease is left: two more chances before the end.
@@ -154,8 +158,13 @@ class LeaseRenewalWorker(LoopService):
         # The DB set expiry = its now + lease; its now is after sent_at, so this
         # local deadline is on the safe side.
         deadline = sent_at + self.lease_seconds - self.lease_grace_seconds
-        self.metrics.renewed(category, len(renewed))
+        cancelled = [work_id for work_id, expiry in renewed.items() if expiry is None]
+        if cancelled:
+            self._cancelled(category, [(work_id, tokens[work_id]) for work_id in cancelled])
+        self.metrics.renewed(category, len(renewed) - len(cancelled))
         for work_id in renewed:
+            if renewed[work_id] is None:
+                continue
             self.renewed += 1
             if self.leases is not None:
                 handle = self.leases.get(category, work_id)
@@ -174,6 +183,22 @@ class LeaseRenewalWorker(LoopService):
                 if handle is not None and handle.lease_token == tokens[work_id]:
                     # work.cancelled tells the handler; no more renewals are asked.
                     handle.cancel(CancelReason.LOST)
+
+    def _cancelled(self, category: str, attempts: list[tuple[uuid.UUID, uuid.UUID]]) -> None:
+        """The database says these attempts were cancelled: stop them."""
+        logger.info(
+            "renewal found %d %s attempt(s) cancelled by an operator; stopping them",
+            len(attempts),
+            category,
+            extra={"action": "renewal_cancelled"},
+        )
+        for work_id, token in attempts:
+            if self.leases is not None:
+                handle = self.leases.get(category, work_id)
+                if handle is not None and handle.lease_token == token:
+                    handle.cancel(CancelReason.CANCELLED)
+        if self.on_cancelled is not None:
+            self.on_cancelled(category, attempts)
 
     def _answered(self, category: str, work_id: uuid.UUID) -> None:
         """The request was settled: a later tick may ask for this row again."""

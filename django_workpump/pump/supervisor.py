@@ -197,6 +197,7 @@ class Supervisor:
             lease_grace_seconds=s["LEASE_GRACE_SECONDS"],
             max_renewals=s["MAX_RENEWALS_PER_WORK"],
             abandoned_limit=s["MAX_ABANDONED_HANDLERS"],
+            lease_seconds=s["LEASE_SECONDS"],
             alias=self.alias,
             clock=self.clock,
             on_slot_free=self._slot_freed,
@@ -214,6 +215,7 @@ class Supervisor:
             capacity=s["RENEWAL_CAPACITY"],
             on_deadline=self.dispatcher.abandon,
             on_refused=self._refused,
+            on_cancelled=self.dispatcher.cancel_running,
             clock=self.clock,
         )
         self.gate: NotifyGate | None = None
@@ -223,6 +225,7 @@ class Supervisor:
                 self.identity.instance_id,
                 on_signal=self._signal,
                 on_availability=self._gate_changed,
+                on_cancel=self.dispatcher.cancel_running,
                 hold_alive_lock=s["LIVENESS_SOURCE_MODE"] == "advisory_lock_when_available",
                 clock=self.clock,
             )

@@ -27,6 +27,12 @@ FROM workpump.dead_letter(%(category)s, %(ids)s::uuid[], %(reason)s) AS r(id)
 SELECT r.id
 FROM workpump.requeue_dead(%(category)s, %(ids)s::uuid[]) AS r(id)
 
+-- name: cancel_work
+-- Undone rows ended as cancelled (a running attempt's holder is told by NOTIFY on
+-- commit); the ids that changed.
+SELECT r.work_id AS id
+FROM workpump.cancel_work(%(category)s, %(ids)s::uuid[]) AS r
+
 -- name: evict_instance
 -- One instance tombstoned and every lease it held released; the number of rows released.
 SELECT workpump.evict_instance(%(instance_id)s, %(reason)s) AS released

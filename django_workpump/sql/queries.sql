@@ -150,7 +150,7 @@ FROM workpump.claim_work(
 ORDER BY c.ordinality
 
 -- name: renew_leases
-SELECT work_id, lease_expiry
+SELECT work_id, lease_expiry, status
 FROM workpump.renew_leases(
     p_category => %(category)s,
     p_ids => %(ids)s::uuid[],
@@ -180,6 +180,28 @@ FROM workpump.fail_work(
     p_reasons => %(reasons)s::text[],
     p_retry_base_seconds => %(retry_base_seconds)s,
     p_retry_max_seconds => %(retry_max_seconds)s,
+    p_now => %(now)s,
+    p_retry_delays => %(retry_delays)s::double precision[])
+
+-- name: snooze_work
+SELECT work_id, status, scheduled_for
+FROM workpump.snooze_work(
+    p_instance_id => %(instance_id)s,
+    p_category => %(category)s,
+    p_ids => %(ids)s::uuid[],
+    p_lease_tokens => %(lease_tokens)s::uuid[],
+    p_seconds => %(seconds)s::double precision[],
+    p_max_snoozes => %(max_snoozes)s,
+    p_now => %(now)s)
+
+-- name: discard_work
+SELECT work_id, status
+FROM workpump.discard_work(
+    p_instance_id => %(instance_id)s,
+    p_category => %(category)s,
+    p_ids => %(ids)s::uuid[],
+    p_lease_tokens => %(lease_tokens)s::uuid[],
+    p_reasons => %(reasons)s::text[],
     p_now => %(now)s)
 
 -- name: dead_letter
@@ -394,6 +416,11 @@ FROM workpump.release_leases(
     p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
     p_now => %(now)s) AS r(id)
 
+-- name: cancel_work
+SELECT r.work_id AS id, r.holder
+FROM workpump.cancel_work(
+    p_category => %(category)s, p_ids => %(ids)s::uuid[], p_now => %(now)s) AS r
+
 -- name: select_work
 -- Work rows by id and/or filters (each NULL filter matches everything), oldest first:
 -- category, id, topic, state (workpump.state_of) and created_at.
@@ -403,25 +430,25 @@ WITH clock AS (
     -- the four tables reduced to the columns an operator selects by
     SELECT 'outbox' AS category, t.message_id AS id, t.destination AS topic, t.created_at,
            workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now) AS state
+                             t.claimed_at, t.scheduled_for, c.now, t.end_state) AS state
     FROM workpump_outbox t CROSS JOIN clock c
     WHERE %(ids)s::uuid[] IS NULL OR t.message_id = ANY (%(ids)s::uuid[])
     UNION ALL
     SELECT 'inbox', t.message_id, t.handler_name, t.created_at,
            workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now)
+                             t.claimed_at, t.scheduled_for, c.now, t.end_state)
     FROM workpump_inbox t CROSS JOIN clock c
     WHERE %(ids)s::uuid[] IS NULL OR t.message_id = ANY (%(ids)s::uuid[])
     UNION ALL
     SELECT 'perspective_event', t.event_work_id, t.perspective_name, t.created_at,
            workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now)
+                             t.claimed_at, t.scheduled_for, c.now, t.end_state)
     FROM workpump_perspective_event t CROSS JOIN clock c
     WHERE %(ids)s::uuid[] IS NULL OR t.event_work_id = ANY (%(ids)s::uuid[])
     UNION ALL
     SELECT 'receptor', t.id, t.receptor_name, t.created_at,
            workpump.state_of(t.completed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now)
+                             t.claimed_at, t.scheduled_for, c.now, t.end_state)
     FROM workpump_receptor_processing t CROSS JOIN clock c
     WHERE %(ids)s::uuid[] IS NULL OR t.id = ANY (%(ids)s::uuid[])
 )

@@ -332,17 +332,42 @@ WITH RECURSIVE clock AS (
            (SELECT count(*) FROM (SELECT FROM workpump_receptor_processing t
                                   WHERE t.completed_at IS NOT NULL
                                   ORDER BY t.completed_at LIMIT %(exact_limit)s + 1) d)
+), ended AS (
+    -- rows that ended cancelled or discarded, counted exactly through the _ended indexes
+    SELECT 'outbox' AS category, t.end_state AS state, count(*) AS count,
+           NULL::timestamptz AS oldest_created_at, false AS estimated
+    FROM workpump_outbox t WHERE t.processed_at IS NOT NULL AND t.end_state IS NOT NULL
+    GROUP BY t.end_state
+    UNION ALL
+    SELECT 'inbox', t.end_state, count(*), NULL::timestamptz, false
+    FROM workpump_inbox t WHERE t.processed_at IS NOT NULL AND t.end_state IS NOT NULL
+    GROUP BY t.end_state
+    UNION ALL
+    SELECT 'perspective_event', t.end_state, count(*), NULL::timestamptz, false
+    FROM workpump_perspective_event t
+    WHERE t.processed_at IS NOT NULL AND t.end_state IS NOT NULL
+    GROUP BY t.end_state
+    UNION ALL
+    SELECT 'receptor', t.end_state, count(*), NULL::timestamptz, false
+    FROM workpump_receptor_processing t
+    WHERE t.completed_at IS NOT NULL AND t.end_state IS NOT NULL
+    GROUP BY t.end_state
 ), done AS (
-    -- exact up to the limit; past it the _done index's estimated rows
+    -- completed rows: exact up to the limit; past it the _done index's estimated rows;
+    -- the ended ones (cancelled, discarded) are counted apart
     SELECT d.category, 'done' AS state,
-           CASE WHEN d.capped <= %(exact_limit)s THEN d.capped
-                ELSE greatest(d.capped, p.reltuples::bigint)
+           CASE WHEN d.capped <= %(exact_limit)s THEN d.capped - e.total
+                ELSE greatest(d.capped - e.total, p.reltuples::bigint - e.total)
            END AS count,
            NULL::timestamptz AS oldest_created_at,
            d.capped > %(exact_limit)s AS estimated
     FROM done_capped d JOIN pg_class p ON p.oid = d.index
+    CROSS JOIN LATERAL (SELECT coalesce(sum(x.count), 0)::bigint AS total FROM ended x
+                        WHERE x.category = d.category) e
 ), every AS (
     SELECT * FROM counted
+    UNION ALL
+    SELECT * FROM ended
     UNION ALL
     SELECT * FROM done
 )
@@ -457,7 +482,7 @@ WITH clock AS (
     SELECT 'outbox' AS category, '' AS scope, h.stream, h.message_id AS head_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
            workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, c.now) AS head_state,
+                             h.claimed_at, h.scheduled_for, c.now, h.end_state) AS head_state,
            (SELECT count(*) FROM workpump_outbox n
             WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq) AS waiting
     FROM workpump_outbox h CROSS JOIN clock c
@@ -468,7 +493,7 @@ WITH clock AS (
     SELECT 'inbox', '', h.stream, h.message_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
            workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, c.now),
+                             h.claimed_at, h.scheduled_for, c.now, h.end_state),
            (SELECT count(*) FROM workpump_inbox n
             WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq)
     FROM workpump_inbox h CROSS JOIN clock c
@@ -479,7 +504,7 @@ WITH clock AS (
     SELECT 'perspective_event', h.perspective_name, h.stream, h.event_work_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
            workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, c.now),
+                             h.claimed_at, h.scheduled_for, c.now, h.end_state),
            (SELECT count(*) FROM workpump_perspective_event n
             WHERE n.perspective_name = h.perspective_name AND n.stream = h.stream
               AND n.processed_at IS NULL AND n.seq > h.seq)
@@ -491,7 +516,7 @@ WITH clock AS (
     SELECT 'receptor', h.receptor_name, h.stream, h.id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
            workpump.state_of(h.completed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, c.now),
+                             h.claimed_at, h.scheduled_for, c.now, h.end_state),
            (SELECT count(*) FROM workpump_receptor_processing n
             WHERE n.receptor_name = h.receptor_name AND n.stream = h.stream
               AND n.completed_at IS NULL AND n.seq > h.seq)

@@ -1,6 +1,8 @@
-"""``manage.py workpump_action``: retry, re-queue, dead-letter or release work; evict.
+"""``manage.py workpump_action``: retry, re-queue, dead-letter, release or cancel work;
+evict.
 
     manage.py workpump_action retry 3f0c... 9a1b...
+    manage.py workpump_action cancel --topic reports.nightly --state pending --dry-run
     manage.py workpump_action requeue --category outbox --topic emails.welcome --state dead
     manage.py workpump_action release --state orphaned --older-than 3600 --dry-run
     manage.py workpump_action evict 6d2e...
@@ -27,7 +29,7 @@ from django_workpump.pump.supervisor import MISSING_MIGRATIONS
 from django_workpump.registry import CATEGORIES
 
 CONFIRM_OVER = 10  # larger selections are confirmed at a prompt
-ACTIONS = ("retry", "requeue", "dead-letter", "release", "evict")
+ACTIONS = ("retry", "requeue", "dead-letter", "release", "cancel", "evict")
 # What an action leaves alone, for the summary line.
 LEFT_ALONE = {
     "retry": "only scheduled rows (waiting for a retry or a deferral) can be retried now",
@@ -35,19 +37,21 @@ LEFT_ALONE = {
     "dead-letter": "done and dead rows cannot be dead-lettered",
     "release": "only leased or orphaned rows have a lease to release, and rows of a live "
     "instance need --force",
+    "cancel": "rows that already ended (done, cancelled, discarded) cannot be cancelled",
 }
 PAST = {
     "retry": "retried",
     "requeue": "re-queued",
     "dead-letter": "dead-lettered",
     "release": "released",
+    "cancel": "cancelled",
 }
 
 
 class Command(BaseCommand):
     help = (
         "Run an operator action on work rows chosen by id or filter (retry, requeue, "
-        "dead-letter, release), or evict instances by id."
+        "dead-letter, release, cancel), or evict instances by id."
     )
     stealth_options = ("stdin",)
 
@@ -178,6 +182,8 @@ class Command(BaseCommand):
                     changed.update(actions.retry_now(found, category=category, using=using))
                 elif action == "requeue":
                     changed.update(actions.requeue_dead(found, category=category, using=using))
+                elif action == "cancel":
+                    changed.update(actions.cancel(found, category=category, using=using))
                 elif action == "dead-letter":
                     changed.update(
                         actions.dead_letter(found, reason, category=category, using=using)

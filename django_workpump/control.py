@@ -1,0 +1,149 @@
+"""Handler control flow: ``Snooze``, ``Discard`` and a handler's own ``Retry`` policy.
+
+A handler raises ``Snooze(seconds)`` to run again later without spending an attempt, or
+``Discard(reason)`` to end its row as ``discarded``; ``Retry`` (``retry=`` on the
+registration decorators) says which exceptions retry, how long to wait, and how many
+attempts a row gets. See docs/control-flow.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from numbers import Real
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+Backoff = Callable[[int, BaseException], float | None]
+
+
+def _seconds(value: Any, what: str, fix: str) -> float:
+    """``value`` (seconds or a timedelta) as finite seconds >= 0, or ValueError."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{what} must be a number of seconds or a timedelta, not {value!r}; {fix}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what} must be finite and >= 0, not {value!r}; {fix}")
+    return seconds
+
+
+class Snooze(Exception):
+    """Raise to run this row again after ``seconds`` without spending an attempt.
+
+    The row keeps its place at the head of its stream, so the stream waits for it. A row
+    may snooze ``WORKPUMP["MAX_SNOOZES"]`` times; the next snooze counts as a failed
+    attempt (reason ``max_snoozes``).
+    """
+
+    def __init__(self, seconds: float | timedelta) -> None:
+        self.seconds = _seconds(
+            seconds,
+            "workpump.Snooze(seconds)",
+            "pass how long to wait, e.g. Snooze(30) or Snooze(timedelta(minutes=5)).",
+        )
+        super().__init__(f"snoozed for {self.seconds:g} s")
+
+
+class Discard(Exception):
+    """Raise to end this row as ``discarded`` with ``reason``; its stream moves on."""
+
+    def __init__(self, reason: str = "discarded by its handler") -> None:
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(
+                f"workpump.Discard(reason) needs a non-empty string, not {reason!r}: it is "
+                "stored as the row's last error."
+            )
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A handler's retry policy.
+
+    - ``max_attempts``: attempts per row (as the decorator's ``max_attempts``).
+    - ``backoff(attempt, exc)``: seconds to wait before the next attempt after failed
+      attempt number ``attempt``, or None for the default backoff
+      (``RETRY_BACKOFF_BASE_SECONDS`` doubling up to ``RETRY_BACKOFF_MAX_SECONDS``).
+    - ``on``: the exception types that retry; any other exception fails the row at once
+      (dead, reason ``not_retryable``). None retries every exception.
+    """
+
+    max_attempts: int | None = None
+    backoff: Backoff | None = None
+    on: tuple[type[BaseException], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_attempts is not None and (
+            isinstance(self.max_attempts, bool)
+            or not isinstance(self.max_attempts, int)
+            or self.max_attempts < 1
+        ):
+            raise ImproperlyConfigured(
+                f"Retry(max_attempts=...) must be a whole number >= 1 (or None for "
+                f"WORKPUMP['MAX_ATTEMPTS']), not {self.max_attempts!r}."
+            )
+        if self.backoff is not None and not callable(self.backoff):
+            raise ImproperlyConfigured(
+                f"Retry(backoff=...) must be a callable backoff(attempt, exc) returning "
+                f"seconds or None, not {self.backoff!r}."
+            )
+        if self.on is not None:
+            on = (self.on,) if isinstance(self.on, type) else self.on
+            if not isinstance(on, tuple | list) or not on:
+                raise ImproperlyConfigured(
+                    f"Retry(on=...) must be a non-empty tuple of exception types (or None to "
+                    f"retry every exception), not {self.on!r}."
+                )
+            bad = [t for t in on if not (isinstance(t, type) and issubclass(t, BaseException))]
+            if bad:
+                raise ImproperlyConfigured(
+                    f"Retry(on=...) must name exception classes, e.g. on=(TimeoutError,); "
+                    f"{', '.join(map(repr, bad))} is not one."
+                )
+            object.__setattr__(self, "on", tuple(on))
+
+    def retries(self, exc: BaseException) -> bool:
+        """Whether ``exc`` may be retried under this policy."""
+        return self.on is None or isinstance(exc, self.on)
+
+    def delay(self, attempt: int, exc: BaseException) -> float | None:
+        """Seconds before the next attempt, or None for the default backoff.
+
+        A backoff that raises or returns something other than finite seconds >= 0
+        raises ValueError naming it.
+        """
+        if self.backoff is None:
+            return None
+        value = self.backoff(attempt, exc)
+        if value is None:
+            return None
+        return _seconds(
+            value,
+            f"The value of Retry(backoff={getattr(self.backoff, '__qualname__', self.backoff)})",
+            "return seconds >= 0, or None for the default backoff.",
+        )
+
+
+def check_timeout(timeout: Any, where: str) -> float | None:
+    """A handler's ``timeout=`` as seconds > 0 (or None), else ImproperlyConfigured."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, Real)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ImproperlyConfigured(
+            f"timeout of {where} must be a number of seconds > 0 (or a timedelta), not "
+            f"{timeout!r}: it is how long one attempt may run."
+        )
+    return float(timeout)
