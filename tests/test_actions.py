@@ -104,6 +104,36 @@ def test_release_takes_leases_from_live_instances_only_when_forced(rows):
     assert state_of(rows["held_live"]) == "orphaned"  # claimed_at stays: the attempt is open
 
 
+def test_cancel_ends_undone_rows_of_any_category_and_reports_the_others(rows):
+    unknown = uuid.uuid4()
+    ids = [
+        key(rows["pending"]),
+        key(rows["scheduled_inbox"]),
+        key(rows["dead_receptor"]),
+        key(rows["held_live"]),
+        key(rows["done"]),
+        unknown,
+    ]
+
+    result = workpump.cancel(ids)
+
+    assert set(result) == {
+        key(rows["pending"]),
+        key(rows["scheduled_inbox"]),
+        key(rows["dead_receptor"]),
+        key(rows["held_live"]),
+    }
+    assert result.running == [key(rows["held_live"])]
+    assert result.unknown == [unknown]
+    assert result.ended == [key(rows["done"])]
+    for name in ("pending", "scheduled_inbox", "dead_receptor", "held_live"):
+        assert state_of(rows[name]) == "cancelled", name
+    assert state_of(rows["done"]) == "done"
+    assert workpump.cancel([]) == []
+    with pytest.raises(ValueError, match="'nope' is not a valid work id"):
+        workpump.cancel(["nope"])
+
+
 def test_a_given_category_skips_the_lookup(rows, django_assert_num_queries):
     with django_assert_num_queries(1):
         assert workpump.retry_now([key(rows["scheduled"])], category="outbox") == [
@@ -190,6 +220,29 @@ def test_dry_run_prints_exactly_what_would_change_and_changes_nothing(rows):
         "evict: dry run, nothing was changed.",
     ]
     assert not models.Eviction.objects.exists()
+
+
+def test_the_command_cancels_and_its_dry_run_changes_nothing(rows):
+    pending, done = str(key(rows["pending"])), str(key(rows["done"]))
+
+    out, _ = run("cancel", pending, done, "--dry-run")
+
+    assert out.splitlines() == [
+        f"would be cancelled: outbox {pending} emails.welcome (was pending)",
+        "cancel: 1 of 2 selected rows would be cancelled; 1 left as they were (rows that "
+        "already ended (done, cancelled, discarded) cannot be cancelled); dry run, nothing "
+        "was changed.",
+    ]
+    assert state_of(rows["pending"]) == "pending"
+
+    out, _ = run("cancel", "--state", "scheduled", "--category", "inbox")
+    assert out.splitlines() == [
+        f"cancelled: inbox {key(rows['scheduled_inbox'])} stripe.webhook (was scheduled)",
+        "cancel: 1 of 1 selected row cancelled.",
+    ]
+    assert state_of(rows["scheduled_inbox"]) == "cancelled"
+    out, _ = run("cancel", "--state", "cancelled")
+    assert "cancel: 0 of 1 selected row cancelled" in out
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ OPERATOR_CODENAMES = [
     "force_release_work_lease",
     "dead_letter_work",
     "requeue_work",
+    "cancel_work",
 ]
 VIEWABLE = [*WORK_MODELS, models.ServiceInstance, models.Eviction, models.ActiveStream]
 OUTBOX_URL = "/admin/workpump/outbox/"
@@ -750,7 +751,34 @@ def test_each_action_needs_its_own_permission_on_its_own_model(world: World) -> 
         "force_release_lease",
         "dead_letter",
         "requeue_dead",
+        "cancel",
     }
+
+
+def test_cancel_needs_its_own_permission_asks_first_for_held_rows_and_shows_the_state(
+    world: World,
+) -> None:
+    canceller = client_for(staff("canceller", *view_all(), (models.Outbox, "cancel_work")))
+    assert action_names(canceller.get(OUTBOX_URL)) == {"cancel"}
+    assert action_names(canceller.get(INBOX_URL)) == set()
+    held, pending, done = (world.rows[n] for n in ("leased_live", "pending", "done"))
+
+    asked = run_action(canceller, OUTBOX_URL, "cancel", [held, pending])
+    assert asked.status_code == 200
+    assert "told to stop at once" in asked.content.decode()
+    assert refresh(held).end_state is None
+
+    response = run_action(canceller, OUTBOX_URL, "cancel", [held, pending, done], post="yes")
+    assert messages_of(response) == [
+        "Cancelled 2 outbox messages; they never run again and their streams move on.",
+        "1 outbox message left as they were: already ended (done, cancelled or discarded).",
+    ]
+    for row in (held, pending):
+        after = refresh(row)
+        assert (after.end_state, after.instance_id) == ("cancelled", None)
+    html = canceller.get(OUTBOX_URL, {"state": "cancelled"}).content.decode()
+    assert listed_keys(html) == world.keys("leased_live", "pending")
+    assert "cancelled" in canceller.get(OUTBOX_URL).content.decode()
 
 
 # -- instances, tombstones, streams ---------------------------------------------------------

@@ -345,10 +345,13 @@ class Dispatcher:
             if handler is not None and handler.timeout is not None:
                 # The handler's own timeout bounds the dispatch instead of the renewal
                 # cap: as many renewals as reaching it takes, and never past it.
+                # A renewal comes when a third of the local lease is left (renewal.py),
+                # so each one moves the deadline by two thirds of a lease.
                 hard_deadline = received_at + handler.timeout
                 per_renewal = (self.lease_seconds or lease_length) - self.lease_grace_seconds
+                gain = max(per_renewal * 2 / 3, 1.0)
                 short = handler.timeout - (lease_length - self.lease_grace_seconds)
-                max_renewals = max(math.ceil(short / max(per_renewal, 1.0)), 0)
+                max_renewals = max(math.ceil(short / gain), 0)
             handle = LeaseHandle(
                 row.category,
                 row.work_id,
@@ -777,7 +780,7 @@ class Dispatcher:
             handler = self.handlers.get(handle.category, job.row.topic)
             timeout = handler.timeout if handler is not None else None
             error = (
-                f"the handler was still running at the end of its timeout ({timeout} s) "
+                f"the handler was still running at the end of its timeout ({timeout:g} s) "
                 "and was abandoned"
             )
             reason = FailureReason.TIMEOUT
