@@ -41,3 +41,9 @@ def handler_start(key: int) -> None:
     """Mark the start of the handler of latency job ``key``."""
     t = now_ns()
     _write(f"lat {key} {t}\n")
+
+
+def mark(kind: str, key: int, *extra: str) -> None:
+    """Mark event ``kind`` of job ``key`` now (with optional extra words)."""
+    t = now_ns()
+    _write(" ".join([kind, str(key), str(t), *extra]) + "\n")

@@ -225,6 +225,23 @@ def test_a_rolled_back_transaction_takes_its_tasks_with_it():
 
 
 @db
+def test_a_cancelled_task_reads_back_as_failed_and_never_runs():
+    import django_workpump as workpump
+
+    result = task_funcs.add.enqueue(1, b=2)
+
+    assert list(workpump.cancel(result.id)) == [uuid.UUID(result.id)]
+
+    read = task_funcs.add.get_result(result.id)
+    assert read.status == TaskResultStatus.FAILED
+    assert read.finished_at is not None
+    assert [e.exception_class_path for e in read.errors] == [
+        "django_workpump.tasks.errors.WorkCancelled"
+    ]
+    assert "cancelled with workpump.cancel" in read.errors[0].traceback
+
+
+@db
 def test_aenqueue_and_aget_result_round_trip():
     async def enqueue_and_read() -> tuple[Any, Any]:
         result = await task_funcs.double_async.aenqueue(4)

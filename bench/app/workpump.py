@@ -23,3 +23,13 @@ def hold(work: Any) -> None:
     """Stay in flight (lease renewed by the pump) until the pump cancels the lease."""
     marks.first_start()
     work.lease.cancelled.wait(float(work.payload.get("seconds", 3600)))
+
+
+@workpump.outbox_handler("bench.cancel")
+def cancellable(work: Any) -> None:
+    """Wait to be cancelled (bench/cancel_latency.py); mark the start and the moment
+    ``work.cancelled`` turned true."""
+    key = work.payload["i"]
+    marks.mark("cstart", key)
+    if work.lease.cancelled.wait(float(work.payload.get("seconds", 60))):
+        marks.mark("cseen", key, str(work.lease.cancel_reason))

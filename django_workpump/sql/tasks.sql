@@ -19,7 +19,8 @@ RETURNING message_id, max_attempts
 -- attempts come as parallel arrays in attempt order (NULL when there is none). Only a
 -- row of the backend's topics (handler names starting with %(topic_prefix)s) is found.
 SELECT i.handler_name, i.payload, i.priority, i.created_at, i.attempts, i.instance_id,
-       i.lease_expiry, i.processed_at, i.dead_lettered_at, i.last_error, i.result,
+       i.lease_expiry, i.processed_at, i.end_state, i.dead_lettered_at, i.last_error,
+       i.result,
        a.numbers AS attempt_numbers, a.instance_ids AS attempt_instance_ids,
        a.started AS attempt_started_at, a.finished AS attempt_finished_at,
        a.error_classes AS attempt_error_classes, a.tracebacks AS attempt_tracebacks

@@ -21,6 +21,10 @@ class WorkFailed(Exception):
     """The pump failed an attempt outside the task (no handler for its queue, ...)."""
 
 
+class WorkCancelled(Exception):
+    """The task's row was cancelled (``workpump.cancel``) or discarded by its handler."""
+
+
 def class_path(cls: type) -> str:
     """Return the dotted path ``TaskError.exception_class_path`` stores for ``cls``."""
     return f"{cls.__module__}.{cls.__qualname__}"

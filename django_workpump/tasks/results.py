@@ -25,7 +25,7 @@ from django_workpump.tasks.compat import (
     TaskResultDoesNotExist,
     TaskResultStatus,
 )
-from django_workpump.tasks.errors import AttemptLost, WorkFailed, class_path
+from django_workpump.tasks.errors import AttemptLost, WorkCancelled, WorkFailed, class_path
 from django_workpump.tasks.resolution import resolve_task, topic_of
 
 if TYPE_CHECKING:
@@ -107,7 +107,20 @@ def read_result(backend: WorkPumpBackend, result_id: Any) -> TaskResult:
                 TaskError(exception_class_path=class_path(AttemptLost), traceback=_lost(a))
             )
     finished_at = None
-    if row["processed_at"] is not None:
+    if row["processed_at"] is not None and row["end_state"] is not None:
+        # Cancelled (workpump.cancel) or discarded: ended without a return value.
+        status, finished_at = TaskResultStatus.FAILED, row["processed_at"]
+        errors.append(
+            TaskError(
+                exception_class_path=class_path(WorkCancelled),
+                traceback=(
+                    f"discarded by its handler: {row['last_error']}"
+                    if row["end_state"] == "discarded"
+                    else "cancelled with workpump.cancel before it finished"
+                ),
+            )
+        )
+    elif row["processed_at"] is not None:
         status, finished_at = TaskResultStatus.SUCCESSFUL, row["processed_at"]
     elif row["dead_lettered_at"] is not None:
         status, finished_at = TaskResultStatus.FAILED, row["dead_lettered_at"]
