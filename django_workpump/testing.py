@@ -24,6 +24,7 @@ from django.db import transaction
 from django_workpump import db, producer, tracing
 from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
+from django_workpump.control import Discard, Snooze
 from django_workpump.pump.dispatch import Work
 from django_workpump.pump.lease import LeaseHandle
 from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
@@ -51,6 +52,8 @@ class RunReport:
 
     ran: int = 0
     failures: list[Failure] = field(default_factory=list)
+    snoozed: list[uuid.UUID] = field(default_factory=list)  # raised workpump.Snooze
+    discarded: list[uuid.UUID] = field(default_factory=list)  # raised workpump.Discard
 
 
 def run_pending(
@@ -158,6 +161,31 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport, savepo
             result = handler.func(work)
             if inspect.isawaitable(result):
                 result = asyncio.run(_awaited(result))
+    except Snooze as exc:
+        # As the pump does: back for later, the attempt not spent (a later round runs it
+        # again once due; MAX_SNOOZES bounds a handler that always snoozes).
+        db.snooze_work(
+            instance_id=TEST_INSTANCE_ID,
+            category=row.category,
+            ids=[row.work_id],
+            lease_tokens=[row.lease_token],
+            seconds=[exc.seconds],
+            max_snoozes=setting("MAX_SNOOZES"),
+            using=alias,
+        )
+        report.snoozed.append(row.work_id)
+        return
+    except Discard as exc:
+        db.discard_work(
+            instance_id=TEST_INSTANCE_ID,
+            category=row.category,
+            ids=[row.work_id],
+            lease_tokens=[row.lease_token],
+            reasons=[exc.reason],
+            using=alias,
+        )
+        report.discarded.append(row.work_id)
+        return
     except BaseException as exc:  # as the pump: any exception fails the attempt
         db.fail_work(
             instance_id=TEST_INSTANCE_ID,

@@ -38,6 +38,14 @@ def handlers() -> Iterator[None]:
         CALLS.append(("exit", work.payload["n"]))
         raise SystemExit(f"exit {work.payload['n']}")
 
+    @workpump.outbox_handler("tt.later")
+    def later(work):
+        raise workpump.Snooze(3600)
+
+    @workpump.outbox_handler("tt.skip")
+    def skip(work):
+        raise workpump.Discard("not for tests")
+
     @workpump.outbox_handler("tt.async")
     async def in_a_loop(work):
         CALLS.append(("async", work.payload["n"]))
@@ -56,6 +64,8 @@ def handlers() -> Iterator[None]:
         ("outbox", "tt.fail"),
         ("outbox", "tt.exit"),
         ("outbox", "tt.async"),
+        ("outbox", "tt.later"),
+        ("outbox", "tt.skip"),
         ("perspective_event", "tt.totals"),
         ("receptor", "tt.warehouse"),
     ]:
@@ -135,6 +145,18 @@ class RunPendingInATestCase(TestCase):
         with pytest.raises(SystemExit):  # raised, as any error, with raise_errors
             workpump.send("tt.exit", {"n": 4})
             run_pending()
+
+    def test_snooze_and_discard_end_as_the_pump_ends_them(self):
+        later = workpump.send("tt.later", {})
+        skipped = workpump.send("tt.skip", {})
+        report = RunReport()
+
+        assert run_pending(report=report) == 0
+
+        assert (report.snoozed, report.discarded, report.failures) == ([later], [skipped], [])
+        snoozed = models.Outbox.objects.get(message_id=later)
+        assert (snoozed.attempts, snoozed.snoozes, snoozed.processed_at) == (0, 1, None)
+        assert models.Outbox.objects.get(message_id=skipped).end_state == "discarded"
 
     def test_topics_narrow_what_runs(self):
         workpump.send("tt.record", {"n": 1})
