@@ -412,3 +412,33 @@ def test_the_gate_passes_only_its_own_instances_cancels_on():
 
     assert told == [("inbox", [(work_id, token)])]
     assert gate.cancels_received == 1
+
+
+def test_a_cancelled_handler_that_ignores_it_is_abandoned_at_its_deadline_unwritten():
+    release, started = threading.Event(), threading.Event()
+
+    def stubborn(work: Work) -> None:
+        started.set()
+        release.wait(WAIT)  # never looks at work.cancelled
+
+    dispatcher, coordinator, leases, clock = make_dispatcher(stubborn)
+    dispatcher.start()
+    try:
+        row = make_row()  # 300 s lease, 30 s grace: deadline in 270 s
+        dispatcher.submit([row])
+        assert started.wait(WAIT)
+        dispatcher.cancel_running("outbox", [(row.work_id, row.lease_token)])
+        assert leases.expire_due() == []  # cancelled, but not yet at its deadline
+        clock.advance(270)
+
+        (overdue,) = leases.expire_due()
+        assert leases.expire_due() == []  # reported once
+
+        assert dispatcher.abandon(overdue)
+        assert dispatcher.in_flight == 0 and dispatcher.free_slots() == 2
+    finally:
+        release.set()
+        dispatcher.stop()
+    # the row ended cancelled: nothing is written for the abandoned attempt
+    assert coordinator.failed == coordinator.completed == []
+    assert dispatcher.stats.abandoned == 1

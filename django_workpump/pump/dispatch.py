@@ -768,6 +768,20 @@ class Dispatcher:
             job.state = JobState.ABANDONED
         self.stats.abandoned += 1
         self.metrics.abandoned(job.row.category, job.row.topic)
+        if handle.cancel_reason == CancelReason.CANCELLED:
+            # The row already ended cancelled: nothing to write, only the slot to free.
+            logger.error(
+                "handler of %s %s ignored its cancellation and still runs at its lease "
+                "deadline: abandoned (%d so far)",
+                handle.category,
+                handle.work_id,
+                self.stats.abandoned,
+                extra={"action": "abandoned"},
+            )
+            self._finish(job)
+            self._start_worker()
+            self._check_abandoned_limit()
+            return True
         self._outcome_queued(1, job.row)
         logger.error(
             "handler of %s %s still running at its lease deadline: abandoned (%d so far)",
@@ -790,12 +804,15 @@ class Dispatcher:
         self.failures.put(FailedAttempt.of(job.row, error, reason))
         self._finish(job)
         self._start_worker()  # the stuck thread keeps its handler; the slot gets a new one
+        self._check_abandoned_limit()
+        return True
+
+    def _check_abandoned_limit(self) -> None:
         if self.stats.abandoned > self.abandoned_limit and self.on_fatal is not None:
             self.on_fatal(
                 f"{self.stats.abandoned} abandoned handlers (limit {self.abandoned_limit}): "
                 "exiting so the supervisor restarts a clean process"
             )
-        return True
 
     # -- outcomes ------------------------------------------------------------------
     # Each flush gets the items of one category (group_by): one SQL call each.

@@ -54,6 +54,7 @@ class LeaseHandle:
         self._deadline = deadline if hard_deadline is None else min(deadline, hard_deadline)
         self._renewal_count = 0
         self._cancel_reason: CancelReason | None = None
+        self._overdue_reported = False  # a cancelled handle past its deadline, reported
         self._disposed = False
         self._on_dispose: Callable[[LeaseHandle], object] | None = None
         # A row claimed with too little lease left must not start work it cannot finish.
@@ -164,6 +165,20 @@ class LeaseHandle:
                 return self._cancel_locked(CancelReason.DEADLINE)
             return False
 
+    def _cancelled_overdue(self) -> bool:
+        """True once for a handle an operator cancelled that is still in flight at its
+        deadline: its handler ignored ``work.cancelled`` and must be abandoned."""
+        with self._lock:
+            if (
+                self._cancel_reason == CancelReason.CANCELLED
+                and not self._overdue_reported
+                and not self._disposed
+                and self._clock.monotonic() >= self._deadline
+            ):
+                self._overdue_reported = True
+                return True
+            return False
+
     def _renewable_locked(self) -> bool:
         return (
             not self._disposed
@@ -228,9 +243,12 @@ class LeaseRegistry:
             return list(self._handles.values())
 
     def expire_due(self) -> list[LeaseHandle]:
-        """Cancel handles whose deadline has come; return those cancelled by this call."""
+        """Cancel handles whose deadline has come; return those cancelled by this call,
+        and those an operator cancelled that are still in flight at their deadline."""
         # Check on a snapshot so no handle lock is taken under the registry lock from here.
-        return [handle for handle in self.handles() if handle._expire()]
+        return [
+            handle for handle in self.handles() if handle._expire() or handle._cancelled_overdue()
+        ]
 
     def cancel_all(self, reason: CancelReason = CancelReason.SHUTDOWN) -> None:
         """Cancel every registered handle (they stay registered until disposed)."""
