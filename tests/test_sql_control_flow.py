@@ -1,4 +1,4 @@
-"""Snooze, Discard, a handler's own retry delays and cancellation in SQL (schema v13).
+"""Snooze, Discard, a handler's own retry delays and cancellation in SQL (schema v14).
 
 snooze_work, discard_work, fail_work's p_retry_delays, cancel_work and renew_leases'
 'cancelled' answer, on real rows produced and claimed through the SQL API, with the
@@ -379,8 +379,8 @@ def test_cancel_notifies_the_holder_on_commit():
 # --- the migration -----------------------------------------------------------------------
 
 
-def test_the_v13_migration_reverses_and_applies_again(scratch_database):
-    def v13_state() -> tuple[bool, bool, int, int]:
+def test_the_v14_migration_reverses_and_applies_again(scratch_database):
+    def v14_state() -> tuple[bool, bool, int, int]:
         """(end_state column, cancel_work, state_of arguments, fail_work arguments)."""
         with scratch_database.connect() as conn:
             column = conn.execute(
@@ -398,9 +398,9 @@ def test_the_v13_migration_reverses_and_applies_again(scratch_database):
             ]
             return column, cancel_work.fetchone()[0], *args
 
+    scratch_database.migrate("workpump", "0019")
+    assert v14_state() == (True, True, 8, 10)
     scratch_database.migrate("workpump", "0018")
-    assert v13_state() == (True, True, 8, 10)
-    scratch_database.migrate("workpump", "0017")
-    assert v13_state() == (False, False, 7, 9)
-    scratch_database.migrate("workpump", "0018")
-    assert v13_state() == (True, True, 8, 10)
+    assert v14_state() == (False, False, 7, 9)
+    scratch_database.migrate("workpump", "0019")
+    assert v14_state() == (True, True, 8, 10)

@@ -1,4 +1,4 @@
--- Handler control flow and cancellation, schema version 13.
+-- Handler control flow and cancellation, schema version 14.
 --
 -- Two new terminal states. A row ends 'discarded' when its handler raises
 -- workpump.Discard (discard_work), and 'cancelled' when an operator cancels it

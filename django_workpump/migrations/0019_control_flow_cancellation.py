@@ -1,8 +1,8 @@
-"""Schema version 13: Snooze, Discard and cancellation.
+"""Schema version 14: Snooze, Discard and cancellation.
 
 Work rows gain ``end_state`` (a done row that was ``cancelled`` or ``discarded``) and
 ``snoozes``; the admin gains the cancel permission. The functions are in
-``sql/v13/control.sql``: ``state_of`` reports the new states, ``renew_leases`` reports a
+``sql/v14/control.sql``: ``state_of`` reports the new states, ``renew_leases`` reports a
 cancelled attempt, ``fail_work`` takes a handler's own retry delays, and ``snooze_work``,
 ``discard_work`` and ``cancel_work`` are new.
 """
@@ -13,7 +13,7 @@ from django.db import migrations, models
 
 from django_workpump.sql import PIN_SEARCH_PATH, function_definitions, read
 
-SQL_FILES = ["v13/control.sql"]
+SQL_FILES = ["v14/control.sql"]
 V7_REPLACED = ["renew_leases", "fail_work"]
 
 
@@ -28,7 +28,7 @@ def _state_of_v1() -> str:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workpump", "0017_functions_v12_bulk_producers"),
+        ("workpump", "0018_functions_v13_headers"),
     ]
 
     operations = [
