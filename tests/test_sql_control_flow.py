@@ -398,9 +398,9 @@ def test_the_v14_migration_reverses_and_applies_again(scratch_database):
             ]
             return column, cancel_work.fetchone()[0], *args
 
-    scratch_database.migrate("workpump", "0019")
+    scratch_database.migrate("workpump", "0020")
     assert v14_state() == (True, True, 8, 10)
-    scratch_database.migrate("workpump", "0018")
-    assert v14_state() == (False, False, 7, 9)
     scratch_database.migrate("workpump", "0019")
+    assert v14_state() == (False, False, 7, 9)
+    scratch_database.migrate("workpump", "0020")
     assert v14_state() == (True, True, 8, 10)

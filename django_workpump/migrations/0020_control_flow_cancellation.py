@@ -28,7 +28,7 @@ def _state_of_v1() -> str:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workpump", "0018_functions_v13_headers"),
+        ("workpump", "0019_held_index_by_seq"),
     ]
 
     operations = [
