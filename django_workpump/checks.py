@@ -20,6 +20,7 @@ Errors
     E013 ``LISTEN_DSN`` unusable.
     E014 ``MIDDLEWARE`` names something that does not import or is not callable.
     E015 ``METRICS_PORT`` is not a port, or is set without ``prometheus_client``.
+    E016 ``HANDLER_CONNECTIONS`` is not a known mode.
 Warnings
     W001 slow heartbeat faster than the fast one.
     W002 ``LEASE_SECONDS`` at most twice ``LEASE_GRACE_SECONDS``.
@@ -43,6 +44,7 @@ from django.utils.module_loading import import_string
 from psycopg.conninfo import conninfo_to_dict
 
 from django_workpump.conf import DEFAULTS, SETTINGS, Kind, Setting
+from django_workpump.pump.handler_connections import MODES as HANDLER_CONNECTION_MODES
 
 LIVENESS_MODES = ("advisory_lock_when_available", "heartbeat_table_only")
 POSTGRES_ENGINES = ("django.db.backends.postgresql", "django.contrib.gis.db.backends.postgis")
@@ -114,6 +116,23 @@ def _check_liveness_mode(setting: Setting, value: Any) -> list[CheckMessage]:
                     "else 'advisory_lock_when_available'."
                 ),
                 id="workpump.E005",
+            )
+        ]
+    return []
+
+
+def _check_handler_connections(setting: Setting, value: Any) -> list[CheckMessage]:
+    """One of ``handler_connections.MODES``."""
+    if value not in HANDLER_CONNECTION_MODES:
+        return [
+            Error(
+                f"{_name(setting.name)} ({value!r}) must be "
+                f"{HANDLER_CONNECTION_MODES[0]!r} or {HANDLER_CONNECTION_MODES[1]!r}.",
+                hint=(
+                    "Use 'persistent' (handler threads keep their connections across jobs), "
+                    "or 'per_job' for Django's per-request rules."
+                ),
+                id="workpump.E016",
             )
         ]
     return []
@@ -246,6 +265,7 @@ _KIND_CHECKS: dict[Kind, Callable[[Setting, Any], list[CheckMessage]]] = {
     "int": _check_int,
     "bool": _check_bool,
     "liveness_mode": _check_liveness_mode,
+    "handler_connections": _check_handler_connections,
     "database_alias": _check_database_alias,
     "dsn": _check_dsn,
     "dotted_paths": _check_dotted_paths,

@@ -17,9 +17,17 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 # How a key is checked: "int" (at least ``minimum``; None too when ``optional``), "bool",
-# or a check of its own for the keys with one value set ("liveness_mode") or a
-# connection to name ("database_alias", "dsn").
-Kind = Literal["int", "bool", "liveness_mode", "database_alias", "dsn", "dotted_paths"]
+# or a check of its own for the keys with one value set ("liveness_mode",
+# "handler_connections") or a connection to name ("database_alias", "dsn").
+Kind = Literal[
+    "int",
+    "bool",
+    "liveness_mode",
+    "handler_connections",
+    "database_alias",
+    "dsn",
+    "dotted_paths",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +196,16 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1,
         meaning="stream hash space shared among live instances",
     ),
+    Setting(
+        "STREAM_RUN_MAX",
+        100,
+        "int",
+        minimum=1,
+        meaning=(
+            "most rows of one ordered stream a claim leases together (its head and the rows "
+            "after it), run in order in one dispatch slot; 1: one row per claim"
+        ),
+    ),
     Setting("CONCURRENCY", 4, "int", minimum=1, meaning="dispatch threads"),
     Setting(
         "CLAIM_PREFETCH",
@@ -237,6 +255,16 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "dsn",
         meaning="direct DSN for LISTEN + alive-lock when the alias goes through a pooler",
+    ),
+    Setting(
+        "HANDLER_CONNECTIONS",
+        "persistent",
+        "handler_connections",
+        meaning=(
+            "handler threads keep their connections across jobs (health-checked, replaced "
+            'after an error, a positive `CONN_MAX_AGE` bounds their age); `"per_job"`: '
+            "Django's per-request rules"
+        ),
     ),
     # Housekeeping and shutdown.
     Setting(

@@ -411,9 +411,13 @@ def claim_work(
     using: str | None = None,
     topic_prefixes: Mapping[str, Sequence[str]] | None = None,
     due_at: bool = False,
+    stream_run_max: int = 1,
 ) -> list[ClaimedWork]:
     """Lease rows of ``topics`` (``{category: [topic, ...]}``; None: every topic) and of
     the topics starting with one of ``topic_prefixes`` (same shape; None: none).
+
+    With ``stream_run_max`` > 1 a stream head comes with a run: up to that many rows of
+    its stream in all, consecutive and in stream order, right after the head.
 
     Raise InstanceRefused when this instance is evicted or not registered. A row whose
     payload cannot be decoded comes back with ``payload_error``. With ``due_at`` each row
@@ -434,6 +438,7 @@ def claim_work(
         "stale_after_seconds": stale_after_seconds,
         "definitively_dead_after_seconds": definitively_dead_after_seconds,
         "now": now,
+        "stream_run_max": stream_run_max,
     }
     try:
         query = "claim_work_due_at" if due_at else "claim_work"

@@ -38,6 +38,8 @@ class Handler:
     prefix: bool = False
     retry: Retry | None = None  # which exceptions retry, and after how long
     timeout: float | None = None  # seconds one attempt may run; None: the lease settings
+    # Perspectives and receptors: called once per stream run with list[Work] in order.
+    batch: bool = False
 
     @property
     def is_async(self) -> bool:
@@ -230,6 +232,7 @@ def _decorator(
     events: Iterable[str] = (),
     retry: Retry | None = None,
     timeout: float | None = None,
+    batch: bool = False,
 ) -> Callable[[F], F]:
     where = f"{TOPIC_NOUNS[category]} {topic!r}"
     if retry is not None and not isinstance(retry, Retry):
@@ -264,6 +267,7 @@ def _decorator(
                 tuple(events),
                 retry=retry,
                 timeout=timeout,
+                batch=bool(batch),
             )
         )
         return func
@@ -317,9 +321,15 @@ def perspective(
     atomic: bool = False,
     retry: Retry | None = None,
     timeout: float | None = None,
+    batch: bool = False,
 ) -> Callable[[F], F]:
     """Register a perspective: it sees ``events`` of each stream in strict order
-    (``retry`` and ``timeout`` as for ``outbox_handler``)."""
+    (``retry`` and ``timeout`` as for ``outbox_handler``).
+
+    With ``batch=True`` it is called once per stream run with the run's ``list[Work]``
+    in stream order (with ``atomic=True`` the run's effects and completions commit in one
+    transaction); a failure fails the first row and hands the others back unstarted.
+    """
     return _decorator(
         "perspective_event",
         name,
@@ -328,6 +338,7 @@ def perspective(
         events=events,
         retry=retry,
         timeout=timeout,
+        batch=batch,
     )
 
 
@@ -339,9 +350,10 @@ def receptor(
     atomic: bool = False,
     retry: Retry | None = None,
     timeout: float | None = None,
+    batch: bool = False,
 ) -> Callable[[F], F]:
     """Register a receptor: it reacts once to each of ``events`` (``retry`` and
-    ``timeout`` as for ``outbox_handler``)."""
+    ``timeout`` as for ``outbox_handler``; ``batch``: as ``perspective``)."""
     return _decorator(
         "receptor",
         name,
@@ -350,4 +362,5 @@ def receptor(
         events=events,
         retry=retry,
         timeout=timeout,
+        batch=batch,
     )

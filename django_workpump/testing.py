@@ -158,7 +158,7 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport, savepo
             transaction.atomic(using=alias) if savepoint else nullcontext(),
             tracing.handling(work),
         ):
-            result = handler.func(work)
+            result = handler.func([work] if handler.batch else work)
             if inspect.isawaitable(result):
                 result = asyncio.run(_awaited(result))
     except Snooze as exc:

@@ -119,7 +119,7 @@ def test_every_known_key_has_a_type_check():
     messages = check(**{key: object() for key in DEFAULTS})
     named = [m.msg.split("]")[0] + "]" for m in messages]
     assert named == [f"WORKPUMP[{key!r}]" for key in DEFAULTS]
-    assert {m.id for m in messages} == {"workpump.E003", "workpump.E005"}
+    assert {m.id for m in messages} == {"workpump.E003", "workpump.E005", "workpump.E016"}
     assert all(m.is_serious() for m in messages)
 
 

@@ -315,7 +315,7 @@ def test_the_v11_migration_reverses_to_the_v9_claim_and_applies_again(scratch_da
                 ).fetchall()
             )
 
-    scratch_database.migrate()
+    scratch_database.migrate("workpump", "0016")
     current = shape()
     assert current["claim_work"].endswith("p_topics jsonb, p_topic_prefixes jsonb")
     assert current["claim_inbox"].endswith("p_topic_prefixes text[]")
@@ -333,5 +333,5 @@ def test_the_v11_migration_reverses_to_the_v9_claim_and_applies_again(scratch_da
         ).fetchone()
     assert unpinned == (0,)
 
-    scratch_database.migrate()
+    scratch_database.migrate("workpump", "0016")
     assert shape() == current

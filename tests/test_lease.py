@@ -84,6 +84,21 @@ def test_fourth_renewal_over_a_cap_of_three_is_refused_and_keeps_the_deadline(cl
     assert handle.deadline == kept
 
 
+def test_a_waiting_row_of_a_run_renews_past_the_cap_and_is_charged_once_it_starts(clock):
+    handle = LeaseHandle("outbox", uuid.uuid4(), clock.monotonic() + 60, 2, clock, charged=False)
+    for step in range(1, 6):  # waiting behind the run's earlier rows: never capped
+        assert handle.can_renew()
+        assert handle.confirm_renewal(clock.monotonic() + 60 + step)
+    assert handle.renewal_count == 0
+
+    handle.start_charging()
+    assert handle.confirm_renewal(clock.monotonic() + 100)
+    assert handle.confirm_renewal(clock.monotonic() + 101)
+    assert handle.renewal_count == 2
+    assert not handle.can_renew()
+    assert not handle.confirm_renewal(clock.monotonic() + 102)
+
+
 def test_disposed_handle_refuses_renewal(clock):
     handle = make_handle(clock, seconds=30)
     deadline = handle.deadline

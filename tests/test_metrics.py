@@ -428,6 +428,81 @@ def test_the_dispatcher_counts_runs_outcomes_and_rows_in_flight():
     assert dispatcher._outcome_topics == {}  # nothing left behind
 
 
+def stream_rows(topic: str, stream: str, payloads: list[dict[str, Any]]) -> list[Any]:
+    """Rows of one stream as a claim returns a run: in stream order."""
+    return [
+        dataclasses.replace(make_row(), topic=topic, stream=stream, payload=payload)
+        for payload in payloads
+    ]
+
+
+def test_a_stream_run_counts_each_row_it_ran_and_holds_none_after_it_ends():
+    """A failed row ends its run: the row after it is released unstarted, never timed."""
+    recorder, sample = own_recorder()
+    coordinator = FakeCoordinator()
+    handlers = Registry()
+
+    def maybe_fail(work: Any) -> None:
+        if work.payload.get("fail"):
+            raise RuntimeError("boom")
+
+    handlers.register(Handler("outbox", "run", maybe_fail))
+    dispatcher = Dispatcher(
+        coordinator,
+        handlers,
+        LeaseRegistry(),
+        concurrency=1,
+        lease_grace_seconds=5,
+        clock=FrozenClock(),
+        metrics=recorder,
+    )
+    rows = stream_rows("run", "s-1", [{"i": 1}, {"fail": True}, {"i": 3}])
+    dispatcher.submit(rows)
+    assert sample("workpump_in_flight", category="outbox") == 3
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+
+    run = {"category": "outbox", "topic": "run"}
+    assert coordinator.calls.count("release") == 1  # the third row, unstarted
+    assert sample("workpump_in_flight", category="outbox") == 0
+    assert sample("workpump_done_total", **run) == 1
+    assert sample("workpump_failed_total", **run, reason="handler_error") == 1
+    assert sample("workpump_handler_duration_seconds_count", **run) == 2
+    assert dispatcher._outcome_topics == {}
+
+
+def test_a_batch_handler_counts_every_row_of_its_batch():
+    recorder, sample = own_recorder()
+    seen: list[int] = []
+    handlers = Registry()
+    handlers.register(Handler("outbox", "batch", lambda works: seen.append(len(works)), batch=True))
+    dispatcher = Dispatcher(
+        FakeCoordinator(),
+        handlers,
+        LeaseRegistry(),
+        concurrency=1,
+        lease_grace_seconds=5,
+        clock=FrozenClock(),
+        metrics=recorder,
+    )
+    dispatcher.submit(stream_rows("batch", "s-2", [{"i": i} for i in range(3)]))
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+
+    batch = {"category": "outbox", "topic": "batch"}
+    assert seen == [3]  # one call for the run
+    assert sample("workpump_in_flight", category="outbox") == 0
+    assert sample("workpump_done_total", **batch) == 3
+    assert sample("workpump_handler_duration_seconds_count", **batch) == 3
+    assert dispatcher._outcome_topics == {}
+
+
 def test_an_outcome_fenced_out_counts_as_lost_not_done():
     recorder, sample = own_recorder()
     handlers = Registry()

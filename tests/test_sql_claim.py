@@ -246,9 +246,9 @@ def test_claim_work_has_the_documented_parameters_all_defaulted_but_the_instance
     ]:
         assert name in names
     assert names[0] == "p_instance_id"
-    # v5 appended p_topics after p_now, and v11 p_topic_prefixes after it, so earlier
-    # positional callers keep working
-    assert names[-3:] == ["p_now", "p_topics", "p_topic_prefixes"]
+    # v5 appended p_topics after p_now, v11 p_topic_prefixes after it and v15
+    # p_stream_run_max after that, so earlier positional callers keep working
+    assert names[-4:] == ["p_now", "p_topics", "p_topic_prefixes", "p_stream_run_max"]
     assert args[0] == "p_instance_id uuid"
     assert all(" DEFAULT " in a for a in args[1:]), args
     assert rows[0]["pronargdefaults"] == rows[0]["pronargs"] - 1

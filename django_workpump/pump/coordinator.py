@@ -186,6 +186,7 @@ class DatabaseCoordinator:
             topic_prefixes=self.topic_prefixes or None,
             stale_after_seconds=self.stale_after_seconds,
             definitively_dead_after_seconds=self.dead_after_seconds,
+            stream_run_max=self.settings["STREAM_RUN_MAX"],
             using=self.alias,
             due_at=self.claim_due_at,
         )

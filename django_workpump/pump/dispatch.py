@@ -6,6 +6,11 @@ A handler still running at its lease deadline is abandoned: its slot is freed (a
 replacement thread starts), the attempt is failed with reason ``lease_expired``, and
 whatever it reports later is dropped here and would be fenced out by the database.
 
+The rows of one ordered stream that a claim leased together (a stream run: the head and
+the rows after it) run in order in one slot, on one thread. A row that does not complete
+ends its run: the rows after it are released unstarted (their attempt given back), so
+the stream waits for the row's retry and nothing runs out of order.
+
 A row can come back to this same instance while its previous attempt still runs here
 (an operator force-released it, or its lease ran out): the database has given it a new
 lease, so the old attempt is superseded: its handle is cancelled as ``lost``, its
@@ -37,9 +42,10 @@ from datetime import datetime
 from functools import partial
 from typing import Any, NamedTuple
 
-from django.db import close_old_connections, connections, transaction
+from django.db import connections, transaction
 
 from django_workpump import tracing
+from django_workpump.categories import category as category_meta
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.control import Discard, Snooze
 from django_workpump.db import ClaimedWork, Outcome
@@ -48,6 +54,7 @@ from django_workpump.middleware import Middleware
 from django_workpump.middleware import wrap as wrap_in_middleware
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
+from django_workpump.pump.handler_connections import PERSISTENT, between_jobs
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.registry import TOPIC_NOUNS, Handler, Registry
@@ -193,7 +200,7 @@ class LeaseLost(Exception):
     """The row's lease was lost before an atomic handler could commit its completion."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     row: ClaimedWork
     handle: LeaseHandle
@@ -202,6 +209,29 @@ class _Job:
     received_at: float = 0.0  # monotonic, when the dispatcher took the row
     # An async handler's loop and task while it runs, so a cancel can reach the task.
     task: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
+    run: _Run | None = None
+    finished: bool = False  # let go of by _finish (a row can be let go of twice)
+
+
+@dataclass(eq=False)
+class _Run:
+    """Rows of one stream leased by one claim, in stream order (a lone row: a run of one).
+
+    A run takes one dispatch slot, freed once when the run ends, is abandoned or is
+    failed at shutdown.
+    """
+
+    jobs: list[_Job]
+    slot_freed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _run_key(row: ClaimedWork) -> tuple[str, str, str] | uuid.UUID:
+    """The ordered stream a row belongs to (scope included), or its own id when unordered."""
+    if row.stream is None:
+        return row.work_id
+    scoped = category_meta(row.category).scope_column is not None
+    return (row.category, row.topic if scoped else "", row.stream)
 
 
 @dataclass
@@ -248,12 +278,14 @@ class Dispatcher:
         on_fatal: Callable[[str], Any] | None = None,
         middleware: Sequence[Middleware] = (),
         metrics: NullRecorder | None = None,
+        handler_connections: str = PERSISTENT,
     ) -> None:
         self.coordinator = coordinator
         self.metrics = recorder() if metrics is None else metrics
         # (category, work id) -> topic of an outcome waiting in a flusher, for the metrics
         # (filled only when they are recorded)
         self._outcome_topics: dict[tuple[str, uuid.UUID], str] = {}
+        self.handler_connections = handler_connections  # handler_connections.MODES
         self.middleware = tuple(middleware)  # wraps every handler call, the first outermost
         self.handlers = handlers
         self.leases = leases
@@ -268,7 +300,7 @@ class Dispatcher:
         self.on_slot_free = on_slot_free
         self.on_fatal = on_fatal
         self.stats = DispatchStats()
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queue: queue.Queue[_Run | None] = queue.Queue()
         self._jobs: dict[tuple[str, uuid.UUID], _Job] = {}
         self._in_flight = 0  # queued + running, not abandoned
         self._pending_outcomes = 0  # handed to a flusher, not yet written
@@ -334,9 +366,15 @@ class Dispatcher:
             self._outcome_topics[(row.category, row.work_id)] = row.topic
 
     def submit(self, rows: list[ClaimedWork]) -> None:
-        """Take claimed rows: one lease handle each, queued for the workers."""
+        """Take claimed rows: one lease handle each, queued for the workers by run.
+
+        The rows of one ordered stream (the claim returns them in stream order) form one
+        run; every other row is a run of its own.
+        """
         received_at = self.clock.monotonic()
+        runs: dict[tuple[str, str, str] | uuid.UUID, _Run] = {}
         for row in rows:
+            run = runs.setdefault(_run_key(row), _Run([]))
             # Local deadline from the DB's own lease length, so clock skew cannot matter.
             lease_length = (row.lease_expiry - row.claimed_at).total_seconds()
             deadline = received_at + lease_length - self.lease_grace_seconds
@@ -360,18 +398,22 @@ class Dispatcher:
                 self.clock,
                 lease_token=row.lease_token,
                 hard_deadline=hard_deadline,
+                charged=not run.jobs,  # rows behind the first are charged once they start
             )
             with self._lock:
                 previous = self._jobs.get((row.category, row.work_id))
             if previous is not None:
                 self._supersede(previous, row.attempts)
             self.leases.register(handle)
-            job = _Job(row, handle, received_at=received_at)
+            job = _Job(row, handle, received_at=received_at, run=run)
+            run.jobs.append(job)
             with self._lock:
                 self._jobs[(row.category, row.work_id)] = job
-                self._in_flight += 1
             self.metrics.held(row.category, 1)
-            self._queue.put(job)
+        for run in runs.values():
+            with self._lock:
+                self._in_flight += 1
+            self._queue.put(run)
 
     # -- workers -------------------------------------------------------------------
     def start(self) -> None:
@@ -401,33 +443,53 @@ class Dispatcher:
         try:
             self._name_connections(f"handler-{number}")
             while True:
-                job = self._queue.get()
-                if job is None:
+                run = self._queue.get()
+                if run is None:
                     return
-                if not self._run(job):
+                if not self._execute(run):
                     return  # this thread was abandoned with its job; a replacement took over
         finally:
             connections.close_all()
 
-    def _run(self, job: _Job) -> bool:
-        """Run one job; False when the job was abandoned while this thread ran it."""
+    def _execute(self, run: _Run) -> bool:
+        """Run a run's rows in order; False when this thread was abandoned with one."""
+        first = run.jobs[0].row
+        handler = self.handlers.get(first.category, first.topic)
+        if handler is not None and handler.batch:
+            return self._execute_batch(run, handler)
+        for index, job in enumerate(run.jobs):
+            ran = self._run(job)
+            if ran is None:
+                return False  # abandon() released the rest and freed the slot
+            if not ran:
+                # Not completed: the rows after it must wait for its retry.
+                self._release_rest(run, index)
+                break
+        if first.stream is not None:
+            self.completions.hurry()  # the stream's next row waits on these completions
+        self._free_slot(run)
+        return True
+
+    def _run(self, job: _Job) -> bool | None:
+        """Run one job: True when it completed (the next row of its run may start), False
+        when it did not (or never started: it is still queued), None when it was abandoned
+        while this thread ran it."""
         with job.lock:
             if job.state == JobState.SUPERSEDED:
                 start = None  # the row has a newer lease here: nothing to run or release
             elif job.handle.cancelled.is_set() or self._stopping.is_set():
-                job.state = JobState.FINISHED
-                start = False
+                start = False  # left queued: released unstarted with the rest of its run
             else:
                 job.state = JobState.RUNNING
                 start = True
         if start is None:
             self._finish(job)
-            return True
+            return False
         if not start:
             # It waited past its deadline, or shutdown began: it never started.
-            self._release_unstarted(job)
-            return True
-        close_old_connections()
+            return False
+        job.handle.start_charging()
+        between_jobs(self.handler_connections)
         self.stats.started += 1
         handler = self.handlers.get(job.row.category, job.row.topic)
         measured = self.metrics.enabled and handler is not None
@@ -462,7 +524,7 @@ class Dispatcher:
         finally:
             if measured:
                 self.metrics.handler_finished(job.row, self.clock.monotonic() - started_at)
-            close_old_connections()
+            between_jobs(self.handler_connections)
         with job.lock:
             if job.state == JobState.ABANDONED:
                 logger.warning(
@@ -471,7 +533,7 @@ class Dispatcher:
                     job.row.work_id,
                     extra={"action": "late_outcome_dropped"},
                 )
-                return False
+                return None
             if job.state == JobState.SUPERSEDED:
                 logger.warning(
                     "%s %s attempt %d finished after the row was claimed again; its outcome "
@@ -487,7 +549,7 @@ class Dispatcher:
                 superseded = False
         if superseded:
             self._finish(job)
-            return True
+            return False
         if job.handle.cancel_reason == CancelReason.CANCELLED:
             # The row already ended cancelled; whatever the attempt reports is fenced out.
             self.stats.cancelled += 1
@@ -499,7 +561,7 @@ class Dispatcher:
                 extra={"action": "cancelled_outcome_dropped"},
             )
             self._finish(job)
-            return True
+            return False  # not completed here: the rows after it are released
         kind: HandlerOutcome = outcome[0]
         value: Any = outcome[1]
         if kind == HandlerOutcome.DONE:
@@ -525,6 +587,108 @@ class Dispatcher:
             done = [Outcome(job.row.work_id, OutcomeStatus.DONE)]
             self.metrics.outcomes(job.row.category, done, lambda _: job.row.topic)
         self._finish(job)
+        return kind in (HandlerOutcome.DONE, HandlerOutcome.DONE_COMMITTED)
+
+    def _execute_batch(self, run: _Run, handler: Handler) -> bool:
+        """Run a batch handler once on the rows of ``run`` that can start, in order.
+
+        Done: every row completes (with ``atomic``, in the handler's transaction). A
+        failure fails the first row and releases the others unstarted; a lease lost before
+        an atomic batch committed rolls it back and releases the rows still held.
+        """
+        started: list[_Job] = []
+        for job in run.jobs:
+            with job.lock:
+                superseded = job.state == JobState.SUPERSEDED
+                startable = not superseded and not (
+                    job.handle.cancelled.is_set() or self._stopping.is_set()
+                )
+                if startable:
+                    job.state = JobState.RUNNING
+            if superseded:
+                self._finish(job)
+            if not startable:
+                break
+            started.append(job)
+        if not started:
+            self._release_rest(run, 0)
+            self._free_slot(run)
+            return True
+        for job in started:
+            job.handle.start_charging()
+        self.stats.started += len(started)
+        between_jobs(self.handler_connections)
+        if self.metrics.enabled:
+            started_at = self.clock.monotonic()
+            for job in started:
+                self.metrics.handler_started(job.row, _queue_wait(job, started_at))
+        works = [self._work_for(job) for job in started]
+        outcome: HandlerOutcome
+        failure: tuple[str, str] | None = None
+        try:
+            if handler.atomic:
+                self._call_batch_atomic(handler, started, works)
+                outcome = HandlerOutcome.DONE_COMMITTED
+            else:
+                self._call_batch(handler, works)
+                outcome = HandlerOutcome.DONE
+        except LeaseLost as exc:
+            outcome = HandlerOutcome.LOST
+            self.stats.lost_leases += 1
+            self.metrics.lost(started[0].row.category)
+            logger.warning("%s", exc, extra={"action": "lease_lost"})
+        except BaseException as exc:  # noqa: BLE001 (a handler's exit ends its attempt only)
+            if not isinstance(exc, Exception):
+                self._discard_loop()
+            outcome = HandlerOutcome.FAIL
+            failure = (_describe(exc), FailureReason.HANDLER_ERROR)
+        finally:
+            if self.metrics.enabled:
+                # One call ran them all: each row gets an even share of its duration, so
+                # the handler time summed over rows is the time spent.
+                share = (self.clock.monotonic() - started_at) / len(started)
+                for job in started:
+                    self.metrics.handler_finished(job.row, share)
+            between_jobs(self.handler_connections)
+        live: list[_Job] = []  # rows this attempt still holds
+        for job in started:
+            with job.lock:
+                if job.state == JobState.ABANDONED:
+                    return False  # abandon() failed it and freed the slot; this thread ends
+                if job.state == JobState.RUNNING:
+                    job.state = JobState.FINISHED
+                    live.append(job)
+            if job not in live:
+                self._finish(job)  # superseded: a newer attempt holds it
+        if outcome == HandlerOutcome.DONE:
+            for job in live:
+                self._outcome_queued(1, job.row)
+                self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, None))
+                self._finish(job)
+            self._release_rest(run, len(started))
+        elif outcome == HandlerOutcome.DONE_COMMITTED:
+            self.stats.completed += len(live)
+            if live:
+                done = [Outcome(job.row.work_id, OutcomeStatus.DONE) for job in live]
+                topics = {job.row.work_id: job.row.topic for job in live}
+                self.metrics.outcomes(live[0].row.category, done, topics.__getitem__)
+            for job in live:
+                self._finish(job)
+            self._release_rest(run, len(started))
+        else:
+            # Fail the run's first row (if this attempt still holds it); give the others
+            # back unstarted, so the stream waits for its retry.
+            head = started[0] if outcome == HandlerOutcome.FAIL and started[0] in live else None
+            if head is not None and failure is not None:
+                self._outcome_queued(1, head.row)
+                self.failures.put(FailedAttempt.of(head.row, *failure))
+                self._finish(head)
+            for job in live:
+                if job is not head:
+                    with job.lock:
+                        job.state = JobState.QUEUED  # never committed: released unstarted
+            self._release_rest(run, 0)
+        self._free_slot(run)
         return True
 
     def _failure_of(
@@ -623,6 +787,41 @@ class Dispatcher:
                 extra={"action": "cancel_running"},
             )
         return told
+
+    def _call_batch(self, handler: Handler, works: list[Work]) -> None:
+        result = wrap_in_middleware(handler.func, self.middleware)(works)
+        if inspect.isawaitable(result):
+            loop = getattr(self._local, "loop", None)
+            if loop is None:
+                loop = self._local.loop = asyncio.new_event_loop()
+            loop.run_until_complete(result)
+
+    def _call_batch_atomic(self, handler: Handler, jobs: list[_Job], works: list[Work]) -> None:
+        """Run a batch handler and the fenced completion of every row in one transaction."""
+        category = jobs[0].row.category
+        with transaction.atomic(using=self.alias):
+            self._call_batch(handler, works)
+            for job in jobs:
+                with job.lock:
+                    if job.state in (JobState.ABANDONED, JobState.SUPERSEDED):
+                        raise LeaseLost(
+                            f"{category} {job.row.work_id}: attempt {job.row.attempts} was "
+                            f"{job.state} before its batch committed; the batch's transaction "
+                            "was rolled back"
+                        )
+            outcomes = self.coordinator.complete(
+                category,
+                [job.row.work_id for job in jobs],
+                [job.row.lease_token for job in jobs],
+                [None] * len(jobs),
+            )
+            lost = [o.work_id for o in outcomes if o.status != OutcomeStatus.DONE]
+            if len(outcomes) != len(jobs) or lost:
+                raise LeaseLost(
+                    f"{category}: the lease of {len(lost) or len(jobs)} of the batch's "
+                    f"{len(jobs)} rows was lost before the atomic batch committed; its "
+                    "transaction was rolled back"
+                )
 
     def _work_for(self, job: _Job) -> Work:
         row = job.row
@@ -735,26 +934,60 @@ class Dispatcher:
         job.handle.dispose()  # leaves the registry free for the new handle
 
     def _finish(self, job: _Job) -> None:
+        """Let go of one row (its handle, its entry); its run's slot is freed apart."""
         job.handle.dispose()
         with self._lock:
             key = (job.row.category, job.row.work_id)
             if self._jobs.get(key) is job:  # not the newer attempt that superseded it
                 del self._jobs[key]
+            first = not job.finished
+            job.finished = True
+        if first:
+            self.metrics.held(job.row.category, -1)
+
+    def _free_slot(self, run: _Run) -> None:
+        """The run is over here: free its slot (once)."""
+        with run.lock:
+            if run.slot_freed:
+                return
+            run.slot_freed = True
+        with self._lock:
             self._in_flight -= 1
             self._idle.notify_all()
-        self.metrics.held(job.row.category, -1)
         if self.on_slot_free is not None:
             self.on_slot_free()
 
-    def _release_unstarted(self, job: _Job) -> None:
+    def _release_rest(self, run: _Run, start: int) -> None:
+        """Release the rows of ``run`` from ``start`` on that never started, in one call;
+        their attempts are given back."""
+        unstarted: list[_Job] = []
+        for job in run.jobs[start:]:
+            with job.lock:
+                if job.state == JobState.QUEUED:
+                    job.state = JobState.FINISHED
+                    unstarted.append(job)
+                    continue
+                superseded = job.state == JobState.SUPERSEDED
+            if superseded:
+                self._finish(job)  # a newer attempt holds the row: nothing to release
+        if not unstarted:
+            return
         try:
-            self.coordinator.release(job.row.category, [job.row.work_id], [job.row.lease_token])
-            self.stats.released += 1
-        except Exception:
-            logger.exception(
-                "release of an unstarted row failed", extra={"action": "release_failed"}
+            self.coordinator.release(
+                unstarted[0].row.category,
+                [job.row.work_id for job in unstarted],
+                [job.row.lease_token for job in unstarted],
             )
-        self._finish(job)
+            self.stats.released += len(unstarted)
+        except Exception:
+            # Their leases run out and the rows are claimed again.
+            logger.exception(
+                "release of %d unstarted rows failed",
+                len(unstarted),
+                extra={"action": "release_failed"},
+            )
+        for job in unstarted:
+            self._finish(job)
 
     # -- abandonment ---------------------------------------------------------------
     def abandon(self, handle: LeaseHandle) -> bool:
@@ -779,6 +1012,7 @@ class Dispatcher:
                 extra={"action": "abandoned"},
             )
             self._finish(job)
+            self._end_run_of(job)
             self._start_worker()
             self._check_abandoned_limit()
             return True
@@ -803,6 +1037,7 @@ class Dispatcher:
             reason = FailureReason.LEASE_EXPIRED
         self.failures.put(FailedAttempt.of(job.row, error, reason))
         self._finish(job)
+        self._end_run_of(job)
         self._start_worker()  # the stuck thread keeps its handler; the slot gets a new one
         self._check_abandoned_limit()
         return True
@@ -813,6 +1048,15 @@ class Dispatcher:
                 f"{self.stats.abandoned} abandoned handlers (limit {self.abandoned_limit}): "
                 "exiting so the supervisor restarts a clean process"
             )
+
+    def _end_run_of(self, job: _Job) -> None:
+        """``job`` was given up while its thread still runs it: release the rows of its
+        run behind it and free the run's slot (that thread never comes back to them)."""
+        run = job.run
+        if run is None:
+            return
+        self._release_rest(run, run.jobs.index(job) + 1)
+        self._free_slot(run)
 
     # -- outcomes ------------------------------------------------------------------
     # Each flush gets the items of one category (group_by): one SQL call each.
@@ -956,6 +1200,7 @@ class Dispatcher:
                 )
             )
             self._finish(job)
+            self._end_run_of(job)
             self._start_worker()  # rows still queued behind it get released
         return failed
 

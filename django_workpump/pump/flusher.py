@@ -170,6 +170,15 @@ class BatchFlusher(Generic[T]):
             )
         return taken
 
+    def hurry(self) -> None:
+        """Make what is buffered due now, without waiting out the window (someone waits
+        on it: a stream's next row waits on its predecessor's completion)."""
+        with self._cond:
+            if self._buffer and self._first_at is not None:
+                now = self._clock.monotonic()
+                self._first_at = min(self._first_at, now - self.coalesce_window)
+                self._cond.notify()
+
     def due(self) -> bool:
         """Return whether a flush should happen now."""
         with self._cond:

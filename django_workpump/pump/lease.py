@@ -36,6 +36,7 @@ class LeaseHandle:
         *,
         lease_token: uuid.UUID | None = None,
         hard_deadline: float | None = None,
+        charged: bool = True,
     ) -> None:
         if max_renewals < 0:
             raise ValueError(f"max_renewals ({max_renewals}) must be zero or more.")
@@ -53,6 +54,9 @@ class LeaseHandle:
         self._lock = threading.Lock()
         self._deadline = deadline if hard_deadline is None else min(deadline, hard_deadline)
         self._renewal_count = 0
+        # A row waiting behind others of its stream's run is renewed without counting
+        # against the cap until it starts (start_charging): only running time is capped.
+        self._charged = charged
         self._cancel_reason: CancelReason | None = None
         self._overdue_reported = False  # a cancelled handle past its deadline, reported
         self._disposed = False
@@ -120,8 +124,14 @@ class LeaseHandle:
             if not self._renewable_locked() or new_deadline <= self._clock.monotonic():
                 return False
             self._deadline = new_deadline
-            self._renewal_count += 1
+            if self._charged:
+                self._renewal_count += 1
             return True
+
+    def start_charging(self) -> None:
+        """The row starts running: from now on its renewals count against the cap."""
+        with self._lock:
+            self._charged = True
 
     def check_deadline(self) -> bool:
         """Cancel the handle if its deadline has come; return whether it is cancelled."""
@@ -183,7 +193,7 @@ class LeaseHandle:
         return (
             not self._disposed
             and self._cancel_reason is None
-            and self._renewal_count < self.max_renewals
+            and (not self._charged or self._renewal_count < self.max_renewals)
             and (self.hard_deadline is None or self._deadline < self.hard_deadline)
         )
 

@@ -203,6 +203,7 @@ class Supervisor:
             on_slot_free=self._slot_freed,
             on_fatal=lambda reason: self.request_stop(reason, EXIT_TOO_MANY_ABANDONED),
             middleware=middleware.load(s["MIDDLEWARE"]),
+            handler_connections=s["HANDLER_CONNECTIONS"],
         )
         self.renewal = LeaseRenewalWorker(
             self.coordinator,

@@ -114,7 +114,8 @@ FROM workpump.claim_work(
     p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
     p_now => %(now)s,
     p_topics => %(topics)s::jsonb,
-    p_topic_prefixes => %(topic_prefixes)s::jsonb)
+    p_topic_prefixes => %(topic_prefixes)s::jsonb,
+    p_stream_run_max => %(stream_run_max)s)
 
 -- name: claim_work_due_at
 -- claim_work, each row with due_at: when it became claimable (its previous lease expired,
@@ -146,7 +147,8 @@ FROM workpump.claim_work(
     p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
     p_now => %(now)s,
     p_topics => %(topics)s::jsonb,
-    p_topic_prefixes => %(topic_prefixes)s::jsonb) WITH ORDINALITY AS c
+    p_topic_prefixes => %(topic_prefixes)s::jsonb,
+    p_stream_run_max => %(stream_run_max)s) WITH ORDINALITY AS c
 ORDER BY c.ordinality
 
 -- name: renew_leases

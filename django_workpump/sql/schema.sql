@@ -1600,7 +1600,8 @@ CREATE FUNCTION workpump.claim_outbox(
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
     p_now timestamptz DEFAULT NULL,
-    p_topic_prefixes text[] DEFAULT NULL
+    p_topic_prefixes text[] DEFAULT NULL,
+    p_run_max integer DEFAULT 1
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1614,7 +1615,9 @@ BEGIN
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
     -- longest due first (index wp_outbox_timer)
     timers AS MATERIALIZED (
-        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable
+        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
+               t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+               ''::text AS run_scope
         FROM workpump_outbox t
         WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
@@ -1629,7 +1632,9 @@ BEGIN
     -- (partition_number mod live count = rank), in the budget the timers left
     own_share AS MATERIALIZED (
         SELECT * FROM (
-            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable
+            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
+                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                   ''::text AS run_scope
             FROM workpump_outbox t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1646,7 +1651,9 @@ BEGIN
     -- no row waits on a busy peer (index wp_outbox_ready)
     any_share AS MATERIALIZED (
         SELECT * FROM (
-            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable
+            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
+                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                   ''::text AS run_scope
             FROM workpump_outbox t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1660,17 +1667,77 @@ BEGIN
         ) share
         LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
     ),
-    -- candidates: every row locked above, once (the three passes are disjoint)
+    -- candidates: every head locked above, once (the three passes are disjoint)
     candidates AS (
         SELECT * FROM timers
         UNION ALL SELECT * FROM own_share
         UNION ALL SELECT * FROM any_share
     ),
-    -- claimed: each candidate leased (one attempt more, a new token) or, with its attempts
-    -- used up, parked as dead; an expired lease taken over is stamped as an attempt that
-    -- ended without an outcome. Rows are found by the ctid of the version locked above: a
-    -- TID lookup, never a scan, whatever the table's statistics say
-    claimed AS (
+    -- run_budget: the rows the heads left in the budget, and how many runs share them
+    run_budget AS MATERIALIZED (
+        SELECT greatest(p_limit - count(*) FILTER (WHERE c.leasable), 0) AS rows_left,
+               count(*) FILTER (WHERE c.leasable AND c.run_stream IS NOT NULL) AS runs
+        FROM candidates c
+    ),
+    -- upcoming: with p_run_max > 1, the undone rows that follow each leasable stream head,
+    -- in stream order, no more per head than its share of the budget
+    upcoming AS MATERIALIZED (
+        SELECT c.seq AS head_seq, n.seq,
+               row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
+        FROM candidates c
+        CROSS JOIN run_budget b
+        CROSS JOIN LATERAL (
+            SELECT n.seq FROM workpump_outbox n
+            WHERE n.stream = c.run_stream AND n.processed_at IS NULL
+              AND n.stream IS NOT NULL AND n.seq > c.seq
+            ORDER BY n.stream, n.seq
+            LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
+        ) n
+        WHERE p_run_max > 1 AND c.leasable AND c.run_stream IS NOT NULL AND b.rows_left > 0
+    ),
+    -- locked: those rows locked, as they are now (a row someone else is writing is
+    -- skipped, and ends its run there)
+    locked AS MATERIALIZED (
+        SELECT l.seq, l.ctid, l.leasable
+        FROM upcoming u
+        CROSS JOIN LATERAL (
+            -- one primary key lookup per row
+            SELECT n.seq, n.ctid,
+                   n.processed_at IS NULL AND n.dead_lettered_at IS NULL
+                   AND n.attempts < n.max_attempts
+                   AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
+                   AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
+            FROM workpump_outbox n
+            WHERE n.seq = u.seq
+            FOR UPDATE OF n SKIP LOCKED
+        ) l
+    ),
+    -- followers: each head's run, the consecutive leasable rows right after it (the
+    -- first row that is not ends the run), in the budget the heads left
+    followers AS (
+        SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
+               c.run_priority, c.run_stream, c.run_scope
+        FROM (
+            SELECT u.head_seq, u.seq, u.position, l.ctid,
+                   bool_and(coalesce(l.leasable, false))
+                       OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
+            FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
+        ) r
+        JOIN candidates c ON c.seq = r.head_seq
+        WHERE r.in_run
+        ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
+        LIMIT (SELECT b.rows_left FROM run_budget b)
+    ),
+    -- leased: the heads and their runs
+    leased AS (
+        SELECT * FROM candidates
+        UNION ALL SELECT * FROM followers
+    ),
+    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
+    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
+    -- attempt that ended without an outcome. Rows are found by the ctid of the version
+    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
+    claimed_heads AS (
         UPDATE workpump_outbox t SET
             attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
             instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
@@ -1696,6 +1763,37 @@ BEGIN
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers
     ),
+    -- claimed_runs: each follower leased the same way (it has attempts left)
+    claimed_runs AS (
+        UPDATE workpump_outbox t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM followers c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.message_id AS work_id, t.destination AS topic,
+                  t.payload AS payload, t.stream, '' AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+    ),
+    claimed AS (
+        SELECT * FROM claimed_heads
+        UNION ALL SELECT * FROM claimed_runs
+    ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
     pinned AS (
@@ -1713,14 +1811,15 @@ BEGIN
                 lease_expiry = excluded.lease_expiry,
                 last_activity_at = excluded.last_activity_at
     )
-    -- the leased rows (parked ones are not returned), pass by pass as claimed
+    -- the leased rows (parked ones are not returned), pass by pass as claimed, each
+    -- run together after its head, in stream order
     SELECT 'outbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
            c.claimed_at, c.lease_token, c.headers
     FROM claimed c
-    JOIN candidates USING (seq)
+    JOIN leased USING (seq)
     WHERE NOT c.dead
-    ORDER BY candidates.pass, c.priority DESC, c.seq;
+    ORDER BY leased.pass, leased.run_priority DESC, leased.run_seq, c.seq;
 END
 $$;
 
@@ -1738,7 +1837,8 @@ CREATE FUNCTION workpump.claim_inbox(
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
     p_now timestamptz DEFAULT NULL,
-    p_topic_prefixes text[] DEFAULT NULL
+    p_topic_prefixes text[] DEFAULT NULL,
+    p_run_max integer DEFAULT 1
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1752,7 +1852,9 @@ BEGIN
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
     -- longest due first (index wp_inbox_timer)
     timers AS MATERIALIZED (
-        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable
+        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
+               t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+               ''::text AS run_scope
         FROM workpump_inbox t
         WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
@@ -1767,7 +1869,9 @@ BEGIN
     -- (partition_number mod live count = rank), in the budget the timers left
     own_share AS MATERIALIZED (
         SELECT * FROM (
-            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable
+            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
+                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                   ''::text AS run_scope
             FROM workpump_inbox t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1784,7 +1888,9 @@ BEGIN
     -- no row waits on a busy peer (index wp_inbox_ready)
     any_share AS MATERIALIZED (
         SELECT * FROM (
-            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable
+            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
+                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                   ''::text AS run_scope
             FROM workpump_inbox t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1798,17 +1904,77 @@ BEGIN
         ) share
         LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
     ),
-    -- candidates: every row locked above, once (the three passes are disjoint)
+    -- candidates: every head locked above, once (the three passes are disjoint)
     candidates AS (
         SELECT * FROM timers
         UNION ALL SELECT * FROM own_share
         UNION ALL SELECT * FROM any_share
     ),
-    -- claimed: each candidate leased (one attempt more, a new token) or, with its attempts
-    -- used up, parked as dead; an expired lease taken over is stamped as an attempt that
-    -- ended without an outcome. Rows are found by the ctid of the version locked above: a
-    -- TID lookup, never a scan, whatever the table's statistics say
-    claimed AS (
+    -- run_budget: the rows the heads left in the budget, and how many runs share them
+    run_budget AS MATERIALIZED (
+        SELECT greatest(p_limit - count(*) FILTER (WHERE c.leasable), 0) AS rows_left,
+               count(*) FILTER (WHERE c.leasable AND c.run_stream IS NOT NULL) AS runs
+        FROM candidates c
+    ),
+    -- upcoming: with p_run_max > 1, the undone rows that follow each leasable stream head,
+    -- in stream order, no more per head than its share of the budget
+    upcoming AS MATERIALIZED (
+        SELECT c.seq AS head_seq, n.seq,
+               row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
+        FROM candidates c
+        CROSS JOIN run_budget b
+        CROSS JOIN LATERAL (
+            SELECT n.seq FROM workpump_inbox n
+            WHERE n.stream = c.run_stream AND n.processed_at IS NULL
+              AND n.stream IS NOT NULL AND n.seq > c.seq
+            ORDER BY n.stream, n.seq
+            LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
+        ) n
+        WHERE p_run_max > 1 AND c.leasable AND c.run_stream IS NOT NULL AND b.rows_left > 0
+    ),
+    -- locked: those rows locked, as they are now (a row someone else is writing is
+    -- skipped, and ends its run there)
+    locked AS MATERIALIZED (
+        SELECT l.seq, l.ctid, l.leasable
+        FROM upcoming u
+        CROSS JOIN LATERAL (
+            -- one primary key lookup per row
+            SELECT n.seq, n.ctid,
+                   n.processed_at IS NULL AND n.dead_lettered_at IS NULL
+                   AND n.attempts < n.max_attempts
+                   AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
+                   AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
+            FROM workpump_inbox n
+            WHERE n.seq = u.seq
+            FOR UPDATE OF n SKIP LOCKED
+        ) l
+    ),
+    -- followers: each head's run, the consecutive leasable rows right after it (the
+    -- first row that is not ends the run), in the budget the heads left
+    followers AS (
+        SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
+               c.run_priority, c.run_stream, c.run_scope
+        FROM (
+            SELECT u.head_seq, u.seq, u.position, l.ctid,
+                   bool_and(coalesce(l.leasable, false))
+                       OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
+            FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
+        ) r
+        JOIN candidates c ON c.seq = r.head_seq
+        WHERE r.in_run
+        ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
+        LIMIT (SELECT b.rows_left FROM run_budget b)
+    ),
+    -- leased: the heads and their runs
+    leased AS (
+        SELECT * FROM candidates
+        UNION ALL SELECT * FROM followers
+    ),
+    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
+    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
+    -- attempt that ended without an outcome. Rows are found by the ctid of the version
+    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
+    claimed_heads AS (
         UPDATE workpump_inbox t SET
             attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
             instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
@@ -1834,6 +2000,37 @@ BEGIN
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers
     ),
+    -- claimed_runs: each follower leased the same way (it has attempts left)
+    claimed_runs AS (
+        UPDATE workpump_inbox t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM followers c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.message_id AS work_id, t.handler_name AS topic,
+                  t.payload AS payload, t.stream, '' AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+    ),
+    claimed AS (
+        SELECT * FROM claimed_heads
+        UNION ALL SELECT * FROM claimed_runs
+    ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
     pinned AS (
@@ -1851,14 +2048,15 @@ BEGIN
                 lease_expiry = excluded.lease_expiry,
                 last_activity_at = excluded.last_activity_at
     )
-    -- the leased rows (parked ones are not returned), pass by pass as claimed
+    -- the leased rows (parked ones are not returned), pass by pass as claimed, each
+    -- run together after its head, in stream order
     SELECT 'inbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
            c.claimed_at, c.lease_token, c.headers
     FROM claimed c
-    JOIN candidates USING (seq)
+    JOIN leased USING (seq)
     WHERE NOT c.dead
-    ORDER BY candidates.pass, c.priority DESC, c.seq;
+    ORDER BY leased.pass, leased.run_priority DESC, leased.run_seq, c.seq;
 END
 $$;
 
@@ -1877,7 +2075,8 @@ CREATE FUNCTION workpump.claim_perspective_event(
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
     p_now timestamptz DEFAULT NULL,
-    p_topic_prefixes text[] DEFAULT NULL
+    p_topic_prefixes text[] DEFAULT NULL,
+    p_run_max integer DEFAULT 1
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1891,7 +2090,9 @@ BEGIN
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
     -- longest due first (index wp_persp_timer)
     timers AS MATERIALIZED (
-        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable
+        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
+               t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+               t.perspective_name AS run_scope
         FROM workpump_perspective_event t
         WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
@@ -1906,7 +2107,9 @@ BEGIN
     -- (partition_number mod live count = rank), in the budget the timers left
     own_share AS MATERIALIZED (
         SELECT * FROM (
-            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable
+            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
+                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                   t.perspective_name AS run_scope
             FROM workpump_perspective_event t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1923,7 +2126,9 @@ BEGIN
     -- no row waits on a busy peer (index wp_persp_ready)
     any_share AS MATERIALIZED (
         SELECT * FROM (
-            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable
+            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
+                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                   t.perspective_name AS run_scope
             FROM workpump_perspective_event t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1937,17 +2142,77 @@ BEGIN
         ) share
         LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
     ),
-    -- candidates: every row locked above, once (the three passes are disjoint)
+    -- candidates: every head locked above, once (the three passes are disjoint)
     candidates AS (
         SELECT * FROM timers
         UNION ALL SELECT * FROM own_share
         UNION ALL SELECT * FROM any_share
     ),
-    -- claimed: each candidate leased (one attempt more, a new token) or, with its attempts
-    -- used up, parked as dead; an expired lease taken over is stamped as an attempt that
-    -- ended without an outcome. Rows are found by the ctid of the version locked above: a
-    -- TID lookup, never a scan, whatever the table's statistics say
-    claimed AS (
+    -- run_budget: the rows the heads left in the budget, and how many runs share them
+    run_budget AS MATERIALIZED (
+        SELECT greatest(p_limit - count(*) FILTER (WHERE c.leasable), 0) AS rows_left,
+               count(*) FILTER (WHERE c.leasable AND c.run_stream IS NOT NULL) AS runs
+        FROM candidates c
+    ),
+    -- upcoming: with p_run_max > 1, the undone rows that follow each leasable stream head,
+    -- in stream order, no more per head than its share of the budget
+    upcoming AS MATERIALIZED (
+        SELECT c.seq AS head_seq, n.seq,
+               row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
+        FROM candidates c
+        CROSS JOIN run_budget b
+        CROSS JOIN LATERAL (
+            SELECT n.seq FROM workpump_perspective_event n
+            WHERE n.perspective_name = c.run_scope AND n.stream = c.run_stream AND n.processed_at IS NULL
+              AND n.stream IS NOT NULL AND n.seq > c.seq
+            ORDER BY n.perspective_name, n.stream, n.seq
+            LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
+        ) n
+        WHERE p_run_max > 1 AND c.leasable AND c.run_stream IS NOT NULL AND b.rows_left > 0
+    ),
+    -- locked: those rows locked, as they are now (a row someone else is writing is
+    -- skipped, and ends its run there)
+    locked AS MATERIALIZED (
+        SELECT l.seq, l.ctid, l.leasable
+        FROM upcoming u
+        CROSS JOIN LATERAL (
+            -- one primary key lookup per row
+            SELECT n.seq, n.ctid,
+                   n.processed_at IS NULL AND n.dead_lettered_at IS NULL
+                   AND n.attempts < n.max_attempts
+                   AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
+                   AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
+            FROM workpump_perspective_event n
+            WHERE n.seq = u.seq
+            FOR UPDATE OF n SKIP LOCKED
+        ) l
+    ),
+    -- followers: each head's run, the consecutive leasable rows right after it (the
+    -- first row that is not ends the run), in the budget the heads left
+    followers AS (
+        SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
+               c.run_priority, c.run_stream, c.run_scope
+        FROM (
+            SELECT u.head_seq, u.seq, u.position, l.ctid,
+                   bool_and(coalesce(l.leasable, false))
+                       OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
+            FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
+        ) r
+        JOIN candidates c ON c.seq = r.head_seq
+        WHERE r.in_run
+        ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
+        LIMIT (SELECT b.rows_left FROM run_budget b)
+    ),
+    -- leased: the heads and their runs
+    leased AS (
+        SELECT * FROM candidates
+        UNION ALL SELECT * FROM followers
+    ),
+    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
+    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
+    -- attempt that ended without an outcome. Rows are found by the ctid of the version
+    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
+    claimed_heads AS (
         UPDATE workpump_perspective_event t SET
             attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
             instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
@@ -1973,6 +2238,37 @@ BEGIN
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers
     ),
+    -- claimed_runs: each follower leased the same way (it has attempts left)
+    claimed_runs AS (
+        UPDATE workpump_perspective_event t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM followers c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.event_work_id AS work_id, t.perspective_name AS topic,
+                  NULL::jsonb AS payload, t.stream, t.perspective_name AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+    ),
+    claimed AS (
+        SELECT * FROM claimed_heads
+        UNION ALL SELECT * FROM claimed_runs
+    ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
     pinned AS (
@@ -1990,15 +2286,16 @@ BEGIN
                 lease_expiry = excluded.lease_expiry,
                 last_activity_at = excluded.last_activity_at
     )
-    -- the leased rows (parked ones are not returned), pass by pass as claimed
+    -- the leased rows (parked ones are not returned), pass by pass as claimed, each
+    -- run together after its head, in stream order
     SELECT 'perspective_event'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
            c.claimed_at, c.lease_token, c.headers
     FROM claimed c
-    JOIN candidates USING (seq)
+    JOIN leased USING (seq)
     JOIN workpump_event e ON e.event_id = c.event_id
     WHERE NOT c.dead
-    ORDER BY candidates.pass, c.priority DESC, c.seq;
+    ORDER BY leased.pass, leased.run_priority DESC, leased.run_seq, c.seq;
 END
 $$;
 
@@ -2017,7 +2314,8 @@ CREATE FUNCTION workpump.claim_receptor(
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
     p_now timestamptz DEFAULT NULL,
-    p_topic_prefixes text[] DEFAULT NULL
+    p_topic_prefixes text[] DEFAULT NULL,
+    p_run_max integer DEFAULT 1
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -2031,7 +2329,9 @@ BEGIN
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
     -- longest due first (index wp_receptor_timer)
     timers AS MATERIALIZED (
-        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable
+        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
+               t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+               t.receptor_name AS run_scope
         FROM workpump_receptor_processing t
         WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
@@ -2046,7 +2346,9 @@ BEGIN
     -- (partition_number mod live count = rank), in the budget the timers left
     own_share AS MATERIALIZED (
         SELECT * FROM (
-            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable
+            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
+                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                   t.receptor_name AS run_scope
             FROM workpump_receptor_processing t
             WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -2063,7 +2365,9 @@ BEGIN
     -- no row waits on a busy peer (index wp_receptor_ready)
     any_share AS MATERIALIZED (
         SELECT * FROM (
-            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable
+            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
+                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                   t.receptor_name AS run_scope
             FROM workpump_receptor_processing t
             WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -2077,17 +2381,77 @@ BEGIN
         ) share
         LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
     ),
-    -- candidates: every row locked above, once (the three passes are disjoint)
+    -- candidates: every head locked above, once (the three passes are disjoint)
     candidates AS (
         SELECT * FROM timers
         UNION ALL SELECT * FROM own_share
         UNION ALL SELECT * FROM any_share
     ),
-    -- claimed: each candidate leased (one attempt more, a new token) or, with its attempts
-    -- used up, parked as dead; an expired lease taken over is stamped as an attempt that
-    -- ended without an outcome. Rows are found by the ctid of the version locked above: a
-    -- TID lookup, never a scan, whatever the table's statistics say
-    claimed AS (
+    -- run_budget: the rows the heads left in the budget, and how many runs share them
+    run_budget AS MATERIALIZED (
+        SELECT greatest(p_limit - count(*) FILTER (WHERE c.leasable), 0) AS rows_left,
+               count(*) FILTER (WHERE c.leasable AND c.run_stream IS NOT NULL) AS runs
+        FROM candidates c
+    ),
+    -- upcoming: with p_run_max > 1, the undone rows that follow each leasable stream head,
+    -- in stream order, no more per head than its share of the budget
+    upcoming AS MATERIALIZED (
+        SELECT c.seq AS head_seq, n.seq,
+               row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
+        FROM candidates c
+        CROSS JOIN run_budget b
+        CROSS JOIN LATERAL (
+            SELECT n.seq FROM workpump_receptor_processing n
+            WHERE n.receptor_name = c.run_scope AND n.stream = c.run_stream AND n.completed_at IS NULL
+              AND n.stream IS NOT NULL AND n.seq > c.seq
+            ORDER BY n.receptor_name, n.stream, n.seq
+            LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
+        ) n
+        WHERE p_run_max > 1 AND c.leasable AND c.run_stream IS NOT NULL AND b.rows_left > 0
+    ),
+    -- locked: those rows locked, as they are now (a row someone else is writing is
+    -- skipped, and ends its run there)
+    locked AS MATERIALIZED (
+        SELECT l.seq, l.ctid, l.leasable
+        FROM upcoming u
+        CROSS JOIN LATERAL (
+            -- one primary key lookup per row
+            SELECT n.seq, n.ctid,
+                   n.completed_at IS NULL AND n.dead_lettered_at IS NULL
+                   AND n.attempts < n.max_attempts
+                   AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
+                   AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
+            FROM workpump_receptor_processing n
+            WHERE n.seq = u.seq
+            FOR UPDATE OF n SKIP LOCKED
+        ) l
+    ),
+    -- followers: each head's run, the consecutive leasable rows right after it (the
+    -- first row that is not ends the run), in the budget the heads left
+    followers AS (
+        SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
+               c.run_priority, c.run_stream, c.run_scope
+        FROM (
+            SELECT u.head_seq, u.seq, u.position, l.ctid,
+                   bool_and(coalesce(l.leasable, false))
+                       OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
+            FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
+        ) r
+        JOIN candidates c ON c.seq = r.head_seq
+        WHERE r.in_run
+        ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
+        LIMIT (SELECT b.rows_left FROM run_budget b)
+    ),
+    -- leased: the heads and their runs
+    leased AS (
+        SELECT * FROM candidates
+        UNION ALL SELECT * FROM followers
+    ),
+    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
+    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
+    -- attempt that ended without an outcome. Rows are found by the ctid of the version
+    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
+    claimed_heads AS (
         UPDATE workpump_receptor_processing t SET
             attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
             instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
@@ -2113,6 +2477,37 @@ BEGIN
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers
     ),
+    -- claimed_runs: each follower leased the same way (it has attempts left)
+    claimed_runs AS (
+        UPDATE workpump_receptor_processing t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM followers c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.id AS work_id, t.receptor_name AS topic,
+                  NULL::jsonb AS payload, t.stream, t.receptor_name AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+    ),
+    claimed AS (
+        SELECT * FROM claimed_heads
+        UNION ALL SELECT * FROM claimed_runs
+    ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
     pinned AS (
@@ -2130,15 +2525,16 @@ BEGIN
                 lease_expiry = excluded.lease_expiry,
                 last_activity_at = excluded.last_activity_at
     )
-    -- the leased rows (parked ones are not returned), pass by pass as claimed
+    -- the leased rows (parked ones are not returned), pass by pass as claimed, each
+    -- run together after its head, in stream order
     SELECT 'receptor'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
            c.claimed_at, c.lease_token, c.headers
     FROM claimed c
-    JOIN candidates USING (seq)
+    JOIN leased USING (seq)
     JOIN workpump_event e ON e.event_id = c.event_id
     WHERE NOT c.dead
-    ORDER BY candidates.pass, c.priority DESC, c.seq;
+    ORDER BY leased.pass, leased.run_priority DESC, leased.run_seq, c.seq;
 END
 $$;
 
@@ -2171,7 +2567,10 @@ RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_
 -- has_more is true on the rows of a category that filled its share of the budget (the
 -- caller should poll again at once); a NOTICE 'workpump.has_more=true' says the same.
 -- Each category's rows are leased by its own function: claim_outbox, claim_inbox,
--- claim_perspective_event, claim_receptor.
+-- claim_perspective_event, claim_receptor. With p_stream_run_max > 1 a stream head is
+-- leased with a run: up to that many rows in all, the head and the consecutive rows that
+-- follow it and could be leased now, each with its own token, returned together in stream
+-- order; the runs' rows count against p_max_rows (schema version 15).
 CREATE FUNCTION workpump.claim_work(
     p_instance_id uuid,
     p_max_rows integer DEFAULT 100,
@@ -2182,7 +2581,8 @@ CREATE FUNCTION workpump.claim_work(
     p_definitively_dead_after_seconds integer DEFAULT 300,
     p_now timestamptz DEFAULT NULL,
     p_topics jsonb DEFAULT NULL,
-    p_topic_prefixes jsonb DEFAULT NULL
+    p_topic_prefixes jsonb DEFAULT NULL,
+    p_stream_run_max integer DEFAULT 1
 ) RETURNS TABLE (
     category text,
     work_id uuid,
@@ -2238,6 +2638,10 @@ BEGIN
     END IF;
     IF p_lease_seconds IS NULL OR p_lease_seconds < 1 THEN
         RAISE EXCEPTION 'claim_work needs p_lease_seconds >= 1, not %.', coalesce(p_lease_seconds::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_stream_run_max IS NULL OR p_stream_run_max < 1 THEN
+        RAISE EXCEPTION 'claim_work needs p_stream_run_max >= 1, not %.', coalesce(p_stream_run_max::text, 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF p_partition_count IS NULL OR p_partition_count < 1 THEN
@@ -2380,16 +2784,20 @@ BEGIN
         v_rows := CASE v_category
             WHEN 'outbox' THEN ARRAY(SELECT w FROM workpump.claim_outbox(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_outbox_topics, v_now, v_outbox_prefixes) w)
+                v_outbox_topics, v_now, v_outbox_prefixes,
+                p_stream_run_max) w)
             WHEN 'inbox' THEN ARRAY(SELECT w FROM workpump.claim_inbox(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_inbox_topics, v_now, v_inbox_prefixes) w)
+                v_inbox_topics, v_now, v_inbox_prefixes,
+                p_stream_run_max) w)
             WHEN 'perspective_event' THEN ARRAY(SELECT w FROM workpump.claim_perspective_event(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_perspective_topics, v_now, v_perspective_prefixes) w)
+                v_perspective_topics, v_now, v_perspective_prefixes,
+                p_stream_run_max) w)
             ELSE ARRAY(SELECT w FROM workpump.claim_receptor(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_receptor_topics, v_now, v_receptor_prefixes) w)
+                v_receptor_topics, v_now, v_receptor_prefixes,
+                p_stream_run_max) w)
         END;
         v_count := coalesce(cardinality(v_rows), 0);
         v_remaining := v_remaining - v_count;
@@ -2407,16 +2815,20 @@ BEGIN
         v_rows := CASE v_category
             WHEN 'outbox' THEN ARRAY(SELECT w FROM workpump.claim_outbox(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_outbox_topics, v_now, v_outbox_prefixes) w)
+                v_outbox_topics, v_now, v_outbox_prefixes,
+                p_stream_run_max) w)
             WHEN 'inbox' THEN ARRAY(SELECT w FROM workpump.claim_inbox(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_inbox_topics, v_now, v_inbox_prefixes) w)
+                v_inbox_topics, v_now, v_inbox_prefixes,
+                p_stream_run_max) w)
             WHEN 'perspective_event' THEN ARRAY(SELECT w FROM workpump.claim_perspective_event(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_perspective_topics, v_now, v_perspective_prefixes) w)
+                v_perspective_topics, v_now, v_perspective_prefixes,
+                p_stream_run_max) w)
             ELSE ARRAY(SELECT w FROM workpump.claim_receptor(
                 p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                v_receptor_topics, v_now, v_receptor_prefixes) w)
+                v_receptor_topics, v_now, v_receptor_prefixes,
+                p_stream_run_max) w)
         END;
         v_count := coalesce(cardinality(v_rows), 0);
         v_remaining := v_remaining - v_count;
@@ -2449,6 +2861,7 @@ AS $$
 DECLARE
     v_meta record := workpump.work_table(p_category);
     v_count integer;
+    v_ready integer;
 BEGIN
     -- lock in one order for every caller; a separate statement so the promotion below
     -- sees rows that producers committed while this waited
@@ -2457,6 +2870,7 @@ BEGIN
           WHERE u.stream IS NOT NULL ORDER BY u.scope, u.stream) s;
 
     EXECUTE format($q$
+        WITH promoted AS (
         UPDATE %1$I t SET stream_head = true
         FROM (SELECT DISTINCT u.scope, u.stream
               FROM unnest($1::text[], $2::text[]) u(scope, stream)
@@ -2467,13 +2881,18 @@ BEGIN
             WHERE %3$s n.stream = s.stream AND n.%2$I IS NULL
             ORDER BY n.seq LIMIT 1
         ) h
-        WHERE t.seq = h.seq AND NOT t.stream_head$q$,
+        WHERE t.seq = h.seq AND NOT t.stream_head
+        RETURNING t.instance_id
+        )
+        SELECT count(*), count(*) FILTER (WHERE promoted.instance_id IS NULL)
+        FROM promoted$q$,
         v_meta.tbl, v_meta.done_col,
         CASE WHEN v_meta.scope_col IS NULL THEN ''
              ELSE format('n.%I = s.scope AND', v_meta.scope_col) END)
+    INTO v_count, v_ready
     USING p_scopes, p_streams;
-    GET DIAGNOSTICS v_count = ROW_COUNT;
-    IF v_count > 0 THEN
+    -- a head still leased (the next row of its owner's run) wakes no claimer
+    IF v_ready > 0 THEN
         PERFORM pg_notify('workpump_' || p_category, p_category);
     END IF;
     RETURN v_count;

@@ -1,0 +1,144 @@
+"""Batch perspectives and receptors: one call per stream run, with ``list[Work]`` in order.
+
+Real pumps on real PostgreSQL; events are emitted before the pump starts, so a stream's
+rows are claimed as runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.test import override_settings
+
+import django_workpump as workpump
+from django_workpump import models
+from django_workpump.pump.supervisor import EXIT_OK
+from django_workpump.registry import registry
+from tests.conftest import FAST_PUMP, drain, run_sql, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FAST = {**FAST_PUMP, "CONCURRENCY": 2, "CLAIM_PREFETCH": 50, "STREAM_RUN_MAX": 100}
+
+
+@pytest.fixture
+def subscribe() -> Iterator[Callable[..., None]]:
+    registered: list[tuple[str, str]] = []
+
+    def register(kind: str, name: str, func: Callable[..., Any], **options: Any) -> None:
+        getattr(workpump, kind)(name, **options)(func)
+        registered.append(("perspective_event" if kind == "perspective" else "receptor", name))
+
+    yield register
+    for category, name in registered:
+        registry.unregister(category, name)
+
+
+@pytest.mark.parametrize("kind", ["perspective", "receptor"])
+@override_settings(WORKPUMP=FAST)
+def test_a_batch_handler_gets_each_stream_run_as_one_list_in_order(subscribe, pump, kind):
+    calls: list[tuple[str, list[int]]] = []
+    lock = threading.Lock()
+
+    def project(works: list[Any]) -> None:
+        assert isinstance(works, list)
+        with lock:
+            calls.append((works[0].stream, [work.payload["n"] for work in works]))
+            assert {work.stream for work in works} == {works[0].stream}
+
+    subscribe(kind, "batch.totals", project, events=["batch.placed"], batch=True)
+    for n in range(20):
+        for stream in ("a", "b"):
+            workpump.emit("batch.placed", {"n": n}, stream=stream)
+
+    assert drain(pump(drain=True)) == EXIT_OK
+    for stream in ("a", "b"):
+        runs = [ns for s, ns in calls if s == stream]
+        assert [n for ns in runs for n in ns] == list(range(20))
+        assert len(runs) < 20, "rows came one per call, not as runs"
+    model = models.PerspectiveEvent if kind == "perspective" else models.ReceptorProcessing
+    assert set(model.objects.values_list("attempts", flat=True)) == {1}
+
+
+@override_settings(WORKPUMP=FAST)
+def test_a_failing_batch_fails_the_first_row_and_releases_the_rest_unspent(subscribe, pump):
+    calls: list[list[int]] = []
+
+    def project(works: list[Any]) -> None:
+        calls.append([(work.payload["n"], work.attempts) for work in works])
+        if len(calls) == 1:
+            raise RuntimeError("the first batch fails")
+
+    subscribe("perspective", "batch.fail", project, events=["batch.failing"], batch=True)
+    for n in range(6):
+        workpump.emit("batch.failing", {"n": n}, stream="s")
+
+    assert drain(pump(drain=True)) == EXIT_OK
+    first = calls[0]
+    assert [n for n, _ in first] == list(range(6))
+    # the retry starts with the failed first row (its second attempt), the rest on their first
+    rerun = [pair for call in calls[1:] for pair in call]
+    assert rerun == [(0, 2), *((n, 1) for n in range(1, 6))]
+    rows = list(models.PerspectiveEvent.objects.order_by("seq"))
+    assert rows[0].last_error.startswith("RuntimeError")
+    assert [row.attempts for row in rows] == [2, 1, 1, 1, 1, 1]
+
+
+@override_settings(WORKPUMP=FAST)
+def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
+    subscribe, pump, raw_connect
+):
+    run_sql("CREATE TABLE batch_effect (event_work_id uuid, attempt int)")
+    try:
+        entered = threading.Event()
+        proceed = threading.Event()
+
+        def project(works: list[Any]) -> None:
+            for work in works:
+                run_sql("INSERT INTO batch_effect VALUES (%s, %s)", [work.id, work.attempts])
+            if works[0].attempts == 1:
+                entered.set()
+                proceed.wait(10)
+
+        subscribe(
+            "perspective", "batch.atomic", project, events=["batch.atomic"], atomic=True, batch=True
+        )
+        for n in range(5):
+            workpump.emit("batch.atomic", {"n": n}, stream="s")
+        supervisor = pump()
+        assert entered.wait(10)
+        # Another instance takes the run's last row over while the batch runs.
+        last = models.PerspectiveEvent.objects.order_by("-seq").first()
+        assert last is not None and last.instance_id is not None
+        thief = uuid.uuid4()
+        other = raw_connect()
+        other.execute(
+            "UPDATE workpump_perspective_event SET instance_id = %s,"
+            " lease_expiry = now() + interval '1 h' WHERE event_work_id = %s",
+            [thief, last.event_work_id],
+        )
+        proceed.set()
+        assert wait_until(lambda: supervisor.dispatcher.stats.lost_leases >= 1)
+        # Nothing of the batch committed: not one effect, not one completion.
+        assert run_sql("SELECT count(*) AS n FROM batch_effect")[0]["n"] == 0
+        assert not models.PerspectiveEvent.objects.filter(processed_at__isnull=False).exists()
+        # Once the thief lets go, the stream runs again from its first row, in order.
+        other.execute(
+            "SELECT workpump.release_leases('perspective_event', ARRAY[%s]::uuid[],"
+            " p_force => true)",
+            [last.event_work_id],
+        )
+        assert wait_until(
+            lambda: not models.PerspectiveEvent.objects.filter(processed_at__isnull=True).exists()
+        )
+        effects = run_sql("SELECT event_work_id FROM batch_effect")
+        order = list(
+            models.PerspectiveEvent.objects.order_by("seq").values_list("event_work_id", flat=True)
+        )
+        assert [row["event_work_id"] for row in effects] == order
+    finally:
+        run_sql("DROP TABLE batch_effect")
