@@ -120,7 +120,8 @@ def install_schema(system: str, server: Server, database: str) -> None:
 RESET_SQL = {
     "workpump": "TRUNCATE workpump_outbox, workpump_inbox, workpump_perspective_event,"
     " workpump_receptor_processing, workpump_event, workpump_inbox_dedup,"
-    " workpump_active_stream, workpump_service_instance, workpump_eviction",
+    " workpump_active_stream, workpump_service_instance, workpump_eviction,"
+    " benchapp_benchrecord",
     "pgqueuer": "TRUNCATE pgqueuer, pgqueuer_log, pgqueuer_statistics",
     "procrastinate": "TRUNCATE procrastinate_jobs, procrastinate_events, procrastinate_workers"
     " CASCADE",

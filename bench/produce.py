@@ -36,7 +36,9 @@ def _django() -> None:
     django.setup()
 
 
-def ours_bulk(n: int, batch: int, task: str, variant: str) -> dict[str, Any]:
+def ours_bulk(
+    n: int, batch: int, task: str, variant: str, stream: str | None = None
+) -> dict[str, Any]:
     _django()
     from django.db import connection, transaction
 
@@ -55,7 +57,7 @@ def ours_bulk(n: int, batch: int, task: str, variant: str) -> dict[str, Any]:
         with transaction.atomic():
             if variant == "send":
                 for i in range(done, done + size):
-                    workpump.send(destination, {"i": i})
+                    workpump.send(destination, {"i": i}, stream=stream)
             elif variant == "many":  # the bulk producer: one statement per batch
                 workpump.send_many(destination, [{"i": i} for i in range(done, done + size)])
             else:  # "set": what a bulk producer (send_many) would run: one INSERT per batch
@@ -131,11 +133,13 @@ async def pgq_latency(n: int, gap_ms: float, offset: int) -> dict[str, Any]:
 
 
 # -- Procrastinate (psycopg) -------------------------------------------------------
-async def proc_bulk(n: int, batch: int, task: str) -> dict[str, Any]:
+async def proc_bulk(n: int, batch: int, task: str, lock: str | None = None) -> dict[str, Any]:
     from bench.peers.proc_app import app
 
     async with app.open_async():
         job_task = app.tasks[task]
+        if lock is not None:  # one lock: the jobs run one at a time, in order
+            job_task = job_task.configure(lock=lock)
         started = now_ns()
         done = 0
         while done < n:
@@ -173,10 +177,12 @@ def main() -> None:
     parser.add_argument("--variant", default="send", choices=["send", "single", "many", "set"])
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--stream", default=None, help="workpump: every job on this stream")
+    parser.add_argument("--lock", default=None, help="procrastinate: every job under this lock")
     a = parser.parse_args()
     if a.system == "workpump":
         if a.mode == "bulk":
-            result = ours_bulk(a.n, a.batch, a.task, a.variant)
+            result = ours_bulk(a.n, a.batch, a.task, a.variant, a.stream)
         else:
             result = ours_latency(a.n, a.gap_ms, a.offset)
     elif a.system == "pgqueuer":
@@ -188,7 +194,7 @@ def main() -> None:
         result = asyncio.run(coro)
     else:
         coro = (
-            proc_bulk(a.n, a.batch, a.task)
+            proc_bulk(a.n, a.batch, a.task, a.lock)
             if a.mode == "bulk"
             else proc_latency(a.n, a.gap_ms, a.offset)
         )

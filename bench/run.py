@@ -20,7 +20,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VENV = BENCH / ".venv"
-SECTIONS = ("latency", "throughput", "claim", "writes", "profile", "scale")
+SECTIONS = ("latency", "throughput", "claim", "writes", "profile", "scale", "ordered")
 
 
 def bootstrap() -> None:

@@ -34,6 +34,10 @@ class Config:
     claim_calls: int
     profile: bool
     profile_jobs: int
+    ordered_jobs: int = 5_000  # no-op rows per ordered-section case
+    ordered_orm_jobs: int = 3_000  # ORM-handler rows per ordered-section case
+    ordered_proc_jobs: int = 100  # Procrastinate lock= jobs enqueued
+    ordered_proc_window: float = 20.0  # seconds Procrastinate lock= gets
 
 
 QUICK = Config(
@@ -78,11 +82,17 @@ FULL = Config(
     claim_calls=1_000,
     profile=True,
     profile_jobs=5_000,
+    ordered_jobs=20_000,
+    ordered_orm_jobs=10_000,
+    ordered_proc_jobs=200,
+    ordered_proc_window=60.0,
 )
+# BENCH_DB_PREFIX renames them, so two runs on one server keep apart.
+_PREFIX = os.environ.get("BENCH_DB_PREFIX", "wp_bench")
 DATABASES = {
-    "workpump": "wp_bench",
-    "pgqueuer": "wp_bench_pgqueuer",
-    "procrastinate": "wp_bench_procrastinate",
+    "workpump": _PREFIX,
+    "pgqueuer": f"{_PREFIX}_pgqueuer",
+    "procrastinate": f"{_PREFIX}_procrastinate",
 }
 # Our "tuned" configuration: a bigger claim batch (the one knob the profile points at).
 TUNED = {"CLAIM_PREFETCH": 100}
@@ -255,6 +265,22 @@ def section_scale(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any
         embedded.stop()
 
 
+def section_ordered(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
+    from bench import ordered
+
+    h.install_schema("workpump", server, DATABASES["workpump"])
+    h.install_schema("procrastinate", server, DATABASES["procrastinate"])
+    return ordered.run(
+        server,
+        DATABASES,
+        cfg.ordered_jobs,
+        cfg.ordered_orm_jobs,
+        cfg.ordered_proc_jobs,
+        cfg.ordered_proc_window,
+        workdir,
+    )
+
+
 RUNNERS = {
     "latency": section_latency,
     "throughput": section_throughput,
@@ -262,6 +288,7 @@ RUNNERS = {
     "writes": section_writes,
     "profile": section_profile,
     "scale": section_scale,
+    "ordered": section_ordered,
 }
 
 
@@ -310,6 +337,17 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     )
     out["scale_8_vs_1_ratio"] = _round(scale.get("instances", {}).get("scale_8_vs_1_ratio"))
     out["scale_32_share_spread"] = _round(scale.get("instances", {}).get("scale_32_share_spread"))
+    ordered = sections.get("ordered", {}).get("summary", {})
+    for key in (
+        "ordered_stream_rows_per_s",
+        "ordered_vs_unordered_ratio",
+        "orm_handler_rows_per_s",
+        "orm_default_vs_persistent_ratio",
+        "ordered_orm_rows_per_s",
+        "ordered_orm_vs_unordered_orm_ratio",
+        "procrastinate_lock_jobs_per_s",
+    ):
+        out[key] = _round(ordered.get(key), 0 if key.endswith("rows_per_s") else 2)
     return out
 
 
@@ -394,7 +432,10 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
 
         doc = h.ROOT / "docs" / "benchmarks.md"
         doc.parent.mkdir(exist_ok=True)
-        doc.write_text(report.render(results) + report.kept_sections(doc))
+        if chosen == ["ordered"]:  # its own section only: the others are from a full run
+            doc.write_text(report.splice_ordered(doc, results))
+        else:
+            doc.write_text(report.render(results) + report.kept_sections(doc))
         h.log(f"wrote {doc.relative_to(h.ROOT)}")
     shutil.rmtree(workdir, ignore_errors=True)
     h.log(f"total {time.monotonic() - started:.0f} s")

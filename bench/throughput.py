@@ -25,6 +25,8 @@ class Case:
     workpump: dict[str, Any] = field(default_factory=dict)
     name: str = ""  # "default" | "c10" | "tuned"
     conn_max_age: str | None = None  # BENCH_CONN_MAX_AGE for our worker ("none": persistent)
+    task: str = "noop"  # the handler: bench.<task>
+    stream: str | None = None  # workpump: every job on this one stream
 
     @property
     def key(self) -> str:
@@ -36,9 +38,10 @@ def run_case(
 ) -> dict[str, Any]:
     with server.connect(database) as conn:
         conn.execute(h.RESET_SQL[case.system])
-    enqueue = h.produce(
-        case.system, server, database, ["bulk", "--n", str(case.jobs), "--batch", "1000"]
-    )
+    args = ["bulk", "--n", str(case.jobs), "--batch", "1000", "--task", case.task]
+    if case.stream is not None:
+        args += ["--stream", case.stream]
+    enqueue = h.produce(case.system, server, database, args)
     with server.connect(database) as conn:
         conn.execute(h.ANALYZE_SQL[case.system])
     marks = workdir / f"tp-{case.system}-{case.name}-p{case.processes}-r{rep}.marks"

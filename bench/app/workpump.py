@@ -13,6 +13,15 @@ def noop(work: Any) -> None:
     marks.first_start()
 
 
+@workpump.outbox_handler("bench.orm")
+def orm(work: Any) -> None:
+    """A handler that writes one row through the ORM: what real handlers do."""
+    from bench.app.models import BenchRecord
+
+    marks.first_start()
+    BenchRecord.objects.create(n=work.payload["i"])
+
+
 @workpump.outbox_handler("bench.latency")
 def latency(work: Any) -> None:
     marks.handler_start(work.payload["i"])
