@@ -99,6 +99,27 @@ def test_a_waiting_row_of_a_run_renews_past_the_cap_and_is_charged_once_it_start
     assert not handle.confirm_renewal(clock.monotonic() + 102)
 
 
+def test_a_waiting_row_of_a_run_starts_its_own_timeout_when_it_starts(clock):
+    """Time spent waiting behind the run's earlier rows does not use up a handler's
+    timeout: the hard deadline is set when the row starts, not at the claim."""
+    handle = LeaseHandle(
+        "outbox", uuid.uuid4(), clock.monotonic() + 60, 3, clock, charged=False, timeout=10
+    )
+    assert handle.hard_deadline is None
+    for _ in range(4):  # 160 s of waiting, renewed each time
+        clock.advance(40)
+        assert handle.confirm_renewal(clock.monotonic() + 60)
+    assert not handle.check_deadline()
+
+    handle.start_charging()
+
+    assert handle.hard_deadline == clock.monotonic() + 10
+    assert handle.seconds_left() == 10
+    clock.advance(10)
+    assert handle.check_deadline()
+    assert handle.timed_out
+
+
 def test_disposed_handle_refuses_renewal(clock):
     handle = make_handle(clock, seconds=30)
     deadline = handle.deadline

@@ -385,11 +385,12 @@ class Dispatcher:
                 # cap: as many renewals as reaching it takes, and never past it.
                 # A renewal comes when a third of the local lease is left (renewal.py),
                 # so each one moves the deadline by two thirds of a lease.
-                hard_deadline = received_at + handler.timeout
+                # A row behind others of its run: from when it starts (start_charging).
+                hard_deadline = None if run.jobs else received_at + handler.timeout
                 per_renewal = (self.lease_seconds or lease_length) - self.lease_grace_seconds
                 gain = max(per_renewal * 2 / 3, 1.0)
                 short = handler.timeout - (lease_length - self.lease_grace_seconds)
-                max_renewals = max(math.ceil(short / gain), 0)
+                max_renewals = max(math.ceil(short / gain), 0) + (1 if run.jobs else 0)
             handle = LeaseHandle(
                 row.category,
                 row.work_id,
@@ -399,6 +400,7 @@ class Dispatcher:
                 lease_token=row.lease_token,
                 hard_deadline=hard_deadline,
                 charged=not run.jobs,  # rows behind the first are charged once they start
+                timeout=None if handler is None else handler.timeout,
             )
             with self._lock:
                 previous = self._jobs.get((row.category, row.work_id))

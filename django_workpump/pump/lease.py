@@ -37,6 +37,7 @@ class LeaseHandle:
         lease_token: uuid.UUID | None = None,
         hard_deadline: float | None = None,
         charged: bool = True,
+        timeout: float | None = None,
     ) -> None:
         if max_renewals < 0:
             raise ValueError(f"max_renewals ({max_renewals}) must be zero or more.")
@@ -57,6 +58,8 @@ class LeaseHandle:
         # A row waiting behind others of its stream's run is renewed without counting
         # against the cap until it starts (start_charging): only running time is capped.
         self._charged = charged
+        # Such a row's own timeout (seconds) starts when it starts, not at the claim.
+        self._timeout_from_start = None if charged else timeout
         self._cancel_reason: CancelReason | None = None
         self._overdue_reported = False  # a cancelled handle past its deadline, reported
         self._disposed = False
@@ -132,6 +135,10 @@ class LeaseHandle:
         """The row starts running: from now on its renewals count against the cap."""
         with self._lock:
             self._charged = True
+            if self._timeout_from_start is not None:
+                self.hard_deadline = self._clock.monotonic() + self._timeout_from_start
+                self._deadline = min(self._deadline, self.hard_deadline)
+                self._timeout_from_start = None
 
     def check_deadline(self) -> bool:
         """Cancel the handle if its deadline has come; return whether it is cancelled."""
