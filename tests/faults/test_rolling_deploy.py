@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from django_workpump.sql import named_queries
+from django_workpump.status import EXACT_COUNT_LIMIT
 from tests.faults import harness
 from tests.faults.harness import Backlog, Stopwatch, send_outbox, wait_for
 
@@ -31,6 +32,7 @@ def unhandled(db: harness.Database) -> dict[str, int]:
             "now": None,
             "stale_after_seconds": harness.FAST["STALE_AFTER_SECONDS"],
             "definitively_dead_after_seconds": harness.FAST["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+            "exact_limit": EXACT_COUNT_LIMIT,
         },
     )
     return {row["topic"]: int(row["rows"]) for row in rows}
