@@ -562,8 +562,11 @@ def check_invariants(
 
     1. No row lost: every produced row is there, each category has exactly its count.
     2. Every row is done, or dead with a reason and an error (dead only where allowed).
-    3. Per-stream order: no execution of a row started before the previous row of its
-       stream was done.
+    3. Per-stream order: every execution of a row started after an execution of the
+       previous row of its stream had run to completion (its handler returned). A stream
+       run starts a row as soon as the row before it returned, before that completion is
+       committed, so the previous row's done time is not the bound; a run cut short by a
+       kill re-runs from its first uncommitted row, so each re-run still follows one.
     4. Every done row was executed, and its completing attempt ran.
     5. Each execution that did not complete its row is explained: the handler failed, its
        process was killed, its instance was evicted, or it outlived its lease.
@@ -627,12 +630,18 @@ def check_invariants(
     for key, stream_rows in streams.items():
         stream_rows.sort(key=lambda r: r["n"])
         for before, after in pairwise(stream_rows):
-            starts = [e["started_at"] for e in by_row.get(after["id"], [])]
-            if starts and (before["done_at"] is None or min(starts) < before["done_at"]):
-                problems.append(
-                    f"stream {key}: n={after['n']} started at {min(starts)} before n="
-                    f"{before['n']} was done ({before['done_at']})"
-                )
+            completed = [
+                e["finished_at"]
+                for e in by_row.get(before["id"], [])
+                if e["outcome"] == "done" and e["finished_at"] is not None
+            ]
+            first_completed = min(completed) if completed else None
+            for e in by_row.get(after["id"], []):
+                if first_completed is None or e["started_at"] < first_completed:
+                    problems.append(
+                        f"stream {key}: n={after['n']} started at {e['started_at']} before"
+                        f" n={before['n']} had run to completion ({first_completed})"
+                    )
     return verdict
 
 
