@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from django.db import OperationalError
 from django.test import override_settings
 
 import django_workpump as workpump
 from django_workpump import models
+from django_workpump.pump.coordinator import DatabaseCoordinator
 from django_workpump.registry import registry
 from tests.conftest import FAST_PUMP, wait_until
 
@@ -93,6 +95,39 @@ def test_a_failure_mid_run_blocks_the_stream_and_releases_the_rest_unspent(outbo
     assert attempts == {0: 1, 1: 1, 2: 2, 3: 1, 4: 1, 5: 1, 6: 1, 7: 1}
     assert supervisor.dispatcher.stats.released >= 5
     assert models.Outbox.objects.get(payload__n=2).last_error.startswith("RuntimeError")
+
+
+@override_settings(WORKPUMP={**FAST, "CLAIM_PREFETCH": 20})
+def test_a_release_cut_off_by_a_connection_error_is_retried_not_left_to_expire(
+    outbox_handler, pump, monkeypatch
+):
+    """The database going away as a run is cut short must not leave the run's unstarted
+    rows leased until their leases run out: the release is tried again."""
+    real_release = DatabaseCoordinator.release
+    calls: list[int] = []
+
+    def flaky_release(self: DatabaseCoordinator, category: str, ids: Any, tokens: Any) -> Any:
+        calls.append(len(ids))
+        if len(calls) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_release(self, category, ids, tokens)
+
+    monkeypatch.setattr(DatabaseCoordinator, "release", flaky_release)
+
+    def handle(work: Any) -> None:
+        if work.payload["n"] == 1 and work.attempts == 1:
+            raise RuntimeError("row 1 fails once")
+
+    outbox_handler("runs.release", handle)
+    for n in range(6):
+        workpump.send("runs.release", {"n": n}, stream="s")
+
+    supervisor = pump()
+    assert wait_until(_all_processed)
+    supervisor.shutdown()
+    assert calls[:2] == [4, 4]  # rows 2-5, refused once, then released
+    attempts = dict(models.Outbox.objects.values_list("payload__n", "attempts"))
+    assert attempts == {0: 1, 1: 2, 2: 1, 3: 1, 4: 1, 5: 1}
 
 
 @override_settings(WORKPUMP={**FAST, "STREAM_RUN_MAX": 4, "CONCURRENCY": 3})

@@ -250,6 +250,9 @@ class DispatchStats:
 
 # How long stop() waits for each outcome flusher's final flush when not told.
 FINAL_FLUSH_SECONDS = 5.0
+# A failed release of a run's unstarted rows is retried after these delays (doubling).
+RELEASE_RETRY_FIRST_SECONDS = 0.05
+RELEASE_RETRY_MAX_SECONDS = 1.0
 
 
 class Dispatcher:
@@ -974,20 +977,32 @@ class Dispatcher:
                 self._finish(job)  # a newer attempt holds the row: nothing to release
         if not unstarted:
             return
-        try:
-            self.coordinator.release(
-                unstarted[0].row.category,
-                [job.row.work_id for job in unstarted],
-                [job.row.lease_token for job in unstarted],
-            )
-            self.stats.released += len(unstarted)
-        except Exception:
-            # Their leases run out and the rows are claimed again.
-            logger.exception(
-                "release of %d unstarted rows failed",
-                len(unstarted),
-                extra={"action": "release_failed"},
-            )
+        # A connection error (the server restarting, say) is retried while the rows'
+        # leases last: given up, they would wait for their leases to run out.
+        delay = RELEASE_RETRY_FIRST_SECONDS
+        while True:
+            try:
+                self.coordinator.release(
+                    unstarted[0].row.category,
+                    [job.row.work_id for job in unstarted],
+                    [job.row.lease_token for job in unstarted],
+                )
+                self.stats.released += len(unstarted)
+                break
+            except Exception as exc:
+                left = min(job.handle.seconds_left() for job in unstarted)
+                if is_transient(exc) and left > delay and not self._stopping.is_set():
+                    connections[self.alias].close_if_unusable_or_obsolete()
+                    self._stopping.wait(delay)
+                    delay = min(delay * 2, RELEASE_RETRY_MAX_SECONDS)
+                    continue
+                # Their leases run out and the rows are claimed again.
+                logger.exception(
+                    "release of %d unstarted rows failed",
+                    len(unstarted),
+                    extra={"action": "release_failed"},
+                )
+                break
         for job in unstarted:
             self._finish(job)
 
