@@ -530,6 +530,21 @@ def receive_stamped(
     return received
 
 
+def _subscribers(event_type: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The registered subscribers of ``event_type`` as the SQL emit takes them, and the
+    categories their work lands in (each told once the event commits)."""
+    handlers = registry.subscribers(event_type)
+    rows = [
+        {
+            "category": handler.category,
+            "name": handler.topic,
+            "max_attempts": _max_attempts(handler.category, handler.topic, None),
+        }
+        for handler in handlers
+    ]
+    return rows, sorted({handler.category for handler in handlers})
+
+
 def emit(
     event_type: str,
     payload: Mapping[str, Any],
@@ -557,14 +572,7 @@ def emit(
     stream_key = _stream_key(what, stream)
     if key is not None and event_id is None:
         event_id = uuid.uuid4()  # a returned id that differs names the holder
-    subscribers = [
-        {
-            "category": handler.category,
-            "name": handler.topic,
-            "max_attempts": _max_attempts(handler.category, handler.topic, None),
-        }
-        for handler in registry.subscribers(event_type)
-    ]
+    subscribers, categories = _subscribers(event_type)
     alias = using or setting("DATABASE_ALIAS")
     with (
         tracing.producing("emit", "event", event_type, stream=stream_key, headers=given) as out,
@@ -588,7 +596,7 @@ def emit(
         out.stored(result)
         if key is not None and result != event_id:  # Duplicate fails the span too
             return _duplicate(f"Event type {event_type!r}", key, result, on_conflict)
-    for category in sorted({handler.category for handler in registry.subscribers(event_type)}):
+    for category in categories:
         _announce(category, alias)
     _tell_capture("emit", event_type, payload, stream, result)
     return result
@@ -723,14 +731,7 @@ def emit_many(
         ]
     )
     priority = _priority(what, priority)
-    subscribers = [
-        {
-            "category": handler.category,
-            "name": handler.topic,
-            "max_attempts": _max_attempts(handler.category, handler.topic, None),
-        }
-        for handler in registry.subscribers(event_type)
-    ]
+    subscribers, categories = _subscribers(event_type)
     if not texts:
         return []
     alias = using or setting("DATABASE_ALIAS")
@@ -750,7 +751,7 @@ def emit_many(
                 max_payload_depth=MAX_DEPTH,
                 using=alias,
             )
-    for category in sorted({handler.category for handler in registry.subscribers(event_type)}):
+    for category in categories:
         _announce(category, alias)
     if capture_listeners:
         for index, payload in enumerate(payloads):
