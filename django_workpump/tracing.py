@@ -14,7 +14,7 @@ is traced; either way headers stay as the caller gave them and every helper is a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -51,6 +51,11 @@ STREAM = "workpump.stream"
 EVENT_TYPE = "workpump.event_type"
 EVENT_ID = "workpump.event_id"
 TASK = "workpump.task"
+BATCH_COUNT = "messaging.batch.message_count"
+
+# The most producer links one batch handler's span carries (its first rows'); span
+# processors cap links too (the SDK's default limit is 128).
+MAX_BATCH_LINKS = 128
 
 # True inside a producer span: a producer called within it (enqueue's receive) writes
 # that span's context instead of opening a span of its own.
@@ -191,6 +196,51 @@ def handling(work: Work) -> Iterator[None]:
     with _tracer().start_as_current_span(
         f"process {work.topic}",
         context=parent,
+        kind=SpanKind.CONSUMER,
+        links=links,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
+
+
+@contextmanager
+def handling_batch(works: Sequence[Work]) -> Iterator[None]:
+    """Run one batch handler call in a CONSUMER span linked to each row's producer.
+
+    The rows come from many producers, so none is the parent: the span is a child of the
+    current context and links to the producer context of each of its first
+    ``MAX_BATCH_LINKS`` rows. An exception is recorded and raised on, as in ``handling``.
+    """
+    if not enabled() or not works:
+        yield
+        return
+    links = []
+    for work in works[:MAX_BATCH_LINKS]:
+        if not work.headers:
+            continue
+        producer = trace.get_current_span(propagate.extract(work.headers)).get_span_context()
+        if producer.is_valid:
+            links.append(Link(producer, {MESSAGE_ID: str(work.id)}))
+    first = works[0]
+    attributes: dict[str, Any] = {
+        MESSAGING_SYSTEM: SYSTEM,
+        OPERATION_TYPE: "process",
+        OPERATION_NAME: "process",
+        DESTINATION: first.topic,
+        CATEGORY: first.category,
+        BATCH_COUNT: len(works),
+        ATTEMPT: first.attempts,
+    }
+    if first.stream is not None:
+        attributes[STREAM] = first.stream
+    with _tracer().start_as_current_span(
+        f"process {first.topic}",
         kind=SpanKind.CONSUMER,
         links=links,
         attributes=attributes,
