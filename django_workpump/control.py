@@ -13,9 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from numbers import Real
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
+
+if TYPE_CHECKING:
+    from django_workpump.pump.dispatch import Work
 
 Backoff = Callable[[int, BaseException], float | None]
 
@@ -38,27 +41,38 @@ class Snooze(Exception):
     The row keeps its place at the head of its stream, so the stream waits for it. A row
     may snooze ``WORKPUMP["MAX_SNOOZES"]`` times; the next snooze counts as a failed
     attempt (reason ``max_snoozes``).
+
+    A batch handler may name the row with ``work=`` (one of its ``list[Work]``): the rows
+    before it complete, it is snoozed, the rows after it are released. Without ``work=``
+    it is the batch's first row (docs/control-flow.md, "Batch handlers").
     """
 
-    def __init__(self, seconds: float | timedelta) -> None:
+    def __init__(self, seconds: float | timedelta, *, work: Work | None = None) -> None:
         self.seconds = _seconds(
             seconds,
             "workpump.Snooze(seconds)",
             "pass how long to wait, e.g. Snooze(30) or Snooze(timedelta(minutes=5)).",
         )
+        self.work = work
         super().__init__(f"snoozed for {self.seconds:g} s")
 
 
 class Discard(Exception):
-    """Raise to end this row as ``discarded`` with ``reason``; its stream moves on."""
+    """Raise to end this row as ``discarded`` with ``reason``; its stream moves on.
 
-    def __init__(self, reason: str = "discarded by its handler") -> None:
+    A batch handler may name the row with ``work=``, as for ``Snooze``.
+    """
+
+    def __init__(
+        self, reason: str = "discarded by its handler", *, work: Work | None = None
+    ) -> None:
         if not isinstance(reason, str) or not reason.strip():
             raise ValueError(
                 f"workpump.Discard(reason) needs a non-empty string, not {reason!r}: it is "
                 "stored as the row's last error."
             )
         self.reason = reason
+        self.work = work
         super().__init__(reason)
 
 

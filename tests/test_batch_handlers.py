@@ -142,3 +142,146 @@ def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
         assert [row["event_work_id"] for row in effects] == order
     finally:
         run_sql("DROP TABLE batch_effect")
+
+
+@pytest.mark.parametrize("outcome", ["snooze", "discard"])
+@override_settings(WORKPUMP=FAST)
+def test_a_batch_naming_a_poison_row_completes_the_rows_before_it_and_keeps_order(
+    subscribe, pump, outcome
+):
+    handled: list[int] = []  # rows whose work the handler did, in call order
+    acted = threading.Event()
+
+    def project(works: list[Any]) -> None:
+        for work in works:
+            if work.payload["n"] == 3 and not acted.is_set():
+                acted.set()
+                if outcome == "snooze":
+                    raise workpump.Snooze(0, work=work)
+                raise workpump.Discard("row 3 is poison", work=work)
+            handled.append(work.payload["n"])
+
+    subscribe("receptor", "batch.poison", project, events=["batch.poison"], batch=True)
+    for n in range(8):
+        workpump.emit("batch.poison", {"n": n}, stream="s")
+
+    assert drain(pump(drain=True)) == EXIT_OK
+    rows = {
+        row.event.payload["n"]: row
+        for row in models.ReceptorProcessing.objects.select_related("event")
+    }
+    if outcome == "snooze":
+        # 0-2 done by the first call, 3 snoozed (its attempt given back), then 3-7 in order
+        assert handled == list(range(8))
+        assert rows[3].snoozes == 1 and rows[3].attempts == 1
+        assert all(row.completed_at is not None for row in rows.values())
+    else:
+        assert handled == [0, 1, 2, 4, 5, 6, 7]
+        assert rows[3].end_state == "discarded" and rows[3].last_error == "row 3 is poison"
+    assert {n: row.attempts for n, row in rows.items() if n != 3} == dict.fromkeys(
+        [0, 1, 2, 4, 5, 6, 7], 1
+    )
+
+
+@override_settings(WORKPUMP=FAST)
+def test_an_atomic_batch_naming_a_poison_row_redoes_the_rows_before_it(subscribe, pump):
+    run_sql("CREATE TABLE batch_effect (n int)")
+    try:
+        calls: list[list[int]] = []
+
+        def project(works: list[Any]) -> None:
+            calls.append([work.payload["n"] for work in works])
+            for work in works:
+                if work.payload["n"] == 3:
+                    raise workpump.Discard("row 3 is poison", work=work)
+                run_sql("INSERT INTO batch_effect VALUES (%s)", [work.payload["n"]])
+
+        subscribe(
+            "perspective", "batch.redo", project, events=["batch.redo"], atomic=True, batch=True
+        )
+        for n in range(6):
+            workpump.emit("batch.redo", {"n": n}, stream="s")
+
+        assert drain(pump(drain=True)) == EXIT_OK
+        # The first call's transaction rolled back with rows 0-2's work: they were released,
+        # not completed, and ran again after row 3 was discarded.
+        assert calls[0] == [0, 1, 2, 3, 4, 5]
+        assert [n for call in calls[1:] for n in call] == [0, 1, 2, 4, 5]
+        effects = [row["n"] for row in run_sql("SELECT n FROM batch_effect")]
+        assert effects == [0, 1, 2, 4, 5]
+        rows = {
+            row.event.payload["n"]: row
+            for row in models.PerspectiveEvent.objects.select_related("event")
+        }
+        assert rows[3].end_state == "discarded"
+        assert {n: row.attempts for n, row in rows.items() if n != 3} == dict.fromkeys(
+            [0, 1, 2, 4, 5], 1
+        )
+    finally:
+        run_sql("DROP TABLE batch_effect")
+
+
+@override_settings(WORKPUMP=FAST)
+def test_an_abandoned_batch_lets_go_of_its_rows_at_once_and_they_run_again(subscribe, pump):
+    stuck = threading.Event()
+    unstick = threading.Event()
+    calls: list[list[tuple[int, int]]] = []
+
+    def project(works: list[Any]) -> None:
+        calls.append([(work.payload["n"], work.attempts) for work in works])
+        if len(calls) == 1:
+            stuck.set()
+            unstick.wait(20)  # ignores work.cancelled: abandoned at its timeout
+
+    subscribe("perspective", "batch.stuck", project, events=["batch.stuck"], batch=True, timeout=1)
+    for n in range(5):
+        workpump.emit("batch.stuck", {"n": n}, stream="s")
+    supervisor = pump()
+    try:
+        assert stuck.wait(10)
+        assert wait_until(lambda: supervisor.dispatcher.stats.abandoned == 1)
+        # While the stuck handler still runs, its rows are claimed and run again: the
+        # rows after the first were released at once, not left to their leases.
+        assert wait_until(
+            lambda: not models.PerspectiveEvent.objects.filter(processed_at__isnull=True).exists()
+        )
+        assert not unstick.is_set()
+        assert supervisor.dispatcher.wait_idle(10)
+        assert len(supervisor.leases) == 0, "a lease handle of the abandoned batch lingers"
+    finally:
+        unstick.set()
+    # The rerun started at the failed first row (its second attempt), the rest on their first.
+    assert [pair for call in calls[1:] for pair in call] == [(0, 2), *((n, 1) for n in range(1, 5))]
+    rows = list(models.PerspectiveEvent.objects.order_by("seq"))
+    assert "still running at its timeout" in rows[0].last_error
+    assert [row.attempts for row in rows] == [2, 1, 1, 1, 1]
+
+
+@override_settings(WORKPUMP={**FAST, "SHUTDOWN_TIMEOUT_SECONDS": 0})
+def test_a_pump_stopping_mid_batch_fails_its_first_row_and_gives_the_rest_back(subscribe, pump):
+    stuck = threading.Event()
+    unstick = threading.Event()
+
+    def project(works: list[Any]) -> None:
+        stuck.set()
+        unstick.wait(20)  # ignores work.cancelled: still running at the shutdown timeout
+
+    subscribe("receptor", "batch.stopping", project, events=["batch.stopping"], batch=True)
+    for n in range(4):
+        workpump.emit("batch.stopping", {"n": n}, stream="s")
+    supervisor = pump()
+    try:
+        assert stuck.wait(10)
+        supervisor.shutdown()
+        assert len(supervisor.leases) == 0, "a lease handle of the stopped batch lingers"
+    finally:
+        unstick.set()
+
+    rows = list(models.ReceptorProcessing.objects.select_related("event").order_by("seq"))
+    assert [row.event.payload["n"] for row in rows] == [0, 1, 2, 3]
+    assert rows[0].failure_reason == "shutdown" and rows[0].attempts == 1
+    # the others are free at once, their attempts given back
+    assert [(row.instance_id, row.lease_token, row.attempts) for row in rows[1:]] == [
+        (None, None, 0)
+    ] * 3
+    assert all(row.completed_at is None for row in rows)

@@ -584,3 +584,91 @@ def test_the_notify_gate_reports_its_state():
     assert sample("workpump_notify_gate_up") == 1
     gate._set_available(False, "lost")
     assert sample("workpump_notify_gate_up") == 0
+
+
+def _batch_dispatcher(func: Callable[..., Any], **options: Any) -> tuple[Any, Any, Any, Any]:
+    recorder, sample = own_recorder()
+    handlers = Registry()
+    handlers.register(Handler("outbox", "batch", func, batch=True, **options))
+    coordinator = FakeCoordinator()
+    leases = LeaseRegistry()
+    dispatcher = Dispatcher(
+        coordinator,
+        handlers,
+        leases,
+        concurrency=1,
+        lease_grace_seconds=5,
+        clock=FrozenClock(),
+        metrics=recorder,
+    )
+    return dispatcher, coordinator, leases, sample
+
+
+BATCH = {"category": "outbox", "topic": "batch"}
+
+
+def test_a_batch_snoozing_a_row_counts_the_rows_before_it_done_and_holds_none():
+    def handler(works: list[Any]) -> None:
+        raise workpump.Snooze(5, work=works[2])
+
+    dispatcher, coordinator, _, sample = _batch_dispatcher(handler)
+    dispatcher.submit(stream_rows("batch", "s-3", [{"i": i} for i in range(5)]))
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+        assert coordinator.wait_for_call("complete")
+    finally:
+        dispatcher.stop()
+
+    assert sample("workpump_in_flight", category="outbox") == 0
+    assert sample("workpump_done_total", **BATCH) == 2
+    assert sample("workpump_failed_total", **BATCH, reason="handler_error") is None
+    assert sample("workpump_handler_duration_seconds_count", **BATCH) == 5
+    assert dispatcher._outcome_topics == {}
+
+
+def test_a_batch_dead_lettered_by_its_retry_counts_one_failed_dead_row():
+    def handler(works: list[Any]) -> None:
+        raise KeyError("no such account")
+
+    dispatcher, _, _, sample = _batch_dispatcher(handler, retry=workpump.Retry(on=(TimeoutError,)))
+    dispatcher.submit(stream_rows("batch", "s-4", [{"i": i} for i in range(3)]))
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+
+    assert sample("workpump_failed_total", **BATCH, reason="not_retryable") == 1
+    assert sample("workpump_dead_lettered_total", **BATCH, reason="not_retryable") == 1
+    assert sample("workpump_done_total", **BATCH) is None
+    assert sample("workpump_in_flight", category="outbox") == 0
+
+
+def test_an_abandoned_batch_counts_one_abandoned_handler_and_one_failed_row():
+    release = threading.Event()
+    started = threading.Event()
+
+    def handler(works: list[Any]) -> None:
+        started.set()
+        release.wait(WAIT)
+
+    dispatcher, coordinator, leases, sample = _batch_dispatcher(handler)
+    dispatcher.submit(stream_rows("batch", "s-5", [{"i": i} for i in range(4)]))
+    dispatcher.start()
+    try:
+        assert started.wait(WAIT)
+        dispatcher.clock.advance(400)
+        for handle in leases.expire_due():
+            dispatcher.abandon(handle)
+        assert coordinator.wait_for_call("fail")
+        release.set()
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        release.set()
+        dispatcher.stop()
+
+    assert sample("workpump_abandoned_total", **BATCH) == 1
+    assert sample("workpump_failed_total", **BATCH, reason="lease_expired") == 1
+    assert sample("workpump_in_flight", category="outbox") == 0
+    assert dispatcher._outcome_topics == {}

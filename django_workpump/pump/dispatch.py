@@ -9,7 +9,10 @@ whatever it reports later is dropped here and would be fenced out by the databas
 The rows of one ordered stream that a claim leased together (a stream run: the head and
 the rows after it) run in order in one slot, on one thread. A row that does not complete
 ends its run: the rows after it are released unstarted (their attempt given back), so
-the stream waits for the row's retry and nothing runs out of order.
+the stream waits for the row's retry and nothing runs out of order. A batch handler gets
+the run in one call; its ``Snooze``/``Discard`` name the row they mean, and a batch given
+up on (its deadline, or a shutdown) is given up whole: its first row failed, every other
+row released at once (docs/control-flow.md, "Batch handlers").
 
 A row can come back to this same instance while its previous attempt still runs here
 (an operator force-released it, or its lease ran out): the database has given it a new
@@ -224,6 +227,8 @@ class _Run:
     jobs: list[_Job]
     slot_freed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # The rows a batch handler runs in one call: given up on together (_give_up_batch).
+    batch: list[_Job] | None = None
 
 
 def _run_key(row: ClaimedWork) -> tuple[str, str, str] | uuid.UUID:
@@ -598,10 +603,16 @@ class Dispatcher:
         """Run a batch handler once on the rows of ``run`` that can start, in order.
 
         Done: every row completes (with ``atomic``, in the handler's transaction). A
-        failure fails the first row and releases the others unstarted; a lease lost before
-        an atomic batch committed rolls it back and releases the rows still held.
+        failure fails the first row (by the handler's ``Retry``) and releases the others
+        unstarted. ``Snooze``/``Discard`` act on the row they name (the first without
+        ``work=``): the rows before it complete (unless ``atomic``: its transaction rolled
+        back, they are released), the rows after it are released (docs/control-flow.md).
+        A lease lost before an atomic batch committed rolls it back and releases the rows
+        still held.
         """
         started: list[_Job] = []
+        with run.lock:
+            run.batch = started  # abandon() and fail_running() give up on these together
         for job in run.jobs:
             with job.lock:
                 superseded = job.state == JobState.SUPERSEDED
@@ -610,11 +621,11 @@ class Dispatcher:
                 )
                 if startable:
                     job.state = JobState.RUNNING
+                    started.append(job)
             if superseded:
                 self._finish(job)
             if not startable:
                 break
-            started.append(job)
         if not started:
             self._release_rest(run, 0)
             self._free_slot(run)
@@ -629,7 +640,8 @@ class Dispatcher:
                 self.metrics.handler_started(job.row, _queue_wait(job, started_at))
         works = [self._work_for(job) for job in started]
         outcome: HandlerOutcome
-        failure: tuple[str, str] | None = None
+        value: Any = None  # FAIL: (error, reason, delay); SNOOZE: seconds; DISCARD: reason
+        at = 0  # the index of the row the outcome concerns (FAIL, SNOOZE, DISCARD)
         try:
             if handler.atomic:
                 self._call_batch_atomic(handler, started, works)
@@ -642,11 +654,21 @@ class Dispatcher:
             self.stats.lost_leases += 1
             self.metrics.lost(started[0].row.category)
             logger.warning("%s", exc, extra={"action": "lease_lost"})
+        except (Snooze, Discard) as exc:
+            named = _named_row(exc, works)
+            if named is None:
+                outcome = HandlerOutcome.FAIL
+                error = _describe(ValueError(_not_in_batch(exc, works)))  # as run_pending
+                value = (error, FailureReason.HANDLER_ERROR, None)
+            elif isinstance(exc, Snooze):
+                outcome, value, at = HandlerOutcome.SNOOZE, exc.seconds, named
+            else:
+                outcome, value, at = HandlerOutcome.DISCARD, exc.reason, named
         except BaseException as exc:  # noqa: BLE001 (a handler's exit ends its attempt only)
             if not isinstance(exc, Exception):
                 self._discard_loop()
             outcome = HandlerOutcome.FAIL
-            failure = (_describe(exc), FailureReason.HANDLER_ERROR)
+            value = self._failure_of(handler, started[0], exc)
         finally:
             if self.metrics.enabled:
                 # One call ran them all: each row gets an even share of its duration, so
@@ -656,20 +678,23 @@ class Dispatcher:
                     self.metrics.handler_finished(job.row, share)
             between_jobs(self.handler_connections)
         live: list[_Job] = []  # rows this attempt still holds
+        with run.lock:  # against _give_up_batch: the batch is finished or given up, whole
+            for job in started:
+                with job.lock:
+                    if job.state == JobState.ABANDONED:
+                        # abandon() or fail_running() gave the batch up and freed the slot;
+                        # this thread ends
+                        return False
+            for job in started:
+                with job.lock:
+                    if job.state == JobState.RUNNING:
+                        job.state = JobState.FINISHED
+                        live.append(job)
         for job in started:
-            with job.lock:
-                if job.state == JobState.ABANDONED:
-                    return False  # abandon() failed it and freed the slot; this thread ends
-                if job.state == JobState.RUNNING:
-                    job.state = JobState.FINISHED
-                    live.append(job)
             if job not in live:
                 self._finish(job)  # superseded: a newer attempt holds it
         if outcome == HandlerOutcome.DONE:
-            for job in live:
-                self._outcome_queued(1, job.row)
-                self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, None))
-                self._finish(job)
+            self._complete_batch(live)
             self._release_rest(run, len(started))
         elif outcome == HandlerOutcome.DONE_COMMITTED:
             self.stats.completed += len(live)
@@ -680,21 +705,51 @@ class Dispatcher:
             for job in live:
                 self._finish(job)
             self._release_rest(run, len(started))
-        else:
-            # Fail the run's first row (if this attempt still holds it); give the others
-            # back unstarted, so the stream waits for its retry.
-            head = started[0] if outcome == HandlerOutcome.FAIL and started[0] in live else None
-            if head is not None and failure is not None:
-                self._outcome_queued(1, head.row)
-                self.failures.put(FailedAttempt.of(head.row, *failure))
-                self._finish(head)
+        elif outcome == HandlerOutcome.LOST:
             for job in live:
-                if job is not head:
-                    with job.lock:
-                        job.state = JobState.QUEUED  # never committed: released unstarted
+                with job.lock:
+                    job.state = JobState.QUEUED  # never committed: released unstarted
+            self._release_rest(run, 0)
+        else:
+            # Rows before the named one are done, unless an atomic handler's transaction
+            # rolled their work back; the named row gets the outcome; the rest are given
+            # back unstarted, so the stream goes on from the first row not done.
+            if not handler.atomic:
+                self._complete_batch([job for job in started[:at] if job in live])
+            target = started[at] if started[at] in live else None
+            if target is not None:
+                self._batch_outcome(target, outcome, value)
+            for job in live:
+                with job.lock:
+                    if job.state == JobState.FINISHED and not job.finished:
+                        job.state = JobState.QUEUED  # not done here: released unstarted
             self._release_rest(run, 0)
         self._free_slot(run)
         return True
+
+    def _complete_batch(self, jobs: list[_Job]) -> None:
+        """Queue the completion of each of a batch's ``jobs`` (their handler returned)."""
+        for job in jobs:
+            self._outcome_queued(1, job.row)
+            self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, None))
+            self._finish(job)
+        if jobs and jobs[0].row.stream is not None:
+            self.completions.hurry()  # the stream's next row waits on these completions
+
+    def _batch_outcome(self, job: _Job, kind: HandlerOutcome, value: Any) -> None:
+        """Write a batch's failure, snooze or discard for the row it concerns."""
+        if kind == HandlerOutcome.FAIL:
+            error, reason, delay = value
+            if reason == FailureReason.NOT_RETRYABLE:
+                self._write_now(job, "dead-lettering", self._dead_letter, error, reason)
+            else:
+                self._outcome_queued(1, job.row)
+                self.failures.put(FailedAttempt.of(job.row, error, reason, delay))
+        elif kind == HandlerOutcome.SNOOZE:
+            self._write_now(job, "snooze", self._snooze, value)
+        else:
+            self._write_now(job, "discard", self._discard, value)
+        self._finish(job)
 
     def _failure_of(
         self, handler: Handler | None, job: _Job, exc: BaseException
@@ -732,6 +787,12 @@ class Dispatcher:
                 extra={"action": "outcome_write_failed"},
             )
             return
+        if self.metrics.enabled:
+            # A dead-lettering counts as a failed (and dead) row, a fenced-out write as lost.
+            reason = args[-1] if what == "dead-lettering" else None
+            self.metrics.outcomes(
+                job.row.category, outcomes, lambda _: job.row.topic, lambda _: reason
+            )
         for outcome in outcomes:
             if outcome.status == OutcomeStatus.LOST:
                 self.stats.lost_leases += 1
@@ -794,12 +855,14 @@ class Dispatcher:
         return told
 
     def _call_batch(self, handler: Handler, works: list[Work]) -> None:
-        result = wrap_in_middleware(handler.func, self.middleware)(works)
-        if inspect.isawaitable(result):
-            loop = getattr(self._local, "loop", None)
-            if loop is None:
-                loop = self._local.loop = asyncio.new_event_loop()
-            loop.run_until_complete(result)
+        # One consumer span per batch call, current inside the handler, sync or async.
+        with tracing.handling_batch(works):
+            result = wrap_in_middleware(handler.func, self.middleware)(works)
+            if inspect.isawaitable(result):
+                loop = getattr(self._local, "loop", None)
+                if loop is None:
+                    loop = self._local.loop = asyncio.new_event_loop()
+                loop.run_until_complete(_awaited(result))
 
     def _call_batch_atomic(self, handler: Handler, jobs: list[_Job], works: list[Work]) -> None:
         """Run a batch handler and the fenced completion of every row in one transaction."""
@@ -1018,6 +1081,17 @@ class Dispatcher:
             job.state = JobState.ABANDONED
         self.stats.abandoned += 1
         self.metrics.abandoned(job.row.category, job.row.topic)
+        if job.run is not None and job.run.batch is not None:
+            # One handler call runs the whole batch: give it up whole, at once.
+            what = "its timeout" if handle.timed_out else "its lease deadline"
+            self._give_up_batch(
+                job,
+                f"the batch handler was still running at {what} and was abandoned",
+                FailureReason.TIMEOUT if handle.timed_out else FailureReason.LEASE_EXPIRED,
+            )
+            self._start_worker()  # the stuck thread keeps its handler; the slot gets a new one
+            self._check_abandoned_limit()
+            return True
         if handle.cancel_reason == CancelReason.CANCELLED:
             # The row already ended cancelled: nothing to write, only the slot to free.
             logger.error(
@@ -1058,6 +1132,42 @@ class Dispatcher:
         self._start_worker()  # the stuck thread keeps its handler; the slot gets a new one
         self._check_abandoned_limit()
         return True
+
+    def _give_up_batch(self, job: _Job, error: str, reason: str) -> None:
+        """A batch is given up while its thread still runs it (``job``, one of its rows,
+        is marked abandoned): fail its first row still held with ``error``, release every
+        other row of its run at once (their attempts given back), let go of every handle
+        and free the slot; whatever the handler reports later is dropped."""
+        run = job.run
+        assert run is not None and run.batch is not None
+        held: list[_Job] = []  # the batch's rows this attempt still holds, in stream order
+        with run.lock:  # the handler thread's own check takes it: one of the two wins
+            for other in run.batch:
+                with other.lock:
+                    if other is job or other.state == JobState.RUNNING:
+                        other.state = JobState.ABANDONED
+                        held.append(other)
+        head, rest = held[0], held[1:]
+        logger.error(
+            "batch handler of %s %s (%d rows) given up: %s; its first row is failed, the "
+            "%d others released (%d abandoned so far)",
+            head.row.category,
+            head.row.topic,
+            len(run.batch),
+            error,
+            len(rest),
+            self.stats.abandoned,
+            extra={"action": "abandoned"},
+        )
+        if head.handle.cancel_reason != CancelReason.CANCELLED:  # a cancelled row has ended
+            self._outcome_queued(1, head.row)
+            self.failures.put(FailedAttempt.of(head.row, error, reason))
+        self._finish(head)
+        for other in rest:
+            with other.lock:
+                other.state = JobState.QUEUED  # never committed: released unstarted
+        self._release_rest(run, run.jobs.index(head) + 1)
+        self._free_slot(run)
 
     def _check_abandoned_limit(self) -> None:
         if self.stats.abandoned > self.abandoned_limit and self.on_fatal is not None:
@@ -1207,6 +1317,15 @@ class Dispatcher:
                     continue  # queued ones are released by their worker
                 job.state = JobState.ABANDONED
             failed += 1
+            if job.run is not None and job.run.batch is not None:
+                self._give_up_batch(
+                    job,
+                    f"the batch handler was still running when the pump stopped ({timeout} s "
+                    "shutdown timeout); the attempt is counted",
+                    FailureReason.SHUTDOWN,
+                )
+                self._start_worker()
+                continue
             self._outcome_queued(1, job.row)
             self.failures.put(
                 FailedAttempt.of(
@@ -1267,6 +1386,27 @@ def _queue_wait(job: _Job, started_at: float) -> float | None:
 async def _awaited(awaitable: Any) -> Any:
     """A coroutine of any awaitable, so it can run as a task."""
     return await awaitable
+
+
+def _named_row(exc: Snooze | Discard, works: list[Work]) -> int | None:
+    """The index in ``works`` of the row a batch's Snooze/Discard names (``work=``; the
+    first row when it names none), or None when it names a row not in the batch."""
+    named = exc.work
+    if named is None:
+        return 0
+    for index, work in enumerate(works):
+        if work is named or (isinstance(named, Work) and work.id == named.id):
+            return index
+    return None
+
+
+def _not_in_batch(exc: Snooze | Discard, works: list[Work]) -> str:
+    named = getattr(exc.work, "id", exc.work)
+    return (
+        f"workpump.{type(exc).__name__}(work=...) named {named!r}, which is not one of the "
+        f"{len(works)} rows of this batch; pass one of the handler's list[Work], or no work= "
+        "for the first row."
+    )
 
 
 def _first_line(error: Exception) -> str:
