@@ -25,7 +25,7 @@ from django_workpump import db, producer, tracing
 from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
 from django_workpump.control import Discard, Snooze
-from django_workpump.pump.dispatch import Work
+from django_workpump.pump.dispatch import Work, _named_row, _not_in_batch, _run_key
 from django_workpump.pump.lease import LeaseHandle
 from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
 from django_workpump.storable import error_text, storable_result
@@ -71,6 +71,8 @@ def run_pending(
     Each round claims what is claimable (stream heads only, so streams run in order; the
     next row of a stream becomes claimable once its head completed), runs each handler in
     a savepoint, and completes or fails the row through the same fenced SQL as the pump.
+    A batch handler gets each stream's run (``STREAM_RUN_MAX`` rows) in one call, with
+    the pump's meaning of its outcome (docs/control-flow.md, "Batch handlers").
     Events' perspective and receptor rows are followed in later rounds. Rows scheduled for
     later (a deferral, a retry's backoff) are not due, so they do not run.
 
@@ -90,26 +92,50 @@ def run_pending(
     wanted = claim_topics(registry, chosen, topics=named)
     prefixes = claim_prefixes(registry, chosen, topics=named)
     report = report if report is not None else RunReport()
+    # Batch handlers get stream runs, as under the pump (STREAM_RUN_MAX rows a claim).
+    batched = {c: [t for t in ts if _is_batch(c, t)] for c, ts in wanted.items()}
+    batched = {c: ts for c, ts in batched.items() if ts}
+    single = {c: [t for t in ts if t not in batched.get(c, ())] for c, ts in wanted.items()}
     _register(alias)
     for _ in range(max_rounds):
+        runs: list[list[Any]] = []
+        if batched:
+            rows = db.claim_work(
+                instance_id=TEST_INSTANCE_ID,
+                max_rows=1_000,
+                lease_seconds=TEST_LEASE_SECONDS,
+                partition_count=setting("PARTITION_COUNT"),
+                categories=list(batched),
+                topics=batched,
+                stream_run_max=setting("STREAM_RUN_MAX"),
+                using=alias,
+            )
+            runs.extend(_runs_of(rows))
         rows = db.claim_work(
             instance_id=TEST_INSTANCE_ID,
             max_rows=1_000,
             lease_seconds=TEST_LEASE_SECONDS,
             partition_count=setting("PARTITION_COUNT"),
             categories=chosen,
-            topics=wanted,
+            topics=single if batched else wanted,
             topic_prefixes={c: p for c, p in prefixes.items() if p} or None,
             using=alias,
         )
-        if not rows:
+        if not rows and not runs:
             return report.ran
+        for run in runs:
+            _run_batch(run, alias, raise_errors, report, savepoint)
         for row in rows:
             _run_one(row, alias, raise_errors, report, savepoint)
     raise RuntimeError(
         f"run_pending: work was still claimable after {max_rounds} rounds; a handler may be "
         "producing work for itself. Raise max_rounds if that is intended."
     )
+
+
+def _is_batch(category: str, topic: str) -> bool:
+    handler = registry.get(category, topic)
+    return handler is not None and handler.batch
 
 
 def _register(alias: str) -> None:
@@ -126,6 +152,149 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport, savepo
     handler = registry.get(row.category, row.topic)
     if handler is None:  # not claimed by topic; a row a test wrote by hand
         raise LookupError(f"No handler registered for {row.category} {row.topic!r}.")
+    work = _work_of(row)
+    try:
+        # A savepoint: a failing handler's writes go, the test's transaction stays usable
+        # (savepoint=False: they stay, as under runworkpump).
+        with (
+            transaction.atomic(using=alias) if savepoint else nullcontext(),
+            tracing.handling(work),
+        ):
+            result = handler.func([work] if handler.batch else work)
+            if inspect.isawaitable(result):
+                result = asyncio.run(_awaited(result))
+    except BaseException as exc:  # noqa: BLE001 (as the pump: it ends the attempt)
+        _raised(row, exc, alias, raise_errors, report)
+        return
+    db.complete_work(
+        instance_id=TEST_INSTANCE_ID,
+        category=row.category,
+        ids=[row.work_id],
+        lease_tokens=[row.lease_token],
+        results=[storable_result(result)],
+        using=alias,
+    )
+    report.ran += 1
+
+
+def _raised(
+    row: Any, exc: BaseException, alias: str, raise_errors: bool, report: RunReport
+) -> None:
+    """Write what a handler's exception does to ``row``, as the pump does."""
+    if isinstance(exc, Snooze):
+        # As the pump does: back for later, the attempt not spent (a later round runs it
+        # again once due; MAX_SNOOZES bounds a handler that always snoozes).
+        db.snooze_work(
+            instance_id=TEST_INSTANCE_ID,
+            category=row.category,
+            ids=[row.work_id],
+            lease_tokens=[row.lease_token],
+            seconds=[exc.seconds],
+            max_snoozes=setting("MAX_SNOOZES"),
+            using=alias,
+        )
+        report.snoozed.append(row.work_id)
+        return
+    if isinstance(exc, Discard):
+        db.discard_work(
+            instance_id=TEST_INSTANCE_ID,
+            category=row.category,
+            ids=[row.work_id],
+            lease_tokens=[row.lease_token],
+            reasons=[exc.reason],
+            using=alias,
+        )
+        report.discarded.append(row.work_id)
+        return
+    # As the pump: any other exception fails the attempt.
+    db.fail_work(
+        instance_id=TEST_INSTANCE_ID,
+        category=row.category,
+        ids=[row.work_id],
+        lease_tokens=[row.lease_token],
+        errors=[error_text(exc)],
+        reasons=["handler_error"],
+        retry_base_seconds=setting("RETRY_BACKOFF_BASE_SECONDS"),
+        retry_max_seconds=setting("RETRY_BACKOFF_MAX_SECONDS"),
+        using=alias,
+    )
+    if raise_errors or isinstance(exc, KeyboardInterrupt):
+        raise exc
+    report.failures.append(Failure(row.category, row.work_id, row.topic, exc))
+
+
+def _runs_of(rows: list[Any]) -> list[list[Any]]:
+    """Claimed rows as the pump runs them: a stream's rows together, in stream order."""
+    runs: dict[Any, list[Any]] = {}
+    for row in rows:
+        runs.setdefault(_run_key(row), []).append(row)
+    return list(runs.values())
+
+
+def _run_batch(
+    rows: list[Any], alias: str, raise_errors: bool, report: RunReport, savepoint: bool
+) -> None:
+    """Run a batch handler on one stream run, with the pump's outcomes (docs/control-flow.md).
+
+    In the savepoint (the default) a raising handler's writes roll back as an atomic
+    handler's do, so the rows before a ``Snooze``/``Discard``'s row are released and run
+    again in the next round rather than completed without their writes.
+    """
+    first = rows[0]
+    handler = registry.get(first.category, first.topic)
+    if handler is None:
+        raise LookupError(f"No handler registered for {first.category} {first.topic!r}.")
+    works = [_work_of(row) for row in rows]
+    try:
+        with (
+            transaction.atomic(using=alias) if savepoint else nullcontext(),
+            tracing.handling_batch(works),
+        ):
+            result = handler.func(works)
+            if inspect.isawaitable(result):
+                asyncio.run(_awaited(result))
+    except BaseException as exc:  # noqa: BLE001 (as the pump: it ends the attempt)
+        raised: BaseException = exc
+    else:
+        _complete(rows, alias)
+        report.ran += len(rows)
+        return
+    at = 0  # the row the exception concerns: a Snooze's or Discard's, else the first
+    if isinstance(raised, Snooze | Discard):
+        named = _named_row(raised, works)
+        if named is None:
+            raised = ValueError(_not_in_batch(raised, works))
+        else:
+            at = named
+    # Without the savepoint or an atomic handler, the rows before it keep their writes.
+    done = rows[:at] if not (handler.atomic or savepoint) else []
+    if done:
+        _complete(done, alias)
+        report.ran += len(done)
+    rest = [row for row in rows[len(done) :] if row is not rows[at]]
+    if rest:
+        db.release_work(
+            instance_id=TEST_INSTANCE_ID,
+            category=first.category,
+            ids=[row.work_id for row in rest],
+            lease_tokens=[row.lease_token for row in rest],
+            using=alias,
+        )
+    _raised(rows[at], raised, alias, raise_errors, report)
+
+
+def _complete(rows: list[Any], alias: str) -> None:
+    db.complete_work(
+        instance_id=TEST_INSTANCE_ID,
+        category=rows[0].category,
+        ids=[row.work_id for row in rows],
+        lease_tokens=[row.lease_token for row in rows],
+        results=[None] * len(rows),
+        using=alias,
+    )
+
+
+def _work_of(row: Any) -> Work:
     handle = LeaseHandle(
         row.category,
         row.work_id,
@@ -134,7 +303,7 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport, savepo
         clock=SystemClock(),
         lease_token=row.lease_token,
     )
-    work = Work(
+    return Work(
         id=row.work_id,
         category=row.category,
         topic=row.topic,
@@ -151,66 +320,6 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport, savepo
         lease_token=row.lease_token,
         headers=row.headers,
     )
-    try:
-        # A savepoint: a failing handler's writes go, the test's transaction stays usable
-        # (savepoint=False: they stay, as under runworkpump).
-        with (
-            transaction.atomic(using=alias) if savepoint else nullcontext(),
-            tracing.handling(work),
-        ):
-            result = handler.func([work] if handler.batch else work)
-            if inspect.isawaitable(result):
-                result = asyncio.run(_awaited(result))
-    except Snooze as exc:
-        # As the pump does: back for later, the attempt not spent (a later round runs it
-        # again once due; MAX_SNOOZES bounds a handler that always snoozes).
-        db.snooze_work(
-            instance_id=TEST_INSTANCE_ID,
-            category=row.category,
-            ids=[row.work_id],
-            lease_tokens=[row.lease_token],
-            seconds=[exc.seconds],
-            max_snoozes=setting("MAX_SNOOZES"),
-            using=alias,
-        )
-        report.snoozed.append(row.work_id)
-        return
-    except Discard as exc:
-        db.discard_work(
-            instance_id=TEST_INSTANCE_ID,
-            category=row.category,
-            ids=[row.work_id],
-            lease_tokens=[row.lease_token],
-            reasons=[exc.reason],
-            using=alias,
-        )
-        report.discarded.append(row.work_id)
-        return
-    except BaseException as exc:  # as the pump: any exception fails the attempt
-        db.fail_work(
-            instance_id=TEST_INSTANCE_ID,
-            category=row.category,
-            ids=[row.work_id],
-            lease_tokens=[row.lease_token],
-            errors=[error_text(exc)],
-            reasons=["handler_error"],
-            retry_base_seconds=setting("RETRY_BACKOFF_BASE_SECONDS"),
-            retry_max_seconds=setting("RETRY_BACKOFF_MAX_SECONDS"),
-            using=alias,
-        )
-        if raise_errors or isinstance(exc, KeyboardInterrupt):
-            raise
-        report.failures.append(Failure(row.category, row.work_id, row.topic, exc))
-        return
-    db.complete_work(
-        instance_id=TEST_INSTANCE_ID,
-        category=row.category,
-        ids=[row.work_id],
-        lease_tokens=[row.lease_token],
-        results=[storable_result(result)],
-        using=alias,
-    )
-    report.ran += 1
 
 
 async def _awaited(awaitable: Any) -> Any:

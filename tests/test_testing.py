@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
 
@@ -192,3 +193,94 @@ def test_the_pytest_plugins_fixture_runs_and_captures(request):
     fixture.assert_sent("tt.record", n=3)
     assert fixture.run_pending() == 1
     assert CALLS == [("record", 3)]
+
+
+BATCH_CALLS: list[list[int]] = []
+
+
+@pytest.fixture
+def batch_receptor() -> Iterator[None]:
+    """A batch receptor that acts on row 2 of its first call as ``ACTION`` says."""
+    BATCH_CALLS.clear()
+
+    @workpump.receptor("tt.batch", events=["tt.batched"], batch=True)
+    def batch(works):
+        BATCH_CALLS.append([work.payload["n"] for work in works])
+        if len(BATCH_CALLS) == 1 and ACTION:
+            kind, at = ACTION[0], works[2]
+            if kind == "snooze":
+                raise workpump.Snooze(0, work=at)
+            if kind == "discard":
+                raise workpump.Discard("row 2 is poison", work=at)
+            raise workpump.Snooze(0, work=dataclasses.replace(at, id=uuid.uuid4()))
+
+    yield
+    registry.unregister("receptor", "tt.batch")
+
+
+ACTION: list[str] = []
+
+
+def _receptor_rows() -> dict[int, models.ReceptorProcessing]:
+    return {
+        row.event.payload["n"]: row
+        for row in models.ReceptorProcessing.objects.select_related("event").filter(
+            receptor_name="tt.batch"
+        )
+    }
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("action", "savepoint", "calls"),
+    [
+        # in the savepoint row 0-1's writes rolled back: they run again with row 2
+        ("snooze", True, [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]),
+        ("discard", True, [[0, 1, 2, 3, 4], [0, 1, 3, 4]]),
+        # without it they keep their writes and complete, as under the pump
+        ("snooze", False, [[0, 1, 2, 3, 4], [2, 3, 4]]),
+        ("discard", False, [[0, 1, 2, 3, 4], [3, 4]]),
+    ],
+)
+def test_run_pending_gives_a_batch_handlers_outcomes_the_pumps_meaning(
+    batch_receptor, action, savepoint, calls
+):
+    ACTION[:] = [action]
+    for n in range(5):
+        workpump.emit("tt.batched", {"n": n}, stream="s")
+    report = RunReport()
+
+    run_pending(report=report, savepoint=savepoint)
+
+    assert calls == BATCH_CALLS
+    rows = _receptor_rows()
+    if action == "snooze":
+        assert report.snoozed == [rows[2].work_id]
+        assert rows[2].snoozes == 1
+        assert report.ran == 5
+    else:
+        assert report.discarded == [rows[2].work_id]
+        assert rows[2].end_state == "discarded"
+        assert report.ran == 4
+    assert {n: row.attempts for n, row in rows.items()} == {n: 1 for n in range(5)} | (
+        {} if action == "snooze" else {2: 1}
+    )
+
+
+@pytest.mark.django_db
+def test_run_pending_fails_a_batch_whose_snooze_names_a_row_not_in_it(batch_receptor):
+    ACTION[:] = ["stranger"]
+    for n in range(3):
+        workpump.emit("tt.batched", {"n": n}, stream="s")
+    report = RunReport()
+
+    run_pending(report=report, raise_errors=False)
+
+    [failure] = report.failures
+    rows = _receptor_rows()
+    assert failure.work_id == rows[0].work_id
+    assert "which is not one of the 3 rows of this batch" in str(failure.error)
+    assert BATCH_CALLS == [[0, 1, 2]]  # the retry waits for its backoff
+    # the first row's attempt is spent, the others were given back
+    assert [rows[n].attempts for n in range(3)] == [1, 0, 0]
+    assert rows[0].last_error.startswith("ValueError: workpump.Snooze(work=...) named")

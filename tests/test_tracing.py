@@ -378,6 +378,162 @@ def test_the_claim_returns_the_rows_headers():
     assert TRACEPARENT.match(row.headers["traceparent"])
 
 
+# -- batch handlers ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def batch_handlers() -> Iterator[None]:
+    @workpump.perspective("tr.batch", events=["tr.batched"], batch=True)
+    def batch(works):
+        SEEN.append({"n": [work.payload["n"] for work in works], "span": _current()})
+
+    @workpump.receptor("tr.batch.async", events=["tr.batched"], batch=True)
+    async def batch_async(works):
+        SEEN.append({"n": [work.payload["n"] for work in works], "span": _current()})
+
+    @workpump.receptor("tr.batch.fail", events=["tr.batch.failing"], batch=True)
+    def batch_fail(works):
+        raise ValueError("tr.batch.fail cannot")
+
+    yield
+    registry.unregister("perspective_event", "tr.batch")
+    registry.unregister("receptor", "tr.batch.async")
+    registry.unregister("receptor", "tr.batch.fail")
+
+
+def _check_batch(consumer: ReadableSpan, producers: list[ReadableSpan]) -> None:
+    assert consumer.kind == SpanKind.CONSUMER
+    # Many producers: none is the parent, each is a link.
+    assert consumer.parent is None
+    assert [link.context.span_id for link in consumer.links] == [
+        producer.context.span_id for producer in producers
+    ]
+
+
+@pytest.mark.django_db
+def test_run_pending_runs_a_batch_handler_in_one_span_linked_to_every_producer(batch_handlers):
+    for n in range(3):
+        workpump.emit("tr.batched", {"n": n}, stream="s-1")
+    producers = spans(SpanKind.PRODUCER)
+    assert len(producers) == 3
+
+    assert run_pending() == 6  # two batch subscribers, three rows each
+
+    consumers = {span.name: span for span in spans(SpanKind.CONSUMER)}
+    assert set(consumers) == {"process tr.batch", "process tr.batch.async"}
+    for consumer in consumers.values():
+        _check_batch(consumer, producers)
+    assert consumers["process tr.batch"].attributes == {
+        "messaging.system": "workpump",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": "tr.batch",
+        "messaging.batch.message_count": 3,
+        "workpump.category": "perspective_event",
+        "workpump.attempt": 1,
+        "workpump.stream": "s-1",
+    }
+    assert consumers["process tr.batch.async"].attributes["workpump.category"] == "receptor"
+    # current inside sync and async batch handlers, which got the run in one call
+    inside = {(span.context.trace_id, span.context.span_id) for span in consumers.values()}
+    assert {seen["span"] for seen in SEEN} == inside
+    assert [seen["n"] for seen in SEEN] == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.django_db
+def test_a_batch_handlers_exception_is_recorded_and_marks_its_span(batch_handlers):
+    workpump.emit("tr.batch.failing", {"n": 1}, stream="s")
+    workpump.emit("tr.batch.failing", {"n": 2}, stream="s")
+
+    report = RunReport()
+    run_pending(raise_errors=False, report=report)
+
+    assert len(report.failures) == 1
+    (consumer,) = spans(SpanKind.CONSUMER)
+    assert consumer.attributes["messaging.batch.message_count"] == 2
+    assert consumer.status.status_code == StatusCode.ERROR
+    assert consumer.status.description == "ValueError: tr.batch.fail cannot"
+    assert consumer.attributes["error.type"] == "ValueError"
+    (event,) = consumer.events
+    assert event.attributes["exception.type"] == "ValueError"
+
+
+def _traced_rows(count: int, topic: str) -> tuple[list[Any], list[ReadableSpan]]:
+    """``count`` claimed rows of one stream, each carrying its own producer's context."""
+    import dataclasses
+
+    from tests.fakes import make_row
+
+    rows = []
+    for n in range(count):
+        with tracing.producing("emit", "event", "tr.batched") as produced:
+            pass
+        rows.append(
+            dataclasses.replace(
+                make_row("receptor"),
+                topic=topic,
+                stream="s",
+                payload={"n": n},
+                headers=produced.headers,
+            )
+        )
+    return rows, spans(SpanKind.PRODUCER)
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_the_pump_runs_a_batch_in_one_consumer_span_current_inside_the_handler(is_async):
+    from django_workpump.clock import FrozenClock
+    from django_workpump.pump.dispatch import Dispatcher
+    from django_workpump.pump.lease import LeaseRegistry
+    from django_workpump.registry import Handler, Registry
+    from tests.fakes import WAIT, FakeCoordinator
+
+    def handle(works):
+        SEEN.append({"n": len(works), "span": _current()})
+
+    async def handle_async(works):
+        handle(works)
+
+    handlers = Registry()
+    func = handle_async if is_async else handle
+    handlers.register(Handler("receptor", "tr.pumped", func, events=("tr.batched",), batch=True))
+    coordinator = FakeCoordinator()
+    dispatcher = Dispatcher(
+        coordinator, handlers, LeaseRegistry(), concurrency=1, clock=FrozenClock()
+    )
+    rows, producers = _traced_rows(3, "tr.pumped")
+    dispatcher.start()
+    try:
+        dispatcher.submit(rows)
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+
+    (consumer,) = spans(SpanKind.CONSUMER)
+    _check_batch(consumer, producers)
+    assert consumer.name == "process tr.pumped"
+    assert consumer.attributes["messaging.batch.message_count"] == 3
+    inside = (consumer.context.trace_id, consumer.context.span_id)
+    assert [seen["span"] for seen in SEEN] == [inside]
+    assert [seen["n"] for seen in SEEN] == [3]
+
+
+def test_a_batch_span_links_to_the_first_producers_only():
+    from django_workpump.testing import _work_of
+
+    rows, producers = _traced_rows(tracing.MAX_BATCH_LINKS + 5, "tr.many")
+    EXPORTER.clear()
+    with tracing.handling_batch([_work_of(row) for row in rows]):
+        pass
+
+    (consumer,) = spans(SpanKind.CONSUMER)
+    assert consumer.attributes["messaging.batch.message_count"] == len(rows)
+    assert [link.context.span_id for link in consumer.links] == [
+        producer.context.span_id for producer in producers[: tracing.MAX_BATCH_LINKS]
+    ]
+    assert consumer.links[0].attributes == {"messaging.message.id": str(rows[0].work_id)}
+
+
 # -- tasks -------------------------------------------------------------------------------
 
 
