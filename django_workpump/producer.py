@@ -28,6 +28,9 @@ MAX_STREAM_BYTES = 512
 # Characters PostgreSQL text and jsonb cannot hold: NUL, and UTF-16 surrogates (a str
 # holds them only after lossy decoding, e.g. errors="surrogateescape").
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+# PostgreSQL's own rendering of jsonb (", " and ": ", UTF-8), so the size measured here
+# is the one the SQL producers check against p_max_payload_bytes.
+_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
 
 # Called after commit of produced work, with its category (the in-process pump wakes).
 _on_commit_listeners: list[Callable[[str], None]] = []
@@ -156,23 +159,32 @@ def _schema_required(alias: str) -> Iterator[None]:
         ) from exc
 
 
-def _payload_json(what: str, payload: Any) -> str:
+def _payload_json(what: str, payload: Any, limit: int | None = None) -> str:
     if not isinstance(payload, Mapping):
         raise InvalidWork(
             f"The payload of {what} must be a dict of JSON values, not {type(payload).__name__}."
         )
-    _check_payload_values(what, payload)
     try:
-        # PostgreSQL's own rendering of jsonb (", " and ": ", UTF-8), so the size measured
-        # here is the one the SQL producers check against p_max_payload_bytes.
-        text = json.dumps(payload, allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
+        text = _ENCODER.encode(payload)
+    except (TypeError, ValueError, RecursionError) as exc:
+        # Too deep, self-containing or unstorable values explain the failure best.
+        _check_payload_values(what, payload)
         raise InvalidWork(
             f"The payload of {what} is not JSON ({exc}). Pass only dicts, lists, strings, "
             "numbers, booleans and None; convert dates, UUIDs and Decimals to strings first."
         ) from exc
-    limit = setting("MAX_PAYLOAD_BYTES")
-    size = len(text.encode())
+    # The walk over every value runs only when the text could hide a problem: a NUL
+    # (rendered as \u0000), a surrogate, or more brackets than the nesting limit.
+    plain = text.isascii()
+    if (
+        "\\u0000" in text
+        or (not plain and _UNSTORABLE.search(text))
+        or text.count("{") + text.count("[") > MAX_DEPTH
+    ):
+        _check_payload_values(what, payload)
+    if limit is None:
+        limit = setting("MAX_PAYLOAD_BYTES")
+    size = len(text) if plain else len(text.encode())
     if size > limit:
         raise InvalidWork(
             f"The payload of {what} is {size} bytes of JSON, over "
@@ -180,6 +192,36 @@ def _payload_json(what: str, payload: Any) -> str:
             "send a reference to it."
         )
     return text
+
+
+def _payloads_json(what: Callable[[int], str], payloads: list[Any]) -> list[str]:
+    """The JSON text of each payload of a bulk call, checked as ``_payload_json`` checks it.
+
+    ``what(index)`` names payload ``index`` in an error; it is built only for a payload
+    that fails, by checking that one again.
+    """
+    limit = setting("MAX_PAYLOAD_BYTES")
+    texts = []
+    for index, payload in enumerate(payloads):
+        try:
+            texts.append(_payload_json("", payload, limit))
+        except InvalidWork:
+            _payload_json(what(index), payload, limit)
+            raise
+    return texts
+
+
+def _stream_keys(what: Callable[[int], str], streams: list[Any]) -> list[str | None]:
+    """The key of each stream of a bulk call, checked as ``_stream_key`` checks it;
+    ``what(index)`` is built only for a key that fails."""
+    keys = []
+    for index, stream in enumerate(streams):
+        try:
+            keys.append(_stream_key("", stream))
+        except InvalidWork:
+            _stream_key(what(index), stream)
+            raise
+    return keys
 
 
 def _stream_key(what: str, stream: Any) -> str | None:
@@ -659,18 +701,12 @@ def send_many(
     destination = _name("outbox destination", destination)
     what = f"send_many to {destination!r}"
     payloads, streams = _bulk_lists(what, payloads, streams)
-    texts = [
-        _payload_json(f"outbox message {index} to {destination!r}", payload)
-        for index, payload in enumerate(payloads)
-    ]
-    keys = (
-        None
-        if streams is None
-        else [
-            _stream_key(f"outbox message {index} to {destination!r}", stream)
-            for index, stream in enumerate(streams)
-        ]
-    )
+
+    def noun(index: int) -> str:
+        return f"outbox message {index} to {destination!r}"
+
+    texts = _payloads_json(noun, payloads)
+    keys = None if streams is None else _stream_keys(noun, streams)
     priority = _priority(what, priority)
     scheduled_for = _when(what, run_after)
     max_attempts = _max_attempts("outbox", destination, max_attempts)
@@ -718,18 +754,12 @@ def emit_many(
     event_type = _name("event type", event_type)
     what = f"emit_many of event {event_type!r}"
     payloads, streams = _bulk_lists(what, payloads, streams)
-    texts = [
-        _payload_json(f"event {index} of type {event_type!r}", payload)
-        for index, payload in enumerate(payloads)
-    ]
-    keys = (
-        None
-        if streams is None
-        else [
-            _stream_key(f"event {index} of type {event_type!r}", stream)
-            for index, stream in enumerate(streams)
-        ]
-    )
+
+    def noun(index: int) -> str:
+        return f"event {index} of type {event_type!r}"
+
+    texts = _payloads_json(noun, payloads)
+    keys = None if streams is None else _stream_keys(noun, streams)
     priority = _priority(what, priority)
     subscribers, categories = _subscribers(event_type)
     if not texts:

@@ -89,6 +89,13 @@ def test_send_many_of_nothing_writes_nothing():
     assert models.Outbox.objects.count() == 0
 
 
+def nested(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(
     ("payloads", "streams", "message"),
     [
@@ -96,6 +103,11 @@ def test_send_many_of_nothing_writes_nothing():
         ([{"n": 1}, "text"], None, r"outbox message 1 to 'emails.welcome' must be a dict"),
         ([{"n": 1}, {"x": float("nan")}], None, "outbox message 1 .* is not JSON"),
         ([{"n": 1}, {"x": "a\x00b"}], None, "NUL character"),
+        ([{"n": 1}, {"a\x00": 1}], None, r"outbox message 1 .* NUL character .* in a key"),
+        ([{"n": 1}, {"x": ["\udc80"]}], None, r"outbox message 1 .* surrogate .*\['x'\]\[0\]"),
+        ([{}, {}, {"x": nested(101)}], None, r"outbox message 2 .* more than 100 levels"),
+        ([{"x": object()}], None, r"outbox message 0 .* is not JSON"),
+        ([{"n": 1}, {"n": 2}], ["a", 1.5], "stream of outbox message 1 .* not float"),
         ([{"n": 1}, {"n": 2}], ["a"], "one key \\(or None\\) per payload: got 2 payloads and 1"),
         ([{"n": 1}, {"n": 2}], ["a", " "], "stream of outbox message 1 .* is empty"),
         ([{"n": 1}], "abc", "must be None or a list parallel"),
@@ -105,6 +117,19 @@ def test_send_many_refuses_bad_input_before_writing_anything(payloads, streams, 
     with pytest.raises(workpump.InvalidWork, match=message):
         workpump.send_many("emails.welcome", payloads, streams=streams)
     assert models.Outbox.objects.count() == 0
+
+
+def test_send_many_stores_payloads_whose_text_only_looks_like_a_problem():
+    # Text that resembles a NUL escape or deep nesting, which the payloads do not hold.
+    payloads = [
+        {"escaped": "\\u0000 is six characters here"},
+        {"brackets": "[" * 150 + "{" * 150},
+        {"deep": nested(99), "note": "é ✓"},
+        {"key\\u0000": ["[{" * 80]},
+    ]
+    ids = workpump.send_many("emails.welcome", payloads)
+    stored = {row.message_id: row.payload for row in models.Outbox.objects.all()}
+    assert [stored[i] for i in ids] == payloads
 
 
 def test_send_many_refuses_an_oversized_payload_naming_its_index(settings):
