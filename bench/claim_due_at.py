@@ -1,14 +1,23 @@
-"""What the queue-wait metric adds to a claim: ``claim_work`` versus ``claim_work_due_at``.
+"""What the queue-wait metric adds to a claim: the claim's own ``created_at``/``due_at``
+columns (schema version 16) versus the lookup that version 15 ran after the claim.
 
 Run against a migrated database (it writes rows, so not a production one)::
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/wp_bench python bench/claim_due_at.py
 
-It registers an instance, inserts ``--backlog`` pending outbox rows, then times each named
+It registers an instance, inserts ``--backlog`` pending outbox rows, then times each
 query claiming ``--batch`` rows, alternating, ``--rounds`` times each; every claim runs in
-a transaction that is rolled back, so each one sees the same backlog. Prints the median
-and p90 milliseconds of each and their difference per claimed row. Rows it inserted are
-deleted at the end.
+a transaction that is rolled back, so each one sees the same backlog. The queries:
+
+- ``plain``: ``claim_work`` with the columns of version 15 (no times);
+- ``returned``: ``claim_work`` with ``created_at`` and ``due_at`` (version 16 on; the
+  named query ``claim_work``);
+- ``lookup``: version 15's ``claim_work_due_at``: the claim, then one probe of the work
+  id's unique index per claimed row for its times.
+
+Prints the median and p90 milliseconds of each and the differences per claimed row. On
+a database at schema version 15 (``migrate workpump 0021``) only ``plain`` and
+``lookup`` run. Rows it inserted are deleted at the end.
 """
 
 from __future__ import annotations
@@ -17,18 +26,49 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import psycopg
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from django_workpump.sql import named_queries
-
 TOPIC = "bench.due_at"
+ARGUMENTS = """
+    p_instance_id => %(instance_id)s,
+    p_max_rows => %(max_rows)s,
+    p_lease_seconds => %(lease_seconds)s,
+    p_partition_count => %(partition_count)s,
+    p_categories => %(categories)s,
+    p_stale_after_seconds => %(stale_after_seconds)s,
+    p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
+    p_now => %(now)s,
+    p_topics => %(topics)s::jsonb,
+    p_topic_prefixes => %(topic_prefixes)s::jsonb"""
+V15_COLUMNS = (
+    "category, work_id, topic, payload, stream, attempts, max_attempts, lease_expiry,"
+    " event_id, event_type, priority, claimed_at, lease_token, headers, has_more"
+)
+QUERIES = {
+    "plain": f"SELECT {V15_COLUMNS} FROM workpump.claim_work({ARGUMENTS})",
+    "returned": f"SELECT {V15_COLUMNS}, created_at, due_at FROM workpump.claim_work({ARGUMENTS})",
+    # schema version 15's named query claim_work_due_at, as it was
+    "lookup": f"""
+SELECT c.category, c.work_id, c.topic, c.payload, c.stream, c.attempts, c.max_attempts,
+       c.lease_expiry, c.event_id, c.event_type, c.priority, c.claimed_at, c.lease_token,
+       c.headers, c.has_more,
+       CASE c.category
+           WHEN 'outbox' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
+                               FROM workpump_outbox t WHERE t.message_id = c.work_id)
+           WHEN 'inbox' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
+                              FROM workpump_inbox t WHERE t.message_id = c.work_id)
+           WHEN 'perspective_event' THEN (
+               SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
+               FROM workpump_perspective_event t WHERE t.event_work_id = c.work_id)
+           WHEN 'receptor' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
+                                 FROM workpump_receptor_processing t WHERE t.id = c.work_id)
+       END AS due_at
+FROM workpump.claim_work({ARGUMENTS}) WITH ORDINALITY AS c
+ORDER BY c.ordinality""",
+}
 
 
 def main() -> None:
@@ -37,7 +77,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
-    queries = named_queries()
     instance = uuid.uuid4()
     params = {
         "instance_id": instance,
@@ -52,6 +91,11 @@ def main() -> None:
         "now": None,
     }
     with psycopg.connect(os.environ["DATABASE_URL"], autocommit=True) as conn:
+        result = conn.execute(
+            "SELECT pg_get_function_result(p.oid) FROM pg_proc p"
+            " WHERE p.pronamespace = 'workpump'::regnamespace AND p.proname = 'claim_work'"
+        ).fetchone()[0]
+        names = ["plain", "lookup"] + (["returned"] if "due_at" in result else [])
         conn.execute("SELECT workpump.record_heartbeat(%s, 'bench', 'localhost', 1)", [instance])
         conn.execute(
             "SELECT count(workpump.send(%s, jsonb_build_object('i', g)))"
@@ -59,13 +103,13 @@ def main() -> None:
             [TOPIC, args.backlog],
         )
         conn.execute("VACUUM ANALYZE workpump_outbox")
-        timings: dict[str, list[float]] = {"claim_work": [], "claim_work_due_at": []}
+        timings: dict[str, list[float]] = {name: [] for name in names}
         try:
             for _ in range(args.rounds):
                 for name, samples in timings.items():
                     conn.execute("BEGIN")
                     started = time.perf_counter()
-                    rows = conn.execute(queries[name], params).fetchall()
+                    rows = conn.execute(QUERIES[name], params).fetchall()
                     samples.append((time.perf_counter() - started) * 1000)
                     conn.execute("ROLLBACK")
                     assert len(rows) == args.batch, len(rows)
@@ -77,12 +121,11 @@ def main() -> None:
         samples.sort()
         medians[name] = statistics.median(samples)
         p90 = samples[int(len(samples) * 0.9) - 1]
-        print(f"{name:18} median {medians[name]:7.2f} ms  p90 {p90:7.2f} ms")
-    extra = medians["claim_work_due_at"] - medians["claim_work"]
-    print(
-        f"backlog {args.backlog}, batch {args.batch}, {args.rounds} rounds: due_at adds "
-        f"{extra:.2f} ms per claim, {extra * 1000 / args.batch:.1f} us per claimed row"
-    )
+        print(f"{name:9} median {medians[name]:7.2f} ms  p90 {p90:7.2f} ms")
+    print(f"backlog {args.backlog}, batch {args.batch}, {args.rounds} rounds, per claimed row:")
+    for name in names[1:]:
+        extra = medians[name] - medians["plain"]
+        print(f"  {name} adds {extra * 1000 / args.batch:6.1f} us over plain")
 
 
 if __name__ == "__main__":

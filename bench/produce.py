@@ -59,7 +59,11 @@ def ours_bulk(
                 for i in range(done, done + size):
                     workpump.send(destination, {"i": i}, stream=stream)
             elif variant == "many":  # the bulk producer: one statement per batch
-                workpump.send_many(destination, [{"i": i} for i in range(done, done + size)])
+                workpump.send_many(
+                    destination,
+                    [{"i": i} for i in range(done, done + size)],
+                    streams=None if stream is None else [stream] * size,
+                )
             else:  # "set": what a bulk producer (send_many) would run: one INSERT per batch
                 with connection.cursor() as cursor:
                     cursor.execute(

@@ -78,7 +78,10 @@ class ClaimedWork(FromRow):
     # Why the payload could not be decoded (then ``payload`` is empty): the row must be
     # dead-lettered, not run.
     payload_error: str | None = None
-    # When the row became claimable (database clock), if the claim was asked for it.
+    # When the row was created, and when it became claimable: the expiry of the lease the
+    # claim took over, else when its retry or deferral fell due, else created_at (database
+    # clock). None only from a caller that builds rows without them.
+    created_at: datetime | None = None
     due_at: datetime | None = None
 
 
@@ -410,7 +413,6 @@ def claim_work(
     now: datetime | None = None,
     using: str | None = None,
     topic_prefixes: Mapping[str, Sequence[str]] | None = None,
-    due_at: bool = False,
     stream_run_max: int = 1,
 ) -> list[ClaimedWork]:
     """Lease rows of ``topics`` (``{category: [topic, ...]}``; None: every topic) and of
@@ -420,8 +422,8 @@ def claim_work(
     its stream in all, consecutive and in stream order, right after the head.
 
     Raise InstanceRefused when this instance is evicted or not registered. A row whose
-    payload cannot be decoded comes back with ``payload_error``. With ``due_at`` each row
-    also says when it became claimable (one index probe per row more; for the metrics).
+    payload cannot be decoded comes back with ``payload_error``. Each row says when it was
+    created and when it became claimable (``due_at``, for the queue-wait metric).
     """
     params = {
         "instance_id": instance_id,
@@ -441,8 +443,7 @@ def claim_work(
         "stream_run_max": stream_run_max,
     }
     try:
-        query = "claim_work_due_at" if due_at else "claim_work"
-        rows = _fetch(query, params, using, jsonb_as_text=True)
+        rows = _fetch("claim_work", params, using, jsonb_as_text=True)
     except DatabaseError as exc:
         raise (_refused(exc) or exc) from exc
     return [_claimed(row) for row in rows]

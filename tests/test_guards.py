@@ -35,6 +35,7 @@ SQL_DIR = PACKAGE / "sql"
 NO_SEARCH_PATH = {
     "partition_of",
     "lock_namespace",
+    "lock_stream",
     "state_of",
     "retry_delay_seconds",
     "instance_evictable",

@@ -37,7 +37,7 @@ from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.supervisor import EXIT_OK
 from django_workpump.registry import Handler, Registry, registry
-from tests.conftest import FAST_PUMP, ROOT, at, drain, enroll, run_sql, scalar, wait_until
+from tests.conftest import FAST_PUMP, ROOT, at, drain, enroll, scalar, wait_until
 from tests.fakes import WAIT, FakeCoordinator, FakeSink, make_row
 
 FAST = {**FAST_PUMP, "CONCURRENCY": 4}
@@ -188,44 +188,69 @@ def test_two_scrapes_of_the_view_within_the_window_issue_no_second_query():
     assert second.captured_queries == []
 
 
+def claim(instance: uuid.UUID, now: Any, **kwargs: Any) -> list[db.ClaimedWork]:
+    return db.claim_work(
+        instance_id=instance,
+        max_rows=10,
+        lease_seconds=300,
+        partition_count=10_000,
+        now=now,
+        **kwargs,
+    )
+
+
+def created_at(work_id: uuid.UUID) -> Any:
+    return scalar("SELECT created_at FROM workpump_outbox WHERE message_id = %s", [work_id])
+
+
 @pytest.mark.django_db
-def test_the_claim_says_when_each_row_became_claimable_in_claim_order():
-    instance = uuid.uuid4()
+def test_the_claim_says_when_each_row_was_created_and_became_claimable_in_claim_order():
+    instance, peer = uuid.uuid4(), uuid.uuid4()
     enroll(instance)
+    enroll(peer)
     plain = scalar("SELECT workpump.send('metrics.due', '{}'::jsonb)")
     deferred = scalar(
         "SELECT workpump.send('metrics.due', '{}'::jsonb, p_scheduled_for => %s, p_priority => 5)",
         [at(60)],
     )
-    created = scalar("SELECT created_at FROM workpump_outbox WHERE message_id = %s", [plain])
 
-    rows = db.claim_work(
-        instance_id=instance,
-        max_rows=10,
-        lease_seconds=300,
-        partition_count=10_000,
-        now=at(3600),
-        due_at=True,
-    )
+    with CaptureQueriesContext(connection) as queries:
+        rows = claim(instance, at(3600))
 
+    assert len(queries.captured_queries) == 1  # the times come with the claim
     assert [row.work_id for row in rows] == [deferred, plain]  # timers first, as claim_work
     assert rows[0].due_at == at(60)  # its deferral fell due
-    assert rows[1].due_at == created
+    assert rows[1].due_at == created_at(plain)
+    assert [row.created_at for row in rows] == [created_at(deferred), created_at(plain)]
     assert all(row.claimed_at == at(3600) for row in rows)
-    # without the option the claim asks for nothing more
-    run_sql(
-        "UPDATE workpump_outbox SET instance_id = NULL, lease_expiry = NULL,"
-        " lease_token = NULL, claimed_at = NULL"
-    )
-    again = db.claim_work(
-        instance_id=instance,
-        max_rows=10,
-        lease_seconds=300,
-        partition_count=10_000,
-        now=at(3601),
-    )
+    # A lease taken over fell due when it expired, not when the row was created.
+    again = claim(peer, at(3600 + 301))
     assert {row.work_id for row in again} == {plain, deferred}
-    assert all(row.due_at is None for row in again)
+    assert {row.due_at for row in again} == {at(3600 + 300)}
+    assert {row.work_id: row.created_at for row in again} == {
+        plain: created_at(plain),
+        deferred: created_at(deferred),
+    }
+
+
+@pytest.mark.django_db
+def test_the_rows_of_a_stream_run_say_when_each_was_created_and_became_claimable():
+    instance = uuid.uuid4()
+    enroll(instance)
+    made = [
+        scalar("SELECT workpump.send('metrics.run', %s::jsonb, 'metrics-s')", [f'{{"n": {n}}}'])
+        for n in range(3)
+    ]
+    retried = scalar(
+        "SELECT workpump.send('metrics.run', '{}'::jsonb, 'metrics-s', p_scheduled_for => %s)",
+        [at(30)],
+    )
+
+    rows = claim(instance, at(60), stream_run_max=4)
+
+    assert [row.work_id for row in rows] == [*made, retried]
+    assert [row.created_at for row in rows] == [created_at(w) for w in [*made, retried]]
+    assert [row.due_at for row in rows] == [*(created_at(w) for w in made), at(30)]
 
 
 def test_the_queue_wait_adds_the_local_wait_to_the_database_wait():
@@ -280,7 +305,6 @@ def test_without_prometheus_client_the_pump_runs_and_records_nothing(
     handlers("metrics.absent", lambda work: None)
     workpump.send("metrics.absent", {})
     supervisor = pump(drain=True)
-    assert supervisor.coordinator.claim_due_at is False  # no index probes for the metric
     assert supervisor.dispatcher.metrics.enabled is False
     assert drain(supervisor) == EXIT_OK
     assert models.Outbox.objects.get().processed_at is not None

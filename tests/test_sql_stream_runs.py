@@ -2,18 +2,20 @@
 
 A claim that takes an ordered stream's head can lease the consecutive rows after it too,
 to the same owner, each with its own token; the head hands over to them on completion
-without another claim, and what a run leaves unrun is claimed again, in order.
+without another claim, and what a run leaves unrun is claimed again, in order. The
+stream keeps its owner while the run goes on (schema version 16).
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
 import pytest
 from django.db import DatabaseError
 
-from tests.conftest import T0, at, run_sql
+from tests.conftest import T0, at, run_sql, scalar
 from tests.test_sql_claim import (
     CATEGORIES,
     TABLES,
@@ -38,6 +40,28 @@ def stream_of(category: str, count: int, stream: str = "s-1") -> list[uuid.UUID]
 
 def heads(category: str, work_ids: list[uuid.UUID]) -> list[bool]:
     return [row(category, work_id)["stream_head"] for work_id in work_ids]
+
+
+def owner(category: str, stream: str = "s-1") -> tuple[uuid.UUID | None, Any]:
+    """The stream's owner and stream lease, from workpump_active_stream."""
+    [found] = run_sql(
+        "SELECT owner_instance_id, lease_expiry FROM workpump_active_stream"
+        " WHERE category = %s AND stream = %s",
+        [category, stream],
+    )
+    return found["owner_instance_id"], found["lease_expiry"]
+
+
+def discard(instance: uuid.UUID, category: str, work_ids: list[uuid.UUID]) -> list[str]:
+    rows = run_sql(
+        "SELECT * FROM workpump.discard_work(%s, %s, %s::uuid[], %s::uuid[], %s::text[])",
+        [instance, category, work_ids, tokens_of(category, work_ids), ["no"] * len(work_ids)],
+    )
+    return [r["status"] for r in rows]
+
+
+def tokens_of(category: str, work_ids: list[uuid.UUID]) -> list[uuid.UUID]:
+    return [row(category, work_id)["lease_token"] for work_id in work_ids]
 
 
 def release(instance: uuid.UUID, category: str, work_ids: list[uuid.UUID], tokens: Any) -> Any:
@@ -113,6 +137,71 @@ def test_the_head_hands_over_to_the_next_row_of_its_run_which_stays_with_its_own
     assert complete(A, "outbox", made[1:3], at(2)) == ["done", "done"]
     assert heads("outbox", made)[3] is True
     assert ids(claim(B, now=at(2), p_stream_run_max=3)) == made[3:]
+
+
+@pytest.mark.parametrize("category", CATEGORIES)
+def test_a_stream_keeps_its_owner_while_its_run_goes_on(category):
+    made = stream_of(category, 4)
+    assert ids(claim(A, p_stream_run_max=3)) == made[:3]
+    assert owner(category) == (A, row(category, made[0])["lease_expiry"])
+    # the stream lease follows the run's rows, as renew_leases moves it
+    run_sql(
+        f"UPDATE {TABLES[category][0]} SET lease_expiry = %s WHERE {TABLES[category][1]} = %s",
+        [at(600), made[1]],
+    )
+
+    assert complete(A, category, made[:1], at(1)) == ["done"]
+    assert owner(category) == (A, at(600))  # A holds the new head, the run's next row
+    assert discard(A, category, made[1:2]) == ["discarded"]
+    assert owner(category) == (A, row(category, made[2])["lease_expiry"])
+    # The run's last row ends: the next head is nobody's, so the stream is nobody's.
+    assert complete(A, category, made[2:3], at(3)) == ["done"]
+    assert owner(category) == (None, None)
+    assert ids(claim(B, now=at(3))) == made[3:]
+    assert owner(category)[0] == B
+
+
+def test_a_stream_whose_next_head_is_not_leased_by_its_owner_loses_the_owner():
+    made = stream_of("outbox", 2)
+    assert ids(claim(A)) == made[:1]  # heads only: no run
+    assert complete(A, "outbox", made[:1], at(1)) == ["done"]
+    assert owner("outbox") == (None, None)
+    assert ids(claim(B, now=at(1))) == made[1:]
+    assert owner("outbox")[0] == B
+
+
+def test_releasing_the_rest_of_a_run_mid_run_clears_the_owner():
+    made = stream_of("outbox", 3)
+    assert ids(claim(A, p_stream_run_max=3)) == made
+    assert complete(A, "outbox", made[:1], at(1)) == ["done"]
+    assert owner("outbox")[0] == A
+    statuses = release(A, "outbox", made[1:], tokens_of("outbox", made[1:]))
+    assert [r["status"] for r in statuses] == ["released", "released"]
+    assert owner("outbox") == (None, None)
+
+
+def test_evicting_the_owner_mid_run_clears_the_owner():
+    made = stream_of("outbox", 3)
+    assert ids(claim(A, p_stream_run_max=3)) == made
+    assert complete(A, "outbox", made[:1], at(1)) == ["done"]
+    assert owner("outbox")[0] == A
+    assert scalar("SELECT workpump.evict_instance(%s, 'gone', %s)", [A, at(2)]) == 2
+    assert owner("outbox") == (None, None)
+
+
+def test_the_admin_streams_page_shows_the_owner_of_a_stream_mid_run(admin_client):
+    made = stream_of("outbox", 3)
+    assert ids(claim(A, p_stream_run_max=3)) == made
+    assert complete(A, "outbox", made[:1], at(1)) == ["done"]
+
+    html = admin_client.get("/admin/workpump/activestream/").content.decode()
+
+    [stream_row] = [r for r in re.findall(r"<tr>.*?</tr>", html, re.S) if "field-stream" in r]
+    text = " ".join(re.sub(r"<[^>]+>", " ", stream_row).split())
+    assert text.startswith("s-1 outbox")
+    assert f'title="{A}"' in stream_row  # the owner column names A
+    assert "tests@localhost:1" in text
+    assert re.search(r" 2 ", text)  # the run's two rows still to run
 
 
 @pytest.mark.django_db(transaction=True)
@@ -254,3 +343,68 @@ def test_the_v15_migration_reverses_to_the_v13_claim_and_applies_again(scratch_d
     assert v15_state() == (False, 6, False, True)
     scratch_database.migrate("workpump", "0021")
     assert v15_state() == (True, 6, True, True)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_v16_migration_reverses_to_the_v15_claim_and_outcomes_and_applies_again(
+    scratch_database,
+):
+    def v16_state() -> dict[str, Any]:
+        with scratch_database.connect() as conn:
+
+            def one(sql: str) -> Any:
+                return conn.execute(sql).fetchone()[0]
+
+            return {
+                "claim_returns_times": "due_at timestamp"
+                in one(
+                    "SELECT pg_get_function_result(oid) FROM pg_proc"
+                    " WHERE pronamespace = 'workpump'::regnamespace AND proname = 'claim_work'"
+                ),
+                "leased_work": one(
+                    "SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute"
+                    " WHERE attrelid = 'workpump.leased_work'::regclass AND attnum > 0"
+                    " AND NOT attisdropped"
+                )[-2:],
+                "hand_over": one(
+                    "SELECT count(*) FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
+                    " AND proname = 'hand_over_streams'"
+                ),
+                "complete_keeps_owner": "hand_over_streams"
+                in one(
+                    "SELECT prosrc FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
+                    " AND proname = 'complete_work'"
+                ),
+                "lock_stream_inlined": one(
+                    "SELECT prosqlbody IS NOT NULL AND proconfig IS NULL FROM pg_proc"
+                    " WHERE pronamespace = 'workpump'::regnamespace AND proname = 'lock_stream'"
+                ),
+                "unpinned": one(
+                    "SELECT count(*) FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
+                    " AND prosqlbody IS NULL AND proname <> 'pin_search_path'"
+                    " AND (proconfig IS NULL OR proconfig[1] NOT LIKE 'search_path=pg_catalog%%')"
+                ),
+            }
+
+    v16 = {
+        "claim_returns_times": True,
+        "leased_work": ["created_at", "due_at"],
+        "hand_over": 1,
+        "complete_keeps_owner": True,
+        "lock_stream_inlined": True,
+        "unpinned": 0,
+    }
+    v15 = {
+        "claim_returns_times": False,
+        "leased_work": ["lease_token", "headers"],
+        "hand_over": 0,
+        "complete_keeps_owner": False,
+        "lock_stream_inlined": False,
+        "unpinned": 0,
+    }
+    scratch_database.migrate("workpump", "0022")
+    assert v16_state() == v16
+    scratch_database.migrate("workpump", "0021")
+    assert v16_state() == v15
+    scratch_database.migrate("workpump", "0022")
+    assert v16_state() == v16

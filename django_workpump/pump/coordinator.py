@@ -135,12 +135,8 @@ class DatabaseCoordinator:
         categories: Sequence[str] | None = None,
         topics: Mapping[str, Sequence[str]] | None = None,
         topic_prefixes: Mapping[str, Sequence[str]] | None = None,
-        *,
-        claim_due_at: bool = False,
     ) -> None:
         self.identity = identity
-        # Claims also say when each row became claimable (the queue-wait metric).
-        self.claim_due_at = claim_due_at
         self.settings = dict(get_settings())
         self.categories = list(categories) if categories else list(CATEGORIES)
         # {category: topics this process has handlers for}; None claims every topic.
@@ -188,7 +184,6 @@ class DatabaseCoordinator:
             definitively_dead_after_seconds=self.dead_after_seconds,
             stream_run_max=self.settings["STREAM_RUN_MAX"],
             using=self.alias,
-            due_at=self.claim_due_at,
         )
 
     def renew(

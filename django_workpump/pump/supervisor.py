@@ -186,7 +186,6 @@ class Supervisor:
             self.options.categories,
             self.topics,
             self.topic_prefixes,
-            claim_due_at=self.metrics.enabled,
         )
         self.leases = LeaseRegistry()
         self.dispatcher = Dispatcher(

@@ -102,8 +102,10 @@ SELECT workpump.sync_subscriptions(
     p_replace => %(replace)s)
 
 -- name: claim_work
+-- created_at and due_at (when the row became claimable) feed the queue-wait metric.
 SELECT category, work_id, topic, payload, stream, attempts, max_attempts, lease_expiry,
-       event_id, event_type, priority, claimed_at, lease_token, headers, has_more
+       event_id, event_type, priority, claimed_at, lease_token, headers, created_at, due_at,
+       has_more
 FROM workpump.claim_work(
     p_instance_id => %(instance_id)s,
     p_max_rows => %(max_rows)s,
@@ -116,40 +118,6 @@ FROM workpump.claim_work(
     p_topics => %(topics)s::jsonb,
     p_topic_prefixes => %(topic_prefixes)s::jsonb,
     p_stream_run_max => %(stream_run_max)s)
-
--- name: claim_work_due_at
--- claim_work, each row with due_at: when it became claimable (its previous lease expired,
--- its retry or deferral fell due, or it was created), for the queue-wait metric. The
--- lookups read the versions before this claim (the statement's snapshot predates the
--- leases claim_work writes); a row committed in between comes back with due_at NULL. Each
--- is one probe of the work id's unique index, run for the row's own category only.
-SELECT c.category, c.work_id, c.topic, c.payload, c.stream, c.attempts, c.max_attempts,
-       c.lease_expiry, c.event_id, c.event_type, c.priority, c.claimed_at, c.lease_token,
-       c.headers, c.has_more,
-       CASE c.category
-           WHEN 'outbox' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
-                               FROM workpump_outbox t WHERE t.message_id = c.work_id)
-           WHEN 'inbox' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
-                              FROM workpump_inbox t WHERE t.message_id = c.work_id)
-           WHEN 'perspective_event' THEN (
-               SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
-               FROM workpump_perspective_event t WHERE t.event_work_id = c.work_id)
-           WHEN 'receptor' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
-                                 FROM workpump_receptor_processing t WHERE t.id = c.work_id)
-       END AS due_at
-FROM workpump.claim_work(
-    p_instance_id => %(instance_id)s,
-    p_max_rows => %(max_rows)s,
-    p_lease_seconds => %(lease_seconds)s,
-    p_partition_count => %(partition_count)s,
-    p_categories => %(categories)s,
-    p_stale_after_seconds => %(stale_after_seconds)s,
-    p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
-    p_now => %(now)s,
-    p_topics => %(topics)s::jsonb,
-    p_topic_prefixes => %(topic_prefixes)s::jsonb,
-    p_stream_run_max => %(stream_run_max)s) WITH ORDINALITY AS c
-ORDER BY c.ordinality
 
 -- name: renew_leases
 SELECT work_id, lease_expiry, status

@@ -30,8 +30,9 @@ CREATE SEQUENCE workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 
 -- --------------------------------------------------------------------------------------
 -- Types
 -- --------------------------------------------------------------------------------------
--- The row a claim leases. claimed_work is the same row without its lease token: no
--- function returns it any more, but the migrations never dropped it.
+-- The row a claim leases (claim_work adds has_more). claimed_work is the same row without
+-- its lease token and times: no function returns it any more, but the migrations never
+-- dropped it.
 
 CREATE TYPE workpump.claimed_work AS (
     category text,
@@ -62,7 +63,9 @@ CREATE TYPE workpump.leased_work AS (
     priority integer,
     claimed_at timestamptz,
     lease_token uuid,
-    headers jsonb
+    headers jsonb,
+    created_at timestamptz,
+    due_at timestamptz
 );
 
 -- --------------------------------------------------------------------------------------
@@ -135,15 +138,13 @@ END;
 
 -- Serialize the writers of one ordered stream until the end of the transaction, so its
 -- rows become heads in commit order. A hash collision only serializes two streams more.
-CREATE FUNCTION workpump.lock_stream(p_category text, p_scope text, p_stream text) RETURNS void
+CREATE FUNCTION workpump.lock_stream(p_category text, p_scope text, p_stream text)
+RETURNS void
 LANGUAGE sql
-SET search_path FROM CURRENT
-AS $$
-    SELECT pg_advisory_xact_lock(
-        workpump.lock_namespace('stream'),
-        hashtext(p_category || chr(31) || coalesce(p_scope, '') || chr(31) || p_stream)
-    );
-$$;
+RETURN pg_advisory_xact_lock(
+    workpump.lock_namespace('stream'),
+    hashtext(p_category || chr(31) || coalesce(p_scope, '') || chr(31) || p_stream)
+);
 
 -- The state of a work row, from its columns (admin, status and tests use the same names).
 CREATE FUNCTION workpump.state_of(
@@ -1590,7 +1591,8 @@ $$;
 -- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
 -- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
 -- each with a new lease token; rows whose attempts are used up are parked as dead instead.
--- Called by claim_work, which checks the instance and the input and computes p_rank and
+-- Each row comes with its created_at and due_at (see claim_work). Called by
+-- claim_work, which checks the instance and the input and computes p_rank and
 -- p_live_count.
 CREATE FUNCTION workpump.claim_outbox(
     p_instance_id uuid,
@@ -1617,7 +1619,8 @@ BEGIN
     timers AS MATERIALIZED (
         SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
                t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-               ''::text AS run_scope
+               ''::text AS run_scope,
+               coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
         FROM workpump_outbox t
         WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
@@ -1634,7 +1637,8 @@ BEGIN
         SELECT * FROM (
             SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   ''::text AS run_scope
+                   ''::text AS run_scope,
+                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM workpump_outbox t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1653,7 +1657,8 @@ BEGIN
         SELECT * FROM (
             SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   ''::text AS run_scope
+                   ''::text AS run_scope,
+                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM workpump_outbox t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1698,11 +1703,12 @@ BEGIN
     -- locked: those rows locked, as they are now (a row someone else is writing is
     -- skipped, and ends its run there)
     locked AS MATERIALIZED (
-        SELECT l.seq, l.ctid, l.leasable
+        SELECT l.seq, l.ctid, l.leasable, l.due_at
         FROM upcoming u
         CROSS JOIN LATERAL (
             -- one primary key lookup per row
             SELECT n.seq, n.ctid,
+                   coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
                    n.processed_at IS NULL AND n.dead_lettered_at IS NULL
                    AND n.attempts < n.max_attempts
                    AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
@@ -1716,9 +1722,9 @@ BEGIN
     -- first row that is not ends the run), in the budget the heads left
     followers AS (
         SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
-               c.run_priority, c.run_stream, c.run_scope
+               c.run_priority, c.run_stream, c.run_scope, r.due_at
         FROM (
-            SELECT u.head_seq, u.seq, u.position, l.ctid,
+            SELECT u.head_seq, u.seq, u.position, l.ctid, l.due_at,
                    bool_and(coalesce(l.leasable, false))
                        OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
             FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
@@ -1761,7 +1767,8 @@ BEGIN
                   t.payload AS payload, t.stream, '' AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at
     ),
     -- claimed_runs: each follower leased the same way (it has attempts left)
     claimed_runs AS (
@@ -1788,7 +1795,8 @@ BEGIN
                   t.payload AS payload, t.stream, '' AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at
     ),
     claimed AS (
         SELECT * FROM claimed_heads
@@ -1815,7 +1823,7 @@ BEGIN
     -- run together after its head, in stream order
     SELECT 'outbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-           c.claimed_at, c.lease_token, c.headers
+           c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
     FROM claimed c
     JOIN leased USING (seq)
     WHERE NOT c.dead
@@ -1827,7 +1835,8 @@ $$;
 -- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
 -- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
 -- each with a new lease token; rows whose attempts are used up are parked as dead instead.
--- Called by claim_work, which checks the instance and the input and computes p_rank and
+-- Each row comes with its created_at and due_at (see claim_work). Called by
+-- claim_work, which checks the instance and the input and computes p_rank and
 -- p_live_count.
 CREATE FUNCTION workpump.claim_inbox(
     p_instance_id uuid,
@@ -1854,7 +1863,8 @@ BEGIN
     timers AS MATERIALIZED (
         SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
                t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-               ''::text AS run_scope
+               ''::text AS run_scope,
+               coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
         FROM workpump_inbox t
         WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
@@ -1871,7 +1881,8 @@ BEGIN
         SELECT * FROM (
             SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   ''::text AS run_scope
+                   ''::text AS run_scope,
+                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM workpump_inbox t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1890,7 +1901,8 @@ BEGIN
         SELECT * FROM (
             SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   ''::text AS run_scope
+                   ''::text AS run_scope,
+                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM workpump_inbox t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -1935,11 +1947,12 @@ BEGIN
     -- locked: those rows locked, as they are now (a row someone else is writing is
     -- skipped, and ends its run there)
     locked AS MATERIALIZED (
-        SELECT l.seq, l.ctid, l.leasable
+        SELECT l.seq, l.ctid, l.leasable, l.due_at
         FROM upcoming u
         CROSS JOIN LATERAL (
             -- one primary key lookup per row
             SELECT n.seq, n.ctid,
+                   coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
                    n.processed_at IS NULL AND n.dead_lettered_at IS NULL
                    AND n.attempts < n.max_attempts
                    AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
@@ -1953,9 +1966,9 @@ BEGIN
     -- first row that is not ends the run), in the budget the heads left
     followers AS (
         SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
-               c.run_priority, c.run_stream, c.run_scope
+               c.run_priority, c.run_stream, c.run_scope, r.due_at
         FROM (
-            SELECT u.head_seq, u.seq, u.position, l.ctid,
+            SELECT u.head_seq, u.seq, u.position, l.ctid, l.due_at,
                    bool_and(coalesce(l.leasable, false))
                        OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
             FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
@@ -1998,7 +2011,8 @@ BEGIN
                   t.payload AS payload, t.stream, '' AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at
     ),
     -- claimed_runs: each follower leased the same way (it has attempts left)
     claimed_runs AS (
@@ -2025,7 +2039,8 @@ BEGIN
                   t.payload AS payload, t.stream, '' AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at
     ),
     claimed AS (
         SELECT * FROM claimed_heads
@@ -2052,7 +2067,7 @@ BEGIN
     -- run together after its head, in stream order
     SELECT 'inbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-           c.claimed_at, c.lease_token, c.headers
+           c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
     FROM claimed c
     JOIN leased USING (seq)
     WHERE NOT c.dead
@@ -2065,7 +2080,8 @@ $$;
 -- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
 -- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
 -- each with a new lease token; rows whose attempts are used up are parked as dead instead.
--- Called by claim_work, which checks the instance and the input and computes p_rank and
+-- Each row comes with its created_at and due_at (see claim_work). Called by
+-- claim_work, which checks the instance and the input and computes p_rank and
 -- p_live_count.
 CREATE FUNCTION workpump.claim_perspective_event(
     p_instance_id uuid,
@@ -2092,7 +2108,8 @@ BEGIN
     timers AS MATERIALIZED (
         SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
                t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-               t.perspective_name AS run_scope
+               t.perspective_name AS run_scope,
+               coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
         FROM workpump_perspective_event t
         WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
@@ -2109,7 +2126,8 @@ BEGIN
         SELECT * FROM (
             SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   t.perspective_name AS run_scope
+                   t.perspective_name AS run_scope,
+                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM workpump_perspective_event t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -2128,7 +2146,8 @@ BEGIN
         SELECT * FROM (
             SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   t.perspective_name AS run_scope
+                   t.perspective_name AS run_scope,
+                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM workpump_perspective_event t
             WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -2173,11 +2192,12 @@ BEGIN
     -- locked: those rows locked, as they are now (a row someone else is writing is
     -- skipped, and ends its run there)
     locked AS MATERIALIZED (
-        SELECT l.seq, l.ctid, l.leasable
+        SELECT l.seq, l.ctid, l.leasable, l.due_at
         FROM upcoming u
         CROSS JOIN LATERAL (
             -- one primary key lookup per row
             SELECT n.seq, n.ctid,
+                   coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
                    n.processed_at IS NULL AND n.dead_lettered_at IS NULL
                    AND n.attempts < n.max_attempts
                    AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
@@ -2191,9 +2211,9 @@ BEGIN
     -- first row that is not ends the run), in the budget the heads left
     followers AS (
         SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
-               c.run_priority, c.run_stream, c.run_scope
+               c.run_priority, c.run_stream, c.run_scope, r.due_at
         FROM (
-            SELECT u.head_seq, u.seq, u.position, l.ctid,
+            SELECT u.head_seq, u.seq, u.position, l.ctid, l.due_at,
                    bool_and(coalesce(l.leasable, false))
                        OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
             FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
@@ -2236,7 +2256,8 @@ BEGIN
                   NULL::jsonb AS payload, t.stream, t.perspective_name AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at
     ),
     -- claimed_runs: each follower leased the same way (it has attempts left)
     claimed_runs AS (
@@ -2263,7 +2284,8 @@ BEGIN
                   NULL::jsonb AS payload, t.stream, t.perspective_name AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at
     ),
     claimed AS (
         SELECT * FROM claimed_heads
@@ -2290,7 +2312,7 @@ BEGIN
     -- run together after its head, in stream order
     SELECT 'perspective_event'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
-           c.claimed_at, c.lease_token, c.headers
+           c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
     FROM claimed c
     JOIN leased USING (seq)
     JOIN workpump_event e ON e.event_id = c.event_id
@@ -2304,7 +2326,8 @@ $$;
 -- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
 -- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
 -- each with a new lease token; rows whose attempts are used up are parked as dead instead.
--- Called by claim_work, which checks the instance and the input and computes p_rank and
+-- Each row comes with its created_at and due_at (see claim_work). Called by
+-- claim_work, which checks the instance and the input and computes p_rank and
 -- p_live_count.
 CREATE FUNCTION workpump.claim_receptor(
     p_instance_id uuid,
@@ -2331,7 +2354,8 @@ BEGIN
     timers AS MATERIALIZED (
         SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
                t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-               t.receptor_name AS run_scope
+               t.receptor_name AS run_scope,
+               coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
         FROM workpump_receptor_processing t
         WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
@@ -2348,7 +2372,8 @@ BEGIN
         SELECT * FROM (
             SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   t.receptor_name AS run_scope
+                   t.receptor_name AS run_scope,
+                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM workpump_receptor_processing t
             WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -2367,7 +2392,8 @@ BEGIN
         SELECT * FROM (
             SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   t.receptor_name AS run_scope
+                   t.receptor_name AS run_scope,
+                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM workpump_receptor_processing t
             WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
@@ -2412,11 +2438,12 @@ BEGIN
     -- locked: those rows locked, as they are now (a row someone else is writing is
     -- skipped, and ends its run there)
     locked AS MATERIALIZED (
-        SELECT l.seq, l.ctid, l.leasable
+        SELECT l.seq, l.ctid, l.leasable, l.due_at
         FROM upcoming u
         CROSS JOIN LATERAL (
             -- one primary key lookup per row
             SELECT n.seq, n.ctid,
+                   coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
                    n.completed_at IS NULL AND n.dead_lettered_at IS NULL
                    AND n.attempts < n.max_attempts
                    AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
@@ -2430,9 +2457,9 @@ BEGIN
     -- first row that is not ends the run), in the budget the heads left
     followers AS (
         SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
-               c.run_priority, c.run_stream, c.run_scope
+               c.run_priority, c.run_stream, c.run_scope, r.due_at
         FROM (
-            SELECT u.head_seq, u.seq, u.position, l.ctid,
+            SELECT u.head_seq, u.seq, u.position, l.ctid, l.due_at,
                    bool_and(coalesce(l.leasable, false))
                        OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
             FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
@@ -2475,7 +2502,8 @@ BEGIN
                   NULL::jsonb AS payload, t.stream, t.receptor_name AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at
     ),
     -- claimed_runs: each follower leased the same way (it has attempts left)
     claimed_runs AS (
@@ -2502,7 +2530,8 @@ BEGIN
                   NULL::jsonb AS payload, t.stream, t.receptor_name AS scope,
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at
     ),
     claimed AS (
         SELECT * FROM claimed_heads
@@ -2529,7 +2558,7 @@ BEGIN
     -- run together after its head, in stream order
     SELECT 'receptor'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
            c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
-           c.claimed_at, c.lease_token, c.headers
+           c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
     FROM claimed c
     JOIN leased USING (seq)
     JOIN workpump_event e ON e.event_id = c.event_id
@@ -2563,7 +2592,9 @@ RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_
 -- lease_token that every later write about the row must pass back. Raises SQLSTATE WP001
 -- when p_instance_id is evicted or not registered. A category is only claimed from when
 -- its two index probes find something, so an idle system costs a few probes and no writes.
--- headers are the row's, as its producer stored them (NULL when none).
+-- headers are the row's, as its producer stored them (NULL when none). created_at is the
+-- row's; due_at is when it became claimable: the expiry of the lease this claim took
+-- over, else when its retry or deferral fell due, else created_at (schema version 16).
 -- has_more is true on the rows of a category that filled its share of the budget (the
 -- caller should poll again at once); a NOTICE 'workpump.has_more=true' says the same.
 -- Each category's rows are leased by its own function: claim_outbox, claim_inbox,
@@ -2598,6 +2629,8 @@ CREATE FUNCTION workpump.claim_work(
     claimed_at timestamptz,
     lease_token uuid,
     headers jsonb,
+    created_at timestamptz,
+    due_at timestamptz,
     has_more boolean
 )
 LANGUAGE plpgsql
@@ -2899,6 +2932,40 @@ BEGIN
 END
 $$;
 
+-- After p_instance_id ended heads of these streams and the next rows were promoted:
+-- each stream it owns stays its own, with the new head's lease, while it holds that
+-- head (the next row of its run); otherwise the stream has no owner.
+CREATE FUNCTION workpump.hand_over_streams(
+    p_category text, p_instance_id uuid, p_scopes text[], p_streams text[]
+) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+BEGIN
+    EXECUTE format($q$
+        UPDATE workpump_active_stream s
+        SET owner_instance_id = CASE WHEN h.instance_id = $3 THEN s.owner_instance_id END,
+            lease_expiry = CASE WHEN h.instance_id = $3 THEN h.lease_expiry END
+        FROM (SELECT DISTINCT u.scope, u.stream
+              FROM unnest($1::text[], $2::text[]) u(scope, stream)
+              WHERE u.stream IS NOT NULL) u
+        LEFT JOIN LATERAL (
+            -- the stream's head now: its earliest undone row, through the _stream index
+            SELECT n.instance_id, n.lease_expiry FROM %1$I n
+            WHERE %3$s n.stream = u.stream AND n.%2$I IS NULL
+            ORDER BY n.seq LIMIT 1
+        ) h ON true
+        WHERE s.category = $4 AND s.scope = u.scope AND s.stream = u.stream
+          AND s.owner_instance_id = $3$q$,
+        v_meta.tbl, v_meta.done_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''
+             ELSE format('n.%I = u.scope AND', v_meta.scope_col) END)
+    USING p_scopes, p_streams, p_instance_id, p_category;
+END
+$$;
+
 -- Seconds until the retry after failed attempt number p_attempts: p_base * 2^(n-1),
 -- capped at p_max, plus up to 10% jitter that is stable for a row and attempt (so peers
 -- do not retry in lockstep and tests can predict the range).
@@ -2982,7 +3049,8 @@ $$;
 -- Mark rows done that p_instance_id still holds under p_lease_tokens[i], storing
 -- p_results[i] (jsonb, may be NULL) as the result of p_ids[i]. Returns every id with
 -- 'done' or 'lost' (not held by the caller under that token any more, or already done).
--- Completed heads hand over to the next row of their stream.
+-- Completed heads hand over to the next row of their stream; the caller stays the
+-- stream's owner while it holds that row (the next of its run: hand_over_streams).
 CREATE FUNCTION workpump.complete_work(
     p_instance_id uuid,
     p_category text,
@@ -3041,11 +3109,8 @@ BEGIN
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
         PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
-        -- the claimer no longer works on these streams
-        UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
-        FROM unnest(v_scopes, v_streams) u(scope, stream)
-        WHERE s.category = p_category AND s.scope = u.scope AND s.stream = u.stream
-          AND s.owner_instance_id = p_instance_id;
+        -- the caller keeps the streams whose new head it holds (its run goes on)
+        PERFORM workpump.hand_over_streams(p_category, p_instance_id, v_scopes, v_streams);
     END IF;
 
     RETURN QUERY
@@ -3342,8 +3407,8 @@ $$;
 
 -- End rows p_instance_id holds under p_lease_tokens[i] as 'discarded' (the handler
 -- raised workpump.Discard): done, with p_reasons[i] kept as the last error and
--- failure_reason 'discarded'. Discarded heads hand over to the next row of their stream.
--- Returns every id with 'discarded' or 'lost'.
+-- failure_reason 'discarded'. Discarded heads hand over to the next row of their stream
+-- as completed ones do (complete_work). Returns every id with 'discarded' or 'lost'.
 CREATE FUNCTION workpump.discard_work(
     p_instance_id uuid,
     p_category text,
@@ -3402,10 +3467,8 @@ BEGIN
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
         PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
-        UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
-        FROM unnest(v_scopes, v_streams) u(scope, stream)
-        WHERE s.category = p_category AND s.scope = u.scope AND s.stream = u.stream
-          AND s.owner_instance_id = p_instance_id;
+        -- the caller keeps the streams whose new head it holds (its run goes on)
+        PERFORM workpump.hand_over_streams(p_category, p_instance_id, v_scopes, v_streams);
     END IF;
 
     RETURN QUERY
