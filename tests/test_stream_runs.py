@@ -70,6 +70,31 @@ def test_a_stream_runs_in_order_in_runs_not_a_claim_per_row(outbox_handler, pump
     assert set(models.Outbox.objects.values_list("attempts", flat=True)) == {1}
 
 
+@override_settings(WORKPUMP=FAST)
+def test_a_stream_shows_its_owner_while_the_owner_works_through_its_run(outbox_handler, pump):
+    owners: list[Any] = []  # the stream's owner as each row after the first starts
+
+    def handle(work: Any) -> None:
+        if work.payload["n"] > 0:
+            owners.append(
+                models.ActiveStream.objects.filter(category="outbox", stream="owned")
+                .values_list("owner_instance_id", flat=True)
+                .get()
+            )
+
+    outbox_handler("runs.owned", handle)
+    for n in range(40):
+        workpump.send("runs.owned", {"n": n}, stream="owned")
+
+    supervisor = pump()
+    assert wait_until(_all_processed)
+    supervisor.shutdown()
+    assert len(owners) == 39
+    assert set(owners) == {supervisor.identity.instance_id}
+    # The last row done, the stream is nobody's.
+    assert models.ActiveStream.objects.get(stream="owned").owner_instance_id is None
+
+
 @override_settings(WORKPUMP={**FAST, "CLAIM_PREFETCH": 20})
 def test_a_failure_mid_run_blocks_the_stream_and_releases_the_rest_unspent(outbox_handler, pump):
     ran: list[int] = []
