@@ -33,6 +33,7 @@ from typing import Any
 import psutil
 
 from bench import harness as h
+from bench.writes import WRITE
 
 DATABASES = {"workpump": "wp_bench_scale", "pgqueuer": "wp_bench_scale_pgqueuer"}
 MAX_CONNECTIONS = 600
@@ -93,6 +94,19 @@ WRITES_SQL = (
     "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint FROM pg_stat_user_tables"
     " WHERE relname LIKE 'workpump\\_%'"
 )
+
+
+def _write_statements(server: h.Server, database: str) -> list[tuple[int, int, str]]:
+    """The write statements sent to ``database`` since the last reset: calls, rows written
+    and text, most called first."""
+    with server.connect() as conn:
+        found = conn.execute(
+            "SELECT s.calls, s.rows, s.query FROM pg_stat_statements s"
+            " JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = %s",
+            [database],
+        ).fetchall()
+    writes = [(int(n), int(r), " ".join(q.split())) for n, r, q in found if WRITE.search(q)]
+    return sorted(writes, key=lambda item: -item[0])
 
 
 def enqueue(server: h.Server) -> dict[str, Any]:
@@ -310,10 +324,15 @@ def _drain(
             "connections_per_instance": connections / processes,
         }
         if idle > 0:
-            time.sleep(5.0)  # outcomes flushed, heartbeats back to their idle pace
+            # Outcomes flushed, heartbeats back to their idle pace, and the drain's table
+            # counters reported (a backend sends its counters at most every 10 s when idle).
+            time.sleep(12.0)
             writes0 = _scalar(server, database, WRITES_SQL)
             commits0 = _scalar(server, database, COMMITS_SQL)
+            with server.connect() as conn:  # the extension lives in the server's own database
+                conn.execute("SELECT pg_stat_statements_reset()")
             time.sleep(idle)
+            statements = _write_statements(server, database)
             writes1 = _scalar(server, database, WRITES_SQL)
             commits1 = _scalar(server, database, COMMITS_SQL)
             minutes = idle / 60
@@ -323,6 +342,13 @@ def _drain(
             result["idle_commits_per_instance_per_min"] = (
                 (commits1 - commits0) / processes / minutes
             )
+            result["idle_write_statements_per_instance_per_min"] = (
+                sum(calls for calls, _, _ in statements) / processes / minutes
+            )
+            result["idle_write_statements"] = [
+                {"calls": calls, "rows": rows, "query": query[:160]}
+                for calls, rows, query in statements
+            ]
     finally:
         for worker in workers:
             h.stop_worker(worker)
@@ -354,6 +380,9 @@ def instances(server: h.Server, workdir: Path, quick: bool) -> dict[str, Any]:
         "scale_32_vs_1_ratio": by["p32c1"]["rate"] / one,
         "scale_32_share_spread": by["p32c1"]["share_spread"],
         "idle_row_writes_per_instance_per_min": by["p32c1"]["idle_row_writes_per_instance_per_min"],
+        "idle_write_statements_per_instance_per_min": by["p32c1"][
+            "idle_write_statements_per_instance_per_min"
+        ],
     }
 
 

@@ -336,7 +336,11 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         scale.get("renewals", {}).get("statements_per_category_per_window")
     )
     out["scale_8_vs_1_ratio"] = _round(scale.get("instances", {}).get("scale_8_vs_1_ratio"))
+    out["scale_32_vs_1_ratio"] = _round(scale.get("instances", {}).get("scale_32_vs_1_ratio"))
     out["scale_32_share_spread"] = _round(scale.get("instances", {}).get("scale_32_share_spread"))
+    out["scale_32_idle_write_statements_per_instance_per_min"] = _round(
+        scale.get("instances", {}).get("idle_write_statements_per_instance_per_min")
+    )
     ordered = sections.get("ordered", {}).get("summary", {})
     for key in (
         "ordered_stream_rows_per_s",
