@@ -27,7 +27,7 @@ from django.contrib.contenttypes.models import ContentType
 from django.contrib.messages import get_messages
 from django.core.management import call_command
 from django.db import connection
-from django.test import Client
+from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -981,3 +981,40 @@ def test_relative_lease_times() -> None:
     assert display.relative(252) == "in 4m 12s"
     assert display.relative(-180) == "expired 3m ago"
     assert display.relative(0) == "expired 0s ago"
+
+
+# -- the pump's database --------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "second"])
+def test_the_admin_reads_and_acts_on_the_database_the_pump_uses(admin_client: Client) -> None:
+    """With ``DATABASE_ALIAS`` naming another database (and no router), the pages show
+    that database's rows and the actions change them there, as the pump and the summary
+    see them."""
+
+    def on_second(**fields: Any) -> models.Outbox:
+        fields.setdefault("created_at", timezone.now())
+        return models.Outbox.objects.using("second").create(
+            message_id=uuid.uuid4(), destination="shard.topic", payload={}, **fields
+        )
+
+    pending = on_second()
+    waiting = on_second(attempts=1, scheduled_for=timezone.now() + timedelta(hours=1))
+    factories.OutboxFactory(destination="default.topic")
+
+    with override_settings(WORKPUMP={"DATABASE_ALIAS": "second"}):
+        html = admin_client.get(OUTBOX_URL).content.decode()
+        assert listed_keys(html) == {str(pending.message_id), str(waiting.message_id)}
+        html = admin_client.get(OUTBOX_URL, {"state": "pending"}).content.decode()
+        assert listed_keys(html) == {str(pending.message_id)}
+        detail = admin_client.get(f"{OUTBOX_URL}{waiting.pk}/change/")
+        assert detail.status_code == 200
+        assert str(waiting.message_id) in detail.content.decode()
+
+        response = run_action(admin_client, OUTBOX_URL, "retry_now", [waiting])
+        assert messages_of(response) == ["Retried 1 outbox message now."]
+        assert models.Outbox.objects.using("second").get(pk=waiting.pk).scheduled_for is None
+
+    # Back on the default database, its own row is the only one shown.
+    html = admin_client.get(OUTBOX_URL).content.decode()
+    assert len(listed_keys(html)) == 1

@@ -1,4 +1,10 @@
-"""What every workpump admin page shares: its queries run in one transaction without JIT.
+"""What every workpump admin page shares: it reads and writes the pump's database, and
+its queries run in one transaction without JIT.
+
+The pump, the producers, the SQL of the admin's actions and the summary all use
+``WORKPUMP["DATABASE_ALIAS"]``; so do the admin's querysets (``pump_database``), rather
+than whatever database the project's routers pick for the workpump models: a page and
+its actions always see the same rows, also when that alias is not ``default``.
 
 The pages' queries are short and interactive, but the planner may cost some of them
 (the liveness and stuck rules per row) past ``jit_above_cost``; compiling them then
@@ -14,24 +20,39 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin
-from django.db import router
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import SimpleTemplateResponse
 
 from django_workpump import db
+from django_workpump.conf import setting
+
+
+def pump_database() -> str:
+    """The alias of the database the pump works on (``WORKPUMP["DATABASE_ALIAS"]``)."""
+    return str(setting("DATABASE_ALIAS"))
+
+
+class PumpDatabaseAdmin(admin.ModelAdmin):
+    """A ModelAdmin whose rows are read, and saved, on ``pump_database()``."""
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # A row fetched here is saved back to the database it came from.
+        return super().get_queryset(request).using(pump_database())
 
 
 def rendered_without_jit(model: Any, view: Callable[[], HttpResponse]) -> HttpResponse:
     """The response of ``view``, run and rendered in one transaction without JIT."""
-    with db.without_jit(using=router.db_for_read(model)):
+    with db.without_jit(using=pump_database()):
         response = view()
         if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
             response.render()
     return response
 
 
-class WorkpumpModelAdmin(admin.ModelAdmin):
-    """A ModelAdmin whose list and detail pages run without JIT (``rendered_without_jit``)."""
+class WorkpumpModelAdmin(PumpDatabaseAdmin):
+    """A ModelAdmin on the pump's database whose list and detail pages run without JIT
+    (``rendered_without_jit``)."""
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None

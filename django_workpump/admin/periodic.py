@@ -17,6 +17,7 @@ from django.utils.safestring import SafeString
 
 from django_workpump import db
 from django_workpump.admin import display
+from django_workpump.admin.base import PumpDatabaseAdmin
 from django_workpump.models import PeriodicSchedule
 from django_workpump.periodic import schedules
 
@@ -40,7 +41,7 @@ DETAIL_FIELDS = [
 ]
 
 
-class PeriodicScheduleAdmin(admin.ModelAdmin):
+class PeriodicScheduleAdmin(PumpDatabaseAdmin):
     list_display = [
         "name",
         "rule",

@@ -21,7 +21,7 @@ from django.utils.safestring import SafeString
 
 from django_workpump import db
 from django_workpump.admin import display
-from django_workpump.admin.base import WorkpumpModelAdmin
+from django_workpump.admin.base import WorkpumpModelAdmin, pump_database
 from django_workpump.admin.expressions import (
     ADMIN_QUERIES,
     HOLDER_LIVE,
@@ -129,7 +129,7 @@ def topic_choices(model: Any, spec: WorkSpec) -> list[str]:
     """
     registered = {handler.topic for handler in registry.handlers(spec.category)}
     done, topic = spec.done_field, spec.topic_field
-    rows = model._default_manager.order_by()
+    rows = model._default_manager.using(pump_database()).order_by()
     ready = rows.filter(ready_condition(done)).order_by("-priority", "seq")
     timer = rows.filter(timer_condition(done)).order_by(Coalesce("lease_expiry", "scheduled_for"))
     dead = rows.filter(dead_condition(done)).order_by("dead_lettered_at")
@@ -147,7 +147,9 @@ class OwnerFilter(WorkFilter):
     NOT_LIVE = "not-live"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        instances = ServiceInstance.objects.order_by("service_name", "host_name", "started_at")
+        instances = ServiceInstance.objects.using(pump_database()).order_by(
+            "service_name", "host_name", "started_at"
+        )
         return [
             (self.NONE, "nobody (unleased)"),
             (self.NOT_LIVE, "an instance that is not live"),
@@ -243,6 +245,7 @@ class WorkAdmin(WorkpumpModelAdmin):
         return any(f.name == "payload" for f in self.model._meta.concrete_fields)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # The pump's database (PumpDatabaseAdmin), whatever the routers say.
         queryset = annotate_work(super().get_queryset(request), self.spec)
         # Aliases, so the topic and done columns sort whatever each table calls them.
         return queryset.annotate(wp_topic=F(self.spec.topic_field), wp_done=F(self.spec.done_field))
@@ -471,7 +474,8 @@ class WorkAdmin(WorkpumpModelAdmin):
         same = {"stream": obj.stream}
         if self.spec.scope_field:
             same[self.spec.scope_field] = getattr(obj, self.spec.scope_field)
-        rows = self.model._default_manager.filter(**same).annotate(wp_state=state_of(self.spec))
+        rows = self.model._default_manager.using(pump_database()).filter(**same)
+        rows = rows.annotate(wp_state=state_of(self.spec))
         rows = rows.only(
             "seq", self.spec.key_field, "stream_head", "attempts", "max_attempts", "created_at"
         )
@@ -604,7 +608,7 @@ class WorkAdmin(WorkpumpModelAdmin):
             )
         # What is still held after the call was refused: its holder is live.
         key = self.spec.key_field
-        refused = self.model._default_manager.filter(
+        refused = self.model._default_manager.using(pump_database()).filter(
             **{f"{key}__in": ids, f"{self.spec.done_field}__isnull": True},
             instance_id__isnull=False,
         ).count()
