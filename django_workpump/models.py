@@ -155,17 +155,22 @@ def _work_indexes(prefix: str, done: str, scope: tuple[str, ...] = ()) -> list[m
         models.Index(
             fields=[done], name=f"{prefix}_done", condition=Q(**{f"{done}__isnull": False})
         ),
-        # Dead rows (admin, status).
+        # Dead rows (admin, status), in the order the admin's dead page shows them.
         models.Index(
-            fields=["dead_lettered_at"], name=f"{prefix}_dead", condition=dead_condition(done)
+            fields=["dead_lettered_at", "seq"],
+            name=f"{prefix}_dead",
+            condition=dead_condition(done),
         ),
         # The admin's state and stuck filters and the status counts (docs/admin.md). Each
         # holds rows in a rare state only, which a claim or renewal never writes, so the
         # hot path does not maintain them: orphaned by an eviction, waiting unleased for
         # a retry or deferral, and past half their attempts.
         models.Index(fields=["seq"], name=f"{prefix}_orphan", condition=orphan_condition(done)),
+        # Keyed by time, then seq: the admin's scheduled page reads a page in this order.
         models.Index(
-            fields=["scheduled_for"], name=f"{prefix}_waiting", condition=waiting_condition(done)
+            fields=["scheduled_for", "seq"],
+            name=f"{prefix}_waiting",
+            condition=waiting_condition(done),
         ),
         models.Index(
             fields=["seq"], name=f"{prefix}_retried", condition=attempts_high_condition(done)

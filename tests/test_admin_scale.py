@@ -492,3 +492,25 @@ def test_the_held_index_migration_reverses_and_applies_again(scratch_database: A
     assert held_keys() == {"instance_id"}
     scratch_database.migrate("workpump", "0019")
     assert held_keys() == {"instance_id, seq"}
+
+
+def test_the_dead_and_waiting_index_migration_reverses_and_applies_again(
+    scratch_database: Any,
+) -> None:
+    def keys() -> dict[str, str]:
+        with scratch_database.connect() as conn:
+            rows = conn.execute(
+                "SELECT indexname, indexdef FROM pg_indexes"
+                " WHERE indexname ~ '^wp_(outbox|inbox|persp|receptor)_(dead|waiting)$'"
+            ).fetchall()
+        return {name: re.sub(r".*USING btree \((.*?)\).*", r"\1", sql) for name, sql in rows}
+
+    scratch_database.migrate("workpump", "0023")
+    after = keys()
+    assert len(after) == 8
+    assert {k for n, k in after.items() if n.endswith("_dead")} == {"dead_lettered_at, seq"}
+    assert {k for n, k in after.items() if n.endswith("_waiting")} == {"scheduled_for, seq"}
+    scratch_database.migrate("workpump", "0022")
+    assert set(keys().values()) == {"dead_lettered_at", "scheduled_for"}
+    scratch_database.migrate("workpump", "0023")
+    assert keys() == after
