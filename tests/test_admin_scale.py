@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from datetime import datetime
 from typing import Any
 
@@ -21,11 +22,14 @@ from django.test.utils import CaptureQueriesContext
 from django_workpump import models, status
 from django_workpump.admin import pagination
 from django_workpump.admin.expressions import (
+    CLAIM_ORDER,
     NOT_LIVE_HOLDERS,
     WorkSpec,
     annotate_work,
+    fetch_bound,
     held_seqs,
     not_live_seqs,
+    pending_seqs,
     state_condition,
     stuck_seqs,
 )
@@ -34,8 +38,16 @@ from django_workpump.admin.work import topic_choices
 from django_workpump.registry import Handler, Registry
 from django_workpump.sql import named_queries
 from django_workpump.states import WorkState
+from tests import factories
 from tests.conftest import run_sql
-from tests.test_admin import OUTBOX_CHANGELIST_QUERIES, OUTBOX_URL, STUCK, World, secs
+from tests.test_admin import (
+    OUTBOX_CHANGELIST_QUERIES,
+    OUTBOX_URL,
+    STUCK,
+    WORK_MODELS,
+    World,
+    secs,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -142,11 +154,13 @@ def test_the_not_live_filter_selects_the_rows_of_holders_that_are_not_live(
     assert rows_matching(Q(seq__in=not_live_seqs(SPEC))) == expected
 
 
+# Each bounded filter and the order its fragment reads in.
 BOUNDED = {
-    "stuck": stuck_seqs,
-    "not-live": not_live_seqs,
-    "leased": lambda spec: held_seqs(spec, WorkState.LEASED),
-    "orphaned": lambda spec: held_seqs(spec, WorkState.ORPHANED),
+    "stuck": (stuck_seqs, ("-seq",)),
+    "not-live": (not_live_seqs, ("-seq",)),
+    "leased": (lambda spec: held_seqs(spec, WorkState.LEASED), ("-seq",)),
+    "orphaned": (lambda spec: held_seqs(spec, WorkState.ORPHANED), ("-seq",)),
+    "pending": (pending_seqs, ("-priority", "seq")),
 }
 
 
@@ -157,20 +171,69 @@ def test_the_held_states_select_the_rows_of_state_of(overlapping: World, state: 
     assert rows_matching(Q(seq__in=held_seqs(SPEC, state))) == expected
 
 
-@pytest.mark.parametrize("seqs", list(BOUNDED.values()), ids=list(BOUNDED))
-def test_a_bounded_filter_pages_and_counts_as_the_whole_set(overlapping: World, seqs: Any) -> None:
-    """A page newest first reads as many rows as it shows, a count as many as its limit:
-    each gives what it would over the whole set, at every size and offset."""
+@pytest.fixture
+def prioritised(overlapping: World, now: datetime) -> World:
+    """Pending rows of other priorities, and of each arm of the pending filter."""
+    world = overlapping
+    world.add("urgent", priority=5)
+    world.add("urgent_due_retry", priority=5, attempts=1, scheduled_for=now - secs(1))
+    world.add("lowly", priority=-5)
+    world.add("lowly_behind", stream="s-ok", priority=-5)
+    return world
+
+
+@pytest.mark.parametrize(("seqs", "order"), list(BOUNDED.values()), ids=list(BOUNDED))
+def test_a_bounded_filter_pages_and_counts_as_the_whole_set(
+    prioritised: World, seqs: Any, order: tuple[str, ...]
+) -> None:
+    """A page in the fragment's order reads as many rows as it shows, a count as many as
+    its limit: each gives what it would over the whole set, at every size and offset."""
     queryset = models.Outbox.objects.filter(seq__in=seqs(SPEC))
-    every = sorted(queryset.order_by().values_list("seq", flat=True), reverse=True)
+    every = list(queryset.order_by(*order).values_list("seq", flat=True))  # no limit: all
+    assert every == sorted_by(queryset, order)
     assert len(every) == len(set(every)) >= 4
     for size in range(1, len(every) + 2):
         assert queryset.order_by().values("pk")[:size].count() == min(size, len(every))
         # the paginator counts the fragment's rows as it reads them
         assert pagination.filtered_seqs_count(queryset, size) == min(size, len(every))
         for offset in range(len(every) + 1):
-            page = queryset.order_by("-seq").values_list("seq", flat=True)[offset : offset + size]
+            page = queryset.order_by(*order).values_list("seq", flat=True)[offset : offset + size]
             assert list(page) == every[offset : offset + size], (offset, size)
+    # With another condition beside it, the fragment yields every row: a bound would
+    # leave out rows of that condition that come after the bound.
+    last = models.Outbox.objects.get(seq=every[-1])
+    narrowed = queryset.filter(destination=last.destination).order_by(*order)
+    assert list(narrowed.values_list("seq", flat=True)[:1]) == [last.seq]
+
+
+@pytest.mark.parametrize(
+    ("params", "bounded", "narrowed"),
+    [
+        # applied by each arm as it reads
+        ({"destination": "topic.lowly"}, True, {"destination": "topic.lowly"}),
+        ({"owner": "none"}, True, {}),  # every pending row is unheld
+        # a search may drop rows after a bound: all are read
+        ({"q": "lowly"}, False, {"destination__contains": "lowly"}),
+    ],
+    ids=["topic", "owner=none", "search"],
+)
+def test_the_pending_page_with_another_filter_lists_every_row_of_both(
+    prioritised: World, params: dict[str, str], bounded: bool, narrowed: dict[str, str]
+) -> None:
+    page = changelist_queryset({"state": WorkState.PENDING, **params})[:50]
+    assert fetch_bound(page.query, CLAIM_ORDER) == ((50, True) if bounded else (None, True))
+    pending = models.Outbox.objects.filter(seq__in=rows_where(wp_state=WorkState.PENDING))
+    expected = sorted_by(pending.filter(**narrowed), CLAIM_ORDER.fields)
+    assert [row.seq for row in page] == expected
+    assert len(expected) >= (1 if narrowed else 5)
+
+
+def sorted_by(queryset: Any, order: tuple[str, ...]) -> list[int]:
+    """The seqs of ``queryset`` sorted in Python by ``order`` (``-seq`` or claim order)."""
+    rows = list(queryset.order_by().values_list("priority", "seq"))
+    if order == ("-seq",):
+        return sorted((seq for _, seq in rows), reverse=True)
+    return [seq for _, seq in sorted(rows, key=lambda row: (-row[0], row[1]))]
     # With another condition the paginator counts the rows of the table.
     assert pagination.filtered_seqs_count(queryset.filter(attempts__gte=0), 5) is None
     # Any other order reads every row, then sorts.
@@ -192,12 +255,17 @@ def test_topic_choices_are_registered_topics_and_those_of_rows_needing_attention
     assert "topic.done" not in topics
 
 
+# Rows completed together share a time, 100 at a time (a batch of outcomes written by one
+# statement), each batch 10 ms before the next: ``n`` is the row's number.
+DONE_BATCH_SQL = "({n} / 100) * interval '10 milliseconds'"
+
+
 def bulk_done(count: int) -> None:
     """``count`` processed outbox rows, inserted by one statement, then ANALYZE."""
     run_sql(
         "INSERT INTO workpump_outbox (message_id, destination, payload, attempts, processed_at)"
         " SELECT gen_random_uuid(), 'bulk.done', '{}'::jsonb, 1, now() - interval '1 hour'"
-        " FROM generate_series(1, %s)",
+        f" - {DONE_BATCH_SQL.format(n='g')} FROM generate_series(1, %s) g",
         (count,),
     )
     run_sql("ANALYZE workpump_outbox")
@@ -223,19 +291,55 @@ def changelist_queryset(params: dict[str, str]) -> Any:
 
 
 FILTERS = [
-    *({"state": state} for state in WorkState if state != WorkState.DONE),
+    *({"state": state} for state in WorkState),
     {"state": STUCK_FILTER},
     {"owner": "not-live"},
 ]
+
+
+def filter_plans(queryset: Any, params: dict[str, str]) -> list[str]:
+    """The plans of a filtered changelist's page and, but for the done state, its capped
+    count: most of a table is done, so a count of done rows may read the table from its
+    start, stopping at the limit."""
+    page = queryset[:51].explain()
+    return [page] if params == {"state": WorkState.DONE} else [page, count_plan(queryset)]
 
 
 @pytest.mark.parametrize("params", FILTERS, ids=lambda p: "=".join(*p.items()))
 def test_each_filter_reads_its_rows_through_an_index(world: World, params: dict[str, str]) -> None:
     bulk_done(BULK_DONE_ROWS)
     queryset = changelist_queryset(params)
-    for plan in (queryset[:51].explain(), count_plan(queryset)):
+    for plan in filter_plans(queryset, params):
         assert "Seq Scan on workpump_outbox" not in plan, plan
         assert re.search(r"Index (Only )?Scan|Bitmap Index Scan", plan), plan
+
+
+# The index each ordered state's page reads in its order (page_order), and how: a page
+# of done rows sorts only the rows that share a time with its last (an incremental sort
+# over the index's order); dead and scheduled pages read their index in the page's order.
+ORDERED_PAGE_PLANS = {
+    WorkState.DONE: r"Index Scan Backward using wp_{prefix}_done",
+    WorkState.DEAD: r"Index Scan Backward using wp_{prefix}_dead",
+    WorkState.SCHEDULED: r"Index Scan using wp_{prefix}_waiting",
+    WorkState.PENDING: r"Index Scan using wp_{prefix}_ready",
+}
+FULL_SORT = re.compile(r"(^|->)\s*Sort\s+\(", re.M)  # not an Incremental Sort
+
+
+@pytest.mark.parametrize("state", list(ORDERED_PAGE_PLANS))
+def test_each_ordered_state_page_reads_its_index_in_the_page_order(
+    world: World, state: str
+) -> None:
+    bulk_done(BULK_DONE_ROWS)
+    plan = changelist_queryset({"state": state})[:51].explain()
+    assert re.search(ORDERED_PAGE_PLANS[state].format(prefix="outbox"), plan), plan
+    if state in (WorkState.DEAD, WorkState.SCHEDULED):
+        assert not FULL_SORT.search(plan), plan
+    if state == WorkState.DONE:
+        assert "Incremental Sort" in plan and not FULL_SORT.search(plan), plan
+    if state == WorkState.PENDING:
+        # the arms merged in the claim's order, the claimable ones read in it
+        assert "Merge Append" in plan, plan
 
 
 def test_a_large_changelist_says_about_n_and_counts_no_further(
@@ -410,19 +514,19 @@ BULK_SQL = {
     models.Inbox: (
         "INSERT INTO workpump_inbox (message_id, handler_name, payload, attempts, processed_at)"
         " SELECT gen_random_uuid(), 'bulk.done', '{}'::jsonb, 1, now() - interval '1 hour'"
-        " FROM generate_series(1, %(n)s)"
+        f" - {DONE_BATCH_SQL.format(n='g')} FROM generate_series(1, %(n)s) g"
     ),
     models.PerspectiveEvent: (
         "INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id,"
         " attempts, processed_at)"
         " SELECT gen_random_uuid(), 'bulk.done', e.event_id, 1, now() - interval '1 hour'"
-        " FROM workpump_event e WHERE e.event_type = 'bulk'"
+        f" - {DONE_BATCH_SQL.format(n='e.seq')} FROM workpump_event e WHERE e.event_type = 'bulk'"
     ),
     models.ReceptorProcessing: (
         "INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, attempts,"
         " completed_at)"
         " SELECT gen_random_uuid(), 'bulk.done', e.event_id, 1, now() - interval '1 hour'"
-        " FROM workpump_event e WHERE e.event_type = 'bulk'"
+        f" - {DONE_BATCH_SQL.format(n='e.seq')} FROM workpump_event e WHERE e.event_type = 'bulk'"
     ),
 }
 OTHER_CATEGORIES = [models.Inbox, models.PerspectiveEvent, models.ReceptorProcessing]
@@ -434,10 +538,8 @@ def test_each_filter_of_every_category_reads_its_rows_through_an_index(
 ) -> None:
     """The outbox's test above, for the inbox, perspective and receptor tables: a few
     rows of each kind (the admin's fixtures) among many done ones."""
-    from tests.test_admin import factories_for
-
     live, now = world.live.instance_id, world.now
-    factory = type(factories_for(model))
+    factory = FACTORIES[model]
     factory(instance_id=live, lease_expiry=now + secs(60), claimed_at=now, attempts=1)
     factory(instance_id=world.gone_id, lease_expiry=now - secs(60), claimed_at=now, attempts=1)
     factory(attempts=6, scheduled_for=now + secs(60))
@@ -453,13 +555,18 @@ def test_each_filter_of_every_category_reads_its_rows_through_an_index(
     url = f"/admin/workpump/{model._meta.model_name}/"
     model_admin = admin.site._registry[model]
     user = User.objects.create_superuser(f"su-{table}", password="x")
+    prefix = {"workpump_perspective_event": "persp"}.get(table, table.split("_")[1])
     for params in FILTERS:
         request = RequestFactory().get(url, params)
         request.user = user
         queryset = model_admin.get_changelist_instance(request).queryset
-        for plan in (queryset[:51].explain(), count_plan(queryset)):
+        for plan in filter_plans(queryset, params):
             assert f"Seq Scan on {table}" not in plan, (params, plan)
             assert re.search(r"Index (Only )?Scan|Bitmap Index Scan", plan), (params, plan)
+        ordered = ORDERED_PAGE_PLANS.get(params.get("state", ""))
+        if ordered:
+            plan = queryset[:51].explain()
+            assert re.search(ordered.format(prefix=prefix), plan), (params, plan)
 
 
 def test_rows_held_per_instance_are_counted_up_to_the_limit(
@@ -492,6 +599,152 @@ def test_the_held_index_migration_reverses_and_applies_again(scratch_database: A
     assert held_keys() == {"instance_id"}
     scratch_database.migrate("workpump", "0019")
     assert held_keys() == {"instance_id, seq"}
+
+
+# -- each state's page, in every category: its rows and its default order --------------------
+
+FACTORIES = {
+    models.Outbox: factories.OutboxFactory,
+    models.Inbox: factories.InboxFactory,
+    models.PerspectiveEvent: factories.PerspectiveEventFactory,
+    models.ReceptorProcessing: factories.ReceptorProcessingFactory,
+}
+DONE = "done"  # a case's done time, set on the category's done column
+
+# name, columns (times in seconds from now; DONE is the done column), its state.
+STATE_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("pending", {}, WorkState.PENDING),
+    ("pending_urgent", {"priority": 5}, WorkState.PENDING),
+    ("pending_lowly", {"priority": -5}, WorkState.PENDING),
+    ("due_retry", {"attempts": 2, "scheduled_for": -5}, WorkState.PENDING),
+    ("head", {"stream": "s1", "attempts": 1, "held": 100}, WorkState.LEASED),
+    ("behind_head", {"stream": "s1", "priority": 5}, WorkState.PENDING),
+    ("due_behind", {"stream": "s1", "scheduled_for": -90}, WorkState.PENDING),
+    ("deferred_behind", {"stream": "s1", "scheduled_for": 90}, WorkState.SCHEDULED),
+    ("retry_later", {"attempts": 2, "scheduled_for": 60}, WorkState.SCHEDULED),
+    ("retry_soon", {"attempts": 1, "scheduled_for": 30}, WorkState.SCHEDULED),
+    ("retry_soon_too", {"attempts": 1, "scheduled_for": 30}, WorkState.SCHEDULED),
+    ("leased", {"attempts": 1, "held": 100}, WorkState.LEASED),
+    ("expired", {"attempts": 1, "held": -5}, WorkState.ORPHANED),
+    ("evicted", {"attempts": 1, "claimed_at": -60}, WorkState.ORPHANED),
+    ("done_old", {DONE: -60, "attempts": 1}, WorkState.DONE),
+    ("done_new", {DONE: -5, "attempts": 1}, WorkState.DONE),
+    ("done_together", {DONE: -30, "attempts": 1}, WorkState.DONE),
+    ("done_together_too", {DONE: -30, "attempts": 1}, WorkState.DONE),
+    ("dead_old", {"attempts": 10, "dead_lettered_at": -60}, WorkState.DEAD),
+    ("dead_new", {"attempts": 10, "dead_lettered_at": -5}, WorkState.DEAD),
+    ("dead_together", {"attempts": 10, "dead_lettered_at": -30}, WorkState.DEAD),
+    ("dead_together_too", {"attempts": 10, "dead_lettered_at": -30}, WorkState.DEAD),
+    ("cancelled", {DONE: -5, "end_state": "cancelled"}, WorkState.CANCELLED),
+    ("cancelled_old", {DONE: -50, "end_state": "cancelled"}, WorkState.CANCELLED),
+    ("discarded", {DONE: -5, "end_state": "discarded", "attempts": 1}, WorkState.DISCARDED),
+]
+
+
+@pytest.fixture
+def live_holder(now: datetime) -> Any:
+    """A live instance (fresh heartbeat), and no rows yet."""
+    return factories.ServiceInstanceFactory(
+        started_at=now - secs(60), last_heartbeat_at=now - secs(1)
+    ).instance_id
+
+
+GONE_HOLDER = uuid.UUID("00000000-0000-0000-0000-00000000a0e1")  # neither live nor known
+
+
+def make_cases(model: Any, now: datetime, holder: Any) -> dict[str, Any]:
+    """One row per case of STATE_CASES in ``model``'s table, in that order: name -> row."""
+    spec = admin.site._registry[model].spec
+    rows = {}
+    for name, case, _ in STATE_CASES:
+        fields: dict[str, Any] = {"stream": None, "created_at": now - secs(300)}
+        for key, value in case.items():
+            if key == DONE:
+                fields[spec.done_field] = now + secs(value)
+            elif key == "held":
+                fields.update(instance_id=holder, lease_expiry=now + secs(value))
+                fields["claimed_at"] = now - secs(60)
+            elif key in ("scheduled_for", "dead_lettered_at", "claimed_at"):
+                fields[key] = now + secs(value)
+            else:
+                fields[key] = value
+        rows[name] = FACTORIES[model](**fields)
+    return rows
+
+
+def default_order(state: str, done: str) -> Any:
+    """The sort key of the rows of ``state``'s page, as docs/admin.md describes it."""
+    if state in (WorkState.DONE, WorkState.CANCELLED, WorkState.DISCARDED):
+        return lambda row: (-getattr(row, done).timestamp(), -row.seq)
+    if state == WorkState.DEAD:
+        return lambda row: (-row.dead_lettered_at.timestamp(), -row.seq)
+    if state == WorkState.SCHEDULED:
+        return lambda row: (row.scheduled_for, row.seq)
+    if state == WorkState.PENDING:
+        return lambda row: (-row.priority, row.seq)
+    return lambda row: -row.seq  # newest first
+
+
+@pytest.mark.parametrize("state", list(WorkState))
+@pytest.mark.parametrize("model", WORK_MODELS, ids=lambda m: m._meta.model_name)
+def test_each_state_page_lists_the_rows_of_its_state_in_its_default_order(
+    now: datetime, live_holder: Any, model: Any, state: str
+) -> None:
+    """STATE_CASES in each category: a state's page holds the rows ``workpump.state_of``
+    puts in that state, and only those (as it did when every page was newest first), in
+    the order of the partial index that holds them."""
+    spec = admin.site._registry[model].spec
+    cases = make_cases(model, now, live_holder)
+    expected_names = {name for name, _, case_state in STATE_CASES if case_state == state}
+    truth = annotate_work(model._default_manager.all(), spec).filter(wp_state=state)
+    assert {row.pk for row in truth} == {cases[name].pk for name in expected_names}
+
+    request = RequestFactory().get(f"/admin/workpump/{model._meta.model_name}/", {"state": state})
+    request.user = User.objects.create_superuser(f"su-{model._meta.model_name}", password="x")
+    shown = list(admin.site._registry[model].get_changelist_instance(request).queryset)
+    assert [row.pk for row in shown] == [
+        row.pk for row in sorted(truth, key=default_order(state, spec.done_field))
+    ]
+
+
+def test_the_stuck_page_of_every_category_is_newest_first(now: datetime) -> None:
+    for model in WORK_MODELS:
+        spec = admin.site._registry[model].spec
+        make_cases(model, now, GONE_HOLDER)  # every held row is stuck
+        truth = annotate_work(model._default_manager.all(), spec).filter(wp_stuck=True)
+        params = {"state": STUCK_FILTER}
+        request = RequestFactory().get(f"/admin/workpump/{model._meta.model_name}/", params)
+        request.user = User.objects.create_superuser(f"st-{model._meta.model_name}", password="x")
+        shown = admin.site._registry[model].get_changelist_instance(request).queryset
+        assert [row.pk for row in shown] == sorted((row.pk for row in truth), reverse=True)
+        assert len(truth) >= 3, model
+
+
+ORDER_NOTES = {
+    WorkState.DONE: ("most recently done first", "done", "descending"),
+    WorkState.DEAD: ("most recently dead-lettered first", None, None),
+    WorkState.SCHEDULED: ("soonest due first", "scheduled", "ascending"),
+    WorkState.PENDING: ("in claim order: highest priority first, then oldest first", None, None),
+    WorkState.LEASED: ("newest first", "work_id", "descending"),
+    None: ("newest first", "work_id", "descending"),
+}
+
+
+@pytest.mark.parametrize("state", list(ORDER_NOTES), ids=str)
+def test_a_state_page_says_its_order_and_runs_the_pinned_queries(
+    admin_client: Client, world: World, state: str | None
+) -> None:
+    params = {"state": state} if state else {}
+    with CaptureQueriesContext(connection) as queries:
+        html = admin_client.get(OUTBOX_URL, params).content.decode()
+    assert len(queries) == OUTBOX_CHANGELIST_QUERIES
+    note, column, direction = ORDER_NOTES[state]
+    assert f'<span class="wp-order">{note}</span>' in html
+    sorted_columns = re.findall(r'<th scope="col" class="[^"]*column-(\w+) sorted (\w+)"', html)
+    assert sorted_columns[:1] == ([(column, direction)] if column else []), sorted_columns
+    # Sorted by a column, the page says no default order.
+    html = admin_client.get(OUTBOX_URL, {**params, "o": "-11"}).content.decode()
+    assert "wp-order" not in html
 
 
 def test_the_dead_and_waiting_index_migration_reverses_and_applies_again(

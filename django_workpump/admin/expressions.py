@@ -7,6 +7,7 @@ one instant and sorting or filtering by state or age happens in SQL.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ from django.db.models import (
 )
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Cast, Coalesce, Concat, Left
+from django.db.models.lookups import In, Lookup
+from django.db.models.sql.where import AND
 
 from django_workpump.categories import category
 from django_workpump.conf import get_settings
@@ -106,36 +109,69 @@ def _fragment(name: str, params: tuple[Any, ...] = ()) -> RawSQL:
     return RawSQL(named_queries(ADMIN_QUERIES)[name], params)
 
 
-class FilteredSeqs(RawSQL):
-    """The seqs a filter of ``sql/admin.sql`` selects (``stuck_seqs``, ``not_live_seqs``),
-    for ``seq__in``, bounded by what the query around it fetches.
+@dataclass(frozen=True)
+class FragmentOrder:
+    """The order in which a fragment of ``sql/admin.sql`` reads its rows: a page ordered
+    by ``fields`` (Django ordering names, ``pk`` spelled ``seq``) needs no more of them
+    than it shows. ``rows`` is that order in SQL over the fragment's rows ``s``, ``arm``
+    over an arm's table rows ``t``."""
 
-    The fragment reads each partial index newest first and stops after as many rows as
-    the query around it can use: the page's last row (``[offset:offset + 50]``, ordered
-    by ``-seq``, the default) or the count's limit (unordered). Any other ordering, or
-    no limit (the planner's estimate), reads them all.
+    fields: tuple[str, ...]
+    rows: str
+    arm: str
+
+
+NEWEST_FIRST = FragmentOrder(("-seq",), "s.seq DESC", "t.seq DESC")
+# The order of the _ready index, in which the claim takes claimable rows.
+CLAIM_ORDER = FragmentOrder(
+    ("-priority", "seq"), "s.priority DESC, s.seq", "t.priority DESC, t.seq"
+)
+
+
+class FilteredSeqs(RawSQL):
+    """The seqs a filter of ``sql/admin.sql`` selects (``stuck_seqs``, ``not_live_seqs``,
+    ``held_seqs``, ``pending_seqs``), for ``seq__in``, bounded by what the query around
+    it fetches.
+
+    The fragment reads each partial index in its ``order`` and stops after as many rows
+    as the query around it can use: the page's last row (``[offset:offset + 50]``,
+    ordered as the fragment reads) or the count's limit (unordered). Any other ordering,
+    another condition beside it, or no limit (the planner's estimate), reads them all.
     """
 
+    # Conditions of the query around it that the fragment applies itself, as (field,
+    # lookup, value): they leave its bound valid (``bounding_fragment``).
+    covered: tuple[tuple[str, str, Any], ...] = ()
+
     def __init__(
-        self, name: str, spec: WorkSpec, bounds: int, *, cutoffs: bool = True, **parts: str
+        self,
+        name: str,
+        spec: WorkSpec,
+        bounds: int,
+        *,
+        cutoffs: bool = True,
+        order: FragmentOrder = NEWEST_FIRST,
+        **parts: str,
     ) -> None:
         self.name, self.spec, self.bounds = name, spec, bounds
-        self.cutoffs, self.parts = cutoffs, parts
+        self.cutoffs, self.order, self.parts = cutoffs, order, parts
         super().__init__("", (), output_field=models.BigIntegerField())
 
     def as_sql(self, compiler: Any, connection: Any) -> Any:
-        sql, params = self.select(connection, *fetch_bound(compiler.query))
+        sql, params = self.select(connection, *fetch_bound(compiler.query, self.order))
         return f"({sql})", params
 
     def select(self, connection: Any, bound: int | None, ordered: bool) -> tuple[str, list[Any]]:
-        """The fragment's SELECT reading at most ``bound`` rows (None: all), newest first
+        """The fragment's SELECT reading at most ``bound`` rows (None: all), in its order
         when ``ordered``, and its parameters."""
         scope = self.spec.scope_field
         names = {
             "table": connection.ops.quote_name(category(self.spec.category).table),
             "done": connection.ops.quote_name(self.spec.done_field),
             "same_scope": f"AND h.{scope} = r.{scope}" if scope else "",
-            "newest_first": "ORDER BY s.seq DESC" if ordered else "",
+            "topic": connection.ops.quote_name(self.spec.topic_field),
+            "in_order": f"ORDER BY {self.order.rows}" if ordered else "",
+            "arm_order": f"ORDER BY {self.order.arm}" if ordered else "",
         }
         parts = {key: part.format(**names) for key, part in self.parts.items()}
         sql = named_queries(ADMIN_QUERIES)[self.name].format(**names, **parts)
@@ -145,20 +181,75 @@ class FilteredSeqs(RawSQL):
             params += [settings["STALE_AFTER_SECONDS"], settings["DEFINITIVELY_DEAD_AFTER_SECONDS"]]
         return sql, [*params, *[bound] * self.bounds]
 
+    def covers(self, condition: Any) -> bool:
+        """Whether ``condition``, of the query around the fragment, is one it applies."""
+        if not isinstance(condition, Lookup) or isinstance(condition.rhs, models.Expression):
+            return False
+        field = getattr(condition.lhs, "target", None)
+        if field is None:
+            return False
+        return (field.name, condition.lookup_name, condition.rhs) in self.covered
 
-NEWEST_FIRST = ("-seq", "-pk")
+
+class PendingSeqs(FilteredSeqs):
+    """``pending_seqs``, of one topic when the topic filter names one: each arm applies
+    it, so the page and its count stay bounded with both filters."""
+
+    def __init__(self, spec: WorkSpec, topic: str | None) -> None:
+        same_topic = "AND t.{topic} = %s" if topic is not None else ""
+        super().__init__(
+            "pending_seqs", spec, 4, cutoffs=False, order=CLAIM_ORDER, same_topic=same_topic
+        )
+        self.topic = topic
+        # A pending row is unheld: the owner filter's "nobody" changes nothing.
+        unheld = ("instance_id", "isnull", True)
+        self.covered = (
+            (unheld, (spec.topic_field, "exact", topic)) if topic is not None else (unheld,)
+        )
+
+    def select(self, connection: Any, bound: int | None, ordered: bool) -> tuple[str, list[Any]]:
+        sql, _ = super().select(connection, bound, ordered)
+        arm = [bound] if self.topic is None else [self.topic, bound]
+        return sql, [*arm * 3, bound]
 
 
-def fetch_bound(query: Any) -> tuple[int | None, bool]:
-    """How many rows a query can use, and whether they must be the newest: its limit
-    when it is ordered newest first (a page) or not at all (a count, any rows will do);
-    None (all, newest first) otherwise."""
-    ordering = list(query.order_by) or list(query.get_meta().ordering)
-    if query.high_mark is None:
+def bounding_fragment(query: Any) -> FilteredSeqs | None:
+    """The fragment of ``query``'s one ``seq IN (FilteredSeqs)`` condition when it alone
+    decides the rows: every other condition is one it applies itself (``covers``). With
+    any other condition (an owner, a search), rows the fragment yields may be filtered
+    out after its bound, so it must yield them all."""
+    where = query.where
+    if where.negated or where.connector != AND:
+        return None
+    pk = query.get_meta().pk
+    fragments = [
+        child
+        for child in where.children
+        if isinstance(child, In)
+        and isinstance(child.rhs, FilteredSeqs)
+        and getattr(child.lhs, "target", None) == pk
+    ]
+    if len(fragments) != 1:
+        return None
+    (lookup,) = fragments
+    others = [child for child in where.children if child is not lookup]
+    return lookup.rhs if all(lookup.rhs.covers(child) for child in others) else None
+
+
+def fetch_bound(query: Any, order: FragmentOrder = NEWEST_FIRST) -> tuple[int | None, bool]:
+    """How many rows a query can use, and whether they must come in ``order``: its limit
+    when the fragment alone decides its rows (``bounding_fragment``) and it is ordered as
+    ``order`` begins (a page) or not at all (a count, any rows will do); None (all, in
+    order) otherwise."""
+    if query.high_mark is None or bounding_fragment(query) is None:
         return None, True
+    ordering = list(query.order_by) or list(query.get_meta().ordering)
     if not ordering:
         return int(query.high_mark), False
-    if query.standard_ordering and ordering[0] in NEWEST_FIRST:
+    if not all(isinstance(name, str) for name in ordering[: len(order.fields)]):
+        return None, True
+    names = tuple(re.sub(r"^(-?)pk$", r"\1seq", name) for name in ordering[: len(order.fields)])
+    if query.standard_ordering and names == order.fields:
         return int(query.high_mark), True
     return None, True
 
@@ -187,6 +278,12 @@ def held_seqs(spec: WorkSpec, state: str) -> FilteredSeqs:
         lease="t.lease_expiry <= now()",
         unheld_arm=named_queries(ADMIN_QUERIES)["orphans_arm"],
     )
+
+
+def pending_seqs(spec: WorkSpec, topic: str | None = None) -> FilteredSeqs:
+    """The pending rows of ``spec``'s table (of ``topic`` only, when given), each arm read
+    in the claim's order."""
+    return PendingSeqs(spec, topic)
 
 
 def live_instance_ids() -> RawSQL:

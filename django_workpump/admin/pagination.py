@@ -15,9 +15,8 @@ from typing import Any, cast
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import QuerySet
-from django.db.models.lookups import In
 
-from django_workpump.admin.expressions import ADMIN_QUERIES, FilteredSeqs
+from django_workpump.admin.expressions import ADMIN_QUERIES, bounding_fragment
 from django_workpump.sql import named_queries
 
 # Counted exactly up to here; past it the page says "about N" from the planner.
@@ -58,15 +57,10 @@ def filtered_seqs_count(queryset: QuerySet[Any], limit: int) -> int | None:
 
 def filtered_seqs_count_sql(queryset: QuerySet[Any], limit: int) -> tuple[str, list[Any]] | None:
     """The SQL of ``filtered_seqs_count`` and its parameters, or None."""
-    children = queryset.query.where.children
-    if queryset.query.where.negated or len(children) != 1:
+    fragment = bounding_fragment(queryset.query)
+    if fragment is None:
         return None
-    (lookup,) = children
-    if not isinstance(lookup, In) or not isinstance(lookup.rhs, FilteredSeqs):
-        return None
-    if getattr(lookup.lhs, "target", None) != queryset.model._meta.pk:
-        return None
-    sql, params = lookup.rhs.select(connections[queryset.db], limit, ordered=False)
+    sql, params = fragment.select(connections[queryset.db], limit, ordered=False)
     return named_queries(ADMIN_QUERIES)["count_rows"].format(rows=sql), params
 
 

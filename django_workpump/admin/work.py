@@ -4,14 +4,16 @@ the operator actions, each through the SQL function that keeps leases fenced (do
 
 from __future__ import annotations
 
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import model_ngettext
-from django.contrib.admin.views.main import ChangeList
+from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import ValidationError
 from django.db.models import F, Q, QuerySet, TextField
+from django.db.models.expressions import Combinable
 from django.db.models.functions import Cast, Coalesce
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
@@ -30,6 +32,7 @@ from django_workpump.admin.expressions import (
     annotate_work,
     held_seqs,
     not_live_seqs,
+    pending_seqs,
     state_condition,
     state_of,
     stuck_seqs,
@@ -53,6 +56,37 @@ MAX_ACTION_ROWS = 1_000
 
 NEIGHBOURS = 5  # rows shown on each side of a row of an ordered stream
 STUCK = "stuck"
+
+
+@dataclass(frozen=True)
+class PageOrder:
+    """A changelist's default order (Django ordering names) and how the page says it."""
+
+    ordering: tuple[str, ...]
+    note: str
+
+
+NEWEST_FIRST = PageOrder(("-seq",), "newest first")
+# The default order of a state's page, when the operator has not sorted by a column: the
+# order of the partial index that holds the state's rows, so the page reads the rows it
+# shows instead of scanning the table newest first past rows of other states
+# (docs/admin.md). The leased, orphaned and stuck pages read their indexes newest first.
+STATE_ORDERS: dict[str | None, PageOrder] = {
+    WorkState.DONE: PageOrder(("-wp_done", "-seq"), "most recently done first"),  # _done
+    WorkState.CANCELLED: PageOrder(("-wp_done", "-seq"), "most recently ended first"),  # _ended
+    WorkState.DISCARDED: PageOrder(("-wp_done", "-seq"), "most recently ended first"),
+    WorkState.DEAD: PageOrder(("-dead_lettered_at", "-seq"), "most recently dead-lettered first"),
+    WorkState.SCHEDULED: PageOrder(("scheduled_for", "seq"), "soonest due first"),  # _waiting
+    # _ready's order (pending_seqs): the order the pump claims them in.
+    WorkState.PENDING: PageOrder(
+        ("-priority", "seq"), "in claim order: highest priority first, then oldest first"
+    ),
+}
+
+
+def page_order(state: str | None) -> PageOrder:
+    """The default order of the page of ``state`` (a value of the state filter, or None)."""
+    return STATE_ORDERS.get(state, NEWEST_FIRST)
 
 
 class WorkFilter(admin.SimpleListFilter):
@@ -83,6 +117,11 @@ class StateFilter(WorkFilter):
         if value in (WorkState.LEASED, WorkState.ORPHANED):
             # Each holder's rows newest first (_held), not a scan past newer rows.
             return queryset.filter(seq__in=held_seqs(self.spec, value))
+        if value == WorkState.PENDING:
+            # Three indexes, each read in the claim's order, the page's default; the topic
+            # filter's topic, if any, is applied as they are read.
+            topic = request.GET.get(self.spec.topic_field)
+            return queryset.filter(seq__in=pending_seqs(self.spec, topic))
         if value in STATES:
             return queryset.filter(state_condition(self.spec, value))
         return queryset
@@ -172,10 +211,28 @@ class OwnerFilter(WorkFilter):
 
 
 class WorkChangeList(ChangeList):
-    """The changelist never loads payloads, results or full errors, and counts its rows
-    exactly only up to ``EXACT_COUNT_LIMIT`` (``EstimatingPaginator``)."""
+    """The changelist never loads payloads, results or full errors, counts its rows
+    exactly only up to ``EXACT_COUNT_LIMIT`` (``EstimatingPaginator``), and says its
+    default order (``page_order``) until the operator sorts by a column."""
 
     result_count_estimated = False  # the page says "about N"
+    order_note = ""  # e.g. "most recently done first"; empty once sorted by a column
+
+    def __init__(self, request: HttpRequest, *args: Any, **kwargs: Any) -> None:
+        super().__init__(request, *args, **kwargs)
+        if ORDER_VAR not in self.params:
+            self.order_note = page_order(self.params.get(StateFilter.parameter_name)).note
+
+    def get_ordering_field_columns(self) -> dict[int, Literal["desc", "asc"]]:
+        if ORDER_VAR in self.params:
+            return super().get_ordering_field_columns()
+        # The header arrow of the default order's first key, when a column shows it (Django
+        # would mark the ModelAdmin's ordering, not this page's).
+        first = page_order(self.params.get(StateFilter.parameter_name)).ordering[0]
+        for index, attr in enumerate(self.list_display):
+            if self.get_ordering_field(attr) == first.removeprefix("-"):
+                return {index: "desc" if first.startswith("-") else "asc"}
+        return {}
 
     def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
         queryset = super().get_queryset(request, exclude_parameters)
@@ -203,7 +260,7 @@ class WorkAdmin(WorkpumpModelAdmin):
         "cancel",
     ]
     list_display_links = ["work_id"]
-    ordering = ["-seq"]
+    ordering = list(NEWEST_FIRST.ordering)  # a state's page: page_order
 
     # -- permissions: rows are produced by send/receive/emit and removed by retention only
 
@@ -244,11 +301,20 @@ class WorkAdmin(WorkpumpModelAdmin):
     def has_own_payload(self) -> bool:
         return any(f.name == "payload" for f in self.model._meta.concrete_fields)
 
+    def get_ordering(self, request: HttpRequest) -> list[str | Combinable]:
+        # The state filter's value, as the changelist reads it from the URL.
+        return list(page_order(request.GET.get(StateFilter.parameter_name)).ordering)
+
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        # The pump's database (PumpDatabaseAdmin), whatever the routers say.
-        queryset = annotate_work(super().get_queryset(request), self.spec)
+        # Not ModelAdmin.get_queryset: it orders before the annotations a state's default
+        # order may name (wp_done). The pump's database, as PumpDatabaseAdmin.
+        rows = self.model._default_manager.using(pump_database())
+        queryset = annotate_work(rows, self.spec)
         # Aliases, so the topic and done columns sort whatever each table calls them.
-        return queryset.annotate(wp_topic=F(self.spec.topic_field), wp_done=F(self.spec.done_field))
+        queryset = queryset.annotate(
+            wp_topic=F(self.spec.topic_field), wp_done=F(self.spec.done_field)
+        )
+        return queryset.order_by(*self.get_ordering(request))
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return WorkChangeList
@@ -608,10 +674,14 @@ class WorkAdmin(WorkpumpModelAdmin):
             )
         # What is still held after the call was refused: its holder is live.
         key = self.spec.key_field
-        refused = self.model._default_manager.using(pump_database()).filter(
-            **{f"{key}__in": ids, f"{self.spec.done_field}__isnull": True},
-            instance_id__isnull=False,
-        ).count()
+        refused = (
+            self.model._default_manager.using(pump_database())
+            .filter(
+                **{f"{key}__in": ids, f"{self.spec.done_field}__isnull": True},
+                instance_id__isnull=False,
+            )
+            .count()
+        )
         if refused:
             self.message_user(
                 request,

@@ -64,9 +64,10 @@ WHERE a.datname = current_database()
 -- Seqs of the rows of one work table that a filter selects (for a "seq IN (...)" test).
 -- The names in braces are filled in by admin/expressions.py (FilteredSeqs): table, its
 -- done column, for perspective and receptor rows the condition that a head h orders the
--- same rows as r (same_scope), and newest_first: "ORDER BY s.seq DESC" for a page, empty
--- for a count. Each arm reads one partial index newest first, at most the given number of rows
--- (NULL: all): the rows a page shows, or the count's limit, not every row of the table.
+-- same rows as r (same_scope), and in_order and arm_order: the fragment's order over its
+-- rows s and over an arm's rows t ("ORDER BY s.seq DESC" newest first) for a page, empty
+-- for a count. Each arm reads one partial index in that order, at most the given number of
+-- rows (NULL: all): the rows a page shows, or the count's limit, not every row of the table.
 --
 -- Stuck rows (docs/admin.md, the stuck rule), as four disjoint arms, so a count stops
 -- after its limit without removing duplicates: held by an instance that is not live, or
@@ -122,7 +123,7 @@ WITH RECURSIVE holders AS (
                           OR (h.scheduled_for > now() AND h.attempts > 0)))
      ORDER BY r.seq DESC LIMIT %s)
 )
-SELECT s.seq FROM stuck s {newest_first} LIMIT %s
+SELECT s.seq FROM stuck s {in_order} LIMIT %s
 
 -- name: not_live_seqs
 -- Rows held by an instance that is not live (stale, evicted or gone): the holders by a
@@ -145,7 +146,7 @@ WITH RECURSIVE holders AS (
 SELECT s.seq FROM not_live n CROSS JOIN LATERAL (
     SELECT t.seq FROM {table} t WHERE t.instance_id = n.instance_id
     ORDER BY t.seq DESC LIMIT %s) s
-{newest_first} LIMIT %s
+{in_order} LIMIT %s
 
 -- name: held_seqs
 -- Rows held by an instance, each holder's newest first through the _held index (the
@@ -169,7 +170,7 @@ WITH RECURSIVE holders AS (
     WHERE h.instance_id IS NOT NULL
     {unheld_arm}
 )
-SELECT s.seq FROM held s {newest_first} LIMIT %s
+SELECT s.seq FROM held s {in_order} LIMIT %s
 
 -- name: orphans_arm
 -- The orphaned state's arm of held_seqs for rows an eviction released and no one
@@ -179,6 +180,36 @@ UNION ALL
      WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
        AND t.instance_id IS NULL AND t.claimed_at IS NOT NULL
      ORDER BY t.seq DESC LIMIT %s)
+
+-- name: pending_seqs
+-- Pending rows (workpump.state_of: undone, not dead, unheld, never claimed since its last
+-- release, and due), as three disjoint arms, each in the claim's order (arm_order:
+-- priority, highest first, then seq) and at most the bound: claimable stream heads (the
+-- _ready index, read in that order); rows whose retry or deferral fell due (_waiting, the
+-- due part: rows the claim takes within a poll, then sorted); and unscheduled rows behind
+-- their stream's head (_stream, then sorted: the ordered streams' backlog). same_topic is
+-- empty, or the condition that the topic column equals the topic filter's. Parameters: for
+-- each arm the topic (only with same_topic) and the bound, then the bound.
+WITH pending AS (
+    (SELECT t.seq, t.priority FROM {table} t
+     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+       AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
+       {same_topic}
+     {arm_order} LIMIT %s)
+    UNION ALL
+    (SELECT t.seq, t.priority FROM {table} t
+     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
+       AND t.instance_id IS NULL AND t.scheduled_for <= now() AND t.claimed_at IS NULL
+       {same_topic}
+     {arm_order} LIMIT %s)
+    UNION ALL
+    (SELECT t.seq, t.priority FROM {table} t
+     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL AND t.stream IS NOT NULL
+       AND NOT t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+       AND t.claimed_at IS NULL {same_topic}
+     {arm_order} LIMIT %s)
+)
+SELECT s.seq FROM pending s {in_order} LIMIT %s
 
 -- name: count_rows
 -- The rows of one of the fragments above, counted as they are read (the admin
