@@ -651,3 +651,38 @@ def test_check_fails_when_the_oldest_pending_row_is_older_than_max_age():
     assert re.fullmatch(
         r"UNHEALTHY: The oldest pending outbox row is \d+ s old \(bound 60 s\)\.", line
     )
+
+
+# --- workpump_status --database: one report per database shard -----------------------------
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "second"])
+def test_database_reports_on_another_database_alias():
+    from django_workpump import models
+
+    models.Outbox.objects.using("second").create(
+        message_id=uuid.uuid4(), destination="shard.only", payload={}, created_at=T0
+    )
+    models.Outbox.objects.using("second").create(
+        message_id=uuid.uuid4(), destination="shard.only", payload={}, created_at=T0,
+        dead_lettered_at=T0, attempts=3,
+    )  # fmt: skip
+    make("outbox", destination="default.only")
+
+    second = json.loads(run_command("--json", "--database", "second"))
+    default = json.loads(run_command("--json"))
+
+    assert second["categories"]["outbox"]["counts"]["pending"] == 1
+    assert second["categories"]["outbox"]["counts"]["dead"] == 1
+    assert default["categories"]["outbox"]["counts"]["pending"] == 1
+    assert default["categories"]["outbox"]["counts"]["dead"] == 0
+    text = run_command("--database", "second")
+    assert "dead rows: 1 (outbox 1)" in text
+    assert "shard.only" in text
+    assert "default.only" not in text
+    assert check("--database", "second")[0] == 1  # no instance there
+
+
+def test_database_must_name_a_django_database():
+    with pytest.raises(CommandError, match=r"--database 'shard9' is not a Django database; "):
+        run_command("--database", "shard9")

@@ -7,6 +7,7 @@ import socket
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_workpump import status
@@ -26,6 +27,12 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--json", action="store_true", help="Print one JSON object (for monitoring)."
+        )
+        parser.add_argument(
+            "--database",
+            metavar="ALIAS",
+            help="The Django database alias to report on (default WORKPUMP DATABASE_ALIAS): "
+            "one report per database shard.",
         )
         parser.add_argument(
             "--check",
@@ -54,7 +61,14 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        using = get_settings()["DATABASE_ALIAS"]
+        using = options.get("database")
+        if using is None:
+            using = get_settings()["DATABASE_ALIAS"]
+        elif using not in settings.DATABASES:
+            raise CommandError(
+                f"--database {using!r} is not a Django database; choose one of "
+                f"{', '.join(settings.DATABASES)} (settings.DATABASES)."
+            )
         ensure_reachable(using)
         if not status.schema_ready(using=using):
             raise CommandError(MISSING_MIGRATIONS)
