@@ -24,6 +24,7 @@ from django_workpump.admin import pagination
 from django_workpump.admin.expressions import (
     CLAIM_ORDER,
     NOT_LIVE_HOLDERS,
+    FragmentOrder,
     WorkSpec,
     annotate_work,
     fetch_bound,
@@ -158,8 +159,8 @@ def test_the_not_live_filter_selects_the_rows_of_holders_that_are_not_live(
 BOUNDED = {
     "stuck": (stuck_seqs, ("-seq",)),
     "not-live": (not_live_seqs, ("-seq",)),
-    "leased": (lambda spec: held_seqs(spec, WorkState.LEASED), ("-seq",)),
-    "orphaned": (lambda spec: held_seqs(spec, WorkState.ORPHANED), ("-seq",)),
+    "leased": (lambda spec, topic=None: held_seqs(spec, WorkState.LEASED, topic), ("-seq",)),
+    "orphaned": (lambda spec, topic=None: held_seqs(spec, WorkState.ORPHANED, topic), ("-seq",)),
     "pending": (pending_seqs, ("-priority", "seq")),
 }
 
@@ -202,8 +203,13 @@ def test_a_bounded_filter_pages_and_counts_as_the_whole_set(
     # With another condition beside it, the fragment yields every row: a bound would
     # leave out rows of that condition that come after the bound.
     last = models.Outbox.objects.get(seq=every[-1])
-    narrowed = queryset.filter(destination=last.destination).order_by(*order)
-    assert list(narrowed.values_list("seq", flat=True)[:1]) == [last.seq]
+    narrowed = queryset.filter(attempts=last.attempts, destination=last.destination)
+    assert list(narrowed.order_by(*order).values_list("seq", flat=True)[:1]) == [last.seq]
+    # Given the topic filter's topic, it reads that topic's rows only, still bounded.
+    of_topic = models.Outbox.objects.filter(seq__in=seqs(SPEC, topic=last.destination))
+    page = of_topic.filter(destination=last.destination).order_by(*order)[:1]
+    assert fetch_bound(page.query, FragmentOrder(order, "", "")) == (1, True)
+    assert list(page.values_list("seq", flat=True)) == [last.seq]
 
 
 @pytest.mark.parametrize(
@@ -226,6 +232,23 @@ def test_the_pending_page_with_another_filter_lists_every_row_of_both(
     expected = sorted_by(pending.filter(**narrowed), CLAIM_ORDER.fields)
     assert [row.seq for row in page] == expected
     assert len(expected) >= (1 if narrowed else 5)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"state": STUCK_FILTER}, {"state": WorkState.LEASED}, {"owner": "not-live"}],
+    ids=lambda p: "=".join(*p.items()),
+)
+def test_a_bounded_page_with_a_topic_reads_that_topics_rows(
+    overlapping: World, params: dict[str, str]
+) -> None:
+    """The oldest row of each bounded page, found through the topic filter at once."""
+    every = changelist_queryset(params)
+    oldest = every.order_by("seq")[0]
+    page = changelist_queryset({**params, "destination": oldest.destination})[:50]
+    assert fetch_bound(page.query) == (50, True)
+    assert [row.seq for row in page] == [oldest.seq]
+    assert every.count() >= 3
 
 
 def sorted_by(queryset: Any, order: tuple[str, ...]) -> list[int]:

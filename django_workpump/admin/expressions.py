@@ -151,10 +151,14 @@ class FilteredSeqs(RawSQL):
         *,
         cutoffs: bool = True,
         order: FragmentOrder = NEWEST_FIRST,
+        topic: str | None = None,
         **parts: str,
     ) -> None:
         self.name, self.spec, self.bounds = name, spec, bounds
-        self.cutoffs, self.order, self.parts = cutoffs, order, parts
+        self.cutoffs, self.order, self.topic, self.parts = cutoffs, order, topic, parts
+        # The topic filter's topic, if any, is applied by each arm as it reads.
+        if topic is not None:
+            self.covered = ((spec.topic_field, "exact", topic),)
         super().__init__("", (), output_field=models.BigIntegerField())
 
     def as_sql(self, compiler: Any, connection: Any) -> Any:
@@ -165,11 +169,13 @@ class FilteredSeqs(RawSQL):
         """The fragment's SELECT reading at most ``bound`` rows (None: all), in its order
         when ``ordered``, and its parameters."""
         scope = self.spec.scope_field
+        topic = connection.ops.quote_name(self.spec.topic_field)
         names = {
             "table": connection.ops.quote_name(category(self.spec.category).table),
             "done": connection.ops.quote_name(self.spec.done_field),
             "same_scope": f"AND h.{scope} = r.{scope}" if scope else "",
-            "topic": connection.ops.quote_name(self.spec.topic_field),
+            "same_topic": f"AND t.{topic} = %s" if self.topic is not None else "",
+            "same_topic_r": f"AND r.{topic} = %s" if self.topic is not None else "",
             "in_order": f"ORDER BY {self.order.rows}" if ordered else "",
             "arm_order": f"ORDER BY {self.order.arm}" if ordered else "",
         }
@@ -179,7 +185,9 @@ class FilteredSeqs(RawSQL):
         if self.cutoffs:
             settings = get_settings()
             params += [settings["STALE_AFTER_SECONDS"], settings["DEFINITIVELY_DEAD_AFTER_SECONDS"]]
-        return sql, [*params, *[bound] * self.bounds]
+        # Each arm's bound, with same_topic after the topic, then the outer bound.
+        arm = [bound] if self.topic is None else [self.topic, bound]
+        return sql, [*params, *arm * (self.bounds - 1), bound]
 
     def covers(self, condition: Any) -> bool:
         """Whether ``condition``, of the query around the fragment, is one it applies."""
@@ -189,28 +197,6 @@ class FilteredSeqs(RawSQL):
         if field is None:
             return False
         return (field.name, condition.lookup_name, condition.rhs) in self.covered
-
-
-class PendingSeqs(FilteredSeqs):
-    """``pending_seqs``, of one topic when the topic filter names one: each arm applies
-    it, so the page and its count stay bounded with both filters."""
-
-    def __init__(self, spec: WorkSpec, topic: str | None) -> None:
-        same_topic = "AND t.{topic} = %s" if topic is not None else ""
-        super().__init__(
-            "pending_seqs", spec, 4, cutoffs=False, order=CLAIM_ORDER, same_topic=same_topic
-        )
-        self.topic = topic
-        # A pending row is unheld: the owner filter's "nobody" changes nothing.
-        unheld = ("instance_id", "isnull", True)
-        self.covered = (
-            (unheld, (spec.topic_field, "exact", topic)) if topic is not None else (unheld,)
-        )
-
-    def select(self, connection: Any, bound: int | None, ordered: bool) -> tuple[str, list[Any]]:
-        sql, _ = super().select(connection, bound, ordered)
-        arm = [bound] if self.topic is None else [self.topic, bound]
-        return sql, [*arm * 3, bound]
 
 
 def bounding_fragment(query: Any) -> FilteredSeqs | None:
@@ -254,27 +240,36 @@ def fetch_bound(query: Any, order: FragmentOrder = NEWEST_FIRST) -> tuple[int | 
     return None, True
 
 
-def stuck_seqs(spec: WorkSpec) -> FilteredSeqs:
-    """The stuck rows of ``spec``'s table (the stuck rule), through its partial indexes."""
-    return FilteredSeqs("stuck_seqs", spec, bounds=5)
+def stuck_seqs(spec: WorkSpec, topic: str | None = None) -> FilteredSeqs:
+    """The stuck rows of ``spec``'s table (the stuck rule), through its partial indexes;
+    of ``topic`` only, when given."""
+    return FilteredSeqs("stuck_seqs", spec, bounds=5, topic=topic)
 
 
-def not_live_seqs(spec: WorkSpec) -> FilteredSeqs:
-    """The rows of ``spec``'s table held by an instance that is not live."""
-    return FilteredSeqs("not_live_seqs", spec, bounds=2)
+def not_live_seqs(spec: WorkSpec, topic: str | None = None) -> FilteredSeqs:
+    """The rows of ``spec``'s table held by an instance that is not live (of ``topic``)."""
+    return FilteredSeqs("not_live_seqs", spec, bounds=2, topic=topic)
 
 
-def held_seqs(spec: WorkSpec, state: str) -> FilteredSeqs:
-    """The leased or orphaned rows of ``spec``'s table, each holder's through _held."""
+def held_seqs(spec: WorkSpec, state: str, topic: str | None = None) -> FilteredSeqs:
+    """The leased or orphaned rows of ``spec``'s table, each holder's through _held (of
+    ``topic`` only, when given)."""
     if state == WorkState.LEASED:
         return FilteredSeqs(
-            "held_seqs", spec, 2, cutoffs=False, lease="t.lease_expiry > now()", unheld_arm=""
+            "held_seqs",
+            spec,
+            2,
+            cutoffs=False,
+            topic=topic,
+            lease="t.lease_expiry > now()",
+            unheld_arm="",
         )
     return FilteredSeqs(
         "held_seqs",
         spec,
         3,
         cutoffs=False,
+        topic=topic,
         lease="t.lease_expiry <= now()",
         unheld_arm=named_queries(ADMIN_QUERIES)["orphans_arm"],
     )
@@ -283,7 +278,10 @@ def held_seqs(spec: WorkSpec, state: str) -> FilteredSeqs:
 def pending_seqs(spec: WorkSpec, topic: str | None = None) -> FilteredSeqs:
     """The pending rows of ``spec``'s table (of ``topic`` only, when given), each arm read
     in the claim's order."""
-    return PendingSeqs(spec, topic)
+    seqs = FilteredSeqs("pending_seqs", spec, 4, cutoffs=False, order=CLAIM_ORDER, topic=topic)
+    # A pending row is unheld: the owner filter's "nobody" drops none of them.
+    seqs.covered = (*seqs.covered, ("instance_id", "isnull", True))
+    return seqs
 
 
 def live_instance_ids() -> RawSQL:

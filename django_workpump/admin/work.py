@@ -112,15 +112,15 @@ class StateFilter(WorkFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
+        # The topic filter's topic, if any: each bounded filter applies it as it reads.
+        topic = request.GET.get(self.spec.topic_field)
         if value == STUCK:
-            return queryset.filter(seq__in=stuck_seqs(self.spec))
+            return queryset.filter(seq__in=stuck_seqs(self.spec, topic))
         if value in (WorkState.LEASED, WorkState.ORPHANED):
             # Each holder's rows newest first (_held), not a scan past newer rows.
-            return queryset.filter(seq__in=held_seqs(self.spec, value))
+            return queryset.filter(seq__in=held_seqs(self.spec, value, topic))
         if value == WorkState.PENDING:
-            # Three indexes, each read in the claim's order, the page's default; the topic
-            # filter's topic, if any, is applied as they are read.
-            topic = request.GET.get(self.spec.topic_field)
+            # Three indexes, each read in the claim's order, the page's default.
             return queryset.filter(seq__in=pending_seqs(self.spec, topic))
         if value in STATES:
             return queryset.filter(state_condition(self.spec, value))
@@ -203,7 +203,8 @@ class OwnerFilter(WorkFilter):
             return queryset.filter(instance_id__isnull=True)
         if value == self.NOT_LIVE:
             # The rows of each holder that is not live, through the _held index.
-            return queryset.filter(seq__in=not_live_seqs(self.spec))
+            topic = request.GET.get(self.spec.topic_field)
+            return queryset.filter(seq__in=not_live_seqs(self.spec, topic))
         try:
             return queryset.filter(instance_id=value)
         except ValidationError:

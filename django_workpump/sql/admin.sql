@@ -64,9 +64,10 @@ WHERE a.datname = current_database()
 -- Seqs of the rows of one work table that a filter selects (for a "seq IN (...)" test).
 -- The names in braces are filled in by admin/expressions.py (FilteredSeqs): table, its
 -- done column, for perspective and receptor rows the condition that a head h orders the
--- same rows as r (same_scope), and in_order and arm_order: the fragment's order over its
+-- same rows as r (same_scope), in_order and arm_order: the fragment's order over its
 -- rows s and over an arm's rows t ("ORDER BY s.seq DESC" newest first) for a page, empty
--- for a count. Each arm reads one partial index in that order, at most the given number of
+-- for a count, and same_topic (same_topic_r over r): empty, or the condition that the
+-- row's topic column equals the topic filter's, a parameter before each arm's bound. Each arm reads one partial index in that order, at most the given number of
 -- rows (NULL: all): the rows a page shows, or the count's limit, not every row of the table.
 --
 -- Stuck rows (docs/admin.md, the stuck rule), as four disjoint arms, so a count stops
@@ -75,7 +76,8 @@ WHERE a.datname = current_database()
 -- found by a loose index scan of it, one probe each); orphaned by an eviction
 -- (_orphan); past half their attempts (_retried) and in neither; behind a dead or
 -- retrying stream head (_stream) and in none. Parameters: the stale and definitive-dead
--- cutoffs in seconds, then the bound, five times.
+-- cutoffs in seconds, then the bound, five times (with same_topic, the topic before
+-- each of the first four).
 WITH RECURSIVE holders AS (
     (SELECT t.instance_id FROM {table} t
      WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
@@ -94,11 +96,13 @@ WITH RECURSIVE holders AS (
         WHERE t.instance_id = j.instance_id
           AND t.{done} IS NULL AND t.dead_lettered_at IS NULL
           AND (NOT j.live OR t.lease_expiry <= now())
+        {same_topic}
         ORDER BY t.seq DESC LIMIT %s) s
     UNION ALL
     (SELECT t.seq FROM {table} t
      WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
        AND t.instance_id IS NULL AND t.claimed_at IS NOT NULL
+     {same_topic}
      ORDER BY t.seq DESC LIMIT %s)
     UNION ALL
     (SELECT t.seq FROM {table} t
@@ -107,6 +111,7 @@ WITH RECURSIVE holders AS (
        AND ((t.instance_id IS NULL AND t.claimed_at IS NULL)
             OR (t.lease_expiry > now()
                 AND t.instance_id IN (SELECT j.instance_id FROM judged j WHERE j.live)))
+     {same_topic}
      ORDER BY t.seq DESC LIMIT %s)
     UNION ALL
     (SELECT r.seq FROM {table} r
@@ -121,6 +126,7 @@ WITH RECURSIVE holders AS (
                      AND h.stream_head AND h.{done} IS NULL
                      AND (h.dead_lettered_at IS NOT NULL
                           OR (h.scheduled_for > now() AND h.attempts > 0)))
+     {same_topic_r}
      ORDER BY r.seq DESC LIMIT %s)
 )
 SELECT s.seq FROM stuck s {in_order} LIMIT %s
@@ -129,7 +135,7 @@ SELECT s.seq FROM stuck s {in_order} LIMIT %s
 -- Rows held by an instance that is not live (stale, evicted or gone): the holders by a
 -- loose index scan of _held, one probe each, then each not-live holder's rows through
 -- the same index. Parameters: the stale and definitive-dead cutoffs in seconds, then the
--- bound, twice.
+-- bound, twice (with same_topic, the topic before the first).
 WITH RECURSIVE holders AS (
     (SELECT t.instance_id FROM {table} t
      WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
@@ -145,6 +151,7 @@ WITH RECURSIVE holders AS (
 )
 SELECT s.seq FROM not_live n CROSS JOIN LATERAL (
     SELECT t.seq FROM {table} t WHERE t.instance_id = n.instance_id
+    {same_topic}
     ORDER BY t.seq DESC LIMIT %s) s
 {in_order} LIMIT %s
 
@@ -153,7 +160,8 @@ SELECT s.seq FROM not_live n CROSS JOIN LATERAL (
 -- holders found by the same loose index scan). The lease condition is an unexpired lease
 -- for the leased state, an expired one for the held half of the orphaned state; the
 -- unheld arm is empty, or for the orphaned state the rows an eviction released and no
--- one re-claimed (_orphan), newest first. Parameters: the bound, two or three times.
+-- one re-claimed (_orphan), newest first. Parameters: the bound, two or three times
+-- (with same_topic, the topic before each but the last).
 WITH RECURSIVE holders AS (
     (SELECT t.instance_id FROM {table} t
      WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
@@ -166,6 +174,7 @@ WITH RECURSIVE holders AS (
         SELECT t.seq FROM {table} t
         WHERE t.instance_id = h.instance_id
           AND t.{done} IS NULL AND t.dead_lettered_at IS NULL AND {lease}
+        {same_topic}
         ORDER BY t.seq DESC LIMIT %s) s
     WHERE h.instance_id IS NOT NULL
     {unheld_arm}
@@ -179,6 +188,7 @@ UNION ALL
     (SELECT t.seq FROM {table} t
      WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
        AND t.instance_id IS NULL AND t.claimed_at IS NOT NULL
+     {same_topic}
      ORDER BY t.seq DESC LIMIT %s)
 
 -- name: pending_seqs
@@ -187,9 +197,8 @@ UNION ALL
 -- priority, highest first, then seq) and at most the bound: claimable stream heads (the
 -- _ready index, read in that order); rows whose retry or deferral fell due (_waiting, the
 -- due part: rows the claim takes within a poll, then sorted); and unscheduled rows behind
--- their stream's head (_stream, then sorted: the ordered streams' backlog). same_topic is
--- empty, or the condition that the topic column equals the topic filter's. Parameters: for
--- each arm the topic (only with same_topic) and the bound, then the bound.
+-- their stream's head (_stream, then sorted: the ordered streams' backlog). Parameters:
+-- for each arm the topic (only with same_topic) and the bound, then the bound.
 WITH pending AS (
     (SELECT t.seq, t.priority FROM {table} t
      WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
