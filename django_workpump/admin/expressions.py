@@ -177,7 +177,9 @@ class FilteredSeqs(RawSQL):
             "same_topic": f"AND t.{topic} = %s" if self.topic is not None else "",
             "same_topic_r": f"AND r.{topic} = %s" if self.topic is not None else "",
             "in_order": f"ORDER BY {self.order.rows}" if ordered else "",
-            "arm_order": f"ORDER BY {self.order.arm}" if ordered else "",
+            # Arms read in order for a count too: unordered, a LIMIT lets the planner
+            # read the table from its start, past every older row of other states.
+            "arm_order": f"ORDER BY {self.order.arm}",
         }
         parts = {key: part.format(**names) for key, part in self.parts.items()}
         sql = named_queries(ADMIN_QUERIES)[self.name].format(**names, **parts)

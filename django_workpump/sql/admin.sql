@@ -64,11 +64,13 @@ WHERE a.datname = current_database()
 -- Seqs of the rows of one work table that a filter selects (for a "seq IN (...)" test).
 -- The names in braces are filled in by admin/expressions.py (FilteredSeqs): table, its
 -- done column, for perspective and receptor rows the condition that a head h orders the
--- same rows as r (same_scope), in_order and arm_order: the fragment's order over its
--- rows s and over an arm's rows t ("ORDER BY s.seq DESC" newest first) for a page, empty
--- for a count, and same_topic (same_topic_r over r): empty, or the condition that the
--- row's topic column equals the topic filter's, a parameter before each arm's bound. Each arm reads one partial index in that order, at most the given number of
--- rows (NULL: all): the rows a page shows, or the count's limit, not every row of the table.
+-- same rows as r (same_scope); in_order, the fragment's order over its rows s ("ORDER BY
+-- s.seq DESC", newest first) for a page, empty for a count; arm_order, that order over an
+-- arm's rows t (for a count too, so that an arm reads its index, not the table); and
+-- same_topic (same_topic_r over r): empty, or the condition that the row's topic column
+-- equals the topic filter's, a parameter before each arm's bound. Each arm reads one
+-- partial index in that order, at most the given number of rows (NULL: all): the rows a
+-- page shows, or the count's limit, not every row of the table.
 --
 -- Stuck rows (docs/admin.md, the stuck rule), as four disjoint arms, so a count stops
 -- after its limit without removing duplicates: held by an instance that is not live, or
