@@ -423,6 +423,7 @@ def test_the_guard_probes_use_the_partial_indexes_with_topics_too(raw_connect):
         "SET auto_explain.log_min_duration = 0",
         "SET auto_explain.log_nested_statements = on",
         "SET auto_explain.log_level = 'notice'",
+        "SET enable_seqscan = off",  # see explaining_connection in test_sql_claim.py
     ):
         conn.execute(setting)
     conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])
