@@ -603,3 +603,74 @@ def test_a_loop_flooded_with_wakes_spaces_its_claims():
 
     # every wake past the free run waited before it claimed
     assert worker.wakes_spaced >= 10
+
+
+# -- freed slots ---------------------------------------------------------------------
+def test_a_freed_slot_does_not_wake_a_loop_that_waits_for_no_slot():
+    coordinator = FakeCoordinator(claims=[[make_row()]])  # has_more false: nothing waits
+    gate = FakeGate(available=True)
+    worker = make_worker(coordinator, policy=MINUTE, gate=gate)
+
+    with running(worker):
+        assert coordinator.wait_for_claims(1)
+        assert gate.wait_for_reads(1)  # waiting its minute
+        for _ in range(3):
+            worker.slot_freed()
+        worker.request_immediate_poll()  # a real wake still claims
+        assert coordinator.wait_for_claims(2)
+        assert gate.wait_for_reads(2)
+
+    assert len(coordinator.claims) == 2
+    assert worker.slot_wakes_skipped == 3
+
+
+def test_a_freed_slot_wakes_a_loop_that_left_rows_for_want_of_slots():
+    coordinator = FakeCoordinator(claims=[[make_row(has_more=True)], []])
+    sink = FakeSink(free=4)
+    gate = FakeGate(available=True)
+    worker = make_worker(coordinator, sink=sink, policy=MINUTE, gate=gate)
+    sink.submit = lambda rows: setattr(sink, "free", 0)  # the rows fill every slot
+
+    with running(worker):
+        assert coordinator.wait_for_claims(1)
+        assert gate.wait_for_reads(1)  # all slots busy: it waits for one
+        sink.free = 1
+        worker.slot_freed()
+        assert coordinator.wait_for_claims(2)
+
+    assert worker.slot_wakes_skipped == 0
+
+
+class WatchedSink(FakeSink):
+    """A FakeSink that lets a test wait for the claimer's looks at its free slots."""
+
+    def __init__(self, free: int) -> None:
+        super().__init__(free)
+        self.looks = 0
+        self._cond = threading.Condition()
+
+    def free_slots(self) -> int:
+        with self._cond:
+            self.looks += 1
+            self._cond.notify_all()
+            return self.free
+
+    def wait_for_looks(self, count: int) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.looks >= count, 10)
+
+
+def test_a_loop_skipped_for_busy_slots_is_woken_by_the_next_freed_slot():
+    coordinator = FakeCoordinator()
+    sink = WatchedSink(free=0)
+    worker = make_worker(coordinator, sink=sink, policy=MINUTE)
+
+    with running(worker):
+        # run_once finds no slot, the loop says it waits for one and looks again.
+        assert sink.wait_for_looks(2)
+        assert coordinator.claims == []
+        sink.free = 2
+        worker.slot_freed()
+        assert coordinator.wait_for_claims(1)
+
+    assert worker.slot_wakes_skipped == 0

@@ -145,6 +145,10 @@ class ClaimWorker(LoopService):
         self._last_fruitless_wake_at = 0.0
         self.wakes_spaced = 0  # wake-ups that waited because of a flood
         self._wake = threading.Event()
+        # True while the loop waits for a dispatch slot to free (rows are waiting that it
+        # could not take): only then does a freed slot wake it.
+        self._slot_wait = False
+        self.slot_wakes_skipped = 0
         self._last_gate_state: bool | None = None
         self._gate_lost_at: float | None = None
 
@@ -153,6 +157,18 @@ class ClaimWorker(LoopService):
         """Wake the loop now; requests between two polls coalesce into one."""
         self.wake_requests += 1
         self._wake.set()
+
+    def slot_freed(self) -> None:
+        """A dispatch slot freed: wake the loop if it waits for one, else nothing.
+
+        Without rows left waiting a freed slot has nothing to claim: a wake then would be
+        a claim that finds nothing (a stream's next run is claimable only once its
+        completions are written, and the dispatcher says so apart).
+        """
+        if self._slot_wait:
+            self.request_immediate_poll()
+        else:
+            self.slot_wakes_skipped += 1
 
     def on_gate_changed(self, available: bool) -> None:
         """React to a real availability transition of the NOTIFY gate."""
@@ -372,14 +388,19 @@ class ClaimWorker(LoopService):
                     if stop.wait(spacing):  # wakes meanwhile coalesce into this claim
                         return
             self._wake.clear()
+            self._slot_wait = False
             result = self.run_once()
             if woken:
                 self.note_wake_claim(result)
             if result.refused:
                 return
-            if result.has_more and not stop.is_set() and self.sink.free_slots() > 0:
-                woken = False
-                continue  # drain mode: more is waiting and we can take it
+            if (result.has_more or result.skipped_busy) and not stop.is_set():
+                # Rows wait that need a slot. Said before looking at the slots, so a slot
+                # freed meanwhile is either seen here or wakes the wait below.
+                self._slot_wait = True
+                if self.sink.free_slots() > 0:
+                    woken = False
+                    continue  # drain mode: more is waiting and we can take it
             wait_ms = None if result.skipped_busy else self.current_wait_ms()
             # One Event serves wake and stop: stop() sets it too.
             woken = self._wake.wait(None if wait_ms is None else wait_ms / 1000)

@@ -214,6 +214,7 @@ class _Job:
     task: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
     run: _Run | None = None
     finished: bool = False  # let go of by _finish (a row can be let go of twice)
+    committed: bool = False  # its completion committed with the handler's transaction
 
 
 @dataclass(eq=False)
@@ -287,6 +288,7 @@ class Dispatcher:
         middleware: Sequence[Middleware] = (),
         metrics: NullRecorder | None = None,
         handler_connections: str = PERSISTENT,
+        on_stream_ready: Callable[[], Any] | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.metrics = recorder() if metrics is None else metrics
@@ -307,6 +309,13 @@ class Dispatcher:
         self.clock = clock or SystemClock()
         self.on_slot_free = on_slot_free
         self.on_fatal = on_fatal
+        # Called once the completions of a stream run that ran to its end are written:
+        # the stream's next rows can be claimed now (the claimer need not wait for a
+        # poll or the NOTIFY of their promotion).
+        self.on_stream_ready = on_stream_ready
+        # (category, work id) of the last row of each such run, until its completion is
+        # written (guarded by _lock).
+        self._stream_run_ends: set[tuple[str, uuid.UUID]] = set()
         self.stats = DispatchStats()
         self._queue: queue.Queue[_Run | None] = queue.Queue()
         self._jobs: dict[tuple[str, uuid.UUID], _Job] = {}
@@ -467,8 +476,10 @@ class Dispatcher:
         handler = self.handlers.get(first.category, first.topic)
         if handler is not None and handler.batch:
             return self._execute_batch(run, handler)
+        ran: bool | None = True
         for index, job in enumerate(run.jobs):
-            ran = self._run(job)
+            # The connections were tidied after the previous row of the run, just now.
+            ran = self._run(job, tidy_before=index == 0)
             if ran is None:
                 return False  # abandon() released the rest and freed the slot
             if not ran:
@@ -478,12 +489,21 @@ class Dispatcher:
         if first.stream is not None:
             self.completions.hurry()  # the stream's next row waits on these completions
         self._free_slot(run)
+        if ran and run.jobs[-1].committed and self.on_stream_ready is not None:
+            # The handler's transaction wrote the run's last completion: the stream's next
+            # rows can be claimed now.
+            self.on_stream_ready()
         return True
 
-    def _run(self, job: _Job) -> bool | None:
+    def _ends_stream_run(self, job: _Job) -> bool:
+        """Whether ``job`` is the last row of an ordered stream's run."""
+        return job.row.stream is not None and job.run is not None and job.run.jobs[-1] is job
+
+    def _run(self, job: _Job, tidy_before: bool = True) -> bool | None:
         """Run one job: True when it completed (the next row of its run may start), False
         when it did not (or never started: it is still queued), None when it was abandoned
-        while this thread ran it."""
+        while this thread ran it. ``tidy_before`` False: this thread's connections were
+        tidied after the row before it, so they are not again."""
         with job.lock:
             if job.state == JobState.SUPERSEDED:
                 start = None  # the row has a newer lease here: nothing to run or release
@@ -499,7 +519,8 @@ class Dispatcher:
             # It waited past its deadline, or shutdown began: it never started.
             return False
         job.handle.start_charging()
-        between_jobs(self.handler_connections)
+        if tidy_before:
+            between_jobs(self.handler_connections)
         self.stats.started += 1
         handler = self.handlers.get(job.row.category, job.row.topic)
         measured = self.metrics.enabled and handler is not None
@@ -576,7 +597,14 @@ class Dispatcher:
         value: Any = outcome[1]
         if kind == HandlerOutcome.DONE:
             self._outcome_queued(1, job.row)
-            self.completions.put((job.row.category, job.row.work_id, job.row.lease_token, value))
+            if self.on_stream_ready is not None and self._ends_stream_run(job):
+                # Before the put: the flush that writes it may come at once.
+                with self._lock:
+                    self._stream_run_ends.add((job.row.category, job.row.work_id))
+            item = (job.row.category, job.row.work_id, job.row.lease_token, value)
+            if not self.completions.put(item):
+                with self._lock:  # refused: the row's lease runs out and it runs again
+                    self._stream_run_ends.discard((job.row.category, job.row.work_id))
         elif kind == HandlerOutcome.FAIL:
             error, reason, delay = value
             if reason == FailureReason.NOT_RETRYABLE:
@@ -594,6 +622,7 @@ class Dispatcher:
             logger.warning("%s", value, extra={"action": "lease_lost"})
         else:
             self.stats.completed += 1  # committed with the handler's own transaction
+            job.committed = True
             done = [Outcome(job.row.work_id, OutcomeStatus.DONE)]
             self.metrics.outcomes(job.row.category, done, lambda _: job.row.topic)
         self._finish(job)
@@ -1197,6 +1226,24 @@ class Dispatcher:
         )
         self._count(outcomes, "completed", category)
         self._outcome_queued(-len(batch))
+        self._streams_written(category, batch)
+
+    def _streams_written(
+        self, category: str, batch: list[tuple[str, uuid.UUID, uuid.UUID, str | None]]
+    ) -> None:
+        """Call ``on_stream_ready`` when ``batch`` ended a stream run (written or fenced
+        out: either way the stream's rows are no longer this run's)."""
+        if not self._stream_run_ends:
+            return
+        with self._lock:
+            ended = [
+                key
+                for key in ((category, item[1]) for item in batch)
+                if key in self._stream_run_ends
+            ]
+            self._stream_run_ends.difference_update(ended)
+        if ended and self.on_stream_ready is not None:
+            self.on_stream_ready()
 
     def _flush_failures(self, batch: list[FailedAttempt]) -> None:
         self._write_failures(batch)
@@ -1234,9 +1281,11 @@ class Dispatcher:
                 "completed",
                 category,
             )
+            self._streams_written(category, [item])
         except Exception as exc:
             if is_transient(exc):
                 raise
+            self._streams_written(category, [item])  # failed below: the stream moves on
             # Even the note was refused: fail the attempt with a plain ASCII error.
             failure = FailedAttempt(
                 category,

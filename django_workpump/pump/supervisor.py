@@ -200,6 +200,7 @@ class Supervisor:
             alias=self.alias,
             clock=self.clock,
             on_slot_free=self._slot_freed,
+            on_stream_ready=self._stream_ready,
             on_fatal=lambda reason: self.request_stop(reason, EXIT_TOO_MANY_ABANDONED),
             middleware=middleware.load(s["MIDDLEWARE"]),
             handler_connections=s["HANDLER_CONNECTIONS"],
@@ -282,6 +283,9 @@ class Supervisor:
 
     # -- wiring callbacks ----------------------------------------------------------
     def _slot_freed(self) -> None:
+        self.claim.slot_freed()
+
+    def _stream_ready(self) -> None:
         self.claim.request_immediate_poll()
 
     def _refused(self, reason: str) -> None:
