@@ -191,21 +191,35 @@ class PrometheusRecorder(NullRecorder):
             buckets=QUEUE_WAIT_BUCKETS,
             **kw,
         )
+        # Labelled children by label values: ``labels()`` validates and locks on every
+        # call, and these are called for every row. A race only makes the same child twice.
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def claim(self, rows: Sequence[ClaimedWork], seconds: float) -> None:
         self.claim_duration.observe(seconds)
+        counts: dict[tuple[str, str], int] = {}
         for row in rows:
-            self.claimed_total.labels(row.category, row.topic).inc()
+            key = (row.category, row.topic)
+            counts[key] = counts.get(key, 0) + 1
+        for (category, topic), count in counts.items():
+            self._child(self.claimed_total, category, topic).inc(count)
 
     def handler_started(self, row: ClaimedWork, queue_wait: float | None) -> None:
         if queue_wait is not None:
-            self.queue_wait.labels(row.category, row.topic).observe(max(queue_wait, 0.0))
+            self._child(self.queue_wait, row.category, row.topic).observe(max(queue_wait, 0.0))
 
     def handler_finished(self, row: ClaimedWork, seconds: float) -> None:
-        self.handler_duration.labels(row.category, row.topic).observe(seconds)
+        self._child(self.handler_duration, row.category, row.topic).observe(seconds)
 
     def held(self, category: str, delta: int) -> None:
-        self.in_flight.labels(category).inc(delta)
+        self._child(self.in_flight, category).inc(delta)
 
     def outcomes(
         self,
@@ -221,7 +235,7 @@ class PrometheusRecorder(NullRecorder):
                 continue
             topic = topics(outcome.work_id)
             if status == OutcomeStatus.DONE:
-                self.done_total.labels(category, topic).inc()
+                self._child(self.done_total, category, topic).inc()
                 continue
             reason = (reasons(outcome.work_id) if reasons is not None else None) or ""
             if status in (OutcomeStatus.RETRY, OutcomeStatus.DEAD):

@@ -15,7 +15,7 @@ is traced; either way headers stay as the caller gave them and every helper is a
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -162,17 +162,22 @@ def producing(
             _producing.reset(token)
 
 
-@contextmanager
-def handling(work: Work) -> Iterator[None]:
+def handling(work: Work) -> AbstractContextManager[None]:
     """Run one handler call in a CONSUMER span, child of and linked to its producer's.
 
     The producer's context comes from ``work.headers`` through the global propagator;
     a row without one gets a span in the current context. An exception is recorded on
     the span, which is marked as an error, and raised on.
     """
-    if not enabled():
-        yield
-        return
+    # Called for every row: without tracing, a shared no-op instead of a generator.
+    return _handling(work) if enabled() else _NOT_TRACED
+
+
+_NOT_TRACED: AbstractContextManager[None] = nullcontext()
+
+
+@contextmanager
+def _handling(work: Work) -> Iterator[None]:
     parent = propagate.extract(work.headers) if work.headers else None
     links = []
     if parent is not None:
