@@ -38,21 +38,33 @@ class FromRow:
     @classmethod
     def from_row(cls, row: Row) -> Self:
         """The instance of ``row``; raise ValueError naming any field no column fills."""
-        values = {cls.COLUMNS.get(column, column): value for column, value in row.items()}
-        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-        missing = [
-            field.name
-            for field in fields
-            if field.name not in values
-            and field.default is dataclasses.MISSING
-            and field.default_factory is dataclasses.MISSING
-        ]
+        columns = cls.COLUMNS
+        values = (
+            {columns.get(column, column): value for column, value in row.items()}
+            if columns
+            else row
+        )
+        names, required = _field_names(cls)
+        missing = [name for name in required if name not in values]
         if missing:
             raise ValueError(
                 f"A {cls.__name__} row has no column for {', '.join(missing)} (columns: "
                 f"{', '.join(row)}); the query and the dataclass must name the same fields."
             )
-        return cls(**{field.name: values[field.name] for field in fields if field.name in values})
+        return cls(**{name: values[name] for name in names if name in values})
+
+
+@cache
+def _field_names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(every field, the fields without a default) of a FromRow dataclass; claims build
+    one per row, and ``dataclasses.fields`` is not free."""
+    fields = dataclasses.fields(cls)
+    required = tuple(
+        field.name
+        for field in fields
+        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    )
+    return tuple(field.name for field in fields), required
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ def nesting_depth(text: str) -> int:
 
 def decode(text: str, max_depth: int = DECODE_MAX_DEPTH) -> Any:
     """Decode JSON ``text``; raise ``UndecodablePayload`` instead of failing deep inside."""
-    depth = nesting_depth(text)
+    # Each level takes a bracket at least: a text this short cannot nest too deep.
+    depth = nesting_depth(text) if len(text) > max_depth else 0
     if depth > max_depth:
         raise UndecodablePayload(
             f"it nests objects and arrays {depth} levels deep, more than the {max_depth} "
