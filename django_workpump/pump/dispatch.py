@@ -254,6 +254,8 @@ class DispatchStats:
     cancelled: int = 0  # running attempts an operator cancelled
 
 
+# A handler call's span when tracing is off.
+_NOT_TRACED = contextlib.nullcontext()
 # How long stop() waits for each outcome flusher's final flush when not told.
 FINAL_FLUSH_SECONDS = 5.0
 # A failed release of a run's unstarted rows is retried after these delays (doubling).
@@ -390,7 +392,13 @@ class Dispatcher:
         """
         received_at = self.clock.monotonic()
         runs: dict[tuple[str, str, str] | uuid.UUID, _Run] = {}
-        for row in rows:
+        # One look at the rows in flight here for the whole claim (each row is looked up
+        # and entered once; a claim holds up to hundreds).
+        with self._lock:
+            previous_jobs = [self._jobs.get((row.category, row.work_id)) for row in rows]
+        jobs: list[_Job] = []
+        held: dict[str, int] = {}
+        for row, previous in zip(rows, previous_jobs, strict=True):
             run = runs.setdefault(_run_key(row), _Run([]))
             # Local deadline from the DB's own lease length, so clock skew cannot matter.
             lease_length = (row.lease_expiry - row.claimed_at).total_seconds()
@@ -419,19 +427,20 @@ class Dispatcher:
                 charged=not run.jobs,  # rows behind the first are charged once they start
                 timeout=None if handler is None else handler.timeout,
             )
-            with self._lock:
-                previous = self._jobs.get((row.category, row.work_id))
             if previous is not None:
                 self._supersede(previous, row.attempts)
             self.leases.register(handle)
             job = _Job(row, handle, received_at=received_at, run=run)
             run.jobs.append(job)
-            with self._lock:
-                self._jobs[(row.category, row.work_id)] = job
-            self.metrics.held(row.category, 1)
+            jobs.append(job)
+            held[row.category] = held.get(row.category, 0) + 1
+        with self._lock:
+            for job in jobs:
+                self._jobs[(job.row.category, job.row.work_id)] = job
+            self._in_flight += len(runs)
+        for category, count in held.items():
+            self.metrics.held(category, count)
         for run in runs.values():
-            with self._lock:
-                self._in_flight += 1
             self._queue.put(run)
 
     # -- workers -------------------------------------------------------------------
@@ -477,9 +486,10 @@ class Dispatcher:
         if handler is not None and handler.batch:
             return self._execute_batch(run, handler)
         ran: bool | None = True
+        traced = tracing.enabled()  # looked up once a run: a tracer provider is set once
         for index, job in enumerate(run.jobs):
             # The connections were tidied after the previous row of the run, just now.
-            ran = self._run(job, tidy_before=index == 0)
+            ran = self._run(job, tidy_before=index == 0, traced=traced)
             if ran is None:
                 return False  # abandon() released the rest and freed the slot
             if not ran:
@@ -499,11 +509,12 @@ class Dispatcher:
         """Whether ``job`` is the last row of an ordered stream's run."""
         return job.row.stream is not None and job.run is not None and job.run.jobs[-1] is job
 
-    def _run(self, job: _Job, tidy_before: bool = True) -> bool | None:
+    def _run(self, job: _Job, tidy_before: bool = True, traced: bool | None = None) -> bool | None:
         """Run one job: True when it completed (the next row of its run may start), False
         when it did not (or never started: it is still queued), None when it was abandoned
         while this thread ran it. ``tidy_before`` False: this thread's connections were
-        tidied after the row before it, so they are not again."""
+        tidied after the row before it, so they are not again. ``traced``: whether tracing
+        is on (None: look it up)."""
         with job.lock:
             if job.state == JobState.SUPERSEDED:
                 start = None  # the row has a newer lease here: nothing to run or release
@@ -536,10 +547,10 @@ class Dispatcher:
                 error = f"no handler registered for {noun} {job.row.topic!r}"
                 outcome = (HandlerOutcome.FAIL, (error, FailureReason.NO_HANDLER, None))
             elif handler.atomic:
-                self._call_atomic(handler, job)
+                self._call_atomic(handler, job, traced)
                 outcome = (HandlerOutcome.DONE_COMMITTED, None)
             else:
-                outcome = (HandlerOutcome.DONE, self._call(handler, job))
+                outcome = (HandlerOutcome.DONE, self._call(handler, job, traced))
         except LeaseLost as exc:
             outcome = (HandlerOutcome.LOST, str(exc))
         except Snooze as exc:
@@ -955,11 +966,11 @@ class Dispatcher:
                 extra={"action": "event_loop_close_failed"},
             )
 
-    def _call(self, handler: Handler, job: _Job) -> str | None:
+    def _call(self, handler: Handler, job: _Job, traced: bool | None = None) -> str | None:
         work = self._work_for(job)
         # One consumer span per run, middleware included, awaited to the end (an async
         # handler's task copies the context, so the span is current inside it).
-        with tracing.handling(work):
+        with tracing.handling(work) if traced is not False else _NOT_TRACED:
             result = wrap_in_middleware(handler.func, self.middleware)(work)
             if inspect.isawaitable(result):  # an async handler, or an async middleware
                 loop = getattr(self._local, "loop", None)
@@ -986,10 +997,10 @@ class Dispatcher:
 
         return storable_result(result, warn)
 
-    def _call_atomic(self, handler: Handler, job: _Job) -> None:
+    def _call_atomic(self, handler: Handler, job: _Job, traced: bool | None = None) -> None:
         """Run the handler and its fenced completion in one transaction."""
         with transaction.atomic(using=self.alias):
-            result = self._call(handler, job)
+            result = self._call(handler, job, traced)
             with job.lock:
                 # Abandoned at its deadline, or claimed again: the lease token fences the
                 # completion out anyway; rolling back here spares the round trip.
