@@ -19,6 +19,8 @@ from functools import cache
 from typing import Any, ClassVar, Self
 
 from django.db import DatabaseError, ProgrammingError, connections, transaction
+from psycopg.abc import Loader
+from psycopg.pq import Format
 from psycopg.types.string import TextLoader
 
 from django_workpump.conf import setting
@@ -137,9 +139,18 @@ def _placeholders(name: str) -> frozenset[str]:
 
 
 def _fetch(
-    name: str, params: dict[str, Any], using: str | None, *, jsonb_as_text: bool = False
+    name: str,
+    params: dict[str, Any],
+    using: str | None,
+    *,
+    jsonb_as_text: bool = False,
+    repeated_timestamps: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run named query ``name`` with exactly the parameters it names; rows as dicts."""
+    """Run named query ``name`` with exactly the parameters it names; rows as dicts.
+
+    ``repeated_timestamps``: the rows share most of their timestamps (a claim's rows
+    have one claim time and one lease expiry), so each distinct one is parsed once.
+    """
     expected = _placeholders(name)
     if set(params) != expected:
         raise TypeError(
@@ -150,9 +161,40 @@ def _fetch(
             # Raw JSON text, decoded row by row by the caller: one payload Python cannot
             # decode must not fail the fetch of its batch-mates.
             cursor.cursor.adapters.register_loader("jsonb", TextLoader)
+        if repeated_timestamps:
+            _parse_timestamps_once(cursor.cursor.adapters)
         cursor.execute(named_queries()[name], params)
         columns = [column.name for column in cursor.description]
         return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+
+
+def _parse_timestamps_once(adapters: Any) -> None:
+    """Make a cursor's timestamptz loader (Django's, with the connection's time zone)
+    parse each distinct value once per result; ``adapters`` is the cursor's own."""
+    oid = adapters.types["timestamptz"].oid
+    base = adapters.get_loader(oid, Format.TEXT)
+    if base is not None:
+        adapters.register_loader(oid, _once_loader(base))
+
+
+@cache
+def _once_loader(base: type[Loader]) -> type[Loader]:
+    class ParsedOnce(base):  # type: ignore[valid-type,misc]
+        """``base``, remembering what it parsed (a loader lives as long as its cursor's
+        result; datetimes are immutable, so rows may share one)."""
+
+        def __init__(self, oid: int, context: Any = None) -> None:
+            super().__init__(oid, context)
+            self._parsed: dict[bytes, Any] = {}
+
+        def load(self, data: Any) -> Any:
+            key = bytes(data)
+            value = self._parsed.get(key)
+            if value is None:
+                value = self._parsed[key] = super().load(data)
+            return value
+
+    return ParsedOnce
 
 
 def _column(rows: list[dict[str, Any]], column: str) -> list[Any]:
@@ -455,7 +497,7 @@ def claim_work(
         "stream_run_max": stream_run_max,
     }
     try:
-        rows = _fetch("claim_work", params, using, jsonb_as_text=True)
+        rows = _fetch("claim_work", params, using, jsonb_as_text=True, repeated_timestamps=True)
     except DatabaseError as exc:
         raise (_refused(exc) or exc) from exc
     return [_claimed(row) for row in rows]

@@ -7,8 +7,10 @@ from datetime import UTC, datetime
 
 import pytest
 
+import django_workpump as workpump
 from django_workpump import db
 from django_workpump.states import OutcomeStatus, WorkState
+from tests.conftest import enroll
 
 T = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -77,3 +79,25 @@ def test_outcome_and_selected_work_hold_enum_members():
 def test_a_query_gets_exactly_the_parameters_it_names():
     with pytest.raises(TypeError, match=r"'purge_evictions' takes the parameters"):
         db._fetch("purge_evictions", {"retention_seconds": 1, "batch": 2}, None)
+
+
+@pytest.mark.django_db
+def test_the_rows_of_one_claim_share_their_parsed_timestamps_and_keep_their_zone():
+    instance = uuid.uuid4()
+    enroll(instance)
+    for n in range(3):
+        workpump.send("emails.welcome", {"n": n})
+    rows = db.claim_work(instance_id=instance, max_rows=10, lease_seconds=60, partition_count=10000)
+
+    assert len(rows) == 3
+    # One claim time and one lease expiry for the claim, parsed once, aware, in UTC.
+    assert rows[0].claimed_at is rows[1].claimed_at is rows[2].claimed_at
+    assert rows[0].lease_expiry is rows[2].lease_expiry
+    assert rows[0].claimed_at.utcoffset().total_seconds() == 0
+    assert (rows[0].lease_expiry - rows[0].claimed_at).total_seconds() == 60
+    # A later claim parses its own.
+    workpump.send("emails.welcome", {"n": 3})
+    later = db.claim_work(
+        instance_id=instance, max_rows=10, lease_seconds=30, partition_count=10000
+    )
+    assert (later[0].lease_expiry - later[0].claimed_at).total_seconds() == 30
