@@ -496,6 +496,49 @@ def test_slow_work_is_claimed_for_the_free_slots_only():
     assert worker.start_rate == pytest.approx(2.0)
 
 
+class SlowClaims(FakeCoordinator):
+    """Claims that take ``seconds`` of the injected clock: the round trip to the database."""
+
+    def __init__(self, clock: FrozenClock, seconds: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.clock = clock
+        self.seconds = seconds
+
+    def claim(self, max_rows: int):
+        self.clock.advance(self.seconds)
+        return super().claim(max_rows)
+
+
+def claim_one_slot(in_flight: int, rounds: int = 3):
+    """CONCURRENCY 1: each claim takes 90 ms, then 10 rows start in 10 ms."""
+    clock = FrozenClock()
+    sink = CountingSink(free=1)
+    sink.in_flight = in_flight
+    coordinator = SlowClaims(clock, 0.09, claims=[[]] * rounds)
+    worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2), clock=clock)
+    for _ in range(rounds):
+        worker.run_once()
+        clock.advance(0.01)
+        sink.started_total += 10
+    return coordinator.claims, worker
+
+
+def test_claims_made_while_the_dispatcher_is_empty_do_not_count_against_its_rate():
+    # 10 rows per 10 ms of running: 1,000 rows/s, a quarter second is 250 rows
+    claims, worker = claim_one_slot(in_flight=0)
+    assert claims == [3, 250, 250]
+    assert worker.start_rate == pytest.approx(1000)
+    assert worker.starved_seconds == pytest.approx(0.27)
+
+
+def test_claims_made_while_rows_run_count_as_time_the_dispatcher_worked():
+    # the same timings, but a row was running during each claim: 10 rows per 100 ms
+    claims, worker = claim_one_slot(in_flight=1)
+    assert claims == [3, 25, 25]
+    assert worker.start_rate == pytest.approx(100)
+    assert worker.starved_seconds == 0
+
+
 # a refused claim: the instance was evicted, or is not registered
 
 

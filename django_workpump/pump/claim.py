@@ -137,7 +137,10 @@ class ClaimWorker(LoopService):
         # (number of the last poll that finished, rows it claimed or None on error)
         self.last_poll: tuple[int, int | None] = (0, None)
         self.start_rate: float | None = None  # rows/s the dispatcher starts (measured)
-        self._rate_sample: tuple[float, int] | None = None
+        self._rate_sample: tuple[float, int, float] | None = None
+        # Seconds of claim round trips during which the dispatcher had nothing to run: the
+        # start rate leaves them out (see _batch_size).
+        self.starved_seconds = 0.0
         self.startup_catch_up_count = 0
         self.reconnect_catch_up_count = 0
         self.wake_requests = 0
@@ -224,6 +227,7 @@ class ClaimWorker(LoopService):
         max_rows = self._batch_size(free)
         self.polls += 1
         poll_number = self.polls
+        starved = getattr(self.sink, "in_flight", None) == 0
         claim_started = self.clock.monotonic()
         try:
             rows = self.coordinator.claim(max_rows)
@@ -238,7 +242,10 @@ class ClaimWorker(LoopService):
                 "claim_work failed: %s", exc, extra={"action": "claim_failed"}, exc_info=True
             )
             return ClaimResult(claimed=0, has_more=False, error=exc)
-        self.metrics.claim(rows, self.clock.monotonic() - claim_started)
+        claim_seconds = self.clock.monotonic() - claim_started
+        if starved:
+            self.starved_seconds += claim_seconds
+        self.metrics.claim(rows, claim_seconds)
         if not self.startup_catch_up_count:  # the first claim that went through
             self.startup_catch_up_count += 1
             logger.log(
@@ -346,20 +353,28 @@ class ClaimWorker(LoopService):
         RATE_SAMPLE_SECONDS): fast work is claimed in large batches, so a backlog drains
         in few round trips, while a claimed row never waits in the local queue for much
         longer than QUEUE_SECONDS, whatever its handler costs.
+
+        The rate leaves out the claims made while the dispatcher had nothing to run: a row
+        waits in the queue only while the dispatcher runs the rows before it. Counting
+        those round trips would make small batches look slow, so they would stay small:
+        at ``CONCURRENCY`` 1 every claim is such a wait, and the claims (one commit each)
+        would outnumber the work.
         """
         size = free + self.policy.prefetch
         started = getattr(self.sink, "started_total", None)
         if started is not None:
             now = self.clock.monotonic()
             if self._rate_sample is None:
-                self._rate_sample = (now, started)
+                self._rate_sample = (now, started, self.starved_seconds)
             elif now - self._rate_sample[0] >= RATE_SAMPLE_SECONDS:
-                at, count = self._rate_sample
-                rate = (started - count) / (now - at)
-                self.start_rate = (
-                    rate if self.start_rate is None else (0.5 * self.start_rate + 0.5 * rate)
-                )
-                self._rate_sample = (now, started)
+                at, count, starved = self._rate_sample
+                busy = now - at - (self.starved_seconds - starved)
+                if busy > 0:
+                    rate = (started - count) / busy
+                    self.start_rate = (
+                        rate if self.start_rate is None else (0.5 * self.start_rate + 0.5 * rate)
+                    )
+                    self._rate_sample = (now, started, self.starved_seconds)
             if self.start_rate:
                 size = max(size, round(self.start_rate * QUEUE_SECONDS))
         return min(size, self.policy.max_rows)
