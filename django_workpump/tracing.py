@@ -198,20 +198,8 @@ def _handling(work: Work) -> Iterator[None]:
     if work.event_id is not None:
         attributes[EVENT_ID] = str(work.event_id)
         attributes[EVENT_TYPE] = work.event_type or ""
-    with _tracer().start_as_current_span(
-        f"process {work.topic}",
-        context=parent,
-        kind=SpanKind.CONSUMER,
-        links=links,
-        attributes=attributes,
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
-        try:
-            yield
-        except BaseException as exc:
-            _failed(span, exc)
-            raise
+    with _consumer_span(work.topic, parent, links, attributes):
+        yield
 
 
 @contextmanager
@@ -244,8 +232,18 @@ def handling_batch(works: Sequence[Work]) -> Iterator[None]:
     }
     if first.stream is not None:
         attributes[STREAM] = first.stream
+    with _consumer_span(first.topic, None, links, attributes):
+        yield
+
+
+@contextmanager
+def _consumer_span(
+    topic: str, parent: Any, links: list[Link], attributes: dict[str, Any]
+) -> Iterator[None]:
+    """A current CONSUMER span named for ``topic``; an exception is recorded, then raised."""
     with _tracer().start_as_current_span(
-        f"process {first.topic}",
+        f"process {topic}",
+        context=parent,
         kind=SpanKind.CONSUMER,
         links=links,
         attributes=attributes,

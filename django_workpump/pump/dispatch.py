@@ -616,17 +616,8 @@ class Dispatcher:
             if not self.completions.put(item):
                 with self._lock:  # refused: the row's lease runs out and it runs again
                     self._stream_run_ends.discard((job.row.category, job.row.work_id))
-        elif kind == HandlerOutcome.FAIL:
-            error, reason, delay = value
-            if reason == FailureReason.NOT_RETRYABLE:
-                self._write_now(job, "dead-lettering", self._dead_letter, error, reason)
-            else:
-                self._outcome_queued(1, job.row)
-                self.failures.put(FailedAttempt.of(job.row, error, reason, delay))
-        elif kind == HandlerOutcome.SNOOZE:
-            self._write_now(job, "snooze", self._snooze, value)
-        elif kind == HandlerOutcome.DISCARD:
-            self._write_now(job, "discard", self._discard, value)
+        elif kind in (HandlerOutcome.FAIL, HandlerOutcome.SNOOZE, HandlerOutcome.DISCARD):
+            self._write_setback(job, kind, value)
         elif kind == HandlerOutcome.LOST:
             self.stats.lost_leases += 1
             self.metrics.lost(job.row.category)
@@ -778,6 +769,11 @@ class Dispatcher:
 
     def _batch_outcome(self, job: _Job, kind: HandlerOutcome, value: Any) -> None:
         """Write a batch's failure, snooze or discard for the row it concerns."""
+        self._write_setback(job, kind, value)
+        self._finish(job)
+
+    def _write_setback(self, job: _Job, kind: HandlerOutcome, value: Any) -> None:
+        """Queue or write a failure (FAIL), a snooze (SNOOZE) or a discard (DISCARD)."""
         if kind == HandlerOutcome.FAIL:
             error, reason, delay = value
             if reason == FailureReason.NOT_RETRYABLE:
@@ -789,7 +785,6 @@ class Dispatcher:
             self._write_now(job, "snooze", self._snooze, value)
         else:
             self._write_now(job, "discard", self._discard, value)
-        self._finish(job)
 
     def _failure_of(
         self, handler: Handler | None, job: _Job, exc: BaseException
