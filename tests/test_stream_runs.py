@@ -155,6 +155,46 @@ def test_a_release_cut_off_by_a_connection_error_is_retried_not_left_to_expire(
     assert attempts == {0: 1, 1: 2, 2: 1, 3: 1, 4: 1, 5: 1}
 
 
+@override_settings(WORKPUMP=FAST)
+def test_a_discard_the_server_rolled_back_to_break_a_deadlock_is_written_again(
+    outbox_handler, pump, monkeypatch
+):
+    """A row's discard and the completion of the row before it are written at once on two
+    connections and may deadlock on the stream's lock; the server rolls one back. The
+    discard is written again, not left for its lease to run out."""
+    real_discard = DatabaseCoordinator.discard
+    calls: list[list[Any]] = []
+
+    def deadlocking_discard(
+        self: DatabaseCoordinator, category: str, ids: Any, tokens: Any, reasons: Any
+    ) -> Any:
+        calls.append(list(ids))
+        if len(calls) == 1:
+            raise OperationalError("deadlock detected")
+        return real_discard(self, category, ids, tokens, reasons)
+
+    monkeypatch.setattr(DatabaseCoordinator, "discard", deadlocking_discard)
+    ran: list[int] = []
+
+    def handle(work: Any) -> None:
+        ran.append(work.payload["n"])
+        if work.payload["n"] == 1:
+            raise workpump.Discard("row 1 is poison")
+
+    outbox_handler("runs.discard", handle)
+    for n in range(4):
+        workpump.send("runs.discard", {"n": n}, stream="s")
+
+    supervisor = pump()
+    assert wait_until(_all_processed)
+    supervisor.shutdown()
+    assert len(calls) == 2 and calls[0] == calls[1]  # refused once, then written
+    assert ran == [0, 1, 2, 3]  # the poison row ran once: its lease never ran out
+    poison = models.Outbox.objects.get(payload__n=1)
+    assert (poison.end_state, poison.attempts) == ("discarded", 1)
+    assert supervisor.dispatcher.stats.discarded == 1
+
+
 @override_settings(WORKPUMP={**FAST, "STREAM_RUN_MAX": 4, "CONCURRENCY": 3})
 def test_two_instances_keep_fifo_per_stream_across_runs_and_retries(outbox_handler, pump):
     attempted: dict[str, list[int]] = defaultdict(list)

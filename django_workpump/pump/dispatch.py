@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from django.db import connections, transaction
 
@@ -254,13 +254,15 @@ class DispatchStats:
     cancelled: int = 0  # running attempts an operator cancelled
 
 
+_T = TypeVar("_T")
 # A handler call's span when tracing is off.
 _NOT_TRACED = contextlib.nullcontext()
 # How long stop() waits for each outcome flusher's final flush when not told.
 FINAL_FLUSH_SECONDS = 5.0
-# A failed release of a run's unstarted rows is retried after these delays (doubling).
-RELEASE_RETRY_FIRST_SECONDS = 0.05
-RELEASE_RETRY_MAX_SECONDS = 1.0
+# A write from a dispatch thread (a release of a run's unstarted rows, a snooze, discard
+# or dead-lettering) that failed transiently is retried after these delays (doubling).
+WRITE_RETRY_FIRST_SECONDS = 0.05
+WRITE_RETRY_MAX_SECONDS = 1.0
 
 
 class Dispatcher:
@@ -810,9 +812,10 @@ class Dispatcher:
         return error, FailureReason.HANDLER_ERROR, delay
 
     def _write_now(self, job: _Job, what: str, write: Callable[..., list[Any]], *args: Any) -> None:
-        """Write a rare outcome from the handler thread; on failure the lease runs out."""
+        """Write a rare outcome from the handler thread, retried after transient errors
+        while the lease lasts; when it cannot be written the lease runs out."""
         try:
-            outcomes = write(job, *args)
+            outcomes = self._retrying_transient([job], lambda: write(job, *args))
         except Exception:
             logger.exception(
                 "the %s of %s %s could not be written; its lease runs out and it runs again",
@@ -1075,34 +1078,46 @@ class Dispatcher:
                 self._finish(job)  # a newer attempt holds the row: nothing to release
         if not unstarted:
             return
-        # A connection error (the server restarting, say) is retried while the rows'
-        # leases last: given up, they would wait for their leases to run out.
-        delay = RELEASE_RETRY_FIRST_SECONDS
-        while True:
-            try:
-                self.coordinator.release(
+        try:
+            self._retrying_transient(
+                unstarted,
+                lambda: self.coordinator.release(
                     unstarted[0].row.category,
                     [job.row.work_id for job in unstarted],
                     [job.row.lease_token for job in unstarted],
-                )
-                self.stats.released += len(unstarted)
-                break
-            except Exception as exc:
-                left = min(job.handle.seconds_left() for job in unstarted)
-                if is_transient(exc) and left > delay and not self._stopping.is_set():
-                    connections[self.alias].close_if_unusable_or_obsolete()
-                    self._stopping.wait(delay)
-                    delay = min(delay * 2, RELEASE_RETRY_MAX_SECONDS)
-                    continue
-                # Their leases run out and the rows are claimed again.
-                logger.exception(
-                    "release of %d unstarted rows failed",
-                    len(unstarted),
-                    extra={"action": "release_failed"},
-                )
-                break
+                ),
+            )
+            self.stats.released += len(unstarted)
+        except Exception:
+            # Their leases run out and the rows are claimed again.
+            logger.exception(
+                "release of %d unstarted rows failed",
+                len(unstarted),
+                extra={"action": "release_failed"},
+            )
         for job in unstarted:
             self._finish(job)
+
+    def _retrying_transient(self, jobs: Sequence[_Job], write: Callable[[], _T]) -> _T:
+        """``write()``, retried after a transient error while the leases of ``jobs`` last.
+
+        Transient: the connection was lost (the server restarting, say), or the server
+        broke a deadlock by rolling this write back (an outcome of one row of a stream
+        and the completion of the row before it, written at once on two connections,
+        lock the stream and the rows in opposite orders). Given up, the rows would wait
+        for their leases to run out. Other errors, and the last one, are raised.
+        """
+        delay = WRITE_RETRY_FIRST_SECONDS
+        while True:
+            try:
+                return write()
+            except Exception as exc:
+                left = min(job.handle.seconds_left() for job in jobs)
+                if not is_transient(exc) or left <= delay or self._stopping.is_set():
+                    raise
+                connections[self.alias].close_if_unusable_or_obsolete()
+                self._stopping.wait(delay)
+                delay = min(delay * 2, WRITE_RETRY_MAX_SECONDS)
 
     # -- abandonment ---------------------------------------------------------------
     def abandon(self, handle: LeaseHandle) -> bool:
