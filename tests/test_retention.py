@@ -68,6 +68,48 @@ def test_purge_dead_deletes_only_rows_dead_before_the_cutoff_oldest_first():
     assert purge_dead("outbox", now - timedelta(hours=1)) == 0
 
 
+# Plans in which the purge's key sub-select is run again per row of the table: with
+# them, the old `key IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)` deleted past n.
+NESTED_LOOPS_ONLY = [
+    "SET LOCAL enable_hashjoin = off",
+    "SET LOCAL enable_mergejoin = off",
+    "SET LOCAL enable_material = off",
+    "SET LOCAL enable_memoize = off",
+    "SET LOCAL enable_hashagg = off",  # no de-duplicated keys driving the loop
+    "SET LOCAL enable_sort = off",
+]
+
+
+def test_each_purge_deletes_at_most_its_batch_whatever_the_plan():
+    now = timezone.now()
+    long_ago = now - timedelta(days=10)
+    for i in range(5):
+        OutboxFactory(dead_lettered_at=long_ago + timedelta(seconds=i))
+        OutboxFactory(processed_at=long_ago + timedelta(seconds=i))
+        run_sql(
+            "INSERT INTO workpump_event (event_id, event_type, payload, created_at)"
+            " VALUES (gen_random_uuid(), 'purged', '{}', %s)",
+            [long_ago],
+        )
+        run_sql(
+            "INSERT INTO workpump_inbox_dedup (message_id, first_seen_at) VALUES (%s, %s)",
+            [uuid.uuid4(), long_ago],
+        )
+    for setting in NESTED_LOOPS_ONLY:
+        run_sql(setting)
+    cutoff = now - timedelta(days=1)
+    purges = {
+        "purge_dead": ("SELECT workpump.purge_dead('outbox', %s, 2)", [cutoff]),
+        "purge_processed": ("SELECT workpump.purge_processed('outbox', %s, 2)", [cutoff]),
+        "purge_events": ("SELECT workpump.purge_events(%s, 2)", [cutoff]),
+        "purge_inbox_dedup": ("SELECT workpump.purge_inbox_dedup(%s, 2)", [cutoff]),
+    }
+    deleted = {name: scalar(sql, params) for name, (sql, params) in purges.items()}
+    assert deleted == dict.fromkeys(purges, 2)
+    assert models.Outbox.objects.filter(dead_lettered_at__isnull=False).count() == 3
+    assert models.Outbox.objects.filter(processed_at__isnull=False).count() == 3
+
+
 def test_purging_a_dead_stream_head_lets_the_stream_move_on():
     workpump.send("retention.dest", {"n": 1}, stream="s-1")
     workpump.send("retention.dest", {"n": 2}, stream="s-1")
@@ -230,3 +272,28 @@ def test_the_v6_migration_reverses_and_applies_again(scratch_database):
     assert v6_state() == (0, 10, False)
     migrate("workpump", "0009")
     assert v6_state() == (3, 11, True)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_v17_migration_reverses_to_the_old_purges_and_applies_again(scratch_database):
+    names = ["purge_dead", "purge_events", "purge_idle_streams", "purge_inbox_dedup"]
+    names.append("purge_processed")
+
+    def keys_chosen_once() -> dict[str, tuple[bool, bool]]:
+        """Per purge: (its keys come from one ARRAY sub-select, its search_path pinned)."""
+        with scratch_database.connect() as conn:
+            rows = conn.execute(
+                "SELECT proname, prosrc LIKE '%%= ANY (ARRAY(%%',"
+                " coalesce(proconfig[1] LIKE 'search_path=pg_catalog%%', false)"
+                " FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
+                " AND proname = ANY(%s)",
+                [names],
+            ).fetchall()
+        return {name: (once, pinned) for name, once, pinned in rows}
+
+    scratch_database.migrate("workpump", "0024")
+    assert keys_chosen_once() == dict.fromkeys(names, (True, True))
+    scratch_database.migrate("workpump", "0023")
+    assert keys_chosen_once() == dict.fromkeys(names, (False, True))
+    scratch_database.migrate("workpump", "0024")
+    assert keys_chosen_once() == dict.fromkeys(names, (True, True))

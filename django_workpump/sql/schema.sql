@@ -3517,12 +3517,12 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     EXECUTE format($q$
-        DELETE FROM %1$I t WHERE t.seq IN (
+        DELETE FROM %1$I t WHERE t.seq = ANY (ARRAY(
             -- oldest processed rows first, through the _done index
             SELECT d.seq FROM %1$I d
             WHERE d.%2$I IS NOT NULL AND d.%2$I < $1
             ORDER BY d.%2$I LIMIT $2
-            FOR UPDATE SKIP LOCKED)$q$,
+            FOR UPDATE SKIP LOCKED))$q$,
         v_meta.tbl, v_meta.done_col)
     USING p_processed_before, p_batch;
     GET DIAGNOSTICS v_count = ROW_COUNT;
@@ -3541,13 +3541,13 @@ AS $$
 DECLARE
     v_count integer;
 BEGIN
-    DELETE FROM workpump_event e WHERE e.seq IN (
+    DELETE FROM workpump_event e WHERE e.seq = ANY (ARRAY(
         SELECT o.seq FROM workpump_event o
         WHERE o.created_at < p_created_before
           AND NOT EXISTS (SELECT 1 FROM workpump_perspective_event p WHERE p.event_id = o.event_id)
           AND NOT EXISTS (SELECT 1 FROM workpump_receptor_processing r WHERE r.event_id = o.event_id)
         ORDER BY o.created_at LIMIT p_batch
-        FOR UPDATE SKIP LOCKED);
+        FOR UPDATE SKIP LOCKED));
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
 END
@@ -3575,7 +3575,7 @@ AS $$
 DECLARE
     v_count integer;
 BEGIN
-    DELETE FROM workpump_active_stream s WHERE s.id IN (
+    DELETE FROM workpump_active_stream s WHERE s.id = ANY (ARRAY(
         SELECT a.id FROM workpump_active_stream a
         WHERE a.owner_instance_id IS NULL
           AND NOT CASE a.category
@@ -3591,7 +3591,7 @@ BEGIN
                     AND t.completed_at IS NULL)
           END
         LIMIT p_batch
-        FOR UPDATE SKIP LOCKED);
+        FOR UPDATE SKIP LOCKED));
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
 END
@@ -3621,12 +3621,12 @@ BEGIN
     EXECUTE format($q$
         WITH purged AS (
             -- oldest dead rows first, through the _dead index
-            DELETE FROM %1$I t WHERE t.seq IN (
+            DELETE FROM %1$I t WHERE t.seq = ANY (ARRAY(
                 SELECT d.seq FROM %1$I d
                 WHERE d.%2$I IS NULL AND d.dead_lettered_at IS NOT NULL
                   AND d.dead_lettered_at < $1
                 ORDER BY d.dead_lettered_at LIMIT $2
-                FOR UPDATE SKIP LOCKED)
+                FOR UPDATE SKIP LOCKED))
             RETURNING t.stream, t.stream_head, %3$s AS scope
         )
         -- the streams whose blocking head went: their next rows are promoted below
@@ -3663,13 +3663,13 @@ BEGIN
         RAISE EXCEPTION 'purge_inbox_dedup needs p_seen_before and p_batch >= 1.'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    DELETE FROM workpump_inbox_dedup d WHERE d.message_id IN (
+    DELETE FROM workpump_inbox_dedup d WHERE d.message_id = ANY (ARRAY(
         -- oldest first, through wp_inbox_dedup_seen; never the id of a row still stored
         SELECT o.message_id FROM workpump_inbox_dedup o
         WHERE o.first_seen_at < p_seen_before
           AND NOT EXISTS (SELECT 1 FROM workpump_inbox i WHERE i.message_id = o.message_id)
         ORDER BY o.first_seen_at LIMIT p_batch
-        FOR UPDATE SKIP LOCKED);
+        FOR UPDATE SKIP LOCKED));
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
 END
