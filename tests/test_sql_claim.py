@@ -20,7 +20,15 @@ import psycopg
 import pytest
 from django.db import DatabaseError, connection, transaction
 
-from tests.conftest import T0, at, current_tokens, enroll, run_sql, scalar
+from tests.conftest import (
+    T0,
+    at,
+    current_tokens,
+    enroll,
+    give_the_planner_statistics,
+    run_sql,
+    scalar,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -709,6 +717,7 @@ def explaining_connection(raw_connect: Any) -> tuple[Any, list[str]]:
 def test_the_guard_probes_use_the_partial_indexes(raw_connect):
     conn, plans = explaining_connection(raw_connect)
     with conn.transaction(force_rollback=True):  # the registration must not outlive the test
+        give_the_planner_statistics(conn)
         register_on(conn, A)
         plans.clear()
 
@@ -734,6 +743,7 @@ def test_the_guard_probes_use_the_partial_indexes(raw_connect):
 def test_the_claim_scans_the_ready_and_timer_indexes(raw_connect):
     conn, plans = explaining_connection(raw_connect)
     with conn.transaction(force_rollback=True):
+        give_the_planner_statistics(conn)
         conn.execute("SELECT workpump.send('emails.welcome', '{}', 's-1')")
         register_on(conn, A)
         plans.clear()

@@ -25,7 +25,7 @@ from django_workpump import db
 from django_workpump.conf import tombstone_retention_seconds
 from django_workpump.db import InstanceRefused
 from django_workpump.pump.maintenance import MaintenanceWorker
-from tests.conftest import T0, WORK_TABLES, at, enroll, run_sql, scalar
+from tests.conftest import T0, WORK_TABLES, at, enroll, give_the_planner_statistics, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
 
@@ -426,11 +426,15 @@ def test_the_guard_probes_use_the_partial_indexes_with_topics_too(raw_connect):
         "SET enable_seqscan = off",  # see explaining_connection in test_sql_claim.py
     ):
         conn.execute(setting)
-    conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])
-    plans.clear()
-    topics = {c: ["some.topic"] for c in CATEGORIES}
+    with conn.transaction(force_rollback=True):  # the rows and registration go after
+        give_the_planner_statistics(conn)
+        conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])
+        plans.clear()
+        topics = {c: ["some.topic"] for c in CATEGORIES}
 
-    conn.execute("SELECT * FROM workpump.claim_work(%s, p_topics => %s)", [A, json.dumps(topics)])
+        conn.execute(
+            "SELECT * FROM workpump.claim_work(%s, p_topics => %s)", [A, json.dumps(topics)]
+        )
 
     text = "\n".join(plans)
     for prefix in ("wp_outbox", "wp_inbox", "wp_persp", "wp_receptor"):

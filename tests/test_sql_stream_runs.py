@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from django.db import DatabaseError
 
-from tests.conftest import T0, at, run_sql, scalar
+from tests.conftest import T0, at, give_the_planner_statistics, run_sql, scalar
 from tests.test_sql_claim import (
     CATEGORIES,
     TABLES,
@@ -286,6 +286,7 @@ def test_claim_work_refuses_a_run_length_below_one():
 def test_a_run_is_found_and_leased_by_index_and_tid_lookups_never_a_scan(raw_connect):
     conn, plans = explaining_connection(raw_connect)
     with conn.transaction(force_rollback=True):
+        give_the_planner_statistics(conn)
         for n in range(5):
             conn.execute("SELECT workpump.send('emails.welcome', %s, 's-1')", [f'{{"n": {n}}}'])
             conn.execute("SELECT workpump.send('emails.welcome', '{}', %s)", [f"other-{n}"])
