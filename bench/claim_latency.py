@@ -83,6 +83,7 @@ def measure(
         "now": None,
         "topics": named,
         "topic_prefixes": prefixes,  # ignored by a schema before version 11's query
+        "stream_run_max": 100,  # the default; ignored by a schema before version 15's query
     }
     query = named_queries()["claim_work"]
     conn.execute(REGISTER_SQL, [instance])  # claim_work refuses unregistered instances
