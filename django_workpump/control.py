@@ -9,7 +9,7 @@ attempts a row gets. See docs/control-flow.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from numbers import Real
@@ -74,6 +74,26 @@ class Discard(Exception):
         self.reason = reason
         self.work = work
         super().__init__(reason)
+
+
+def named_index(exc: Snooze | Discard, works: Sequence[Work]) -> int:
+    """The index in ``works`` of the row a batch handler's ``Snooze``/``Discard`` names
+    (``work=``; the first row when it names none).
+
+    Raises ValueError, worded for the handler's author, when it names a row that is not
+    one of the batch's: the pump and ``run_pending`` then fail the batch's first row.
+    """
+    named = exc.work
+    if named is None:
+        return 0
+    for index, work in enumerate(works):
+        if work is named or work.id == getattr(named, "id", None):
+            return index
+    raise ValueError(
+        f"workpump.{type(exc).__name__}(work=...) named {getattr(named, 'id', named)!r}, "
+        f"which is not one of the {len(works)} rows of this batch; pass one of the "
+        "handler's list[Work], or no work= for the first row."
+    )
 
 
 @dataclass(frozen=True)

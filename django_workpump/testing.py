@@ -24,8 +24,8 @@ from django.db import transaction
 from django_workpump import db, producer, tracing
 from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
-from django_workpump.control import Discard, Snooze
-from django_workpump.pump.dispatch import Work, _named_row, _not_in_batch, _run_key
+from django_workpump.control import Discard, Snooze, named_index
+from django_workpump.pump.dispatch import Work, stream_run_key
 from django_workpump.pump.lease import LeaseHandle
 from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
 from django_workpump.storable import error_text, storable_result
@@ -227,7 +227,7 @@ def _runs_of(rows: list[Any]) -> list[list[Any]]:
     """Claimed rows as the pump runs them: a stream's rows together, in stream order."""
     runs: dict[Any, list[Any]] = {}
     for row in rows:
-        runs.setdefault(_run_key(row), []).append(row)
+        runs.setdefault(stream_run_key(row), []).append(row)
     return list(runs.values())
 
 
@@ -261,11 +261,10 @@ def _run_batch(
         return
     at = 0  # the row the exception concerns: a Snooze's or Discard's, else the first
     if isinstance(raised, Snooze | Discard):
-        named = _named_row(raised, works)
-        if named is None:
-            raised = ValueError(_not_in_batch(raised, works))
-        else:
-            at = named
+        try:
+            at = named_index(raised, works)
+        except ValueError as error:  # it named no row of this batch: fail the first
+            raised = error
     # Without the savepoint or an atomic handler, the rows before it keep their writes.
     done = rows[:at] if not (handler.atomic or savepoint) else []
     if done:

@@ -50,7 +50,7 @@ from django.db import connections, transaction
 from django_workpump import tracing
 from django_workpump.categories import category as category_meta
 from django_workpump.clock import Clock, SystemClock
-from django_workpump.control import Discard, Snooze
+from django_workpump.control import Discard, Snooze, named_index
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.middleware import Middleware
@@ -232,7 +232,7 @@ class _Run:
     batch: list[_Job] | None = None
 
 
-def _run_key(row: ClaimedWork) -> tuple[str, str, str] | uuid.UUID:
+def stream_run_key(row: ClaimedWork) -> tuple[str, str, str] | uuid.UUID:
     """The ordered stream a row belongs to (scope included), or its own id when unordered."""
     if row.stream is None:
         return row.work_id
@@ -401,7 +401,7 @@ class Dispatcher:
         jobs: list[_Job] = []
         held: dict[str, int] = {}
         for row, previous in zip(rows, previous_jobs, strict=True):
-            run = runs.setdefault(_run_key(row), _Run([]))
+            run = runs.setdefault(stream_run_key(row), _Run([]))
             # Local deadline from the DB's own lease length, so clock skew cannot matter.
             lease_length = (row.lease_expiry - row.claimed_at).total_seconds()
             deadline = received_at + lease_length - self.lease_grace_seconds
@@ -688,15 +688,16 @@ class Dispatcher:
             self.metrics.lost(started[0].row.category)
             logger.warning("%s", exc, extra={"action": "lease_lost"})
         except (Snooze, Discard) as exc:
-            named = _named_row(exc, works)
-            if named is None:
+            try:
+                at = named_index(exc, works)
+            except ValueError as error:  # it named no row of this batch: as run_pending
                 outcome = HandlerOutcome.FAIL
-                error = _describe(ValueError(_not_in_batch(exc, works)))  # as run_pending
-                value = (error, FailureReason.HANDLER_ERROR, None)
-            elif isinstance(exc, Snooze):
-                outcome, value, at = HandlerOutcome.SNOOZE, exc.seconds, named
+                value = (_describe(error), FailureReason.HANDLER_ERROR, None)
             else:
-                outcome, value, at = HandlerOutcome.DISCARD, exc.reason, named
+                if isinstance(exc, Snooze):
+                    outcome, value = HandlerOutcome.SNOOZE, exc.seconds
+                else:
+                    outcome, value = HandlerOutcome.DISCARD, exc.reason
         except BaseException as exc:  # noqa: BLE001 (a handler's exit ends its attempt only)
             if not isinstance(exc, Exception):
                 self._discard_loop()
@@ -751,7 +752,8 @@ class Dispatcher:
                 self._complete_batch([job for job in started[:at] if job in live])
             target = started[at] if started[at] in live else None
             if target is not None:
-                self._batch_outcome(target, outcome, value)
+                self._write_setback(target, outcome, value)
+                self._finish(target)
             for job in live:
                 with job.lock:
                     if job.state == JobState.FINISHED and not job.finished:
@@ -768,11 +770,6 @@ class Dispatcher:
             self._finish(job)
         if jobs and jobs[0].row.stream is not None:
             self.completions.hurry()  # the stream's next row waits on these completions
-
-    def _batch_outcome(self, job: _Job, kind: HandlerOutcome, value: Any) -> None:
-        """Write a batch's failure, snooze or discard for the row it concerns."""
-        self._write_setback(job, kind, value)
-        self._finish(job)
 
     def _write_setback(self, job: _Job, kind: HandlerOutcome, value: Any) -> None:
         """Queue or write a failure (FAIL), a snooze (SNOOZE) or a discard (DISCARD)."""
@@ -1456,27 +1453,6 @@ def _queue_wait(job: _Job, started_at: float) -> float | None:
 async def _awaited(awaitable: Any) -> Any:
     """A coroutine of any awaitable, so it can run as a task."""
     return await awaitable
-
-
-def _named_row(exc: Snooze | Discard, works: list[Work]) -> int | None:
-    """The index in ``works`` of the row a batch's Snooze/Discard names (``work=``; the
-    first row when it names none), or None when it names a row not in the batch."""
-    named = exc.work
-    if named is None:
-        return 0
-    for index, work in enumerate(works):
-        if work is named or (isinstance(named, Work) and work.id == named.id):
-            return index
-    return None
-
-
-def _not_in_batch(exc: Snooze | Discard, works: list[Work]) -> str:
-    named = getattr(exc.work, "id", exc.work)
-    return (
-        f"workpump.{type(exc).__name__}(work=...) named {named!r}, which is not one of the "
-        f"{len(works)} rows of this batch; pass one of the handler's list[Work], or no work= "
-        "for the first row."
-    )
 
 
 def _first_line(error: Exception) -> str:
