@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import ProgrammingError, transaction
@@ -25,6 +25,7 @@ from django_workpump.registry import TOPIC_NOUNS, registry
 
 # Longest stream key, in UTF-8 bytes: keys are indexed, and index rows have a size limit.
 MAX_STREAM_BYTES = 512
+_V = TypeVar("_V")
 # Characters PostgreSQL text and jsonb cannot hold: NUL, and UTF-16 surrogates (a str
 # holds them only after lossy decoding, e.g. errors="surrogateescape").
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
@@ -194,34 +195,26 @@ def _payload_json(what: str, payload: Any, limit: int | None = None) -> str:
     return text
 
 
+def _each_checked(
+    check: Callable[[str, Any], _V], what: Callable[[int], str], items: list[Any]
+) -> list[_V]:
+    """``check(what, item)`` of each item of a bulk call, in order; ``what(index)`` names
+    the item in an error and is built only for an item that fails, by checking it again
+    (a bulk call checks thousands of items, nearly always all good)."""
+    checked = []
+    for index, item in enumerate(items):
+        try:
+            checked.append(check("", item))
+        except InvalidWork:
+            check(what(index), item)
+            raise
+    return checked
+
+
 def _payloads_json(what: Callable[[int], str], payloads: list[Any]) -> list[str]:
-    """The JSON text of each payload of a bulk call, checked as ``_payload_json`` checks it.
-
-    ``what(index)`` names payload ``index`` in an error; it is built only for a payload
-    that fails, by checking that one again.
-    """
+    """The JSON text of each payload of a bulk call, checked as ``_payload_json`` checks it."""
     limit = setting("MAX_PAYLOAD_BYTES")
-    texts = []
-    for index, payload in enumerate(payloads):
-        try:
-            texts.append(_payload_json("", payload, limit))
-        except InvalidWork:
-            _payload_json(what(index), payload, limit)
-            raise
-    return texts
-
-
-def _stream_keys(what: Callable[[int], str], streams: list[Any]) -> list[str | None]:
-    """The key of each stream of a bulk call, checked as ``_stream_key`` checks it;
-    ``what(index)`` is built only for a key that fails."""
-    keys = []
-    for index, stream in enumerate(streams):
-        try:
-            keys.append(_stream_key("", stream))
-        except InvalidWork:
-            _stream_key(what(index), stream)
-            raise
-    return keys
+    return _each_checked(lambda name, payload: _payload_json(name, payload, limit), what, payloads)
 
 
 def _stream_key(what: str, stream: Any) -> str | None:
@@ -706,7 +699,7 @@ def send_many(
         return f"outbox message {index} to {destination!r}"
 
     texts = _payloads_json(noun, payloads)
-    keys = None if streams is None else _stream_keys(noun, streams)
+    keys = None if streams is None else _each_checked(_stream_key, noun, streams)
     priority = _priority(what, priority)
     scheduled_for = _when(what, run_after)
     max_attempts = _max_attempts("outbox", destination, max_attempts)
@@ -759,7 +752,7 @@ def emit_many(
         return f"event {index} of type {event_type!r}"
 
     texts = _payloads_json(noun, payloads)
-    keys = None if streams is None else _stream_keys(noun, streams)
+    keys = None if streams is None else _each_checked(_stream_key, noun, streams)
     priority = _priority(what, priority)
     subscribers, categories = _subscribers(event_type)
     if not texts:
