@@ -9,6 +9,8 @@ stream keeps its owner while the run goes on (schema version 16).
 from __future__ import annotations
 
 import re
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -235,6 +237,87 @@ def test_a_promotion_to_a_row_still_leased_wakes_no_claimer(raw_connect):
     assert list(listener.notifies(timeout=0.2, stop_after=1)) == []
     assert finish(made[1]) == 1  # an unleased row: claimable now
     assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["outbox"]
+
+
+def waiting_for_an_advisory_lock(probe: Any, pid: int, timeout: float = 10.0) -> bool:
+    """Whether backend ``pid`` comes to wait for an advisory lock within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = probe.execute(
+            "SELECT wait_event_type, wait_event FROM pg_stat_activity WHERE pid = %s", [pid]
+        ).fetchone()
+        if found == {"wait_event_type": "Lock", "wait_event": "advisory"}:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("ending", ["discard", "cancel"])
+def test_a_discard_or_cancel_takes_its_streams_lock_before_it_locks_a_row(raw_connect, ending):
+    # A completion of the rows before a run's row updates them, then takes the stream's
+    # lock and promotes that row. A discard (or an operator's cancel) of that row that
+    # locked the row first and the stream second deadlocked with it.
+    made = stream_of("outbox", 3)
+    assert ids(claim(A, p_stream_run_max=3)) == made
+    token = tokens_of("outbox", made[1:2])
+    completion = raw_connect()
+    completion.execute("BEGIN")
+    completion.execute("SELECT workpump.lock_stream('outbox', '', 's-1')")
+    ender, probe = raw_connect(), raw_connect()
+    statuses: list[str] = []
+
+    def end() -> None:
+        if ending == "discard":
+            found = ender.execute(
+                "SELECT status FROM workpump.discard_work(%s, 'outbox', %s::uuid[],"
+                " %s::uuid[], '{no}')",
+                [A, made[1:2], token],
+            ).fetchall()
+            statuses.extend(r["status"] for r in found)
+        else:
+            found = ender.execute(
+                "SELECT work_id FROM workpump.cancel_work('outbox', %s::uuid[])", [made[1:2]]
+            ).fetchall()
+            statuses.extend("cancelled" for r in found if r["work_id"] == made[1])
+
+    thread = threading.Thread(target=end)
+    thread.start()
+    try:
+        assert waiting_for_an_advisory_lock(probe, ender.info.backend_pid)
+        # the row is not locked while the stream's lock is awaited: the completion can
+        # promote it
+        probe.execute(
+            "SELECT 1 FROM workpump_outbox WHERE message_id = %s FOR UPDATE NOWAIT", [made[1]]
+        )
+    finally:
+        completion.execute("ROLLBACK")
+        thread.join(10)
+    assert statuses == ["discarded" if ending == "discard" else "cancelled"]
+    assert row("outbox", made[1])["end_state"] == statuses[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_v18_migration_reverses_to_rows_first_and_applies_again(scratch_database):
+    def streams_locked_first() -> dict[str, bool]:
+        with scratch_database.connect() as conn:
+            found = conn.execute(
+                "SELECT proname, prosrc LIKE '%%lock_streams_of%%' FROM pg_proc"
+                " WHERE pronamespace = 'workpump'::regnamespace"
+                " AND proname IN ('discard_work', 'cancel_work', 'lock_streams_of')"
+            ).fetchall()
+        return dict(found)
+
+    scratch_database.migrate("workpump", "0025")
+    assert streams_locked_first() == {
+        "discard_work": True,
+        "cancel_work": True,
+        "lock_streams_of": False,
+    }
+    scratch_database.migrate("workpump", "0024")
+    assert streams_locked_first() == {"discard_work": False, "cancel_work": False}
+    scratch_database.migrate("workpump", "0025")
+    assert streams_locked_first()["discard_work"]
 
 
 def test_releasing_the_rest_of_a_run_gives_back_their_attempts_and_keeps_the_order():

@@ -40,6 +40,14 @@ def function_definitions(path: str, names: list[str]) -> list[str]:
     return [found[name] for name in names]
 
 
+def replacing_definitions(path: str, names: list[str]) -> list[str]:
+    """``function_definitions`` as ``CREATE OR REPLACE`` statements (a reverse migration)."""
+    return [
+        definition.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+        for definition in function_definitions(path, names)
+    ]
+
+
 @cache
 def named_queries(path: str = "queries.sql") -> dict[str, str]:
     """Return ``{name: sql}`` for every ``-- name: x`` block of a query file."""

@@ -3405,10 +3405,34 @@ BEGIN
 END
 $$;
 
+-- Take the stream locks of the rows p_ids names, in promote_stream_heads's order
+-- (scope, stream), before any of those rows is updated. Reading a row's stream needs no
+-- row lock: a row never changes streams.
+CREATE FUNCTION workpump.lock_streams_of(p_category text, p_ids uuid[])
+RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+BEGIN
+    EXECUTE format($q$
+        SELECT workpump.lock_stream($1, s.scope, s.stream)
+        FROM (SELECT DISTINCT %3$s AS scope, t.stream FROM %1$I t
+              WHERE t.%2$I = ANY ($2) AND t.stream IS NOT NULL
+              ORDER BY 1, 2) s$q$,
+        v_meta.tbl, v_meta.key_col,
+        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
+             ELSE 't.' || quote_ident(v_meta.scope_col) END)
+    USING p_category, p_ids;
+END
+$$;
+
 -- End rows p_instance_id holds under p_lease_tokens[i] as 'discarded' (the handler
 -- raised workpump.Discard): done, with p_reasons[i] kept as the last error and
 -- failure_reason 'discarded'. Discarded heads hand over to the next row of their stream
--- as completed ones do (complete_work). Returns every id with 'discarded' or 'lost'.
+-- as completed ones do (complete_work); the rows' streams are locked before the rows
+-- (lock_streams_of). Returns every id with 'discarded' or 'lost'.
 CREATE FUNCTION workpump.discard_work(
     p_instance_id uuid,
     p_category text,
@@ -3443,6 +3467,9 @@ BEGIN
     IF coalesce(cardinality(p_ids), 0) = 0 THEN
         RETURN;
     END IF;
+
+    -- the streams' locks before the rows' (lock_streams_of)
+    PERFORM workpump.lock_streams_of(p_category, p_ids);
 
     EXECUTE format($q$
         WITH ended AS (
@@ -3817,6 +3844,7 @@ $$;
 -- ...]} (at most 100 rows each), delivered when the caller commits. Returns each
 -- cancelled id with its holder (NULL when no instance held it); ids of no undone row are
 -- not returned.
+-- The rows' streams are locked before the rows (lock_streams_of).
 CREATE FUNCTION workpump.cancel_work(
     p_category text, p_ids uuid[], p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (work_id uuid, holder uuid)
@@ -3837,6 +3865,8 @@ BEGIN
     IF coalesce(cardinality(p_ids), 0) = 0 THEN
         RETURN;
     END IF;
+    -- the streams' locks before the rows' (lock_streams_of)
+    PERFORM workpump.lock_streams_of(p_category, p_ids);
     EXECUTE format($q$
         WITH ended AS (
             UPDATE %1$I t
