@@ -200,7 +200,14 @@ def log_failed_attempt(item: FailedAttempt, outcome: Any) -> None:
 
 
 class LeaseLost(Exception):
-    """The row's lease was lost before an atomic handler could commit its completion."""
+    """The row's lease was lost before an atomic handler could commit its completion.
+
+    ``rows``: how many rows' leases were lost (an atomic batch may lose several).
+    """
+
+    def __init__(self, message: str, rows: int = 1) -> None:
+        super().__init__(message)
+        self.rows = rows
 
 
 @dataclass(eq=False)
@@ -684,8 +691,8 @@ class Dispatcher:
                 outcome = HandlerOutcome.DONE
         except LeaseLost as exc:
             outcome = HandlerOutcome.LOST
-            self.stats.lost_leases += 1
-            self.metrics.lost(started[0].row.category)
+            self.stats.lost_leases += exc.rows
+            self.metrics.lost(started[0].row.category, exc.rows)
             logger.warning("%s", exc, extra={"action": "lease_lost"})
         except (Snooze, Discard) as exc:
             try:
@@ -904,14 +911,19 @@ class Dispatcher:
         category = jobs[0].row.category
         with transaction.atomic(using=self.alias):
             self._call_batch(handler, works)
+            gone = []
             for job in jobs:
                 with job.lock:
                     if job.state in (JobState.ABANDONED, JobState.SUPERSEDED):
-                        raise LeaseLost(
-                            f"{category} {job.row.work_id}: attempt {job.row.attempts} was "
-                            f"{job.state} before its batch committed; the batch's transaction "
-                            "was rolled back"
-                        )
+                        gone.append(job)
+            if gone:
+                more = f" (and {len(gone) - 1} more of its rows)" if len(gone) > 1 else ""
+                raise LeaseLost(
+                    f"{category} {gone[0].row.work_id}: attempt {gone[0].row.attempts} was "
+                    f"{gone[0].state} before its batch committed{more}; the batch's "
+                    "transaction was rolled back",
+                    len(gone),
+                )
             outcomes = self.coordinator.complete(
                 category,
                 [job.row.work_id for job in jobs],
@@ -920,10 +932,11 @@ class Dispatcher:
             )
             lost = [o.work_id for o in outcomes if o.status != OutcomeStatus.DONE]
             if len(outcomes) != len(jobs) or lost:
+                count = len(lost) or len(jobs)
                 raise LeaseLost(
-                    f"{category}: the lease of {len(lost) or len(jobs)} of the batch's "
-                    f"{len(jobs)} rows was lost before the atomic batch committed; its "
-                    "transaction was rolled back"
+                    f"{category}: the lease of {count} of the batch's {len(jobs)} rows was "
+                    "lost before the atomic batch committed; its transaction was rolled back",
+                    count,
                 )
 
     def _work_for(self, job: _Job) -> Work:
@@ -1099,10 +1112,10 @@ class Dispatcher:
         """``write()``, retried after a transient error while the leases of ``jobs`` last.
 
         Transient: the connection was lost (the server restarting, say), or the server
-        broke a deadlock by rolling this write back (an outcome of one row of a stream
-        and the completion of the row before it, written at once on two connections,
-        lock the stream and the rows in opposite orders). Given up, the rows would wait
-        for their leases to run out. Other errors, and the last one, are raised.
+        broke a deadlock by rolling this write back (since schema v18 the pump's own
+        writes do not deadlock each other, but an operator's action or an application's
+        transaction can still hold the rows). Given up, the rows would wait for their
+        leases to run out. Other errors, and the last one, are raised.
         """
         delay = WRITE_RETRY_FIRST_SECONDS
         while True:
