@@ -79,10 +79,9 @@ def build(server: h.Server, database: str, pending: int, processed: int) -> dict
     return {"reused": False, "build_seconds": time.monotonic() - started}
 
 
-def measure(server: h.Server, database: str, calls: int, batch: int = 100) -> dict[str, Any]:
-    query = named_queries()["claim_work"]
-    instance = uuid.uuid4()
-    params = {
+def claim_params(instance: uuid.UUID, batch: int) -> dict[str, Any]:
+    """The pump's claim_work parameters, as runworkpump's defaults pass them (every topic)."""
+    return {
         "instance_id": instance,
         "max_rows": batch,
         "lease_seconds": 300,
@@ -92,7 +91,14 @@ def measure(server: h.Server, database: str, calls: int, batch: int = 100) -> di
         "definitively_dead_after_seconds": 300,
         "now": None,
         "topics": None,
+        "topic_prefixes": None,
+        "stream_run_max": 100,
     }
+
+def measure(server: h.Server, database: str, calls: int, batch: int = 100) -> dict[str, Any]:
+    query = named_queries()["claim_work"]
+    instance = uuid.uuid4()
+    params = claim_params(instance, batch)
     timings: list[float] = []
     claimed = 0
     with server.connect(database) as conn:
@@ -151,20 +157,7 @@ def explain(server: h.Server, database: str, batch: int = 100) -> list[str]:
         conn.execute("BEGIN")
         instance = uuid.uuid4()
         conn.execute(REGISTER_SQL, [instance])
-        conn.execute(
-            query,
-            {
-                "instance_id": instance,
-                "max_rows": batch,
-                "lease_seconds": 300,
-                "partition_count": 10_000,
-                "categories": None,
-                "stale_after_seconds": 30,
-                "definitively_dead_after_seconds": 300,
-                "now": None,
-                "topics": None,
-            },
-        ).fetchall()
+        conn.execute(query, claim_params(instance, batch)).fetchall()
         conn.execute("ROLLBACK")
     plans = [n for n in notices if n.startswith("duration:")]
     return [p for p in plans if "workpump_outbox" in p]
