@@ -999,3 +999,46 @@ def test_the_v9_migration_reverses_to_the_v7_claim_and_applies_again(scratch_dat
     }
     migrate()
     assert claim_shape() == current
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_v19_migration_reverses_to_the_v16_claim_and_applies_again(scratch_database):
+    def claim_shape() -> dict[str, Any]:
+        with scratch_database.connect() as conn:
+            body, chosen_config = conn.execute(
+                "SELECT (SELECT prosrc FROM pg_proc WHERE proname = 'claim_work'"
+                "        AND pronamespace = 'workpump'::regnamespace),"
+                "       (SELECT proconfig FROM pg_proc WHERE proname = 'any_topic_chosen'"
+                "        AND pronamespace = 'workpump'::regnamespace)"
+            ).fetchone()
+            conn.execute("SELECT workpump.send('emails.welcome', '{\"n\": 1}', 's-1')")
+            conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])
+            claimed = conn.execute(
+                "SELECT topic, stream FROM workpump.claim_work(%s,"
+                ' p_topics => \'{"outbox": ["emails.welcome"]}\')',
+                [A],
+            ).fetchall()
+            conn.execute("TRUNCATE workpump_outbox, workpump_active_stream")
+        return {
+            "calls_claim_topics": "claim_topics(" in body,
+            "calls_live_instances": "live_instances(" in body,
+            "any_topic_chosen_config": chosen_config,
+            "claimed": claimed,
+        }
+
+    claimed = [("emails.welcome", "s-1")]
+    scratch_database.migrate("workpump", "0026")
+    v19 = {
+        "calls_claim_topics": False,
+        "calls_live_instances": False,
+        "any_topic_chosen_config": None,
+        "claimed": claimed,
+    }
+    assert claim_shape() == v19
+    scratch_database.migrate("workpump", "0025")
+    v16 = claim_shape()
+    assert v16["calls_claim_topics"] and v16["calls_live_instances"]
+    assert v16["any_topic_chosen_config"][0].startswith("search_path=pg_catalog, public")
+    assert v16["claimed"] == claimed
+    scratch_database.migrate("workpump", "0026")
+    assert claim_shape() == v19

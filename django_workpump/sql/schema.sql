@@ -2579,9 +2579,9 @@ RETURN CASE WHEN p_topics IS NULL THEN NULL
 
 -- Whether a claim of these topics (NULL: every topic) and topic prefixes (NULL: none) can
 -- find anything: false only for an empty choice, so claim_work skips the category's probes.
+-- No search_path of its own: PostgreSQL inlines it.
 CREATE FUNCTION workpump.any_topic_chosen(p_topics text[], p_topic_prefixes text[]) RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
-SET search_path FROM CURRENT
 RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_prefixes), 0) > 0;
 
 -- Lease up to p_max_rows claimable rows of the given categories (all when NULL) and of
@@ -2707,14 +2707,27 @@ BEGIN
                   HINT = 'E.g. {"inbox": ["django.tasks:default:"]}; to claim every topic, pass p_topics => NULL.';
     END IF;
     PERFORM workpump.check_instance('claim_work', p_instance_id);
-    v_outbox_topics := workpump.claim_topics(p_topics, 'outbox');
-    v_inbox_topics := workpump.claim_topics(p_topics, 'inbox');
-    v_perspective_topics := workpump.claim_topics(p_topics, 'perspective_event');
-    v_receptor_topics := workpump.claim_topics(p_topics, 'receptor');
-    v_outbox_prefixes := workpump.claim_topics(p_topic_prefixes, 'outbox');
-    v_inbox_prefixes := workpump.claim_topics(p_topic_prefixes, 'inbox');
-    v_perspective_prefixes := workpump.claim_topics(p_topic_prefixes, 'perspective_event');
-    v_receptor_prefixes := workpump.claim_topics(p_topic_prefixes, 'receptor');
+    -- Each category's topics and prefixes by claim_topics's rule, in one statement each
+    -- instead of eight function calls.
+    IF p_topics IS NOT NULL THEN
+        SELECT ARRAY(SELECT jsonb_array_elements_text(coalesce(p_topics -> 'outbox', '[]'))),
+               ARRAY(SELECT jsonb_array_elements_text(coalesce(p_topics -> 'inbox', '[]'))),
+               ARRAY(SELECT jsonb_array_elements_text(
+                   coalesce(p_topics -> 'perspective_event', '[]'))),
+               ARRAY(SELECT jsonb_array_elements_text(coalesce(p_topics -> 'receptor', '[]')))
+        INTO v_outbox_topics, v_inbox_topics, v_perspective_topics, v_receptor_topics;
+    END IF;
+    IF p_topic_prefixes IS NOT NULL THEN
+        SELECT ARRAY(SELECT jsonb_array_elements_text(
+                   coalesce(p_topic_prefixes -> 'outbox', '[]'))),
+               ARRAY(SELECT jsonb_array_elements_text(
+                   coalesce(p_topic_prefixes -> 'inbox', '[]'))),
+               ARRAY(SELECT jsonb_array_elements_text(
+                   coalesce(p_topic_prefixes -> 'perspective_event', '[]'))),
+               ARRAY(SELECT jsonb_array_elements_text(
+                   coalesce(p_topic_prefixes -> 'receptor', '[]')))
+        INTO v_outbox_prefixes, v_inbox_prefixes, v_perspective_prefixes, v_receptor_prefixes;
+    END IF;
 
     -- Per-category guards: two index probes each (ready rows, due timers), of the topics
     -- the claimer can run. The ORDER BY of each probe is its index's order: it keeps the
@@ -2793,16 +2806,16 @@ BEGIN
         RETURN;
     END IF;
 
-    -- My rank among live instances (myself always counted as live).
-    SELECT count(*)::integer, (count(*) FILTER (WHERE l.id < p_instance_id))::integer
+    -- My rank among live instances (myself always counted as live): live_instances's
+    -- rule, read here in one statement; pg_locks is read only when an instance's
+    -- heartbeat is stale but short of the definitive-dead cutoff.
+    SELECT count(*)::integer, (count(*) FILTER (WHERE si.instance_id < p_instance_id))::integer
     INTO v_live_count, v_rank
-    FROM (
-        SELECT workpump.live_instances(
-                   v_now - make_interval(secs => p_stale_after_seconds),
-                   v_now - make_interval(secs => p_definitively_dead_after_seconds)) AS id
-        UNION
-        SELECT p_instance_id
-    ) l;
+    FROM workpump_service_instance si
+    WHERE si.instance_id = p_instance_id
+       OR si.last_heartbeat_at >= v_now - make_interval(secs => p_stale_after_seconds)
+       OR (si.last_heartbeat_at >= v_now - make_interval(secs => p_definitively_dead_after_seconds)
+           AND si.alive_lock_key IN (SELECT workpump.held_alive_lock_keys()));
 
     -- The budget is shared among the categories with work, starting the round at a
     -- rotating category (a budget smaller than the categories starves none); leftovers
