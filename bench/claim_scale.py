@@ -95,6 +95,7 @@ def claim_params(instance: uuid.UUID, batch: int) -> dict[str, Any]:
         "stream_run_max": 100,
     }
 
+
 def measure(server: h.Server, database: str, calls: int, batch: int = 100) -> dict[str, Any]:
     query = named_queries()["claim_work"]
     instance = uuid.uuid4()
