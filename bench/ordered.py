@@ -11,6 +11,7 @@ finished in it.
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -105,16 +106,33 @@ def run(
     proc_jobs: int,
     proc_window: float,
     workdir: Path,
+    reps: int = 1,
 ) -> dict[str, Any]:
+    """Every case ``reps`` times, the order reversed on every other round so no case
+    always runs first or last; a case's rate is its median, a ratio the median of the
+    ratios of neighbours in one round."""
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for rep in range(reps):
+        named = list(cases(jobs, orm_jobs).items())
+        this_round: dict[str, dict[str, Any]] = {}
+        for name, case in named if rep % 2 == 0 else reversed(named):
+            result = run_case(server, databases["workpump"], case, rep, workdir)
+            this_round[name] = result
+            rate = result.get("rate")
+            h.log(
+                f"ordered {name} (round {rep + 1}/{reps}): "
+                + (f"{rate:,.0f} rows/s" if rate else f"FAILED {result.get('error')}")
+            )
+        rounds.append(this_round)
     runs: dict[str, Any] = {}
-    for name, case in cases(jobs, orm_jobs).items():
-        result = run_case(server, databases["workpump"], case, 0, workdir)
-        runs[name] = result
-        rate = result.get("rate")
-        h.log(
-            f"ordered {name}: "
-            + (f"{rate:,.0f} rows/s" if rate else f"FAILED {result.get('error')}")
-        )
+    for name in cases(jobs, orm_jobs):
+        results = [r[name] for r in rounds]
+        rates = [r["rate"] for r in results if r.get("rate")]
+        runs[name] = {
+            **results[-1],
+            "rate": statistics.median(rates) if len(rates) == len(results) else None,
+            "rates": rates,
+        }
     anchor = procrastinate_lock(server, databases["procrastinate"], proc_jobs, proc_window, workdir)
     h.log(
         "ordered procrastinate lock=: "
@@ -125,11 +143,14 @@ def run(
         return runs[name].get("rate")
 
     def ratio(a: str, b: str) -> float | None:
-        x, y = rate(a), rate(b)
-        return None if x is None or y is None else x / y
+        pairs = [(r[a].get("rate"), r[b].get("rate")) for r in rounds]
+        if any(x is None or y is None for x, y in pairs):
+            return None
+        return statistics.median(x / y for x, y in pairs)
 
     return {
         "runs": runs,
+        "rounds": reps,
         "procrastinate_lock": anchor,
         "summary": {
             "ordered_stream_rows_per_s": rate("ordered_noop"),

@@ -212,7 +212,10 @@ def render_ordered(results: dict[str, Any]) -> str:
         f"{results.get('mode')} mode). Each case: jobs enqueued, then drained by one fresh "
         "`runworkpump` process at its defaults (`CONCURRENCY` 4, `STREAM_RUN_MAX` 100, "
         "`HANDLER_CONNECTIONS` persistent); rows/s = jobs / (first handler start -> nothing "
-        "unfinished). One run, cases back to back, so the ratios compare neighbours. "
+        "unfinished). One run; the cases back to back in each of "
+        f"{section.get('rounds', 1)} round(s), the order reversed every other round; a "
+        "case's rows/s is its median (range after it), a ratio the median of the ratios "
+        "of neighbours in one round. "
         "'One stream': every job on the same stream (one hot aggregate, strictly in order). "
         "The ORM handler (`bench.orm`) inserts one row with `Model.objects.create`; "
         "'defaults' is Django's `CONN_MAX_AGE = 0`.\n"
@@ -230,9 +233,11 @@ def render_ordered(results: dict[str, Any]) -> str:
     for name, run in runs.items():
         handler, ordering, conns = labels.get(name, (name, "", ""))
         rate = run.get("rate")
+        rates = run.get("rates") or []
+        spread = f" ({_f(min(rates))}-{_f(max(rates))})" if len(rates) > 1 else ""
         w(
             f"| {name} | {handler} | {ordering} | {conns} | {run.get('jobs', 0):,} | "
-            + (_f(rate) if rate else f"failed: {run.get('error')}")
+            + (_f(rate) + spread if rate else f"failed: {run.get('error')}")
             + " |"
         )
     anchor = section.get("procrastinate_lock", {})
@@ -313,7 +318,7 @@ def render(results: dict[str, Any]) -> str:
     )
     w("## How to run\n")
     w("```")
-    w("python bench/run.py            # full run (~25 min on 2 shared cores); rewrites this file")
+    w("python bench/run.py            # full run (~30 min on 2 shared cores); rewrites this file")
     w("python bench/run.py --quick    # small sizes, one latency round (< 10 min)")
     w(
         "python bench/run.py --only throughput   # one section (latency, throughput, claim, writes, profile, ordered)"

@@ -38,6 +38,7 @@ class Config:
     ordered_orm_jobs: int = 3_000  # ORM-handler rows per ordered-section case
     ordered_proc_jobs: int = 100  # Procrastinate lock= jobs enqueued
     ordered_proc_window: float = 20.0  # seconds Procrastinate lock= gets
+    ordered_reps: int = 1  # rounds of the ordered section's cases (medians, alternated)
 
 
 QUICK = Config(
@@ -86,6 +87,7 @@ FULL = Config(
     ordered_orm_jobs=10_000,
     ordered_proc_jobs=200,
     ordered_proc_window=60.0,
+    ordered_reps=3,
 )
 # BENCH_DB_PREFIX renames them, so two runs on one server keep apart.
 _PREFIX = os.environ.get("BENCH_DB_PREFIX", "wp_bench")
@@ -278,6 +280,7 @@ def section_ordered(cfg: Config, server: h.Server, workdir: Path) -> dict[str, A
         cfg.ordered_proc_jobs,
         cfg.ordered_proc_window,
         workdir,
+        cfg.ordered_reps,
     )
 
 
