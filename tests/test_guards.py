@@ -33,6 +33,7 @@ SQL_DIR = PACKAGE / "sql"
 # Functions with a SQL-standard body that touch no table: nothing to resolve by name, so
 # no search_path (which would also stop the planner from inlining them).
 NO_SEARCH_PATH = {
+    "any_topic_chosen",  # inlined into claim_work since schema v19
     "partition_of",
     "lock_namespace",
     "lock_stream",
