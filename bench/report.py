@@ -345,7 +345,7 @@ def render(results: dict[str, Any]) -> str:
     w("")
     w("## Headline\n")
     w("```json\n" + json.dumps(results.get("headline", {})) + "\n```\n")
-    w("| Target (issue 7) | Goal | Measured | |\n|---|---|---|---|")
+    w("| Target | Goal | Measured | |\n|---|---|---|---|")
     for name, goal, value, verdict in targets(results):
         w(f"| {name} | {goal} | {value} | {verdict} |")
     w("")
