@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import uuid
 from typing import Any
 
 import pytest
 from django.db import DatabaseError
 
-from tests.conftest import T0, at, give_the_planner_statistics, run_sql, scalar
+from tests.conftest import (
+    T0,
+    at,
+    give_the_planner_statistics,
+    run_sql,
+    scalar,
+    wait_until,
+)
 from tests.test_sql_claim import (
     CATEGORIES,
     TABLES,
@@ -239,19 +245,6 @@ def test_a_promotion_to_a_row_still_leased_wakes_no_claimer(raw_connect):
     assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["outbox"]
 
 
-def waiting_for_an_advisory_lock(probe: Any, pid: int, timeout: float = 10.0) -> bool:
-    """Whether backend ``pid`` comes to wait for an advisory lock within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = probe.execute(
-            "SELECT wait_event_type, wait_event FROM pg_stat_activity WHERE pid = %s", [pid]
-        ).fetchone()
-        if found == {"wait_event_type": "Lock", "wait_event": "advisory"}:
-            return True
-        time.sleep(0.01)
-    return False
-
-
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("ending", ["discard", "cancel"])
 def test_a_discard_or_cancel_takes_its_streams_lock_before_it_locks_a_row(raw_connect, ending):
@@ -284,7 +277,16 @@ def test_a_discard_or_cancel_takes_its_streams_lock_before_it_locks_a_row(raw_co
     thread = threading.Thread(target=end)
     thread.start()
     try:
-        assert waiting_for_an_advisory_lock(probe, ender.info.backend_pid)
+        assert wait_until(
+            lambda: (
+                probe.execute(
+                    "SELECT wait_event_type, wait_event FROM pg_stat_activity WHERE pid = %s",
+                    [ender.info.backend_pid],
+                ).fetchone()
+                == {"wait_event_type": "Lock", "wait_event": "advisory"}
+            ),
+            timeout=10,
+        )
         # the row is not locked while the stream's lock is awaited: the completion can
         # promote it
         probe.execute(
