@@ -6,6 +6,7 @@ rows are claimed as runs.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -92,15 +93,19 @@ def test_a_failing_batch_fails_the_first_row_and_releases_the_rest_unspent(subsc
 def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
     subscribe, pump, raw_connect
 ):
-    run_sql("CREATE TABLE batch_effect (event_work_id uuid, attempt int)")
+    run_sql("CREATE TABLE batch_effect (event_work_id uuid, attempt int, call int)")
     try:
         entered = threading.Event()
         proceed = threading.Event()
+        calls = itertools.count(1)
 
         def project(works: list[Any]) -> None:
+            call = next(calls)
             for work in works:
-                run_sql("INSERT INTO batch_effect VALUES (%s, %s)", [work.id, work.attempts])
-            if works[0].attempts == 1:
+                run_sql(
+                    "INSERT INTO batch_effect VALUES (%s, %s, %s)", [work.id, work.attempts, call]
+                )
+            if call == 1:
                 entered.set()
                 proceed.wait(10)
 
@@ -124,9 +129,12 @@ def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
         proceed.set()
         # each row whose lease was lost counts
         assert wait_until(lambda: supervisor.dispatcher.stats.lost_leases >= 2)
-        # Nothing of the batch committed: not one effect, not one completion.
-        assert run_sql("SELECT count(*) AS n FROM batch_effect")[0]["n"] == 0
-        assert not models.PerspectiveEvent.objects.filter(processed_at__isnull=False).exists()
+        # Nothing of the first call committed: not one of its effects (its rows not taken
+        # over run again at once, in a call of their own), and the taken rows not completed.
+        assert run_sql("SELECT count(*) AS n FROM batch_effect WHERE call = 1")[0]["n"] == 0
+        assert not models.PerspectiveEvent.objects.filter(
+            event_work_id__in=[row.event_work_id for row in taken], processed_at__isnull=False
+        ).exists()
         # Once the thief lets go, the stream runs again from its first row, in order.
         other.execute(
             "SELECT workpump.release_leases('perspective_event', %s::uuid[], p_force => true)",
