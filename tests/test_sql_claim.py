@@ -1042,3 +1042,59 @@ def test_the_v19_migration_reverses_to_the_v16_claim_and_applies_again(scratch_d
     assert v16["claimed"] == claimed
     scratch_database.migrate("workpump", "0026")
     assert claim_shape() == v19
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_v20_migration_plans_claims_once_per_session_and_reverses(scratch_database):
+    claims = ["claim_inbox", "claim_outbox", "claim_perspective_event", "claim_receptor"]
+
+    def settings() -> dict[str, list[str]]:
+        with scratch_database.connect() as conn:
+            rows = conn.execute(
+                "SELECT proname, proconfig[2:] FROM pg_proc"
+                " WHERE pronamespace = 'workpump'::regnamespace AND proname = ANY(%s)",
+                [claims],
+            ).fetchall()
+        return dict(rows)
+
+    def claims_in_one_session() -> list[list[tuple[str, str | None]]]:
+        """Claims of different shapes, one after another on one connection (one plan)."""
+        rounds = []
+        with scratch_database.connect() as conn:
+            conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])
+            for n in range(6):
+                conn.execute("SELECT workpump.send('emails.welcome', %s, NULL)", [f'{{"n": {n}}}'])
+            conn.execute("SELECT workpump.send('billing.charge', '{}', 'acct-1')")
+            conn.execute("SELECT workpump.send('billing.charge', '{}', 'acct-1')")
+            claim = (
+                "SELECT topic, stream FROM workpump.claim_work(%s, p_max_rows => %s,"
+                " p_topics => %s::jsonb, p_stream_run_max => %s)"
+            )
+            # every topic, one live instance; then a peer joins (this instance's share
+            # first); then a topic filter; then a stream run of two
+            emails, billing = '{"outbox": ["emails.welcome"]}', '{"outbox": ["billing.charge"]}'
+            rounds.append(conn.execute(claim, [A, 2, emails, 1]).fetchall())
+            conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [B])
+            rounds.append(conn.execute(claim, [A, 2, emails, 1]).fetchall())
+            rounds.append(conn.execute(claim, [A, 5, billing, 2]).fetchall())
+            rounds.append(conn.execute(claim, [A, 5, None, 1]).fetchall())
+            conn.execute(
+                "TRUNCATE workpump_outbox, workpump_active_stream, workpump_service_instance"
+            )
+        return rounds
+
+    expected = [
+        [("emails.welcome", None)] * 2,
+        [("emails.welcome", None)] * 2,
+        [("billing.charge", "acct-1")] * 2,
+        [("emails.welcome", None)] * 2,
+    ]
+    once_per_session = {name: ["plan_cache_mode=force_generic_plan", "jit=off"] for name in claims}
+    scratch_database.migrate("workpump", "0027")
+    assert settings() == once_per_session
+    assert claims_in_one_session() == expected
+    scratch_database.migrate("workpump", "0026")
+    assert settings() == {name: [] for name in claims}
+    assert claims_in_one_session() == expected
+    scratch_database.migrate("workpump", "0027")
+    assert settings() == once_per_session

@@ -1585,7 +1585,8 @@ $$;
 -- through the _timer index; both are partial indexes whose predicates the queries below
 -- repeat word for word. A stream whose head the claimer cannot run waits whole. Each
 -- claimed row gets a fresh lease token; an evicted or unregistered instance claims
--- nothing (SQLSTATE WP001).
+-- nothing (SQLSTATE WP001). Each claim statement is planned once per session (a generic
+-- plan, without JIT): planning it on every call cost as much as running it.
 
 -- The outbox claim: rows of workpump.send, whose topic is the destination.
 -- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
@@ -1607,6 +1608,8 @@ CREATE FUNCTION workpump.claim_outbox(
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET jit = off
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
@@ -1851,6 +1854,8 @@ CREATE FUNCTION workpump.claim_inbox(
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET jit = off
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
@@ -2096,6 +2101,8 @@ CREATE FUNCTION workpump.claim_perspective_event(
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET jit = off
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
@@ -2342,6 +2349,8 @@ CREATE FUNCTION workpump.claim_receptor(
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET jit = off
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
