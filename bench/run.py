@@ -23,8 +23,8 @@ VENV = BENCH / ".venv"
 SECTIONS = ("latency", "throughput", "claim", "writes", "profile", "scale", "ordered")
 
 
-def bootstrap() -> None:
-    """Make bench/.venv (once per requirements change) and re-exec inside it."""
+def bootstrap(script: Path = Path(__file__)) -> None:
+    """Make bench/.venv (once per requirements change) and re-exec ``script`` inside it."""
     if Path(sys.prefix).resolve() == VENV.resolve():
         return
     python = VENV / "bin" / "python"
@@ -45,7 +45,7 @@ def bootstrap() -> None:
             check=True,
         )
         stamp.write_text(digest)
-    os.execv(str(python), [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
+    os.execv(str(python), [str(python), str(script.resolve()), *sys.argv[1:]])
 
 
 def main() -> None:
