@@ -183,6 +183,14 @@ SETTINGS: tuple[Setting, ...] = (
         meaning="False + healthy NOTIFY: poll only when woken",
     ),
     Setting(
+        "CLAIM_SYNCHRONOUS_COMMIT",
+        False,
+        "bool",
+        meaning="True: a claim's commit waits for its WAL flush; False saves that wait on"
+        " every claim, and a claim lost in a server crash is claimed again"
+        " (docs/architecture.md, step 6)",
+    ),
+    Setting(
         "MAX_STREAMS_PER_BATCH",
         1_000,
         "int",

@@ -468,12 +468,18 @@ def claim_work(
     using: str | None = None,
     topic_prefixes: Mapping[str, Sequence[str]] | None = None,
     stream_run_max: int = 1,
+    synchronous_commit: bool = True,
 ) -> list[ClaimedWork]:
     """Lease rows of ``topics`` (``{category: [topic, ...]}``; None: every topic) and of
     the topics starting with one of ``topic_prefixes`` (same shape; None: none).
 
     With ``stream_run_max`` > 1 a stream head comes with a run: up to that many rows of
     its stream in all, consecutive and in stream order, right after the head.
+
+    ``synchronous_commit=False``: when the claim is its own transaction (the connection
+    is in autocommit), it commits without waiting for its WAL flush. A claim lost in a
+    server crash leaves its rows unclaimed, to be claimed again, as a crash re-delivers
+    work anyway. Inside a transaction of the caller's the caller's setting stands.
 
     Raise InstanceRefused when this instance is evicted or not registered. A row whose
     payload cannot be decoded comes back with ``payload_error``. Each row says when it was
@@ -495,12 +501,19 @@ def claim_work(
         "definitively_dead_after_seconds": definitively_dead_after_seconds,
         "now": now,
         "stream_run_max": stream_run_max,
+        "synchronous_commit": None if synchronous_commit or _in_transaction(using) else "off",
     }
     try:
         rows = _fetch("claim_work", params, using, jsonb_as_text=True, repeated_timestamps=True)
     except DatabaseError as exc:
         raise (_refused(exc) or exc) from exc
     return [_claimed(row) for row in rows]
+
+
+def _in_transaction(using: str | None) -> bool:
+    """True inside a transaction the caller opened (a statement then is not its own)."""
+    connection = connections[_alias(using)]
+    return connection.in_atomic_block or not connection.get_autocommit()
 
 
 def _claimed(row: Row) -> ClaimedWork:

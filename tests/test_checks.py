@@ -166,12 +166,20 @@ def test_optional_integer_rejects_zero():
     ]
 
 
-@pytest.mark.parametrize("key", ["HEARTBEAT_ENABLED", "CLAIM_ENABLED", "ENABLE_SAFETY_NET_POLL"])
-def test_boolean_key_rejects_an_integer(key):
+@pytest.mark.parametrize(
+    ("key", "default"),
+    [
+        ("HEARTBEAT_ENABLED", True),
+        ("CLAIM_ENABLED", True),
+        ("ENABLE_SAFETY_NET_POLL", True),
+        ("CLAIM_SYNCHRONOUS_COMMIT", False),
+    ],
+)
+def test_boolean_key_rejects_an_integer(key, default):
     assert check(**{key: 1}) == [
         Error(
             f"WORKPUMP[{key!r}] (1) must be True or False.",
-            hint="Set it to a boolean; the default is True.",
+            hint=f"Set it to a boolean; the default is {default}.",
             id="workpump.E003",
         )
     ]

@@ -183,6 +183,7 @@ class DatabaseCoordinator:
             stale_after_seconds=self.stale_after_seconds,
             definitively_dead_after_seconds=self.dead_after_seconds,
             stream_run_max=self.settings["STREAM_RUN_MAX"],
+            synchronous_commit=self.settings["CLAIM_SYNCHRONOUS_COMMIT"],
             using=self.alias,
         )
 

@@ -103,10 +103,16 @@ SELECT workpump.sync_subscriptions(
 
 -- name: claim_work
 -- created_at and due_at (when the row became claimable) feed the queue-wait metric.
-SELECT category, work_id, topic, payload, stream, attempts, max_attempts, lease_expiry,
-       event_id, event_type, priority, claimed_at, lease_token, headers, created_at, due_at,
-       has_more
-FROM workpump.claim_work(
+-- synchronous_commit: the setting this statement's transaction commits with ('off': do
+-- not wait for the WAL flush), set for this transaction only; NULL leaves it as it is.
+-- A one-row function scan: evaluated once.
+SELECT c.category, c.work_id, c.topic, c.payload, c.stream, c.attempts, c.max_attempts,
+       c.lease_expiry, c.event_id, c.event_type, c.priority, c.claimed_at, c.lease_token,
+       c.headers, c.created_at, c.due_at, c.has_more
+FROM set_config('synchronous_commit',
+                coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
+                true) AS commit_setting
+CROSS JOIN workpump.claim_work(
     p_instance_id => %(instance_id)s,
     p_max_rows => %(max_rows)s,
     p_lease_seconds => %(lease_seconds)s,
@@ -117,7 +123,7 @@ FROM workpump.claim_work(
     p_now => %(now)s,
     p_topics => %(topics)s::jsonb,
     p_topic_prefixes => %(topic_prefixes)s::jsonb,
-    p_stream_run_max => %(stream_run_max)s)
+    p_stream_run_max => %(stream_run_max)s) AS c
 
 -- name: renew_leases
 SELECT work_id, lease_expiry, status
