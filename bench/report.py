@@ -609,9 +609,11 @@ def render(results: dict[str, Any]) -> str:
         "every call; it is static SQL per category since schema v9 (`claim_outbox` and its "
         "siblings). A claim woken by a NOTIFY meets an idle server backend, where each "
         "statement costs two to three times its price back to back, so schema v19 "
-        "(`sql/v19/claim.sql`) reads the topics and the rank in one statement each. The "
-        "claim round trip is still most of the enqueue-to-start latency (the latency table "
-        "above).\n"
+        "(`sql/v19/claim.sql`) reads the topics and the rank in one statement each. Static "
+        "SQL was still planned on every call (its generic plan looked too costly to keep); "
+        "schema v20 keeps one plan per session, and the claim commits without waiting for "
+        "its WAL flush (`CLAIM_SYNCHRONOUS_COMMIT`). The claim round trip is still most of "
+        "the enqueue-to-start latency (the latency table above).\n"
         "3. **The per-category guards could seq-scan** (`EXISTS` drops `ORDER BY ... LIMIT`). "
         "They are scalar probes in each partial index's order, so each is an index scan of "
         "`_ready` or `_timer`.\n"
@@ -682,9 +684,18 @@ def render_scale(sc: dict[str, Any], command: str | None) -> list[str]:
                     f"| {LABELS[system]} | {row['samples']} | {row['p50']:.2f} ms | "
                     f"{row['p95']:.2f} ms | {row['p99']:.2f} ms | {row['max']:.2f} ms |"
                 )
+        rounds = lat.get("workpump", {}).get("rounds")
+        by_round = lat.get("p50_ratio_by_round")
         w(
             f"\np50 ratio {_f(lat.get('p50_ratio_vs_pgqueuer'), 2)}, p99 ratio "
-            f"{_f(lat.get('p99_ratio_vs_pgqueuer'), 2)}.\n"
+            f"{_f(lat.get('p99_ratio_vs_pgqueuer'), 2)}"
+            + (
+                f", of the samples of {rounds} rounds pooled (the order alternating); "
+                "p50 ratio by round " + ", ".join(_f(r, 2) for r in by_round)
+                if rounds and by_round
+                else ""
+            )
+            + ".\n"
         )
     ren = sc.get("renewals", {})
     if ren:
