@@ -511,9 +511,9 @@ def claim_work(
 
 
 def _in_transaction(using: str | None) -> bool:
-    """True inside a transaction the caller opened (a statement then is not its own)."""
-    connection = connections[_alias(using)]
-    return connection.in_atomic_block or not connection.get_autocommit()
+    """True inside a transaction the caller opened (a statement then is not its own):
+    ``atomic()`` turns autocommit off, and so may the caller."""
+    return not connections[_alias(using)].get_autocommit()
 
 
 def _claimed(row: Row) -> ClaimedWork:
