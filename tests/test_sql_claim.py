@@ -1098,3 +1098,101 @@ def test_the_v20_migration_plans_claims_once_per_session_and_reverses(scratch_da
     assert claims_in_one_session() == expected
     scratch_database.migrate("workpump", "0027")
     assert settings() == once_per_session
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_v21_migration_claims_and_refuses_as_v20_did_and_reverses(scratch_database):
+    """v21 reads its inputs in one statement, skips the probes for a lone category and
+    returns each category's rows as they come: the same claims, has_more and refusals as
+    v20, in the same order of calls on the same rows."""
+    C = uuid.UUID("00000000-0000-0000-0000-00000000000c")
+    emails = json.dumps({"outbox": ["emails.welcome"]})
+    both = json.dumps({"outbox": ["emails.welcome"], "inbox": ["stripe.webhook"]})
+    stripe = json.dumps({"inbox": ["stripe."]})
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("one category fills its budget", {"p_max_rows": 2, "p_topics": emails}),
+        ("two share the budget", {"p_max_rows": 3, "p_topics": both}),
+        ("a prefix", {"p_max_rows": 1, "p_topics": "{}", "p_topic_prefixes": stripe}),
+        ("every topic", {"p_max_rows": 10, "p_topics": None}),
+        ("nothing chosen", {"p_topics": '{"outbox": []}'}),
+        ("unknown category", {"p_categories": ["outbox", "mailbox"]}),
+        ("null category", {"p_categories": ["outbox", None]}),
+        ("malformed topics", {"p_topics": '{"outbox": "emails.welcome"}'}),
+        ("empty prefix", {"p_topic_prefixes": '{"inbox": [""]}'}),
+        ("evicted", {"instance": B}),
+        ("unregistered", {"instance": C}),
+    ]
+
+    def outcomes() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        with scratch_database.connect() as conn:
+            for instance in (A, B):
+                conn.execute(
+                    "SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [instance]
+                )
+            conn.execute("SELECT workpump.evict_instance(%s)", [B])
+            for n in range(4):
+                conn.execute("SELECT workpump.send('emails.welcome', %s)", [f'{{"n": {n}}}'])
+                conn.execute(
+                    "SELECT workpump.receive(gen_random_uuid(), 'stripe.webhook', %s::jsonb)",
+                    [f'{{"n": {n}}}'],
+                )
+            conn.execute("SELECT workpump.send('reports.daily', '{}')")
+            for label, arguments in calls:
+                arguments = dict(arguments)
+                instance = arguments.pop("instance", A)
+                names = "".join(f", {name} => %({name})s" for name in arguments)
+                # the same rotation for every version (v20 turned it for one category too)
+                conn.execute("SELECT setval('workpump.claim_rotation_seq', 2, false)")
+                try:
+                    with conn.transaction():
+                        rows = conn.execute(
+                            f"SELECT category, topic, has_more FROM workpump.claim_work("
+                            f"%(instance)s{names})",
+                            {"instance": instance, **arguments},
+                        ).fetchall()
+                    seen[label] = sorted(rows)
+                except psycopg.Error as exc:
+                    seen[label] = (exc.sqlstate, str(exc).split("\n")[0])
+            conn.execute(
+                "TRUNCATE workpump_outbox, workpump_inbox, workpump_active_stream,"
+                " workpump_service_instance, workpump_eviction"
+            )
+        return seen
+
+    expected = {
+        "one category fills its budget": [("outbox", "emails.welcome", True)] * 2,
+        "two share the budget": [("inbox", "stripe.webhook", True)]
+        + [("outbox", "emails.welcome", True)] * 2,
+        "a prefix": [("inbox", "stripe.webhook", True)],
+        "every topic": [("inbox", "stripe.webhook", False)] * 2
+        + [("outbox", "reports.daily", False)],
+        "nothing chosen": [],
+        "unknown category": ("22023", "Unknown workpump category 'mailbox'."),
+        "null category": ("22023", "Unknown workpump category NULL."),
+        "malformed topics": (
+            "22023",
+            "claim_work needs p_topics as an object of category: [topic, ...], not"
+            ' {"outbox": "emails.welcome"}.',
+        ),
+        "empty prefix": (
+            "22023",
+            "claim_work needs p_topic_prefixes as an object of category:"
+            ' [non-empty prefix, ...], not {"inbox": [""]}.',
+        ),
+        "unregistered": ("WP001", f"claim_work refused instance {C}: it is not registered."),
+    }
+    scratch_database.migrate("workpump", "0028")
+    v21 = outcomes()
+    evicted = v21.pop("evicted")
+    assert v21 == expected
+    assert evicted[0] == "WP001"
+    assert evicted[1].startswith(f"claim_work refused instance {B}: it was evicted at ")
+    scratch_database.migrate("workpump", "0027")
+    v20 = outcomes()
+    assert v20.pop("evicted")[0] == "WP001"
+    assert v20 == expected
+    scratch_database.migrate("workpump", "0028")
+    v21 = outcomes()
+    assert v21.pop("evicted")[0] == "WP001"
+    assert v21 == expected
