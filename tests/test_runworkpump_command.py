@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -16,6 +17,7 @@ from django.test import override_settings
 
 import django_workpump as workpump
 from django_workpump import models
+from django_workpump.pump.supervisor import Supervisor
 from django_workpump.registry import registry
 from tests.conftest import run_sql
 
@@ -81,6 +83,27 @@ def test_the_command_leaves_the_previous_signal_handlers_in_place():
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     call_command("runworkpump", "--drain", stdout=StringIO())
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_the_command_freezes_what_was_loaded_before_it_starts_the_pump(monkeypatch):
+    # The objects alive at start live as long as the process: full collections skip them.
+    frozen_at_start = []
+    original_start = Supervisor.start
+
+    def start(self, *args, **kwargs):
+        frozen_at_start.append(gc.get_freeze_count())
+        return original_start(self, *args, **kwargs)
+
+    monkeypatch.setattr(Supervisor, "start", start)
+    gc.unfreeze()
+    try:
+        call_command("runworkpump", "--drain", stdout=StringIO())
+    finally:
+        gc.unfreeze()  # the rest of the test run collects as usual
+    assert len(frozen_at_start) == 1
+    assert frozen_at_start[0] > 10_000
 
 
 @pytest.mark.django_db(transaction=True)

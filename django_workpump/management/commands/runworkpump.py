@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -207,6 +208,12 @@ class Command(BaseCommand):
             )
         except (TopicSelectionError, metrics.MetricsUnavailable) as exc:
             raise CommandError(str(exc)) from None
+        # What is loaded by now (Django, the app's modules, the handlers) lives as long as
+        # the process. Frozen out of the collector's reach, it is not walked again by every
+        # full collection, which holds the GIL, and so every handler and the claim loop,
+        # for its whole length (about 30 ms with the benchmark's app, 1 ms after this).
+        gc.collect()
+        gc.freeze()
         # This thread registers the instance and waits for it: name its connection too.
         name_thread_connections(application_name(supervisor.identity.instance_id, "main"))
         # Before the start: a signal while it registers and claims stops it cleanly.
