@@ -191,6 +191,14 @@ SETTINGS: tuple[Setting, ...] = (
         " (docs/architecture.md, step 6)",
     ),
     Setting(
+        "PREPARED_STATEMENTS",
+        True,
+        "bool",
+        meaning="claims run a statement prepared once per session (under a name unique to"
+        " the process; a pooler that loses it turns this off with a warning); False:"
+        " parsed and planned on every call",
+    ),
+    Setting(
         "MAX_STREAMS_PER_BATCH",
         1_000,
         "int",

@@ -25,6 +25,7 @@ from psycopg.types.string import TextLoader
 
 from django_workpump.conf import setting
 from django_workpump.payloads import UndecodablePayload, decode
+from django_workpump.prepared import PreparedQuery
 from django_workpump.sql import named_queries
 from django_workpump.states import OutcomeStatus, WorkState
 
@@ -177,11 +178,16 @@ def _parse_timestamps_once(adapters: Any) -> None:
         adapters.register_loader(oid, _once_loader(base))
 
 
+# Distinct timestamps a ParsedOnce loader remembers at most (a claim's rows share two).
+PARSED_ONCE_MAX = 256
+
+
 @cache
 def _once_loader(base: type[Loader]) -> type[Loader]:
     class ParsedOnce(base):  # type: ignore[valid-type,misc]
         """``base``, remembering what it parsed (a loader lives as long as its cursor's
-        result; datetimes are immutable, so rows may share one)."""
+        result, or its query on a kept cursor; datetimes are immutable, so rows may
+        share one)."""
 
         def __init__(self, oid: int, context: Any = None) -> None:
             super().__init__(oid, context)
@@ -191,6 +197,8 @@ def _once_loader(base: type[Loader]) -> type[Loader]:
             key = bytes(data)
             value = self._parsed.get(key)
             if value is None:
+                if len(self._parsed) >= PARSED_ONCE_MAX:
+                    self._parsed.clear()  # a cursor kept for many results (claims)
                 value = self._parsed[key] = super().load(data)
             return value
 
@@ -504,10 +512,70 @@ def claim_work(
         "synchronous_commit": None if synchronous_commit or _in_transaction(using) else "off",
     }
     try:
-        rows = _fetch("claim_work", params, using, jsonb_as_text=True, repeated_timestamps=True)
+        rows = _claim_rows(params, using)
     except DatabaseError as exc:
         raise (_refused(exc) or exc) from exc
     return [_claimed(row) for row in rows]
+
+
+def _claim_rows(params: dict[str, Any], using: str | None) -> list[dict[str, Any]]:
+    """Run the claim_work query; rows as dicts.
+
+    The claim runs on every wake-up, and cold, the Python around it cost as much as its
+    round trip: a new cursor per call copied the adapter maps to set the two loaders
+    below. So each connection keeps one cursor for claims, its loaders set once, and
+    the claim is a statement prepared once per session (``PREPARED_STATEMENTS``).
+    Errors come out as Django's, as from a Django cursor. While Django logs queries
+    (``DEBUG``, ``CaptureQueriesContext``) or an execute wrapper is installed (tracing,
+    query counting), the claim goes through a Django cursor, as text, so they see it.
+    """
+    connection = connections[_alias(using)]
+    if connection.queries_logged or connection.execute_wrappers:
+        return _fetch("claim_work", params, using, jsonb_as_text=True, repeated_timestamps=True)
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    connection.validate_thread_sharing()
+    connection.validate_no_broken_transaction()
+    with connection.wrap_database_errors:
+        held = getattr(connection, "_workpump_claim_cursor", None)
+        if held is None or held[0] is not connection.connection or held[1].closed:
+            cursor = connection.create_cursor()  # Django's: its time zone, its binding
+            # Raw JSON text, decoded row by row by the caller: one payload Python cannot
+            # decode must not fail the fetch of its batch-mates.
+            cursor.adapters.register_loader("jsonb", TextLoader)
+            _parse_timestamps_once(cursor.adapters)
+            held = connection._workpump_claim_cursor = (connection.connection, cursor, [])
+        cursor, columns = held[1], held[2]
+        if setting("PREPARED_STATEMENTS"):
+            _claim_statement().execute(cursor, params, own_transaction=connection.get_autocommit())
+        else:
+            cursor.execute(named_queries()["claim_work"], params)
+        if not columns:  # the query's columns, read once per cursor
+            columns.extend(column.name for column in cursor.description)
+        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+
+
+@cache
+def _claim_statement() -> PreparedQuery:
+    """claim_work's named query as a prepared statement (one per process)."""
+    return PreparedQuery(
+        "claim_work",
+        named_queries()["claim_work"],
+        {
+            "synchronous_commit": "text",
+            "instance_id": "uuid",
+            "max_rows": "integer",
+            "lease_seconds": "integer",
+            "partition_count": "integer",
+            "categories": "text[]",
+            "stale_after_seconds": "integer",
+            "definitively_dead_after_seconds": "integer",
+            "now": "timestamptz",
+            "topics": "jsonb",
+            "topic_prefixes": "jsonb",
+            "stream_run_max": "integer",
+        },
+    )
 
 
 def _in_transaction(using: str | None) -> bool:

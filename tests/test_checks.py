@@ -173,6 +173,7 @@ def test_optional_integer_rejects_zero():
         ("CLAIM_ENABLED", True),
         ("ENABLE_SAFETY_NET_POLL", True),
         ("CLAIM_SYNCHRONOUS_COMMIT", False),
+        ("PREPARED_STATEMENTS", True),
     ],
 )
 def test_boolean_key_rejects_an_integer(key, default):
