@@ -1196,3 +1196,95 @@ def test_the_v21_migration_claims_and_refuses_as_v20_did_and_reverses(scratch_da
     v21 = outcomes()
     assert v21.pop("evicted")[0] == "WP001"
     assert v21 == expected
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_v22_migration_leases_what_v21_leased_in_the_same_order_and_reverses(
+    scratch_database,
+):
+    """v22 leases the heads in one statement and their runs in a second, only when a
+    head has a stream: the same rows, order, parked rows and owned streams as one
+    statement did, for plain rows, stream runs, dead heads, expired leases and peers."""
+    claims = [
+        # (instance, max rows, stream run max, topics)
+        (A, 3, 100, None),  # plain rows and a stream run, the budget cut inside the run
+        (A, 10, 100, None),  # what is left: runs, a dead head, a retry that fell due
+        (A, 10, 1, None),  # nothing new; an expired lease of B's is taken over
+        (B, 4, 2, ["orders.paid"]),  # a peer's share, runs of two
+        (A, 50, 100, None),
+    ]
+
+    def outcomes() -> list[Any]:
+        seen: list[Any] = []
+        with scratch_database.connect() as conn:
+            for instance in (A, B):
+                conn.execute(
+                    "SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [instance]
+                )
+            for n in range(4):
+                conn.execute("SELECT workpump.send('emails.welcome', %s)", [f'{{"n": {n}}}'])
+            for n in range(5):
+                conn.execute(
+                    "SELECT workpump.send('orders.paid', %s, %s)",
+                    [f'{{"n": {n}}}', f"order-{n % 2}"],
+                )
+            conn.execute("SELECT workpump.send('emails.once', '{}', p_max_attempts => 1)")
+            conn.execute(
+                "UPDATE workpump_outbox SET attempts = 1 WHERE destination = 'emails.once'"
+            )
+            conn.execute(
+                "SELECT workpump.send('emails.later', '{}', p_scheduled_for => now() - interval"
+                " '1 s', p_priority => 3)"
+            )
+            # A row without a stream is partitioned by its random id: number the
+            # partitions in sending order, so each version sees the same shares
+            conn.execute(
+                "UPDATE workpump_outbox SET partition_number ="
+                " seq - (SELECT min(seq) FROM workpump_outbox) WHERE stream IS NULL"
+            )
+            for instance, max_rows, run_max, topics in claims:
+                rows = conn.execute(
+                    "SELECT topic, payload, stream, attempts, has_more FROM workpump.claim_work("
+                    "%s, p_max_rows => %s, p_stream_run_max => %s, p_topics => %s::jsonb)",
+                    [instance, max_rows, run_max, topics and json.dumps({"outbox": topics})],
+                ).fetchall()
+                if instance == A and max_rows == 10 and run_max == 100:
+                    # B's lease on one row runs out: the next claim takes it over
+                    conn.execute(
+                        "UPDATE workpump_outbox SET instance_id = %s, lease_token ="
+                        " gen_random_uuid(), lease_expiry = now() - interval '1 s'"
+                        " WHERE seq = (SELECT min(seq) FROM workpump_outbox"
+                        " WHERE instance_id = %s)",
+                        [B, A],
+                    )
+                seen.append(rows)
+            seen.append(
+                conn.execute(
+                    "SELECT destination, payload, stream, attempts, instance_id,"
+                    " dead_lettered_at IS NOT NULL, failure_reason FROM workpump_outbox"
+                    " ORDER BY seq"
+                ).fetchall()
+            )
+            seen.append(
+                conn.execute(
+                    "SELECT stream, owner_instance_id FROM workpump_active_stream ORDER BY stream"
+                ).fetchall()
+            )
+            conn.execute(
+                "TRUNCATE workpump_outbox, workpump_active_stream, workpump_service_instance"
+            )
+        return seen
+
+    scratch_database.migrate("workpump", "0029")
+    v22 = outcomes()
+    first = v22[0]
+    # the retry that fell due first (a timer), then this instance's share, in the budget
+    assert len(first) == 3
+    assert first[0][0] == "emails.later"
+    assert any(row[2] == "order-0" for claim in v22[:5] for row in claim)
+    assert ("emails.once", {}, None, 1, None, True, "max_attempts") in v22[5]
+    assert {stream for stream, _ in v22[6]} == {"order-0", "order-1"}
+    scratch_database.migrate("workpump", "0028")
+    assert outcomes() == v22
+    scratch_database.migrate("workpump", "0029")
+    assert outcomes() == v22

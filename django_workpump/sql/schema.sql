@@ -1614,8 +1614,14 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
     v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
+    v_heads workpump.leased_work[];  -- the heads leased, in the order they are returned
+    v_head workpump.leased_work;
+    v_head_seqs bigint[];  -- their seqs, in the same order
+    v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
+    v_stream_passes integer[];
 BEGIN
-    RETURN QUERY
+    -- The heads: locked and leased (or parked as dead) in one statement; what is
+    -- returned, and what their runs need, is kept in arrays.
     WITH
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
     -- longest due first (index wp_outbox_timer)
@@ -1681,18 +1687,81 @@ BEGIN
         UNION ALL SELECT * FROM own_share
         UNION ALL SELECT * FROM any_share
     ),
+    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
+    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
+    -- attempt that ended without an outcome. Rows are found by the ctid of the version
+    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
+    claimed_heads AS (
+        UPDATE workpump_outbox t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM candidates c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.message_id AS work_id, t.destination AS topic,
+                  t.payload AS payload, t.stream, '' AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at, c.pass
+    )
+    SELECT coalesce(array_agg(ROW(
+               'outbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
+               c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
+               c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
+               )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead), '{}'),
+           coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead), '{}'),
+           array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+           array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL)
+    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes
+    FROM claimed_heads c;
+    IF v_stream_seqs IS NULL THEN
+        -- No ordered stream among them: no run to add and no stream to own, so the
+        -- statement below (a fifth of a one-row claim, cold) is not run.
+        FOREACH v_head IN ARRAY v_heads LOOP
+            RETURN NEXT v_head;
+        END LOOP;
+        RETURN;
+    END IF;
+
+    -- The runs of the stream heads, and the streams this instance now owns.
+    RETURN QUERY
+    WITH
+    -- heads: the leased heads of ordered streams, with what their runs need
+    heads AS MATERIALIZED (
+        SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
+               ''::text AS run_scope, t.partition_number
+        FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
+        JOIN workpump_outbox t ON t.seq = u.seq
+    ),
     -- run_budget: the rows the heads left in the budget, and how many runs share them
     run_budget AS MATERIALIZED (
-        SELECT greatest(p_limit - count(*) FILTER (WHERE c.leasable), 0) AS rows_left,
-               count(*) FILTER (WHERE c.leasable AND c.run_stream IS NOT NULL) AS runs
-        FROM candidates c
+        SELECT greatest(p_limit - cardinality(v_heads), 0) AS rows_left,
+               cardinality(v_stream_seqs) AS runs
     ),
-    -- upcoming: with p_run_max > 1, the undone rows that follow each leasable stream head,
+    -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
     -- in stream order, no more per head than its share of the budget
     upcoming AS MATERIALIZED (
         SELECT c.seq AS head_seq, n.seq,
                row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
-        FROM candidates c
+        FROM heads c
         CROSS JOIN run_budget b
         CROSS JOIN LATERAL (
             SELECT n.seq FROM workpump_outbox n
@@ -1701,7 +1770,7 @@ BEGIN
             ORDER BY n.stream, n.seq
             LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
         ) n
-        WHERE p_run_max > 1 AND c.leasable AND c.run_stream IS NOT NULL AND b.rows_left > 0
+        WHERE p_run_max > 1 AND b.rows_left > 0
     ),
     -- locked: those rows locked, as they are now (a row someone else is writing is
     -- skipped, and ends its run there)
@@ -1732,46 +1801,10 @@ BEGIN
                        OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
             FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
         ) r
-        JOIN candidates c ON c.seq = r.head_seq
+        JOIN heads c ON c.seq = r.head_seq
         WHERE r.in_run
         ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
         LIMIT (SELECT b.rows_left FROM run_budget b)
-    ),
-    -- leased: the heads and their runs
-    leased AS (
-        SELECT * FROM candidates
-        UNION ALL SELECT * FROM followers
-    ),
-    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
-    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
-    -- attempt that ended without an outcome. Rows are found by the ctid of the version
-    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
-    claimed_heads AS (
-        UPDATE workpump_outbox t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.message_id AS work_id, t.destination AS topic,
-                  t.payload AS payload, t.stream, '' AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at
     ),
     -- claimed_runs: each follower leased the same way (it has attempts left)
     claimed_runs AS (
@@ -1799,11 +1832,7 @@ BEGIN
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at
-    ),
-    claimed AS (
-        SELECT * FROM claimed_heads
-        UNION ALL SELECT * FROM claimed_runs
+                  t.created_at, c.due_at, c.run_seq
     ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
@@ -1811,26 +1840,35 @@ BEGIN
         INSERT INTO workpump_active_stream AS s
             (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
              created_at, last_activity_at)
-        SELECT DISTINCT ON (c.scope, c.stream)
-               'outbox', c.scope, c.stream, c.partition_number, p_instance_id,
+        SELECT DISTINCT ON (c.run_scope, c.run_stream)
+               'outbox', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
                v_lease_expiry, v_now, v_now
-        FROM claimed c
-        WHERE c.stream IS NOT NULL AND NOT c.dead
-        ORDER BY c.scope, c.stream
+        FROM heads c
+        ORDER BY c.run_scope, c.run_stream
         ON CONFLICT (category, scope, stream) DO UPDATE
             SET owner_instance_id = excluded.owner_instance_id,
                 lease_expiry = excluded.lease_expiry,
                 last_activity_at = excluded.last_activity_at
     )
-    -- the leased rows (parked ones are not returned), pass by pass as claimed, each
-    -- run together after its head, in stream order
-    SELECT 'outbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
-           c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-           c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
-    FROM claimed c
-    JOIN leased USING (seq)
-    WHERE NOT c.dead
-    ORDER BY leased.pass, leased.run_priority DESC, leased.run_seq, c.seq;
+    -- the heads as leased above, each run right after its head, in stream order
+    SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
+           o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
+           o.lease_token, o.headers, o.created_at, o.due_at
+    FROM (
+        SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
+        FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
+             attempts, max_attempts, lease_expiry, event_id, event_type, priority,
+             claimed_at, lease_token, headers, created_at, due_at, seq_position)
+        UNION ALL
+        SELECT 'outbox'::text, r.work_id, r.topic, r.payload, r.stream, r.attempts,
+               r.max_attempts, r.lease_expiry, r.event_id, NULL::text, r.priority::integer,
+               r.claimed_at, r.lease_token, r.headers, r.created_at, r.due_at, p.position,
+               p.position, r.seq
+        FROM claimed_runs r
+        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
+        WHERE NOT r.dead
+    ) o
+    ORDER BY o.run_position, o.seq;
 END
 $$;
 
@@ -1860,8 +1898,14 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
     v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
+    v_heads workpump.leased_work[];  -- the heads leased, in the order they are returned
+    v_head workpump.leased_work;
+    v_head_seqs bigint[];  -- their seqs, in the same order
+    v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
+    v_stream_passes integer[];
 BEGIN
-    RETURN QUERY
+    -- The heads: locked and leased (or parked as dead) in one statement; what is
+    -- returned, and what their runs need, is kept in arrays.
     WITH
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
     -- longest due first (index wp_inbox_timer)
@@ -1927,18 +1971,81 @@ BEGIN
         UNION ALL SELECT * FROM own_share
         UNION ALL SELECT * FROM any_share
     ),
+    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
+    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
+    -- attempt that ended without an outcome. Rows are found by the ctid of the version
+    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
+    claimed_heads AS (
+        UPDATE workpump_inbox t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM candidates c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.message_id AS work_id, t.handler_name AS topic,
+                  t.payload AS payload, t.stream, '' AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at, c.pass
+    )
+    SELECT coalesce(array_agg(ROW(
+               'inbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
+               c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
+               c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
+               )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead), '{}'),
+           coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead), '{}'),
+           array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+           array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL)
+    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes
+    FROM claimed_heads c;
+    IF v_stream_seqs IS NULL THEN
+        -- No ordered stream among them: no run to add and no stream to own, so the
+        -- statement below (a fifth of a one-row claim, cold) is not run.
+        FOREACH v_head IN ARRAY v_heads LOOP
+            RETURN NEXT v_head;
+        END LOOP;
+        RETURN;
+    END IF;
+
+    -- The runs of the stream heads, and the streams this instance now owns.
+    RETURN QUERY
+    WITH
+    -- heads: the leased heads of ordered streams, with what their runs need
+    heads AS MATERIALIZED (
+        SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
+               ''::text AS run_scope, t.partition_number
+        FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
+        JOIN workpump_inbox t ON t.seq = u.seq
+    ),
     -- run_budget: the rows the heads left in the budget, and how many runs share them
     run_budget AS MATERIALIZED (
-        SELECT greatest(p_limit - count(*) FILTER (WHERE c.leasable), 0) AS rows_left,
-               count(*) FILTER (WHERE c.leasable AND c.run_stream IS NOT NULL) AS runs
-        FROM candidates c
+        SELECT greatest(p_limit - cardinality(v_heads), 0) AS rows_left,
+               cardinality(v_stream_seqs) AS runs
     ),
-    -- upcoming: with p_run_max > 1, the undone rows that follow each leasable stream head,
+    -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
     -- in stream order, no more per head than its share of the budget
     upcoming AS MATERIALIZED (
         SELECT c.seq AS head_seq, n.seq,
                row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
-        FROM candidates c
+        FROM heads c
         CROSS JOIN run_budget b
         CROSS JOIN LATERAL (
             SELECT n.seq FROM workpump_inbox n
@@ -1947,7 +2054,7 @@ BEGIN
             ORDER BY n.stream, n.seq
             LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
         ) n
-        WHERE p_run_max > 1 AND c.leasable AND c.run_stream IS NOT NULL AND b.rows_left > 0
+        WHERE p_run_max > 1 AND b.rows_left > 0
     ),
     -- locked: those rows locked, as they are now (a row someone else is writing is
     -- skipped, and ends its run there)
@@ -1978,46 +2085,10 @@ BEGIN
                        OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
             FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
         ) r
-        JOIN candidates c ON c.seq = r.head_seq
+        JOIN heads c ON c.seq = r.head_seq
         WHERE r.in_run
         ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
         LIMIT (SELECT b.rows_left FROM run_budget b)
-    ),
-    -- leased: the heads and their runs
-    leased AS (
-        SELECT * FROM candidates
-        UNION ALL SELECT * FROM followers
-    ),
-    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
-    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
-    -- attempt that ended without an outcome. Rows are found by the ctid of the version
-    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
-    claimed_heads AS (
-        UPDATE workpump_inbox t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.message_id AS work_id, t.handler_name AS topic,
-                  t.payload AS payload, t.stream, '' AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at
     ),
     -- claimed_runs: each follower leased the same way (it has attempts left)
     claimed_runs AS (
@@ -2045,11 +2116,7 @@ BEGIN
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at
-    ),
-    claimed AS (
-        SELECT * FROM claimed_heads
-        UNION ALL SELECT * FROM claimed_runs
+                  t.created_at, c.due_at, c.run_seq
     ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
@@ -2057,26 +2124,35 @@ BEGIN
         INSERT INTO workpump_active_stream AS s
             (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
              created_at, last_activity_at)
-        SELECT DISTINCT ON (c.scope, c.stream)
-               'inbox', c.scope, c.stream, c.partition_number, p_instance_id,
+        SELECT DISTINCT ON (c.run_scope, c.run_stream)
+               'inbox', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
                v_lease_expiry, v_now, v_now
-        FROM claimed c
-        WHERE c.stream IS NOT NULL AND NOT c.dead
-        ORDER BY c.scope, c.stream
+        FROM heads c
+        ORDER BY c.run_scope, c.run_stream
         ON CONFLICT (category, scope, stream) DO UPDATE
             SET owner_instance_id = excluded.owner_instance_id,
                 lease_expiry = excluded.lease_expiry,
                 last_activity_at = excluded.last_activity_at
     )
-    -- the leased rows (parked ones are not returned), pass by pass as claimed, each
-    -- run together after its head, in stream order
-    SELECT 'inbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
-           c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-           c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
-    FROM claimed c
-    JOIN leased USING (seq)
-    WHERE NOT c.dead
-    ORDER BY leased.pass, leased.run_priority DESC, leased.run_seq, c.seq;
+    -- the heads as leased above, each run right after its head, in stream order
+    SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
+           o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
+           o.lease_token, o.headers, o.created_at, o.due_at
+    FROM (
+        SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
+        FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
+             attempts, max_attempts, lease_expiry, event_id, event_type, priority,
+             claimed_at, lease_token, headers, created_at, due_at, seq_position)
+        UNION ALL
+        SELECT 'inbox'::text, r.work_id, r.topic, r.payload, r.stream, r.attempts,
+               r.max_attempts, r.lease_expiry, r.event_id, NULL::text, r.priority::integer,
+               r.claimed_at, r.lease_token, r.headers, r.created_at, r.due_at, p.position,
+               p.position, r.seq
+        FROM claimed_runs r
+        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
+        WHERE NOT r.dead
+    ) o
+    ORDER BY o.run_position, o.seq;
 END
 $$;
 
@@ -2107,8 +2183,14 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
     v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
+    v_heads workpump.leased_work[];  -- the heads leased, in the order they are returned
+    v_head workpump.leased_work;
+    v_head_seqs bigint[];  -- their seqs, in the same order
+    v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
+    v_stream_passes integer[];
 BEGIN
-    RETURN QUERY
+    -- The heads: locked and leased (or parked as dead) in one statement; what is
+    -- returned, and what their runs need, is kept in arrays.
     WITH
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
     -- longest due first (index wp_persp_timer)
@@ -2174,18 +2256,83 @@ BEGIN
         UNION ALL SELECT * FROM own_share
         UNION ALL SELECT * FROM any_share
     ),
+    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
+    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
+    -- attempt that ended without an outcome. Rows are found by the ctid of the version
+    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
+    claimed_heads AS (
+        UPDATE workpump_perspective_event t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM candidates c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.event_work_id AS work_id, t.perspective_name AS topic,
+                  NULL::jsonb AS payload, t.stream, t.perspective_name AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at, c.pass
+    )
+    SELECT coalesce(array_agg(ROW(
+               'perspective_event'::text, c.work_id, c.topic, e.payload, c.stream,
+               c.attempts, c.max_attempts, c.lease_expiry, c.event_id, e.event_type,
+               c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
+               c.due_at
+               )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead), '{}'),
+           coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead), '{}'),
+           array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+           array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL)
+    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes
+    FROM claimed_heads c
+    JOIN workpump_event e ON e.event_id = c.event_id;
+    IF v_stream_seqs IS NULL THEN
+        -- No ordered stream among them: no run to add and no stream to own, so the
+        -- statement below (a fifth of a one-row claim, cold) is not run.
+        FOREACH v_head IN ARRAY v_heads LOOP
+            RETURN NEXT v_head;
+        END LOOP;
+        RETURN;
+    END IF;
+
+    -- The runs of the stream heads, and the streams this instance now owns.
+    RETURN QUERY
+    WITH
+    -- heads: the leased heads of ordered streams, with what their runs need
+    heads AS MATERIALIZED (
+        SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
+               t.perspective_name AS run_scope, t.partition_number
+        FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
+        JOIN workpump_perspective_event t ON t.seq = u.seq
+    ),
     -- run_budget: the rows the heads left in the budget, and how many runs share them
     run_budget AS MATERIALIZED (
-        SELECT greatest(p_limit - count(*) FILTER (WHERE c.leasable), 0) AS rows_left,
-               count(*) FILTER (WHERE c.leasable AND c.run_stream IS NOT NULL) AS runs
-        FROM candidates c
+        SELECT greatest(p_limit - cardinality(v_heads), 0) AS rows_left,
+               cardinality(v_stream_seqs) AS runs
     ),
-    -- upcoming: with p_run_max > 1, the undone rows that follow each leasable stream head,
+    -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
     -- in stream order, no more per head than its share of the budget
     upcoming AS MATERIALIZED (
         SELECT c.seq AS head_seq, n.seq,
                row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
-        FROM candidates c
+        FROM heads c
         CROSS JOIN run_budget b
         CROSS JOIN LATERAL (
             SELECT n.seq FROM workpump_perspective_event n
@@ -2194,7 +2341,7 @@ BEGIN
             ORDER BY n.perspective_name, n.stream, n.seq
             LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
         ) n
-        WHERE p_run_max > 1 AND c.leasable AND c.run_stream IS NOT NULL AND b.rows_left > 0
+        WHERE p_run_max > 1 AND b.rows_left > 0
     ),
     -- locked: those rows locked, as they are now (a row someone else is writing is
     -- skipped, and ends its run there)
@@ -2225,46 +2372,10 @@ BEGIN
                        OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
             FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
         ) r
-        JOIN candidates c ON c.seq = r.head_seq
+        JOIN heads c ON c.seq = r.head_seq
         WHERE r.in_run
         ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
         LIMIT (SELECT b.rows_left FROM run_budget b)
-    ),
-    -- leased: the heads and their runs
-    leased AS (
-        SELECT * FROM candidates
-        UNION ALL SELECT * FROM followers
-    ),
-    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
-    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
-    -- attempt that ended without an outcome. Rows are found by the ctid of the version
-    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
-    claimed_heads AS (
-        UPDATE workpump_perspective_event t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.event_work_id AS work_id, t.perspective_name AS topic,
-                  NULL::jsonb AS payload, t.stream, t.perspective_name AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at
     ),
     -- claimed_runs: each follower leased the same way (it has attempts left)
     claimed_runs AS (
@@ -2292,11 +2403,7 @@ BEGIN
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at
-    ),
-    claimed AS (
-        SELECT * FROM claimed_heads
-        UNION ALL SELECT * FROM claimed_runs
+                  t.created_at, c.due_at, c.run_seq
     ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
@@ -2304,27 +2411,36 @@ BEGIN
         INSERT INTO workpump_active_stream AS s
             (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
              created_at, last_activity_at)
-        SELECT DISTINCT ON (c.scope, c.stream)
-               'perspective_event', c.scope, c.stream, c.partition_number, p_instance_id,
+        SELECT DISTINCT ON (c.run_scope, c.run_stream)
+               'perspective_event', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
                v_lease_expiry, v_now, v_now
-        FROM claimed c
-        WHERE c.stream IS NOT NULL AND NOT c.dead
-        ORDER BY c.scope, c.stream
+        FROM heads c
+        ORDER BY c.run_scope, c.run_stream
         ON CONFLICT (category, scope, stream) DO UPDATE
             SET owner_instance_id = excluded.owner_instance_id,
                 lease_expiry = excluded.lease_expiry,
                 last_activity_at = excluded.last_activity_at
     )
-    -- the leased rows (parked ones are not returned), pass by pass as claimed, each
-    -- run together after its head, in stream order
-    SELECT 'perspective_event'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
-           c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
-           c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
-    FROM claimed c
-    JOIN leased USING (seq)
-    JOIN workpump_event e ON e.event_id = c.event_id
-    WHERE NOT c.dead
-    ORDER BY leased.pass, leased.run_priority DESC, leased.run_seq, c.seq;
+    -- the heads as leased above, each run right after its head, in stream order
+    SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
+           o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
+           o.lease_token, o.headers, o.created_at, o.due_at
+    FROM (
+        SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
+        FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
+             attempts, max_attempts, lease_expiry, event_id, event_type, priority,
+             claimed_at, lease_token, headers, created_at, due_at, seq_position)
+        UNION ALL
+        SELECT 'perspective_event'::text, r.work_id, r.topic, e.payload, r.stream,
+               r.attempts, r.max_attempts, r.lease_expiry, r.event_id, e.event_type,
+               r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
+               r.due_at, p.position, p.position, r.seq
+        FROM claimed_runs r
+        JOIN workpump_event e ON e.event_id = r.event_id
+        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
+        WHERE NOT r.dead
+    ) o
+    ORDER BY o.run_position, o.seq;
 END
 $$;
 
@@ -2355,8 +2471,14 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
     v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
+    v_heads workpump.leased_work[];  -- the heads leased, in the order they are returned
+    v_head workpump.leased_work;
+    v_head_seqs bigint[];  -- their seqs, in the same order
+    v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
+    v_stream_passes integer[];
 BEGIN
-    RETURN QUERY
+    -- The heads: locked and leased (or parked as dead) in one statement; what is
+    -- returned, and what their runs need, is kept in arrays.
     WITH
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
     -- longest due first (index wp_receptor_timer)
@@ -2422,18 +2544,83 @@ BEGIN
         UNION ALL SELECT * FROM own_share
         UNION ALL SELECT * FROM any_share
     ),
+    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
+    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
+    -- attempt that ended without an outcome. Rows are found by the ctid of the version
+    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
+    claimed_heads AS (
+        UPDATE workpump_receptor_processing t SET
+            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END
+        FROM candidates c WHERE t.ctid = c.ctid
+        RETURNING t.seq, t.id AS work_id, t.receptor_name AS topic,
+                  NULL::jsonb AS payload, t.stream, t.receptor_name AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at, c.pass
+    )
+    SELECT coalesce(array_agg(ROW(
+               'receptor'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
+               c.max_attempts, c.lease_expiry, c.event_id, e.event_type,
+               c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
+               c.due_at
+               )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead), '{}'),
+           coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead), '{}'),
+           array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+           array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL)
+    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes
+    FROM claimed_heads c
+    JOIN workpump_event e ON e.event_id = c.event_id;
+    IF v_stream_seqs IS NULL THEN
+        -- No ordered stream among them: no run to add and no stream to own, so the
+        -- statement below (a fifth of a one-row claim, cold) is not run.
+        FOREACH v_head IN ARRAY v_heads LOOP
+            RETURN NEXT v_head;
+        END LOOP;
+        RETURN;
+    END IF;
+
+    -- The runs of the stream heads, and the streams this instance now owns.
+    RETURN QUERY
+    WITH
+    -- heads: the leased heads of ordered streams, with what their runs need
+    heads AS MATERIALIZED (
+        SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
+               t.receptor_name AS run_scope, t.partition_number
+        FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
+        JOIN workpump_receptor_processing t ON t.seq = u.seq
+    ),
     -- run_budget: the rows the heads left in the budget, and how many runs share them
     run_budget AS MATERIALIZED (
-        SELECT greatest(p_limit - count(*) FILTER (WHERE c.leasable), 0) AS rows_left,
-               count(*) FILTER (WHERE c.leasable AND c.run_stream IS NOT NULL) AS runs
-        FROM candidates c
+        SELECT greatest(p_limit - cardinality(v_heads), 0) AS rows_left,
+               cardinality(v_stream_seqs) AS runs
     ),
-    -- upcoming: with p_run_max > 1, the undone rows that follow each leasable stream head,
+    -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
     -- in stream order, no more per head than its share of the budget
     upcoming AS MATERIALIZED (
         SELECT c.seq AS head_seq, n.seq,
                row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
-        FROM candidates c
+        FROM heads c
         CROSS JOIN run_budget b
         CROSS JOIN LATERAL (
             SELECT n.seq FROM workpump_receptor_processing n
@@ -2442,7 +2629,7 @@ BEGIN
             ORDER BY n.receptor_name, n.stream, n.seq
             LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
         ) n
-        WHERE p_run_max > 1 AND c.leasable AND c.run_stream IS NOT NULL AND b.rows_left > 0
+        WHERE p_run_max > 1 AND b.rows_left > 0
     ),
     -- locked: those rows locked, as they are now (a row someone else is writing is
     -- skipped, and ends its run there)
@@ -2473,46 +2660,10 @@ BEGIN
                        OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
             FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
         ) r
-        JOIN candidates c ON c.seq = r.head_seq
+        JOIN heads c ON c.seq = r.head_seq
         WHERE r.in_run
         ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
         LIMIT (SELECT b.rows_left FROM run_budget b)
-    ),
-    -- leased: the heads and their runs
-    leased AS (
-        SELECT * FROM candidates
-        UNION ALL SELECT * FROM followers
-    ),
-    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
-    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
-    -- attempt that ended without an outcome. Rows are found by the ctid of the version
-    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
-    claimed_heads AS (
-        UPDATE workpump_receptor_processing t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.id AS work_id, t.receptor_name AS topic,
-                  NULL::jsonb AS payload, t.stream, t.receptor_name AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at
     ),
     -- claimed_runs: each follower leased the same way (it has attempts left)
     claimed_runs AS (
@@ -2540,11 +2691,7 @@ BEGIN
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at
-    ),
-    claimed AS (
-        SELECT * FROM claimed_heads
-        UNION ALL SELECT * FROM claimed_runs
+                  t.created_at, c.due_at, c.run_seq
     ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
@@ -2552,27 +2699,36 @@ BEGIN
         INSERT INTO workpump_active_stream AS s
             (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
              created_at, last_activity_at)
-        SELECT DISTINCT ON (c.scope, c.stream)
-               'receptor', c.scope, c.stream, c.partition_number, p_instance_id,
+        SELECT DISTINCT ON (c.run_scope, c.run_stream)
+               'receptor', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
                v_lease_expiry, v_now, v_now
-        FROM claimed c
-        WHERE c.stream IS NOT NULL AND NOT c.dead
-        ORDER BY c.scope, c.stream
+        FROM heads c
+        ORDER BY c.run_scope, c.run_stream
         ON CONFLICT (category, scope, stream) DO UPDATE
             SET owner_instance_id = excluded.owner_instance_id,
                 lease_expiry = excluded.lease_expiry,
                 last_activity_at = excluded.last_activity_at
     )
-    -- the leased rows (parked ones are not returned), pass by pass as claimed, each
-    -- run together after its head, in stream order
-    SELECT 'receptor'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
-           c.max_attempts, c.lease_expiry, c.event_id, e.event_type, c.priority::integer,
-           c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
-    FROM claimed c
-    JOIN leased USING (seq)
-    JOIN workpump_event e ON e.event_id = c.event_id
-    WHERE NOT c.dead
-    ORDER BY leased.pass, leased.run_priority DESC, leased.run_seq, c.seq;
+    -- the heads as leased above, each run right after its head, in stream order
+    SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
+           o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
+           o.lease_token, o.headers, o.created_at, o.due_at
+    FROM (
+        SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
+        FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
+             attempts, max_attempts, lease_expiry, event_id, event_type, priority,
+             claimed_at, lease_token, headers, created_at, due_at, seq_position)
+        UNION ALL
+        SELECT 'receptor'::text, r.work_id, r.topic, e.payload, r.stream, r.attempts,
+               r.max_attempts, r.lease_expiry, r.event_id, e.event_type,
+               r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
+               r.due_at, p.position, p.position, r.seq
+        FROM claimed_runs r
+        JOIN workpump_event e ON e.event_id = r.event_id
+        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
+        WHERE NOT r.dead
+    ) o
+    ORDER BY o.run_position, o.seq;
 END
 $$;
 
