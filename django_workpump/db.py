@@ -11,7 +11,7 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -144,13 +144,11 @@ def _fetch(
     params: dict[str, Any],
     using: str | None,
     *,
-    jsonb_as_text: bool = False,
-    repeated_timestamps: bool = False,
+    set_loaders: Callable[[Any], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run named query ``name`` with exactly the parameters it names; rows as dicts.
 
-    ``repeated_timestamps``: the rows share most of their timestamps (a claim's rows
-    have one claim time and one lease expiry), so each distinct one is parsed once.
+    ``set_loaders`` gets the cursor's adapters before the query runs.
     """
     expected = _placeholders(name)
     if set(params) != expected:
@@ -158,15 +156,20 @@ def _fetch(
             f"Query {name!r} takes the parameters {sorted(expected)}, not {sorted(params)}."
         )
     with connections[_alias(using)].cursor() as cursor:
-        if jsonb_as_text:
-            # Raw JSON text, decoded row by row by the caller: one payload Python cannot
-            # decode must not fail the fetch of its batch-mates.
-            cursor.cursor.adapters.register_loader("jsonb", TextLoader)
-        if repeated_timestamps:
-            _parse_timestamps_once(cursor.cursor.adapters)
+        if set_loaders is not None:
+            set_loaders(cursor.cursor.adapters)
         cursor.execute(named_queries()[name], params)
         columns = [column.name for column in cursor.description]
         return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+
+
+def _claim_loaders(adapters: Any) -> None:
+    """Set a claim cursor's loaders (``adapters`` is the cursor's own)."""
+    # Raw JSON text, decoded row by row by the caller: one payload Python cannot decode
+    # must not fail the fetch of its batch-mates.
+    adapters.register_loader("jsonb", TextLoader)
+    # A claim's rows share one claim time and one lease expiry.
+    _parse_timestamps_once(adapters)
 
 
 def _parse_timestamps_once(adapters: Any) -> None:
@@ -531,7 +534,7 @@ def _claim_rows(params: dict[str, Any], using: str | None) -> list[dict[str, Any
     """
     connection = connections[_alias(using)]
     if connection.queries_logged or connection.execute_wrappers:
-        return _fetch("claim_work", params, using, jsonb_as_text=True, repeated_timestamps=True)
+        return _fetch("claim_work", params, using, set_loaders=_claim_loaders)
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     connection.validate_thread_sharing()
@@ -540,10 +543,7 @@ def _claim_rows(params: dict[str, Any], using: str | None) -> list[dict[str, Any
         held = getattr(connection, "_workpump_claim_cursor", None)
         if held is None or held[0] is not connection.connection or held[1].closed:
             cursor = connection.create_cursor()  # Django's: its time zone, its binding
-            # Raw JSON text, decoded row by row by the caller: one payload Python cannot
-            # decode must not fail the fetch of its batch-mates.
-            cursor.adapters.register_loader("jsonb", TextLoader)
-            _parse_timestamps_once(cursor.adapters)
+            _claim_loaders(cursor.adapters)
             held = connection._workpump_claim_cursor = (connection.connection, cursor, [])
         cursor, columns = held[1], held[2]
         if setting("PREPARED_STATEMENTS"):
