@@ -111,7 +111,9 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         add(
             "An idle claim poll writes nothing",
             "0 writes besides the heartbeat",
-            f"{sum(w['calls'] for w in others)} other write statements",
+            f"{sum(w['calls'] for w in others)} other write statements "
+            f"({sum(w['calls'] for w in wv['workpump-idle-lock'].get('noop_writes', []))} "
+            "no-op: polls that found nothing)",
             not others,
         )
         inflight = wv.get("workpump-inflight-1000", {})
@@ -430,19 +432,23 @@ def render(results: dict[str, Any]) -> str:
         w(
             f"All instances ran at once on {wv.get('server')}, each in a database of its own, "
             f"through one window of {wv['window_seconds']:.0f} s after a warm-up (and after all "
-            "held jobs were in flight). Write statements = INSERT/UPDATE/DELETE/MERGE executed, "
-            "at any nesting level (so `SELECT workpump.record_heartbeat()` counts as the UPDATE "
-            "it runs, like PgQueuer's top-level UPDATE); rows = rows those statements changed; "
-            "table rows = pg_stat_user_tables n_tup_ins+upd+del delta; commits = "
-            "pg_stat_database xact_commit delta (reads included).\n"
+            "held jobs were in flight). Write statements = INSERT/UPDATE/DELETE/MERGE executed "
+            "at any nesting level that wrote, i.e. whose pg_stat_statements entry recorded WAL "
+            "(so `SELECT workpump.record_heartbeat()` counts as the UPDATE it runs, like "
+            "PgQueuer's top-level UPDATE); no-op write statements = those that found nothing to "
+            "change (an idle poll's UPDATE: no WAL, no row version), every system's alike; rows "
+            "= rows the writing statements returned or changed; table rows = "
+            "pg_stat_user_tables n_tup_ins+upd+del delta; commits = pg_stat_database "
+            "xact_commit delta (reads included).\n"
         )
         w(
-            "| Instance | Write statements/min | Rows written/min | All top-level statements/min | Table rows/min | Commits/min | WAL bytes/min | RSS |"
+            "| Instance | Write statements/min | No-op write statements/min | Rows written/min | All top-level statements/min | Table rows/min | Commits/min | WAL bytes/min | RSS |"
         )
-        w("|---|---|---|---|---|---|---|---|")
+        w("|---|---|---|---|---|---|---|---|---|")
         for _name, row in wv["instances"].items():
             w(
                 f"| {row['description']} | {row['write_statements_per_min']:.1f} | "
+                f"{row.get('noop_write_statements_per_min', 0):.1f} | "
                 f"{row['rows_written_per_min']:.0f} | {row['toplevel_statements_per_min']:.1f} | "
                 f"{row['table_rows_per_min']:.0f} | {row['commits_per_min']:.0f} | "
                 f"{row['wal_bytes_per_min']:,.0f} | {row['rss_mb']:.0f} MB |"
@@ -462,10 +468,11 @@ def render(results: dict[str, Any]) -> str:
             w(
                 f"- Housekeeping (not liveness): one maintenance pass of an idle instance runs "
                 f"{m['write_statements']} write statements ({m['rows_written']} rows, "
-                f"{m['wal_bytes']} WAL bytes) every MAINTENANCE_INTERVAL_SECONDS (300 s): "
-                f"{m['write_statements'] / 5:.1f} statements/min amortized, almost all DELETEs "
-                "that find nothing. It is not in the window above (the first pass runs 300 s "
-                "after start)."
+                f"{m['wal_bytes']} WAL bytes) and {m.get('noop_write_statements', 0)} no-op "
+                "ones (DELETEs that find nothing) every MAINTENANCE_INTERVAL_SECONDS (300 s): "
+                f"{(m['write_statements'] + m.get('noop_write_statements', 0)) / 5:.1f} "
+                "statements/min amortized. It is not in the window above (the first pass runs "
+                "300 s after start)."
             )
         w(
             "- With the default LEASE_SECONDS=300 a held row is renewed every ~180 s (when a "
@@ -733,7 +740,10 @@ def render_scale(sc: dict[str, Any], command: str | None) -> list[str]:
             f"{_f(ins.get('scale_32_share_spread'), 2)}. Idle, after the drain: "
             f"{_f(ins.get('idle_row_writes_per_instance_per_min'), 2)} row writes and "
             f"{_f(ins.get('idle_write_statements_per_instance_per_min'), 2)} write statements "
-            "per instance per minute in the workpump tables. Claim conflicts (rows a SKIP LOCKED "
+            "(and "
+            f"{_f(ins.get('idle_noop_write_statements_per_instance_per_min'), 2)} no-op ones, "
+            "idle claim polls that found nothing) per instance per minute in the workpump "
+            "tables. Claim conflicts (rows a SKIP LOCKED "
             "claim passed over) are not counted: PostgreSQL reports no such number. Server "
             "CPU is the embedded server's share of the machine's cores during the middle of "
             "the drain.\n"

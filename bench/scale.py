@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from bench import harness as h
-from bench.writes import WRITE
+from bench.writes import wrote, wrote_nothing
 
 DATABASES = {"workpump": "wp_bench_scale", "pgqueuer": "wp_bench_scale_pgqueuer"}
 MAX_CONNECTIONS = 600
@@ -97,17 +97,19 @@ WRITES_SQL = (
 )
 
 
-def _write_statements(server: h.Server, database: str) -> list[tuple[int, int, str]]:
-    """The write statements sent to ``database`` since the last reset: calls, rows written
-    and text, most called first."""
+def _write_statements(server: h.Server, database: str) -> tuple[list[tuple[int, int, str]], int]:
+    """The write statements that wrote to ``database`` since the last reset (calls, rows
+    and text, most called first), and how many calls of write statements wrote nothing
+    (bench/writes.py says how the two are told apart)."""
     with server.connect() as conn:
         found = conn.execute(
-            "SELECT s.calls, s.rows, s.query FROM pg_stat_statements s"
+            "SELECT s.calls, s.rows, s.wal_records, s.query FROM pg_stat_statements s"
             " JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = %s",
             [database],
         ).fetchall()
-    writes = [(int(n), int(r), " ".join(q.split())) for n, r, q in found if WRITE.search(q)]
-    return sorted(writes, key=lambda item: -item[0])
+    writes = [(int(n), int(r), " ".join(q.split())) for n, r, w, q in found if wrote(q, int(w))]
+    noop = sum(int(n) for n, _, w, q in found if wrote_nothing(q, int(w)))
+    return sorted(writes, key=lambda item: -item[0]), noop
 
 
 def enqueue(server: h.Server) -> dict[str, Any]:
@@ -342,7 +344,7 @@ def _drain(
             with server.connect() as conn:  # the extension lives in the server's own database
                 conn.execute("SELECT pg_stat_statements_reset()")
             time.sleep(idle)
-            statements = _write_statements(server, database)
+            statements, noop = _write_statements(server, database)
             writes1 = _scalar(server, database, WRITES_SQL)
             commits1 = _scalar(server, database, COMMITS_SQL)
             minutes = idle / 60
@@ -355,6 +357,7 @@ def _drain(
             result["idle_write_statements_per_instance_per_min"] = (
                 sum(calls for calls, _, _ in statements) / processes / minutes
             )
+            result["idle_noop_write_statements_per_instance_per_min"] = noop / processes / minutes
             result["idle_write_statements"] = [
                 {"calls": calls, "rows": rows, "query": query[:160]}
                 for calls, rows, query in statements
@@ -392,6 +395,9 @@ def instances(server: h.Server, workdir: Path, quick: bool) -> dict[str, Any]:
         "idle_row_writes_per_instance_per_min": by["p32c1"]["idle_row_writes_per_instance_per_min"],
         "idle_write_statements_per_instance_per_min": by["p32c1"][
             "idle_write_statements_per_instance_per_min"
+        ],
+        "idle_noop_write_statements_per_instance_per_min": by["p32c1"][
+            "idle_noop_write_statements_per_instance_per_min"
         ],
     }
 

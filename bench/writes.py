@@ -5,9 +5,13 @@ pg_stat_statements tracks nested statements too (``track = all``), so a heartbea
 is ``SELECT workpump.record_heartbeat(...)`` counts as the UPDATE it runs, the same as
 PgQueuer's top-level UPDATE. All instances run at once through the same window.
 
-A write statement is an INSERT, UPDATE, DELETE or MERGE (``SELECT ... FOR UPDATE`` and
-``ON CONFLICT DO UPDATE`` are not counted apart); rows are what those statements changed.
-pg_stat_user_tables deltas (rows inserted + updated + deleted) are reported beside them.
+A write statement is an INSERT, UPDATE, DELETE or MERGE that wrote: its
+pg_stat_statements entry recorded WAL (``SELECT ... FOR UPDATE`` and ``ON CONFLICT DO
+UPDATE`` are not counted apart). One that found nothing to change (an idle poll's UPDATE,
+a DELETE of nothing) writes no WAL, no row version and no commit record; those are
+counted apart, as no-op write statements, for every system alike. pg_stat_statements
+cannot tell which calls of one entry wrote, so an entry that wrote at all counts every
+call. pg_stat_user_tables deltas (rows inserted + updated + deleted) are reported beside.
 """
 
 from __future__ import annotations
@@ -23,6 +27,18 @@ from bench import harness as h
 WRITE = re.compile(
     r"\b(INSERT\s+INTO|DELETE\s+FROM|MERGE\s+INTO|UPDATE\s+\S+(\s+(AS\s+)?\w+)?\s+SET)\b", re.I
 )
+
+
+def wrote(query: str, wal_records: int) -> bool:
+    """Whether a pg_stat_statements entry is a write statement that wrote."""
+    return wal_records > 0 and bool(WRITE.search(query))
+
+
+def wrote_nothing(query: str, wal_records: int) -> bool:
+    """Whether it is a write statement none of whose calls found anything to write."""
+    return wal_records == 0 and bool(WRITE.search(query))
+
+
 # Shortened lease so several renewal rounds fit the window: local lease = 60 - 30 s
 # grace; renewal when a third of it (10 s) is left, so one round every ~20 s.
 INFLIGHT_SETTINGS = {"LEASE_SECONDS": 60, "MAX_RENEWALS_PER_WORK": 1000}
@@ -123,11 +139,11 @@ def _table_writes(server: h.Server, database: str) -> dict[str, int]:
 def _statements(server: h.Server) -> dict[str, list[dict[str, Any]]]:
     with server.connect() as conn:
         found = conn.execute(
-            "SELECT d.datname, s.toplevel, s.calls, s.rows, s.wal_bytes, s.query"
+            "SELECT d.datname, s.toplevel, s.calls, s.rows, s.wal_bytes, s.wal_records, s.query"
             " FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid"
         ).fetchall()
     out: dict[str, list[dict[str, Any]]] = {}
-    for datname, toplevel, calls, rows, wal, query in found:
+    for datname, toplevel, calls, rows, wal, wal_records, query in found:
         out.setdefault(datname, []).append(
             {
                 "toplevel": toplevel,
@@ -135,7 +151,8 @@ def _statements(server: h.Server) -> dict[str, list[dict[str, Any]]]:
                 "rows": int(rows),
                 "wal_bytes": int(wal),
                 "query": " ".join(query.split()),
-                "write": bool(WRITE.search(query)),
+                "write": wrote(query, int(wal_records)),
+                "noop_write": wrote_nothing(query, int(wal_records)),
             }
         )
     return out
@@ -207,6 +224,8 @@ def run(
             "system": item.system,
             "alive_at_end": alive.get(item.name),
             "write_statements_per_min": sum(e["calls"] for e in writes) * per_minute,
+            "noop_write_statements_per_min": sum(e["calls"] for e in entries if e["noop_write"])
+            * per_minute,
             "rows_written_per_min": sum(e["rows"] for e in writes) * per_minute,
             "toplevel_statements_per_min": sum(e["calls"] for e in tops) * per_minute,
             "wal_bytes_per_min": sum(e["wal_bytes"] for e in tops) * per_minute,
@@ -219,6 +238,14 @@ def run(
                 (
                     {"calls": e["calls"], "rows": e["rows"], "query": e["query"][:160]}
                     for e in writes
+                ),
+                key=lambda e: -e["calls"],
+            ),
+            "noop_writes": sorted(
+                (
+                    {"calls": e["calls"], "query": e["query"][:160]}
+                    for e in entries
+                    if e["noop_write"]
                 ),
                 key=lambda e: -e["calls"],
             ),
@@ -258,6 +285,7 @@ def maintenance_pass(server: h.Server, database: str) -> dict[str, Any]:
     writes = [e for e in entries if e["write"]]
     return {
         "write_statements": sum(e["calls"] for e in writes),
+        "noop_write_statements": sum(e["calls"] for e in entries if e["noop_write"]),
         "rows_written": sum(e["rows"] for e in writes),
         "wal_bytes": sum(e["wal_bytes"] for e in entries if e["toplevel"]),
     }
