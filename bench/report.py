@@ -448,7 +448,7 @@ def render(results: dict[str, Any]) -> str:
         for _name, row in wv["instances"].items():
             w(
                 f"| {row['description']} | {row['write_statements_per_min']:.1f} | "
-                f"{row.get('noop_write_statements_per_min', 0):.1f} | "
+                f"{_f(row.get('noop_write_statements_per_min'), 1)} | "
                 f"{row['rows_written_per_min']:.0f} | {row['toplevel_statements_per_min']:.1f} | "
                 f"{row['table_rows_per_min']:.0f} | {row['commits_per_min']:.0f} | "
                 f"{row['wal_bytes_per_min']:,.0f} | {row['rss_mb']:.0f} MB |"
