@@ -733,17 +733,31 @@ def render_scale(sc: dict[str, Any], command: str | None) -> list[str]:
                 if len(shares) <= 8
                 else (f"min {min(shares)}, max {max(shares)}, mean {sum(shares) / len(shares):.0f}")
             )
+            again = f" (again, {r['repeat'] + 1})" if r.get("repeat") else ""
             w(
-                f"| {r['processes']} x {r['concurrency']} | {_f(r['jobs'])} | {_f(r['rate'])} "
+                f"| {r['processes']} x {r['concurrency']}{again} | {_f(r['jobs'])} "
+                f"| {_f(r['rate'])} "
                 f"| {shown} | {_f(r.get('share_spread'), 2)} | {_f(r.get('commits_per_s'))} "
                 f"| {_f(100 * (r.get('server_cpu_share') or 0))}% "
                 f"| {_f(r.get('connections_per_instance'), 1)} |"
             )
+        repeats = ins.get("repeats") or 1
+        by_repeat = ins.get("scale_32_vs_1_ratio_by_repeat") or []
         w(
             f"\n8 processes / 1: {_f(ins.get('scale_8_vs_1_ratio'), 2)}; 32 x 1 / 1 x 4: "
             f"{_f(ins.get('scale_32_vs_1_ratio'), 2)}; 32-instance share spread (largest "
             f"distance from the mean share, over the mean): "
-            f"{_f(ins.get('scale_32_share_spread'), 2)}. Idle, after the drain: "
+            f"{_f(ins.get('scale_32_share_spread'), 2)}"
+            + (
+                f" (medians of {repeats} drains each of 1 x 4 and 32 x 1, interleaved; "
+                "32 x 1 / the 1 x 4 before it, by drain: "
+                + ", ".join(_f(r, 2) for r in by_repeat)
+                + "; 1 x 4 is the denominator of 8 / 1 too)"
+                if repeats > 1
+                else ""
+            )
+            + ". Each backlog was committed in one transaction once every instance was "
+            "registered. Idle, after the drain: "
             f"{_f(ins.get('idle_row_writes_per_instance_per_min'), 2)} row writes and "
             f"{_f(ins.get('idle_write_statements_per_instance_per_min'), 2)} write statements "
             "(and "
