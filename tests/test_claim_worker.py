@@ -524,9 +524,9 @@ def claim_one_slot(in_flight: int, rounds: int = 3):
 
 
 def test_claims_made_while_the_dispatcher_is_empty_do_not_count_against_its_rate():
-    # 10 rows per 10 ms of running: 1,000 rows/s, a quarter second is 250 rows
+    # 10 rows per 10 ms of running: 1,000 rows/s; the batch covers ten 90 ms claims
     claims, worker = claim_one_slot(in_flight=0)
-    assert claims == [3, 250, 250]
+    assert claims == [3, 900, 900]
     assert worker.start_rate == pytest.approx(1000)
     assert worker.starved_seconds == pytest.approx(0.27)
 
@@ -534,9 +534,41 @@ def test_claims_made_while_the_dispatcher_is_empty_do_not_count_against_its_rate
 def test_claims_made_while_rows_run_count_as_time_the_dispatcher_worked():
     # the same timings, but a row was running during each claim: 10 rows per 100 ms
     claims, worker = claim_one_slot(in_flight=1)
-    assert claims == [3, 25, 25]
+    assert claims == [3, 90, 90]
     assert worker.start_rate == pytest.approx(100)
     assert worker.starved_seconds == 0
+
+
+def test_a_batch_covers_ten_round_trips_of_a_slow_claim():
+    # 1,000 rows/s started; each claim takes 50 ms: ten of them are 500 rows, where a
+    # quarter second would be 250
+    clock = FrozenClock()
+    sink = CountingSink(free=4)
+    sink.in_flight = 1
+    coordinator = SlowClaims(clock, 0.05, claims=[[]] * 3)
+    worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2), clock=clock)
+    for _ in range(3):
+        worker.run_once()
+        clock.advance(0.06)
+        sink.started_total += 110
+    assert worker.start_rate == pytest.approx(1000)
+    assert worker.claim_seconds == pytest.approx(0.05)
+    assert coordinator.claims == [6, 500, 500]
+
+
+def test_fast_claims_keep_the_batch_at_a_quarter_second_of_work():
+    # the same rate, claims of 1 ms: ten round trips are 10 rows, a quarter second 250
+    clock = FrozenClock()
+    sink = CountingSink(free=4)
+    sink.in_flight = 1
+    coordinator = SlowClaims(clock, 0.001, claims=[[]] * 3)
+    worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2), clock=clock)
+    for _ in range(3):
+        worker.run_once()
+        clock.advance(0.109)
+        sink.started_total += 110
+    assert worker.start_rate == pytest.approx(1000)
+    assert coordinator.claims == [6, 250, 250]
 
 
 # a refused claim: the instance was evicted, or is not registered

@@ -35,6 +35,9 @@ WAKE_SPACING_BASE_SECONDS = 0.01
 WAKE_FLOOD_QUIET_SECONDS = 1.0
 # A claim may take what the dispatcher starts in this long (beyond the free slots).
 QUEUE_SECONDS = 0.25
+# ... or in this many of its own round trips, when those are slower: a claim that takes
+# as long as the rows it brings would leave the dispatcher waiting half the time.
+CLAIM_ROUND_TRIPS_PER_BATCH = 10
 RATE_SAMPLE_SECONDS = 0.1
 
 
@@ -141,6 +144,8 @@ class ClaimWorker(LoopService):
         # Seconds of claim round trips during which the dispatcher had nothing to run: the
         # start rate leaves them out (see _batch_size).
         self.starved_seconds = 0.0
+        # a moving average of the claim's round trip (the batch covers several of them)
+        self.claim_seconds: float | None = None
         self.startup_catch_up_count = 0
         self.reconnect_catch_up_count = 0
         self.wake_requests = 0
@@ -243,6 +248,11 @@ class ClaimWorker(LoopService):
             )
             return ClaimResult(claimed=0, has_more=False, error=exc)
         claim_seconds = self.clock.monotonic() - claim_started
+        self.claim_seconds = (
+            claim_seconds
+            if self.claim_seconds is None
+            else 0.8 * self.claim_seconds + 0.2 * claim_seconds
+        )
         if starved:
             self.starved_seconds += claim_seconds
         self.metrics.claim(rows, claim_seconds)
@@ -347,12 +357,16 @@ class ClaimWorker(LoopService):
             self.on_refused(reason)
 
     def _batch_size(self, free: int) -> int:
-        """Free slots plus the prefetch, or what the dispatcher starts in QUEUE_SECONDS.
+        """Free slots plus the prefetch, or what the dispatcher starts in QUEUE_SECONDS
+        (or in CLAIM_ROUND_TRIPS_PER_BATCH claim round trips, when those take longer).
 
         The dispatcher's start rate is measured here (a moving average over at least
         RATE_SAMPLE_SECONDS): fast work is claimed in large batches, so a backlog drains
         in few round trips, while a claimed row never waits in the local queue for much
-        longer than QUEUE_SECONDS, whatever its handler costs.
+        longer than QUEUE_SECONDS, whatever its handler costs. When claims are slow (a
+        busy database, or many instances sharing few cores) the batch covers several of
+        them instead, so the instance spends most of its time running rows rather than
+        waiting for them.
 
         The rate leaves out the claims made while the dispatcher had nothing to run: a row
         waits in the queue only while the dispatcher runs the rows before it. Counting
@@ -376,7 +390,10 @@ class ClaimWorker(LoopService):
                     )
                     self._rate_sample = (now, started, self.starved_seconds)
             if self.start_rate:
-                size = max(size, round(self.start_rate * QUEUE_SECONDS))
+                ahead = max(
+                    QUEUE_SECONDS, (self.claim_seconds or 0.0) * CLAIM_ROUND_TRIPS_PER_BATCH
+                )
+                size = max(size, round(self.start_rate * ahead))
         return min(size, self.policy.max_rows)
 
     # -- the loop ------------------------------------------------------------------
