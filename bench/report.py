@@ -290,6 +290,46 @@ def splice_ordered(doc: Path, results: dict[str, Any]) -> str:
     return text[:kept] + new + "\n" + text[kept:]
 
 
+SCALE_HEADING = "## 7. Hot path and scale-out"
+SCALE_KEYS = (
+    "enqueue_many_ratio_vs_pgqueuer",
+    "enqueue_single_ratio_vs_pgqueuer",
+    "latency_p50_ratio_vs_pgqueuer",
+    "latency_p99_ratio_vs_pgqueuer",
+    "renewal_statements_per_window",
+    "scale_8_vs_1_ratio",
+    "scale_32_vs_1_ratio",
+    "scale_32_share_spread",
+    "scale_32_idle_write_statements_per_instance_per_min",
+)
+
+
+def splice_scale(doc: Path, results: dict[str, Any]) -> str:
+    """``doc`` with its scale-out section replaced by this run's, which ran alone: the
+    section says so and carries its own headline keys (the headline above is the full
+    run's)."""
+    text = doc.read_text() if doc.exists() else ""
+    lines = render_scale(results.get("sections", {}).get("scale", {}), results.get("command"))
+    revision = results.get("versions", {}).get("django-workpump at the end of the run")
+    headline = results.get("headline", {})
+    lines[1:1] = [
+        f"This section ran alone, finished {results.get('finished', '-')} at revision "
+        f"{revision}, {results.get('wall_seconds', 0) / 60:.1f} min; the headline and the "
+        "other sections are from the full run above, and this section's headline keys are "
+        "these:\n",
+        "```json\n" + json.dumps({k: headline.get(k) for k in SCALE_KEYS}) + "\n```\n",
+    ]
+    new = "\n".join(lines) + "\n"
+    start = text.find(SCALE_HEADING)
+    if start >= 0:
+        end = text.find("\n## ", start + len(SCALE_HEADING))
+        return text[:start] + new + ("" if end < 0 else text[end + 1 :])
+    kept = text.find(KEPT_FROM)
+    if kept < 0:
+        return text.rstrip("\n") + "\n\n" + new
+    return text[:kept] + new + "\n" + text[kept:]
+
+
 # Sections measured by their own scripts (bench/admin_pages.py), kept when run.py
 # rewrites docs/benchmarks.md: everything from this heading on.
 KEPT_FROM = "## Admin pages and workpump_status at scale"
@@ -666,7 +706,7 @@ def render_scale(sc: dict[str, Any], command: str | None) -> list[str]:
     """The scale-out section (bench/scale.py): its lines, for render() or on its own."""
     out: list[str] = []
     w = out.append
-    w("## 7. Hot path and scale-out\n")
+    w(SCALE_HEADING + "\n")
     w(
         f"From `bench/scale.py` on {sc.get('server')}: every system on that one server, "
         f"in one run (`{command}`). Two shared cores: read the ratios.\n"

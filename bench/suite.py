@@ -394,7 +394,8 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
     ]
     path = h.RESULTS / f"{cfg.mode}.json"
     results: dict[str, Any] = {}
-    if only and path.exists():
+    path_existed = path.exists()
+    if only and path_existed:
         results = json.loads(path.read_text())  # keep the other sections of the last run
     results.setdefault("sections", {})
     results["mode"] = cfg.mode
@@ -441,6 +442,8 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
         doc.parent.mkdir(exist_ok=True)
         if chosen == ["ordered"]:  # its own section only: the others are from a full run
             doc.write_text(report.splice_ordered(doc, results))
+        elif chosen == ["scale"] and not path_existed:
+            doc.write_text(report.splice_scale(doc, results))
         else:
             doc.write_text(report.render(results) + report.kept_sections(doc))
         h.log(f"wrote {doc.relative_to(h.ROOT)}")
