@@ -556,6 +556,21 @@ def test_a_batch_covers_ten_round_trips_of_a_slow_claim():
     assert coordinator.claims == [6, 500, 500]
 
 
+def test_a_stalled_claim_makes_the_batch_at_most_a_second_of_work():
+    # 1,000 rows/s started; a claim of 300 ms would make ten round trips 3,000 rows
+    clock = FrozenClock()
+    sink = CountingSink(free=4)
+    sink.in_flight = 1
+    coordinator = SlowClaims(clock, 0.3, claims=[[]] * 3)
+    worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2, max_rows=5000), clock=clock)
+    for _ in range(3):
+        worker.run_once()
+        clock.advance(0.01)
+        sink.started_total += 310
+    assert worker.start_rate == pytest.approx(1000)
+    assert coordinator.claims == [6, 1000, 1000]
+
+
 def test_fast_claims_keep_the_batch_at_a_quarter_second_of_work():
     # the same rate, claims of 1 ms: ten round trips are 10 rows, a quarter second 250
     clock = FrozenClock()

@@ -38,6 +38,9 @@ QUEUE_SECONDS = 0.25
 # ... or in this many of its own round trips, when those are slower: a claim that takes
 # as long as the rows it brings would leave the dispatcher waiting half the time.
 CLAIM_ROUND_TRIPS_PER_BATCH = 10
+# ... but never more than this long of work: a stalled claim must not make the next
+# batches hoard rows that idle peers could run.
+MAX_QUEUE_SECONDS = 1.0
 RATE_SAMPLE_SECONDS = 0.1
 
 
@@ -358,7 +361,8 @@ class ClaimWorker(LoopService):
 
     def _batch_size(self, free: int) -> int:
         """Free slots plus the prefetch, or what the dispatcher starts in QUEUE_SECONDS
-        (or in CLAIM_ROUND_TRIPS_PER_BATCH claim round trips, when those take longer).
+        (or in CLAIM_ROUND_TRIPS_PER_BATCH claim round trips, when those take longer, up
+        to MAX_QUEUE_SECONDS).
 
         The dispatcher's start rate is measured here (a moving average over at least
         RATE_SAMPLE_SECONDS): fast work is claimed in large batches, so a backlog drains
@@ -390,9 +394,8 @@ class ClaimWorker(LoopService):
                     )
                     self._rate_sample = (now, started, self.starved_seconds)
             if self.start_rate:
-                ahead = max(
-                    QUEUE_SECONDS, (self.claim_seconds or 0.0) * CLAIM_ROUND_TRIPS_PER_BATCH
-                )
+                round_trips = (self.claim_seconds or 0.0) * CLAIM_ROUND_TRIPS_PER_BATCH
+                ahead = min(max(QUEUE_SECONDS, round_trips), MAX_QUEUE_SECONDS)
                 size = max(size, round(self.start_rate * ahead))
         return min(size, self.policy.max_rows)
 
