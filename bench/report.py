@@ -278,11 +278,16 @@ def render_ordered(results: dict[str, Any]) -> str:
 def splice_ordered(doc: Path, results: dict[str, Any]) -> str:
     """``doc`` with its ordered-streams section replaced by this run's (or inserted
     before the kept sections)."""
+    return _splice(doc, ORDERED_HEADING, render_ordered(results))
+
+
+def _splice(doc: Path, heading: str, new: str) -> str:
+    """``doc`` with the section under ``heading`` replaced by ``new`` (or ``new``
+    inserted before the kept sections)."""
     text = doc.read_text() if doc.exists() else ""
-    new = render_ordered(results)
-    start = text.find(ORDERED_HEADING)
+    start = text.find(heading)
     if start >= 0:
-        end = text.find("\n## ", start + len(ORDERED_HEADING))
+        end = text.find("\n## ", start + len(heading))
         return text[:start] + new + ("" if end < 0 else text[end + 1 :])
     kept = text.find(KEPT_FROM)
     if kept < 0:
@@ -308,7 +313,6 @@ def splice_scale(doc: Path, results: dict[str, Any]) -> str:
     """``doc`` with its scale-out section replaced by this run's, which ran alone: the
     section says so and carries its own headline keys (the headline above is the full
     run's)."""
-    text = doc.read_text() if doc.exists() else ""
     lines = render_scale(results.get("sections", {}).get("scale", {}), results.get("command"))
     revision = results.get("versions", {}).get("django-workpump at the end of the run")
     headline = results.get("headline", {})
@@ -319,15 +323,7 @@ def splice_scale(doc: Path, results: dict[str, Any]) -> str:
         "these:\n",
         "```json\n" + json.dumps({k: headline.get(k) for k in SCALE_KEYS}) + "\n```\n",
     ]
-    new = "\n".join(lines) + "\n"
-    start = text.find(SCALE_HEADING)
-    if start >= 0:
-        end = text.find("\n## ", start + len(SCALE_HEADING))
-        return text[:start] + new + ("" if end < 0 else text[end + 1 :])
-    kept = text.find(KEPT_FROM)
-    if kept < 0:
-        return text.rstrip("\n") + "\n\n" + new
-    return text[:kept] + new + "\n" + text[kept:]
+    return _splice(doc, SCALE_HEADING, "\n".join(lines) + "\n")
 
 
 # Sections measured by their own scripts (bench/admin_pages.py), kept when run.py

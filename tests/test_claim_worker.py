@@ -539,51 +539,40 @@ def test_claims_made_while_rows_run_count_as_time_the_dispatcher_worked():
     assert worker.starved_seconds == 0
 
 
-def test_a_batch_covers_ten_round_trips_of_a_slow_claim():
-    # 1,000 rows/s started; each claim takes 50 ms: ten of them are 500 rows, where a
-    # quarter second would be 250
+def claim_while_a_row_runs(claim_seconds: float, gap: float, max_rows: int = 1000):
+    """Three claims of ``claim_seconds`` each, ``gap`` apart, while a row runs: the
+    dispatcher starts 1,000 rows/s."""
     clock = FrozenClock()
     sink = CountingSink(free=4)
     sink.in_flight = 1
-    coordinator = SlowClaims(clock, 0.05, claims=[[]] * 3)
-    worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2), clock=clock)
+    coordinator = SlowClaims(clock, claim_seconds, claims=[[]] * 3)
+    policy = ClaimPolicy(prefetch=2, max_rows=max_rows)
+    worker = make_worker(coordinator, sink, policy, clock=clock)
     for _ in range(3):
         worker.run_once()
-        clock.advance(0.06)
-        sink.started_total += 110
+        clock.advance(gap)
+        sink.started_total += round((claim_seconds + gap) * 1000)
     assert worker.start_rate == pytest.approx(1000)
+    return coordinator.claims, worker
+
+
+def test_a_batch_covers_ten_round_trips_of_a_slow_claim():
+    # each claim takes 50 ms: ten of them are 500 rows, where a quarter second is 250
+    claims, worker = claim_while_a_row_runs(0.05, 0.06)
     assert worker.claim_seconds == pytest.approx(0.05)
-    assert coordinator.claims == [6, 500, 500]
+    assert claims == [6, 500, 500]
 
 
 def test_a_stalled_claim_makes_the_batch_at_most_a_second_of_work():
-    # 1,000 rows/s started; a claim of 300 ms would make ten round trips 3,000 rows
-    clock = FrozenClock()
-    sink = CountingSink(free=4)
-    sink.in_flight = 1
-    coordinator = SlowClaims(clock, 0.3, claims=[[]] * 3)
-    worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2, max_rows=5000), clock=clock)
-    for _ in range(3):
-        worker.run_once()
-        clock.advance(0.01)
-        sink.started_total += 310
-    assert worker.start_rate == pytest.approx(1000)
-    assert coordinator.claims == [6, 1000, 1000]
+    # a claim of 300 ms would make ten round trips 3,000 rows
+    claims, _ = claim_while_a_row_runs(0.3, 0.01, max_rows=5000)
+    assert claims == [6, 1000, 1000]
 
 
 def test_fast_claims_keep_the_batch_at_a_quarter_second_of_work():
-    # the same rate, claims of 1 ms: ten round trips are 10 rows, a quarter second 250
-    clock = FrozenClock()
-    sink = CountingSink(free=4)
-    sink.in_flight = 1
-    coordinator = SlowClaims(clock, 0.001, claims=[[]] * 3)
-    worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2), clock=clock)
-    for _ in range(3):
-        worker.run_once()
-        clock.advance(0.109)
-        sink.started_total += 110
-    assert worker.start_rate == pytest.approx(1000)
-    assert coordinator.claims == [6, 250, 250]
+    # claims of 1 ms: ten round trips are 10 rows, a quarter second 250
+    claims, _ = claim_while_a_row_runs(0.001, 0.109)
+    assert claims == [6, 250, 250]
 
 
 # a refused claim: the instance was evicted, or is not registered
