@@ -793,7 +793,7 @@ def render_scale(sc: dict[str, Any], command: str | None) -> list[str]:
                 else ""
             )
             + ". Each backlog was committed in one transaction once every instance was "
-            "registered. Idle, after the drain: "
+            "registered. Idle, after the drain (its dead row versions vacuumed first): "
             f"{_f(ins.get('idle_row_writes_per_instance_per_min'), 2)} row writes and "
             f"{_f(ins.get('idle_write_statements_per_instance_per_min'), 2)} write statements "
             "(and "
