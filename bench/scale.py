@@ -17,7 +17,7 @@ the same server in the same run, so the ratios compare like with like.
   transaction once every instance is registered, so every instance sees all of it at
   once and no producer shares the cores with the drain. 1 x 4 and 32 x 1 run
   ``REPEATS`` times, interleaved, and their medians are compared: on two cores the rate
-  of one drain of 32 processes moves by a third between drains of the same code.
+  of one drain of 32 processes moves by up to a half between drains of the same code.
   Reported: the aggregate rate over the
   middle of the drain (10% to 90% done), each instance's share (its ``done=`` count),
   commits per second on the server (``pg_stat_database.xact_commit``), the server's

@@ -394,8 +394,7 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
     ]
     path = h.RESULTS / f"{cfg.mode}.json"
     results: dict[str, Any] = {}
-    path_existed = path.exists()
-    if only and path_existed:
+    if only and path.exists():
         results = json.loads(path.read_text())  # keep the other sections of the last run
     results.setdefault("sections", {})
     results["mode"] = cfg.mode
@@ -440,9 +439,10 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
 
         doc = h.ROOT / "docs" / "benchmarks.md"
         doc.parent.mkdir(exist_ok=True)
-        if chosen == ["ordered"]:  # its own section only: the others are from a full run
+        # one section run alone replaces its own section: the others are from a full run
+        if chosen == ["ordered"]:
             doc.write_text(report.splice_ordered(doc, results))
-        elif chosen == ["scale"] and not path_existed:
+        elif chosen == ["scale"]:
             doc.write_text(report.splice_scale(doc, results))
         else:
             doc.write_text(report.render(results) + report.kept_sections(doc))
