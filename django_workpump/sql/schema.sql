@@ -30,24 +30,7 @@ CREATE SEQUENCE workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 
 -- --------------------------------------------------------------------------------------
 -- Types
 -- --------------------------------------------------------------------------------------
--- The row a claim leases (claim_work adds has_more). claimed_work is the same row without
--- its lease token and times: no function returns it any more, but the migrations never
--- dropped it.
-
-CREATE TYPE workpump.claimed_work AS (
-    category text,
-    work_id uuid,
-    topic text,
-    payload jsonb,
-    stream text,
-    attempts integer,
-    max_attempts integer,
-    lease_expiry timestamptz,
-    event_id uuid,
-    event_type text,
-    priority integer,
-    claimed_at timestamptz
-);
+-- The row a claim leases (claim_work adds has_more).
 
 CREATE TYPE workpump.leased_work AS (
     category text,
