@@ -831,15 +831,6 @@ def test_register_backends_is_idempotent():
     ]
 
 
-def test_the_error_class_paths_older_versions_stored_still_import():
-    from django.utils.module_loading import import_string
-
-    from django_workpump.tasks import AttemptLost, TaskRefused, WorkFailed
-
-    for cls in (AttemptLost, TaskRefused, WorkFailed):
-        assert import_string(f"django_workpump.task_runner.{cls.__name__}") is cls
-
-
 @db
 def test_a_unique_task_enqueued_twice_returns_the_first_result_and_stores_one_row():
     first = task_funcs.refresh.enqueue("a")

@@ -2,8 +2,7 @@
 
 ``TaskResult.errors`` name these classes by their dotted path (stored with each attempt
 in ``workpump_task_attempt.error_class``), so the path of each class is part of the
-stored data: keep them here. Rows written before the ``tasks`` package existed name
-``django_workpump.task_runner.*``, which still imports (``task_runner.py``).
+stored data: keep them here.
 """
 
 from __future__ import annotations
