@@ -613,23 +613,6 @@ def test_rows_held_per_instance_are_counted_up_to_the_limit(
     assert listed[live]["rows_held_estimated"] == ["outbox"]
 
 
-def test_the_held_index_migration_reverses_and_applies_again(scratch_database: Any) -> None:
-    def held_keys() -> set[str]:
-        with scratch_database.connect() as conn:
-            rows = conn.execute(
-                "SELECT indexdef FROM pg_indexes WHERE indexname IN"
-                " ('wp_outbox_held', 'wp_inbox_held', 'wp_persp_held', 'wp_receptor_held')"
-            ).fetchall()
-        return {re.sub(r".*USING btree \((.*?)\).*", r"\1", row[0]) for row in rows}
-
-    scratch_database.migrate("workpump", "0019")
-    assert held_keys() == {"instance_id, seq"}
-    scratch_database.migrate("workpump", "0018")
-    assert held_keys() == {"instance_id"}
-    scratch_database.migrate("workpump", "0019")
-    assert held_keys() == {"instance_id, seq"}
-
-
 # -- each state's page, in every category: its rows and its default order --------------------
 
 FACTORIES = {
@@ -774,25 +757,3 @@ def test_a_state_page_says_its_order_and_runs_the_pinned_queries(
     # Sorted by a column, the page says no default order.
     html = admin_client.get(OUTBOX_URL, {**params, "o": "-11"}).content.decode()
     assert "wp-order" not in html
-
-
-def test_the_dead_and_waiting_index_migration_reverses_and_applies_again(
-    scratch_database: Any,
-) -> None:
-    def keys() -> dict[str, str]:
-        with scratch_database.connect() as conn:
-            rows = conn.execute(
-                "SELECT indexname, indexdef FROM pg_indexes"
-                " WHERE indexname ~ '^wp_(outbox|inbox|persp|receptor)_(dead|waiting)$'"
-            ).fetchall()
-        return {name: re.sub(r".*USING btree \((.*?)\).*", r"\1", sql) for name, sql in rows}
-
-    scratch_database.migrate("workpump", "0023")
-    after = keys()
-    assert len(after) == 8
-    assert {k for n, k in after.items() if n.endswith("_dead")} == {"dead_lettered_at, seq"}
-    assert {k for n, k in after.items() if n.endswith("_waiting")} == {"scheduled_for, seq"}
-    scratch_database.migrate("workpump", "0022")
-    assert set(keys().values()) == {"dead_lettered_at", "scheduled_for"}
-    scratch_database.migrate("workpump", "0023")
-    assert keys() == after

@@ -368,30 +368,6 @@ def test_a_bulk_producer_in_reverse_order_waits_instead_of_deadlocking(raw_conne
     ]
 
 
-def test_the_v12_migration_reverses_and_applies_again(scratch_database):
-    def v12_state() -> tuple[list[str], int]:
-        """(the bulk functions, insert triggers that fire only for rows that need them)."""
-        with scratch_database.connect() as conn:
-            rows = conn.execute(
-                "SELECT proname FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                " AND proname IN ('send_many', 'emit_many', 'check_payloads', 'check_streams')"
-                " ORDER BY proname"
-            ).fetchall()
-            conditional = conn.execute(
-                "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'workpump%_before_insert'"
-                " AND tgqual IS NOT NULL"
-            ).fetchone()
-            return [row[0] for row in rows], conditional[0]
-
-    everything = ["check_payloads", "check_streams", "emit_many", "send_many"]
-    scratch_database.migrate("workpump", "0017")
-    assert v12_state() == (everything, 4)
-    scratch_database.migrate("workpump", "0016")
-    assert v12_state() == ([], 0)
-    scratch_database.migrate("workpump", "0017")
-    assert v12_state() == (everything, 4)
-
-
 def test_an_unordered_row_without_a_partition_still_gets_one_from_the_trigger():
     with connection.cursor() as cursor:
         cursor.execute(

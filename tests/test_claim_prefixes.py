@@ -16,7 +16,6 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-import psycopg
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DataError, transaction
@@ -300,39 +299,3 @@ def test_a_topic_a_live_instance_claims_by_prefix_is_handled():
     assert [(u.category, u.topic, u.rows) for u in unhandled] == [
         ("inbox", "django.tasks:closed:reports", 1)
     ]
-
-
-# --- the migration ------------------------------------------------------------------------
-
-
-def test_the_v11_migration_reverses_to_the_v9_claim_and_applies_again(scratch_database):
-    def shape() -> dict[str, str]:
-        with psycopg.connect(scratch_database.url) as conn:
-            return dict(
-                conn.execute(
-                    "SELECT proname, pg_get_function_identity_arguments(oid) FROM pg_proc"
-                    " WHERE pronamespace = 'workpump'::regnamespace AND proname = ANY (%s)",
-                    [["claim_work", "claim_inbox", "any_topic_chosen"]],
-                ).fetchall()
-            )
-
-    scratch_database.migrate("workpump", "0016")
-    current = shape()
-    assert current["claim_work"].endswith("p_topics jsonb, p_topic_prefixes jsonb")
-    assert current["claim_inbox"].endswith("p_topic_prefixes text[]")
-    assert "any_topic_chosen" in current
-
-    scratch_database.migrate("workpump", "0015")
-    before = shape()
-    assert before["claim_work"].endswith("p_topics jsonb")
-    assert before["claim_inbox"].endswith("p_now timestamp with time zone")
-    assert "any_topic_chosen" not in before
-    with psycopg.connect(scratch_database.url) as conn:
-        unpinned = conn.execute(
-            "SELECT count(*) FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-            " AND proname LIKE 'claim%%' AND proconfig IS NULL"
-        ).fetchone()
-    assert unpinned == (0,)
-
-    scratch_database.migrate("workpump", "0016")
-    assert shape() == current

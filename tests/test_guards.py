@@ -33,7 +33,7 @@ SQL_DIR = PACKAGE / "sql"
 # Functions with a SQL-standard body that touch no table: nothing to resolve by name, so
 # no search_path (which would also stop the planner from inlining them).
 NO_SEARCH_PATH = {
-    "any_topic_chosen",  # inlined into claim_work since schema v19
+    "any_topic_chosen",  # inlined into claim_work
     "partition_of",
     "lock_namespace",
     "lock_stream",
@@ -113,20 +113,26 @@ def workpump_functions() -> list[dict[str, Any]]:
 # --- SQL sources and migrations ------------------------------------------------------
 
 
-def test_every_sql_source_is_loaded_by_exactly_one_migration():
+def test_every_sql_source_is_loaded_by_exactly_one_migration_or_read_for_its_queries():
     listed = Counter(
         path for module in migration_modules() for path in getattr(module, "SQL_FILES", [])
     )
-    on_disk = {
-        path.relative_to(SQL_DIR).as_posix()
-        for version in SQL_DIR.glob("v*")
-        for path in version.rglob("*")
-        if path.is_file()
-    }
-    assert listed, "no migration lists SQL_FILES"
+    on_disk = {path.relative_to(SQL_DIR).as_posix() for path in SQL_DIR.rglob("*.sql")}
+    # schema.sql whole, then each release's delta after it
+    schema = {"schema.sql"} | {path for path in on_disk if path.startswith("deltas/")}
     assert {path for path, count in listed.items() if count > 1} == set()
-    assert set(listed) - on_disk == set(), "listed but missing"
-    assert on_disk - set(listed) == set(), "on disk but loaded by no migration"
+    assert set(listed) == schema, "a schema file loaded by no migration, or a missing one"
+    runtime = "".join(
+        path.read_text(encoding="utf-8")
+        for path in PACKAGE.rglob("*.py")
+        if path.relative_to(PACKAGE).parts[0] != "migrations"
+    )
+    for path in sorted(on_disk - schema):
+        assert named_queries(path), f"{path} holds no named query"
+        assert f'"{path}"' in runtime, f"{path} is read by no module"
+        assert not re.search(r"^\s*CREATE\b", read(path), re.IGNORECASE | re.MULTILINE), (
+            f"{path} creates objects: schema changes belong in schema.sql and a delta"
+        )
 
 
 def test_a_migration_runs_every_sql_file_it_lists():
@@ -142,7 +148,7 @@ def test_a_migration_runs_every_sql_file_it_lists():
                 operation.sql if isinstance(operation.sql, list | tuple) else [operation.sql]
             )
         ]
-        # the files, in order; then, from schema v6 on, the search_path pin
+        # the files, in order; then the search_path pin, unless the file ends with it
         listed = [read(path) for path in files]
         assert statements[: len(listed)] == listed, module.__name__
         assert statements[len(listed) :] in ([], [PIN_SEARCH_PATH]), module.__name__
@@ -173,6 +179,11 @@ def test_migrating_back_drops_the_schema_and_forward_restores_it():
         call_command("migrate", "workpump", "0001", verbosity=0)
         assert not schema_exists()
         assert scalar("SELECT to_regclass('workpump_outbox') IS NOT NULL"), "0001 keeps tables"
+        triggers = scalar(
+            "SELECT count(*) FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid"
+            " WHERE NOT t.tgisinternal AND c.relname LIKE 'workpump%%'"
+        )
+        assert triggers == 0, "the insert triggers go with the schema"
     finally:
         call_command("migrate", "workpump", verbosity=0)
     assert schema_exists()

@@ -507,25 +507,6 @@ def override_workpump(values: dict[str, object]):
     return override_settings(WORKPUMP=values)
 
 
-@pytest.mark.django_db(transaction=True)
-def test_the_migration_reverses_to_0011_and_applies_again():
-    def present() -> tuple[bool, int]:
-        table = scalar("SELECT to_regclass('workpump_periodic_schedule') IS NOT NULL")
-        functions = scalar(
-            "SELECT count(*) FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-            " AND proname LIKE '%%periodic'"
-        )
-        return table, functions
-
-    assert present() == (True, 4)
-    try:
-        call_command("migrate", "workpump", "0011", verbosity=0)
-        assert present() == (False, 0)
-    finally:
-        call_command("migrate", "workpump", verbosity=0)
-    assert present() == (True, 4)
-
-
 # --- the admin and workpump_status ------------------------------------------------------
 
 ADMIN_URL = "/admin/workpump/periodicschedule/"

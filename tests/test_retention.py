@@ -9,7 +9,6 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 
-import psycopg
 import pytest
 from django.db import DataError, transaction
 from django.test import override_settings
@@ -239,61 +238,3 @@ def test_a_temporary_table_cannot_shadow_a_workpump_table():
     victim = uuid.uuid4()
     run_sql("INSERT INTO pg_temp.workpump_eviction VALUES (%s)", [victim])
     assert scalar(beat, [victim]) is True
-
-
-# --- the migration ------------------------------------------------------------------------
-
-
-@pytest.mark.django_db(transaction=True)
-def test_the_v6_migration_reverses_and_applies_again(scratch_database):
-    scratch_url = scratch_database.url
-    migrate = scratch_database.migrate
-
-    def v6_state() -> tuple[int, int, bool]:
-        """(purge functions present, receive's arguments, claim_work pinned)."""
-        with psycopg.connect(scratch_url) as conn:
-            purges = conn.execute(
-                "SELECT count(*) FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                " AND proname IN ('purge_dead', 'purge_inbox_dedup', 'pin_search_path')"
-            ).fetchone()[0]
-            receive = conn.execute(
-                "SELECT pronargs FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                " AND proname = 'receive'"
-            ).fetchone()[0]
-            config = conn.execute(
-                "SELECT proconfig FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                " AND proname = 'claim_work'"
-            ).fetchone()[0]
-        return purges, receive, config[0].startswith("search_path=pg_catalog")
-
-    migrate("workpump", "0009")
-    assert v6_state() == (3, 11, True)
-    migrate("workpump", "0008")
-    assert v6_state() == (0, 10, False)
-    migrate("workpump", "0009")
-    assert v6_state() == (3, 11, True)
-
-
-@pytest.mark.django_db(transaction=True)
-def test_the_v17_migration_reverses_to_the_old_purges_and_applies_again(scratch_database):
-    names = ["purge_dead", "purge_events", "purge_idle_streams", "purge_inbox_dedup"]
-    names.append("purge_processed")
-
-    def keys_chosen_once() -> dict[str, tuple[bool, bool]]:
-        """Per purge: (its keys come from one ARRAY sub-select, its search_path pinned)."""
-        with scratch_database.connect() as conn:
-            rows = conn.execute(
-                "SELECT proname, prosrc LIKE '%%= ANY (ARRAY(%%',"
-                " coalesce(proconfig[1] LIKE 'search_path=pg_catalog%%', false)"
-                " FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                " AND proname = ANY(%s)",
-                [names],
-            ).fetchall()
-        return {name: (once, pinned) for name, once, pinned in rows}
-
-    scratch_database.migrate("workpump", "0024")
-    assert keys_chosen_once() == dict.fromkeys(names, (True, True))
-    scratch_database.migrate("workpump", "0023")
-    assert keys_chosen_once() == dict.fromkeys(names, (False, True))
-    scratch_database.migrate("workpump", "0024")
-    assert keys_chosen_once() == dict.fromkeys(names, (True, True))

@@ -1,10 +1,12 @@
-"""schema.sql and the migrations agree.
+"""schema.sql, the migrations and the models agree.
 
-``django_workpump/sql/schema.sql`` is the current workpump schema in one file; the
-migrations build the same schema from the delta files ``sql/v<N>/*.sql``. This test
-builds one scratch database with ``migrate``, and another with ``migrate`` followed by
-dropping the workpump schema and its triggers and loading schema.sql, then compares the
-two catalogs object by object.
+``django_workpump/sql/schema.sql`` is the current workpump schema in one file. The first
+test builds one scratch database with ``migrate``, and another with the model migration
+alone (``migrate workpump 0001``) followed by schema.sql, then compares the two catalogs
+object by object: a migration that changes the schema without the same change in
+schema.sql (or the reverse) fails it. The second checks that what ``migrate`` installs in
+schema workpump is exactly what schema.sql declares, by name. That the model migration
+matches the models is ``makemigrations --check`` (tests/test_guards.py).
 """
 
 from __future__ import annotations
@@ -12,22 +14,26 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from django.db import connection
 
 from django_workpump.sql import read
-from tests.conftest import database_url
+from tests.conftest import database_url, scalar
 
 ROOT = Path(__file__).resolve().parent.parent
 DISAGREE = (
-    "schema.sql and the migrations disagree: update schema.sql (or add the missing migration)"
+    "schema.sql and the migrations disagree: make the same change in schema.sql and in a"
+    " delta migration (docs/design-decisions.md)"
 )
 
 # Each query returns (kind, name, definition) rows: the objects compared, by name.
@@ -141,10 +147,10 @@ def scratch_database(raw_connect: Any) -> Iterator[Callable[[], str]]:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def migrate(url: str) -> None:
-    """Run every migration on the database at ``url``."""
+def migrate(url: str, *target: str) -> None:
+    """Run ``migrate [app] [migration]`` on the database at ``url``."""
     subprocess.run(
-        [sys.executable, "-m", "django", "migrate", "-v0", "--settings", "tests.settings"],
+        [sys.executable, "-m", "django", "migrate", "-v0", "--settings", "tests.settings", *target],
         cwd=ROOT,
         env={**os.environ, "DATABASE_URL": url, "WORKPUMP_JSON": json.dumps({})},
         check=True,
@@ -153,18 +159,9 @@ def migrate(url: str) -> None:
 
 
 def load_schema_sql(url: str) -> None:
-    """Replace what the SQL migrations created with what schema.sql creates."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        with conn.transaction():
-            for table, trigger in conn.execute(
-                "SELECT t.tgrelid::regclass::text, t.tgname FROM pg_trigger t"
-                " JOIN pg_proc p ON p.oid = t.tgfoid"
-                " WHERE NOT t.tgisinternal AND p.pronamespace = 'workpump'::regnamespace"
-            ).fetchall():
-                conn.execute(f'DROP TRIGGER "{trigger}" ON {table}')
-            conn.execute("DROP SCHEMA workpump CASCADE")
-        with conn.transaction():
-            conn.execute(read("schema.sql"))
+    """Build the workpump schema of the database at ``url`` from schema.sql alone."""
+    with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
+        conn.execute(read("schema.sql"))
 
 
 def describe(field: str, migrated: Any, loaded: Any) -> list[str]:
@@ -204,7 +201,7 @@ def test_schema_sql_is_what_the_migrations_build(scratch_database):
     by_migrations = scratch_database()
     by_schema_sql = scratch_database()
     migrate(by_migrations)
-    migrate(by_schema_sql)
+    migrate(by_schema_sql, "workpump", "0001")  # the tables, from the models
     load_schema_sql(by_schema_sql)
 
     migrated, loaded = catalog(by_migrations), catalog(by_schema_sql)
@@ -213,3 +210,46 @@ def test_schema_sql_is_what_the_migrations_build(scratch_database):
     assert {kind for kind, _ in migrated} >= kinds, "the catalog queries found nothing"
     found = differences(migrated, loaded)
     assert not found, "\n".join([f"{DISAGREE}.", *found])
+
+
+# What schema.sql declares, by kind and name.
+DECLARED = {
+    "function": re.compile(r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.MULTILINE),
+    "type": re.compile(r"^CREATE TYPE workpump\.(\w+)\b", re.MULTILINE),
+    "sequence": re.compile(r"^CREATE SEQUENCE workpump\.(\w+)\b", re.MULTILINE),
+    "trigger": re.compile(r"^CREATE TRIGGER (\w+) .*? ON (\w+)", re.MULTILINE),
+}
+INSTALLED = {
+    "function": "SELECT proname FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace",
+    "type": "SELECT typname FROM pg_type WHERE typnamespace = 'workpump'::regnamespace"
+    " AND typtype = 'c' AND typrelid IN (SELECT oid FROM pg_class WHERE relkind = 'c')",
+    "sequence": "SELECT sequencename FROM pg_sequences WHERE schemaname = 'workpump'",
+    "trigger": "SELECT t.tgname || ' ON ' || c.relname FROM pg_trigger t"
+    " JOIN pg_class c ON c.oid = t.tgrelid"
+    " WHERE NOT t.tgisinternal AND c.relname LIKE 'workpump%%'",
+}
+
+
+def declared() -> dict[str, Counter[str]]:
+    """(kind -> how many times each name is declared) in schema.sql."""
+    text = read("schema.sql")
+    return {
+        kind: Counter(" ON ".join(m.groups()) for m in pattern.finditer(text))
+        for kind, pattern in DECLARED.items()
+    }
+
+
+@pytest.mark.django_db
+def test_migrate_installs_what_schema_sql_declares_and_nothing_else():
+    installed = {}
+    with connection.cursor() as cursor:
+        for kind, query in INSTALLED.items():
+            cursor.execute(query)
+            installed[kind] = Counter(name for (name,) in cursor.fetchall())
+    expected = declared()
+    assert all(expected.values()), "the patterns found nothing in schema.sql"
+    # the tables and their indexes belong to the models, never to schema workpump
+    relations = "SELECT count(*) FROM pg_class WHERE relnamespace = 'workpump'::regnamespace"
+    assert scalar(relations + " AND relkind NOT IN ('S', 'c')") == 0
+    for kind in DECLARED:
+        assert installed[kind] == expected[kind], f"{kind}s: {DISAGREE}"

@@ -254,8 +254,8 @@ def test_claim_work_has_the_documented_parameters_all_defaulted_but_the_instance
     ]:
         assert name in names
     assert names[0] == "p_instance_id"
-    # v5 appended p_topics after p_now, v11 p_topic_prefixes after it and v15
-    # p_stream_run_max after that, so earlier positional callers keep working
+    # the topic filters and the run size come after p_now, so a positional caller that
+    # stops at p_now keeps working
     assert names[-4:] == ["p_now", "p_topics", "p_topic_prefixes", "p_stream_run_max"]
     assert args[0] == "p_instance_id uuid"
     assert all(" DEFAULT " in a for a in args[1:]), args
@@ -945,107 +945,11 @@ def test_claiming_only_the_named_categories():
     assert row("inbox", inbox)["instance_id"] is None
 
 
-# --- the migration ------------------------------------------------------------------------
-
-CATEGORY_CLAIMS = [f"claim_{category}" for category in CATEGORIES]
+# --- claims on a connection of their own ---------------------------------------------------
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_v9_migration_reverses_to_the_v7_claim_and_applies_again(scratch_database):
-    scratch_url = scratch_database.url
-    migrate = scratch_database.migrate
-
-    def claim_shape() -> dict[str, Any]:
-        """The claim functions present, what claim_work calls, and one claim's result."""
-        with psycopg.connect(scratch_url) as conn, conn.transaction(force_rollback=True):
-            names = [
-                name
-                for (name,) in conn.execute(
-                    "SELECT proname FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                    " AND proname LIKE 'claim%%' ORDER BY proname"
-                )
-            ]
-            body, config = conn.execute(
-                "SELECT prosrc, proconfig FROM pg_proc"
-                " WHERE pronamespace = 'workpump'::regnamespace AND proname = 'claim_work'"
-            ).fetchone()
-            conn.execute("SELECT workpump.send('emails.welcome', '{\"n\": 1}', 's-1')")
-            conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])
-            claimed = conn.execute(
-                "SELECT category, topic, stream, attempts FROM workpump.claim_work(%s)", [A]
-            ).fetchall()
-        return {
-            "functions": names,
-            "calls_per_category": "claim_outbox(" in body,
-            "pinned": config[0].startswith("search_path=pg_catalog"),
-            "claimed": claimed,
-        }
-
-    claimed = [("outbox", "emails.welcome", "s-1", 1)]
-    migrate()
-    current = claim_shape()
-    assert current == {
-        "functions": sorted([*CATEGORY_CLAIMS, "claim_topics", "claim_work"]),
-        "calls_per_category": True,
-        "pinned": True,
-        "claimed": claimed,
-    }
-    migrate("workpump", "0012")
-    assert claim_shape() == {
-        "functions": ["claim_category", "claim_topics", "claim_work"],
-        "calls_per_category": False,
-        "pinned": True,
-        "claimed": claimed,
-    }
-    migrate()
-    assert claim_shape() == current
-
-
-@pytest.mark.django_db(transaction=True)
-def test_the_v19_migration_reverses_to_the_v16_claim_and_applies_again(scratch_database):
-    def claim_shape() -> dict[str, Any]:
-        with scratch_database.connect() as conn:
-            body, chosen_config = conn.execute(
-                "SELECT (SELECT prosrc FROM pg_proc WHERE proname = 'claim_work'"
-                "        AND pronamespace = 'workpump'::regnamespace),"
-                "       (SELECT proconfig FROM pg_proc WHERE proname = 'any_topic_chosen'"
-                "        AND pronamespace = 'workpump'::regnamespace)"
-            ).fetchone()
-            conn.execute("SELECT workpump.send('emails.welcome', '{\"n\": 1}', 's-1')")
-            conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])
-            claimed = conn.execute(
-                "SELECT topic, stream FROM workpump.claim_work(%s,"
-                ' p_topics => \'{"outbox": ["emails.welcome"]}\')',
-                [A],
-            ).fetchall()
-            conn.execute("TRUNCATE workpump_outbox, workpump_active_stream")
-        return {
-            "calls_claim_topics": "claim_topics(" in body,
-            "calls_live_instances": "live_instances(" in body,
-            "any_topic_chosen_config": chosen_config,
-            "claimed": claimed,
-        }
-
-    claimed = [("emails.welcome", "s-1")]
-    scratch_database.migrate("workpump", "0026")
-    v19 = {
-        "calls_claim_topics": False,
-        "calls_live_instances": False,
-        "any_topic_chosen_config": None,
-        "claimed": claimed,
-    }
-    assert claim_shape() == v19
-    scratch_database.migrate("workpump", "0025")
-    v16 = claim_shape()
-    assert v16["calls_claim_topics"] and v16["calls_live_instances"]
-    assert v16["any_topic_chosen_config"][0].startswith("search_path=pg_catalog, public")
-    assert v16["claimed"] == claimed
-    scratch_database.migrate("workpump", "0026")
-    assert claim_shape() == v19
-
-
-@pytest.mark.django_db(transaction=True)
-def test_the_v20_migration_plans_claims_once_per_session_and_reverses(scratch_database):
+def test_the_claims_are_planned_once_per_session_and_claim_every_shape(scratch_database):
     claims = ["claim_inbox", "claim_outbox", "claim_perspective_event", "claim_receptor"]
 
     def settings() -> dict[str, list[str]]:
@@ -1090,21 +994,15 @@ def test_the_v20_migration_plans_claims_once_per_session_and_reverses(scratch_da
         [("emails.welcome", None)] * 2,
     ]
     once_per_session = {name: ["plan_cache_mode=force_generic_plan", "jit=off"] for name in claims}
-    scratch_database.migrate("workpump", "0027")
+    scratch_database.migrate()
     assert settings() == once_per_session
     assert claims_in_one_session() == expected
-    scratch_database.migrate("workpump", "0026")
-    assert settings() == {name: [] for name in claims}
-    assert claims_in_one_session() == expected
-    scratch_database.migrate("workpump", "0027")
-    assert settings() == once_per_session
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_v21_migration_claims_and_refuses_as_v20_did_and_reverses(scratch_database):
-    """v21 reads its inputs in one statement, skips the probes for a lone category and
-    returns each category's rows as they come: the same claims, has_more and refusals as
-    v20, in the same order of calls on the same rows."""
+def test_claim_work_claims_and_refuses_in_order_of_calls(scratch_database):
+    """The claims, has_more and refusals of a sequence of calls on the same rows, with the
+    category rotation fixed."""
     C = uuid.UUID("00000000-0000-0000-0000-00000000000c")
     emails = json.dumps({"outbox": ["emails.welcome"]})
     both = json.dumps({"outbox": ["emails.welcome"], "inbox": ["stripe.webhook"]})
@@ -1142,7 +1040,7 @@ def test_the_v21_migration_claims_and_refuses_as_v20_did_and_reverses(scratch_da
                 arguments = dict(arguments)
                 instance = arguments.pop("instance", A)
                 names = "".join(f", {name} => %({name})s" for name in arguments)
-                # the same rotation for every version (v20 turned it for one category too)
+                # a fixed rotation, so which category comes first is known
                 conn.execute("SELECT setval('workpump.claim_rotation_seq', 2, false)")
                 try:
                     with conn.transaction():
@@ -1182,29 +1080,19 @@ def test_the_v21_migration_claims_and_refuses_as_v20_did_and_reverses(scratch_da
         ),
         "unregistered": ("WP001", f"claim_work refused instance {C}: it is not registered."),
     }
-    scratch_database.migrate("workpump", "0028")
-    v21 = outcomes()
-    evicted = v21.pop("evicted")
-    assert v21 == expected
+    scratch_database.migrate()
+    seen = outcomes()
+    evicted = seen.pop("evicted")
+    assert seen == expected
     assert evicted[0] == "WP001"
     assert evicted[1].startswith(f"claim_work refused instance {B}: it was evicted at ")
-    scratch_database.migrate("workpump", "0027")
-    v20 = outcomes()
-    assert v20.pop("evicted")[0] == "WP001"
-    assert v20 == expected
-    scratch_database.migrate("workpump", "0028")
-    v21 = outcomes()
-    assert v21.pop("evicted")[0] == "WP001"
-    assert v21 == expected
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_v22_migration_leases_what_v21_leased_in_the_same_order_and_reverses(
-    scratch_database,
-):
-    """v22 leases the heads in one statement and their runs in a second, only when a
-    head has a stream: the same rows, order, parked rows and owned streams as one
-    statement did, for plain rows, stream runs, dead heads, expired leases and peers."""
+def test_claim_work_leases_heads_and_runs_in_order_across_calls(scratch_database):
+    """Plain rows, stream runs, dead heads, expired leases and peers over a sequence of
+    claims: the rows leased, their order, the parked rows and the owned streams; the same
+    again on a second run."""
     claims = [
         # (instance, max rows, stream run max, topics)
         (A, 3, 100, None),  # plain rows and a stream run, the budget cut inside the run
@@ -1237,7 +1125,7 @@ def test_the_v22_migration_leases_what_v21_leased_in_the_same_order_and_reverses
                 " '1 s', p_priority => 3)"
             )
             # A row without a stream is partitioned by its random id: number the
-            # partitions in sending order, so each version sees the same shares
+            # partitions in sending order, so each run sees the same shares
             conn.execute(
                 "UPDATE workpump_outbox SET partition_number ="
                 " seq - (SELECT min(seq) FROM workpump_outbox) WHERE stream IS NULL"
@@ -1275,16 +1163,13 @@ def test_the_v22_migration_leases_what_v21_leased_in_the_same_order_and_reverses
             )
         return seen
 
-    scratch_database.migrate("workpump", "0029")
-    v22 = outcomes()
-    first = v22[0]
+    scratch_database.migrate()
+    seen = outcomes()
+    first = seen[0]
     # the retry that fell due first (a timer), then this instance's share, in the budget
     assert len(first) == 3
     assert first[0][0] == "emails.later"
-    assert any(row[2] == "order-0" for claim in v22[:5] for row in claim)
-    assert ("emails.once", {}, None, 1, None, True, "max_attempts") in v22[5]
-    assert {stream for stream, _ in v22[6]} == {"order-0", "order-1"}
-    scratch_database.migrate("workpump", "0028")
-    assert outcomes() == v22
-    scratch_database.migrate("workpump", "0029")
-    assert outcomes() == v22
+    assert any(row[2] == "order-0" for claim in seen[:5] for row in claim)
+    assert ("emails.once", {}, None, 1, None, True, "max_attempts") in seen[5]
+    assert {stream for stream, _ in seen[6]} == {"order-0", "order-1"}
+    assert outcomes() == seen

@@ -374,33 +374,3 @@ def test_cancel_notifies_the_holder_on_commit():
     assert sorted(message["work"]) == sorted(
         [str(work_id), str(tokens[work_id])] for work_id in work_ids[:2]
     )
-
-
-# --- the migration -----------------------------------------------------------------------
-
-
-def test_the_v14_migration_reverses_and_applies_again(scratch_database):
-    def v14_state() -> tuple[bool, bool, int, int]:
-        """(end_state column, cancel_work, state_of arguments, fail_work arguments)."""
-        with scratch_database.connect() as conn:
-            column = conn.execute(
-                "SELECT EXISTS (SELECT 1 FROM information_schema.columns"
-                " WHERE table_name = 'workpump_outbox' AND column_name = 'end_state')"
-            ).fetchone()[0]
-            cancel_work = conn.execute("SELECT to_regproc('workpump.cancel_work') IS NOT NULL")
-            args = [
-                conn.execute(
-                    "SELECT pronargs FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                    " AND proname = %s",
-                    [name],
-                ).fetchone()[0]
-                for name in ("state_of", "fail_work")
-            ]
-            return column, cancel_work.fetchone()[0], *args
-
-    scratch_database.migrate("workpump", "0020")
-    assert v14_state() == (True, True, 8, 10)
-    scratch_database.migrate("workpump", "0019")
-    assert v14_state() == (False, False, 7, 9)
-    scratch_database.migrate("workpump", "0020")
-    assert v14_state() == (True, True, 8, 10)

@@ -218,31 +218,3 @@ def test_the_probe_ignores_the_instance_that_asks():
 def test_the_probe_refuses_bad_parameters_with_their_names(stale, dead, grace):
     with pytest.raises(DataError, match="next_eviction_in needs"), transaction.atomic():
         scalar("SELECT workpump.next_eviction_in(%s, %s, %s, %s)", [H, stale, dead, grace])
-
-
-# --- the migration ------------------------------------------------------------------------
-
-
-def test_the_v4_migration_reverses_to_the_v3_functions_and_applies_again(scratch_database):
-    scratch_url = scratch_database.url
-    migrate = scratch_database.migrate
-
-    def v4_present() -> tuple[bool, bool]:
-        """Whether the probe exists, and whether the heartbeat stamps a missing lock."""
-        with psycopg.connect(scratch_url) as conn:
-            probe = conn.execute(
-                "SELECT count(*) FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                " AND proname IN ('next_eviction_in', 'instance_evictable')"
-            ).fetchone()[0]
-            body = conn.execute(
-                "SELECT prosrc FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                " AND proname = 'record_heartbeat'"
-            ).fetchone()[0]
-        return probe == 2, "alive_lock_lost_at = CASE" in body
-
-    migrate()
-    assert v4_present() == (True, True)
-    migrate("workpump", "0006")
-    assert v4_present() == (False, False)
-    migrate()
-    assert v4_present() == (True, True)

@@ -16,7 +16,6 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-import psycopg
 import pytest
 from django.db import DatabaseError, DataError, transaction
 from django.test import override_settings
@@ -440,40 +439,3 @@ def test_the_guard_probes_use_the_partial_indexes_with_topics_too(raw_connect):
     for prefix in ("wp_outbox", "wp_inbox", "wp_persp", "wp_receptor"):
         for kind in ("ready", "timer"):
             assert f"using {prefix}_{kind} on" in text, (prefix, kind)
-
-
-# --- the migration ------------------------------------------------------------------------
-
-
-def test_the_v7_migration_reverses_to_the_v1_functions_and_applies_again(scratch_database):
-    scratch_url = scratch_database.url
-    migrate = scratch_database.migrate
-
-    def shape() -> dict[str, Any]:
-        with psycopg.connect(scratch_url) as conn:
-            functions = dict(
-                conn.execute(
-                    "SELECT proname, pg_get_function_identity_arguments(oid) FROM pg_proc"
-                    " WHERE pronamespace = 'workpump'::regnamespace AND proname = ANY (%s)",
-                    [["claim_work", "complete_work", "renew_leases", "check_instance"]],
-                ).fetchall()
-            )
-            columns = conn.execute(
-                "SELECT count(*) FROM information_schema.columns"
-                " WHERE column_name = 'lease_token' AND table_name LIKE 'workpump_%%'"
-            ).fetchone()
-        return {"functions": functions, "lease_token_columns": columns[0] if columns else 0}
-
-    migrate()
-    current = shape()
-    assert "p_lease_tokens uuid[]" in current["functions"]["complete_work"]
-    assert "p_topics jsonb" in current["functions"]["claim_work"]
-    assert current["lease_token_columns"] == 5  # four work tables and task attempts
-    migrate("workpump", "0009")
-    before = shape()
-    assert "check_instance" not in before["functions"]
-    assert "p_lease_tokens" not in before["functions"]["complete_work"]
-    assert "p_topics" not in before["functions"]["claim_work"]
-    assert before["lease_token_columns"] == 0
-    migrate()
-    assert shape() == current

@@ -198,26 +198,3 @@ def test_the_coordinators_reap_waits_out_the_grace_only_in_lock_mode(mode, evict
     with override_settings(WORKPUMP=settings):
         coordinator = DatabaseCoordinator(InstanceIdentity(service_name="reaper"))
         assert coordinator.reap_stale() == ([A] if evicted else [])
-
-
-# --- the migration ------------------------------------------------------------------------
-
-
-def test_the_v3_migration_reverses_to_the_v1_functions_and_applies_again(scratch_database):
-    scratch_url = scratch_database.url
-    migrate = scratch_database.migrate
-
-    def heartbeat_arguments() -> int:
-        with psycopg.connect(scratch_url) as conn:
-            row = conn.execute(
-                "SELECT pronargs FROM pg_proc"
-                " WHERE pronamespace = 'workpump'::regnamespace AND proname = 'record_heartbeat'"
-            ).fetchall()
-        return row[0][0] if len(row) == 1 else -len(row)
-
-    migrate()
-    assert heartbeat_arguments() == 9
-    migrate("workpump", "0005")
-    assert heartbeat_arguments() == 8
-    migrate()
-    assert heartbeat_arguments() == 9

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from django.db import connection, transaction
 from django.test import override_settings
@@ -611,46 +610,3 @@ def test_a_runworkpump_process_continues_the_trace_of_a_producer_in_another(
     assert failed["status"]["status_code"] == "ERROR"
     assert [event["name"] for event in failed["events"]] == ["exception"]
     assert failed["events"][0]["attributes"]["exception.message"] == "trace.fail always fails"
-
-
-# -- the migration -----------------------------------------------------------------------
-
-
-def test_the_v13_migration_reverses_and_applies_again(scratch_database):
-    def v13_state() -> tuple[int, int, int, bool, int]:
-        """(arguments of send, receive, emit; outbox.headers; attributes of leased_work)."""
-        with psycopg.connect(scratch_database.url) as conn:
-            send, receive, emit = (
-                conn.execute(
-                    "SELECT pronargs FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                    " AND proname = %s",
-                    [name],
-                ).fetchone()[0]
-                for name in ("send", "receive", "emit")
-            )
-            column = conn.execute(
-                "SELECT count(*) = 4 FROM information_schema.columns WHERE column_name = "
-                "'headers' AND table_name IN ('workpump_outbox', 'workpump_inbox',"
-                " 'workpump_perspective_event', 'workpump_receptor_processing')"
-            ).fetchone()[0]
-            attributes = conn.execute(
-                "SELECT count(*) FROM pg_attribute WHERE attrelid = "
-                "'workpump.leased_work'::regclass AND attnum > 0 AND NOT attisdropped"
-            ).fetchone()[0]
-            # the claim works either way
-            instance = uuid.uuid4()
-            conn.execute("SELECT workpump.record_heartbeat(%s, 'test', 'host', 1)", [instance])
-            conn.execute("SELECT workpump.send('x', '{}'::jsonb)")
-            claimed = conn.execute(
-                "SELECT count(*) FROM workpump.claim_work(%s)", [instance]
-            ).fetchone()[0]
-            assert claimed == 1
-            conn.rollback()
-            return send, receive, emit, column, attributes
-
-    scratch_database.migrate("workpump", "0018")
-    assert v13_state() == (15, 16, 14, True, 14)
-    scratch_database.migrate("workpump", "0017")
-    assert v13_state() == (14, 15, 13, False, 13)
-    scratch_database.migrate("workpump", "0018")
-    assert v13_state() == (15, 16, 14, True, 14)

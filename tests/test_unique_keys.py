@@ -250,30 +250,3 @@ def test_racing_producers_leave_one_row_per_key_even_when_the_first_rolls_back(
     else:
         assert set(results.values()) == {rows[0]["id"]}
         assert rolled_back_id != rows[0]["id"]
-
-
-def test_the_v10_migration_reverses_and_applies_again(scratch_database):
-    def v10_state() -> tuple[int, int, int, bool, bool]:
-        """(arguments of send, receive, emit; outbox.unique_key; subscription table)."""
-        with scratch_database.connect() as conn:
-            send, receive, emit = (
-                conn.execute(
-                    "SELECT pronargs FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
-                    " AND proname = %s",
-                    [name],
-                ).fetchone()[0]
-                for name in ("send", "receive", "emit")
-            )
-            column = conn.execute(
-                "SELECT EXISTS (SELECT 1 FROM information_schema.columns"
-                " WHERE table_name = 'workpump_outbox' AND column_name = 'unique_key')"
-            ).fetchone()[0]
-            table = conn.execute("SELECT to_regclass('workpump_subscription') IS NOT NULL")
-            return send, receive, emit, column, table.fetchone()[0]
-
-    scratch_database.migrate("workpump", "0014")
-    assert v10_state() == (14, 15, 13, True, True)
-    scratch_database.migrate("workpump", "0013")
-    assert v10_state() == (10, 11, 9, False, False)
-    scratch_database.migrate("workpump", "0014")
-    assert v10_state() == (14, 15, 13, True, True)
