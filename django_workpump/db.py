@@ -970,7 +970,7 @@ def evict_instance(
     return int(_scalar("evict_instance", params, using))
 
 
-# -- periodic schedules (sql/v8/periodic.sql) ----------------------------------------
+# -- periodic schedules (their functions in sql/schema.sql) -------------------------------
 
 
 @dataclass(frozen=True)

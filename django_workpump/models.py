@@ -459,7 +459,7 @@ CATCH_UP_CHOICES = [
 class PeriodicSchedule(models.Model):
     """A periodic schedule as last registered by a pump, and the slot it fired last.
 
-    Rows are written by the SQL functions of ``sql/v8/periodic.sql`` (registered at pump
+    Rows are written by the periodic SQL functions of ``sql/schema.sql`` (registered at pump
     start, advanced by ``fire_periodic``); a schedule removed from the code keeps its row.
     """
 

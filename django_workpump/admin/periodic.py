@@ -1,6 +1,6 @@
 """The admin of periodic schedules: rule, next fire time, last slot, and a pause switch.
 
-Rows are written by the SQL functions of sql/v8/periodic.sql only. The pause switch (the
+Rows are written by the periodic SQL functions of sql/schema.sql only. The pause switch (the
 list's checkbox and the two actions) goes through ``workpump.pause_periodic``, so it
 never writes back a last slot read before a pump advanced it (docs/periodic.md).
 """

@@ -99,8 +99,8 @@ REQUIRED_FUNCTIONS = (
     "release_work",
     "record_heartbeat",
     "cleanup_stale_instances",
-    "next_eviction_in",  # schema v4: an older schema must be migrated first
-    "check_lease_tokens",  # schema v7: claims by topic, lease tokens
+    "next_eviction_in",
+    "check_lease_tokens",
     "deregister_instance",
 )
 

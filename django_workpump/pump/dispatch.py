@@ -1114,9 +1114,9 @@ class Dispatcher:
         """``write()``, retried after a transient error while the leases of ``jobs`` last.
 
         Transient: the connection was lost (the server restarting, say), or the server
-        broke a deadlock by rolling this write back (since schema v18 the pump's own
-        writes do not deadlock each other, but an operator's action or an application's
-        transaction can still hold the rows). Given up, the rows would wait for their
+        broke a deadlock by rolling this write back (the pump's own writes do not
+        deadlock each other, but an operator's action or an application's transaction
+        can hold the rows). Given up, the rows would wait for their
         leases to run out. Other errors, and the last one, are raised.
         """
         delay = WRITE_RETRY_FIRST_SECONDS

@@ -326,7 +326,7 @@ LIMIT %(limit)s
 -- name: evict_instance
 SELECT workpump.evict_instance(p_instance_id => %(instance_id)s, p_reason => %(reason)s)
 
--- Periodic schedules (sql/v8/periodic.sql, docs/periodic.md).
+-- Periodic schedules (their functions in schema.sql, docs/periodic.md).
 
 -- name: upsert_periodic
 SELECT workpump.upsert_periodic(

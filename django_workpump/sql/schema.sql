@@ -1,19 +1,19 @@
 -- The workpump schema as it is now, whole: read this file to know what a function does.
 --
--- The migrations build the same schema from delta files, sql/v<N>/*.sql, applied in
--- order (a later version drops or replaces functions of an earlier one). Every change
--- to the schema is a new migration with its own delta file AND the same change here;
--- released delta files are never edited. tests/test_schema.py builds one database with
--- the migrations and one with this file and fails when their catalogs differ.
+-- The schema migration (migrations/0002_schema.py) loads this file whole, in one
+-- statement, on a database whose tables the model migration created. Until 0.1.0 is
+-- released a change to the schema is made here alone; after that, here AND in a delta,
+-- sql/deltas/<version>.sql, with a migration that loads it (docs/design-decisions.md).
+-- tests/test_schema.py builds one database with the migrations and one with the model
+-- migration and this file, and fails when their catalogs differ.
 --
 -- Not here: the tables, their indexes and their constraints. Django's model migrations
 -- create them (django_workpump/models.py), and this file expects them to exist; what it
 -- adds to them is the insert triggers of the four work tables.
 --
 -- Functions say SET search_path FROM CURRENT, and the statement at the end pins each of
--- them to pg_catalog, <the schema of the tables>, pg_temp, as the migrations do. (The
--- few pure expressions that name no table set no search_path, so the planner can
--- inline them.)
+-- them to pg_catalog, <the schema of the tables>, pg_temp. (The few pure expressions
+-- that name no table set no search_path, so the planner can inline them.)
 
 -- --------------------------------------------------------------------------------------
 -- The schema and its sequences
@@ -1220,9 +1220,8 @@ END
 $$;
 
 -- The short-cadence probe: note alive-lock changes, then say whether any instance other
--- than p_instance_id has a heartbeat older than the stale cutoff. The pump now probes
--- with next_eviction_in; this one stays for instances of an older release during a
--- rolling deploy.
+-- than p_instance_id has a heartbeat older than the stale cutoff. (The pump probes with
+-- next_eviction_in, which also says when.)
 CREATE FUNCTION workpump.stale_peer_exists(
     p_instance_id uuid,
     p_stale_after_seconds integer,
@@ -2743,14 +2742,14 @@ RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_
 -- one category's claim statement is its own probe. Either way an idle claim writes nothing.
 -- headers are the row's, as its producer stored them (NULL when none). created_at is the
 -- row's; due_at is when it became claimable: the expiry of the lease this claim took
--- over, else when its retry or deferral fell due, else created_at (schema version 16).
+-- over, else when its retry or deferral fell due, else created_at.
 -- has_more is true on the rows of a category that filled its share of the budget (the
 -- caller should poll again at once); a NOTICE 'workpump.has_more=true' says the same.
 -- Each category's rows are leased by its own function: claim_outbox, claim_inbox,
 -- claim_perspective_event, claim_receptor. With p_stream_run_max > 1 a stream head is
 -- leased with a run: up to that many rows in all, the head and the consecutive rows that
 -- follow it and could be leased now, each with its own token, returned together in stream
--- order; the runs' rows count against p_max_rows (schema version 15).
+-- order; the runs' rows count against p_max_rows.
 CREATE FUNCTION workpump.claim_work(
     p_instance_id uuid,
     p_max_rows integer DEFAULT 100,
