@@ -1,5 +1,5 @@
 """What the queue-wait metric adds to a claim: the claim's own ``created_at``/``due_at``
-columns (schema version 16) versus the lookup that version 15 ran after the claim.
+columns versus a lookup of them after the claim.
 
 Run against a migrated database (it writes rows, so not a production one)::
 
@@ -9,15 +9,14 @@ It registers an instance, inserts ``--backlog`` pending outbox rows, then times 
 query claiming ``--batch`` rows, alternating, ``--rounds`` times each; every claim runs in
 a transaction that is rolled back, so each one sees the same backlog. The queries:
 
-- ``plain``: ``claim_work`` with the columns of version 15 (no times);
-- ``returned``: ``claim_work`` with ``created_at`` and ``due_at`` (version 16 on; the
-  named query ``claim_work``);
-- ``lookup``: version 15's ``claim_work_due_at``: the claim, then one probe of the work
-  id's unique index per claimed row for its times.
+- ``plain``: ``claim_work`` without the times;
+- ``returned``: ``claim_work`` with ``created_at`` and ``due_at`` (the named query
+  ``claim_work``);
+- ``lookup``: the claim without the times, then one probe of the work id's unique index
+  per claimed row for them.
 
-Prints the median and p90 milliseconds of each and the differences per claimed row. On
-a database at schema version 15 (``migrate workpump 0021``) only ``plain`` and
-``lookup`` run. Rows it inserted are deleted at the end.
+Prints the median and p90 milliseconds of each and the differences per claimed row.
+Rows it inserted are deleted at the end.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ V15_COLUMNS = (
 QUERIES = {
     "plain": f"SELECT {V15_COLUMNS} FROM workpump.claim_work({ARGUMENTS})",
     "returned": f"SELECT {V15_COLUMNS}, created_at, due_at FROM workpump.claim_work({ARGUMENTS})",
-    # schema version 15's named query claim_work_due_at, as it was
+    # the times looked up per claimed row, after the claim
     "lookup": f"""
 SELECT c.category, c.work_id, c.topic, c.payload, c.stream, c.attempts, c.max_attempts,
        c.lease_expiry, c.event_id, c.event_type, c.priority, c.claimed_at, c.lease_token,

@@ -652,7 +652,7 @@ def render(results: dict[str, Any]) -> str:
         "every call; it is static SQL per category since schema v9 (`claim_outbox` and its "
         "siblings). A claim woken by a NOTIFY meets an idle server backend, where each "
         "statement costs two to three times its price back to back, so schema v19 "
-        "(`sql/v19/claim.sql`) reads the topics and the rank in one statement each. Static "
+        "reads the topics and the rank in one statement each. Static "
         "SQL was still planned on every call (its generic plan looked too costly to keep); "
         "schema v20 keeps one plan per session, and the claim commits without waiting for "
         "its WAL flush (`CLAIM_SYNCHRONOUS_COMMIT`). Schema v21 reads everything the claim "
