@@ -1,4 +1,4 @@
-"""Payloads checked at the door and decoded one row at a time (schema v5).
+"""Payloads checked at the door and decoded one row at a time.
 
 The SQL producers refuse payloads over ``p_max_payload_bytes`` or nested deeper than
 ``p_max_payload_depth``; the Python producers refuse what PostgreSQL cannot store (NUL,
@@ -61,7 +61,7 @@ def sql_error(query: str, params: Any = None) -> psycopg.Error:
 
 
 def insert_outbox(payload_text: str, destination: str = "pl.good") -> uuid.UUID:
-    """An outbox row written past the producers (as before schema v5, or by an INSERT)."""
+    """An outbox row written past the producers, by a plain INSERT."""
     return scalar(  # type: ignore[no-any-return]
         "INSERT INTO workpump_outbox (message_id, destination, payload, partition_number)"
         " VALUES (gen_random_uuid(), %s, %s::jsonb, 0) RETURNING message_id",

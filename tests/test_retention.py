@@ -1,4 +1,4 @@
-"""Nothing grows without bound: dead rows, received message ids, task attempts (schema v6).
+"""Nothing grows without bound: dead rows, received message ids, task attempts.
 
 The SQL purges run in the test's transaction on real PostgreSQL; the maintenance pass
 runs them in turn until each has caught up with its backlog.

@@ -1,4 +1,4 @@
-"""Snooze, Discard, a handler's own retry delays and cancellation in SQL (schema v14).
+"""Snooze, Discard, a handler's own retry delays and cancellation in SQL.
 
 snooze_work, discard_work, fail_work's p_retry_delays, cancel_work and renew_leases'
 'cancelled' answer, on real rows produced and claimed through the SQL API, with the

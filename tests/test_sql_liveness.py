@@ -496,7 +496,7 @@ def late_outcomes(
 
 
 LOST = {
-    "renew": "refused",  # an evicted instance may not renew at all (schema v7)
+    "renew": "refused",  # an evicted instance may not renew at all
     "complete": [{"status": "lost"}],
     "fail": [{"status": "lost"}],
     "release": [{"status": "lost"}],

@@ -1,9 +1,9 @@
-"""Stream runs in SQL: claim_work's p_stream_run_max (schema version 15).
+"""Stream runs in SQL: claim_work's p_stream_run_max.
 
 A claim that takes an ordered stream's head can lease the consecutive rows after it too,
 to the same owner, each with its own token; the head hands over to them on completion
 without another claim, and what a run leaves unrun is claimed again, in order. The
-stream keeps its owner while the run goes on (schema version 16).
+stream keeps its owner while the run goes on.
 """
 
 from __future__ import annotations

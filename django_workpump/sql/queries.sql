@@ -1,5 +1,5 @@
 -- Named queries of db.py: each block runs one workpump.* function (or one read), with
--- Django's %(name)s placeholders. Functions themselves live in v<N>/*.sql.
+-- Django's %(name)s placeholders. Functions themselves live in schema.sql.
 
 -- name: send
 SELECT workpump.send(

@@ -383,8 +383,8 @@ def hostile_rows(db: Database, tag: int) -> dict[str, list[uuid.UUID]]:
     """Rows Python cannot decode, each on a stream of its own, by category.
 
     The SQL producers accept the huge numbers (they are shallow and small); the deep
-    payloads are refused by them since schema v5, so they are inserted as an older
-    producer (or a plain INSERT) would have left them.
+    payloads are refused by them, so they are inserted as a plain INSERT would leave
+    them.
     """
     rows: dict[str, list[uuid.UUID]] = {c: [] for c in harness.CATEGORIES}
     stream = f"hostile-{tag}"

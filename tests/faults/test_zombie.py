@@ -72,7 +72,7 @@ def test_a_stopped_instance_is_evicted_and_fenced_out_when_it_wakes(db, make_fle
     output = zombie.output()
     assert code == 3, output  # EXIT_EVICTED
     assert "was evicted by its peers" in output
-    # Its renewals are refused: the instance as a whole (schema v7: it is tombstoned), or
+    # Its renewals are refused: the instance as a whole (it is tombstoned), or
     # row by row when the heartbeat stopped it before the renewal flush went out.
     instance_refused = output.count("renew_leases refused this instance")
     renewals_refused = output.count("refused: the lease was lost")
