@@ -4,9 +4,9 @@ A django.tasks backend with empty QUEUES accepts any queue name, so its rows' to
 (``django.tasks:<alias>:<queue>``) cannot be listed in advance: the claimer passes the
 prefix ``django.tasks:<alias>:`` in ``p_topic_prefixes``. Here: the SQL (each category,
 ready rows and due timers, no LIKE wildcards, bad input), the registry's prefix
-handlers and the topic selection of ``runworkpump --topics/--queues``, the "no live
-handler" report, and the migration both ways. Time comes from p_now; each database test
-runs in a rolled-back transaction.
+handlers and the topic selection of ``runworkpump --topics/--queues``, and the "no live
+handler" report. Time comes from p_now; each database test runs in a rolled-back
+transaction.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ the admin shows such a payload as stored.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import threading
 import uuid
@@ -491,34 +490,3 @@ def test_the_admin_still_indents_a_payload_it_can_decode(admin_client: Client):
     html = admin_client.get(f"/admin/workpump/outbox/{pk}/change/").content.decode()
     assert "cannot be decoded" not in html
     assert "{\n  &quot;a&quot;: &quot;x&quot;,\n  &quot;b&quot;: [\n    1," in html
-
-
-# -- the migration -----------------------------------------------------------------------------
-
-
-@pytest.mark.django_db(transaction=True)
-def test_the_v5_migration_reverses_to_the_v1_producers_and_applies_again(scratch_database):
-    module = importlib.import_module("django_workpump.migrations.0008_functions_v5_payload_limits")
-    ((_, previous),) = module.Migration.dependencies
-    scratch_url = scratch_database.url
-    migrate = scratch_database.migrate
-
-    def producer_arguments() -> dict[str, int]:
-        with psycopg.connect(scratch_url) as conn:
-            rows = conn.execute(
-                "SELECT proname, pronargs FROM pg_proc WHERE pronamespace ="
-                " 'workpump'::regnamespace AND proname IN ('send', 'receive', 'emit',"
-                " 'check_payload') ORDER BY proname"
-            ).fetchall()
-        return dict(rows)
-
-    this = module.__name__.rpartition(".")[2]
-    migrate("workpump", this)
-    assert producer_arguments() == {"check_payload": 5, "emit": 9, "receive": 10, "send": 10}
-    migrate("workpump", previous)
-    assert producer_arguments() == {"emit": 7, "receive": 8, "send": 8}
-    with psycopg.connect(scratch_url) as conn:  # the v1 send works again
-        conn.execute("SELECT workpump.send('pl.good', %s::jsonb)", [nested(300)])
-    migrate("workpump", this)
-    assert producer_arguments() == {"check_payload": 5, "emit": 9, "receive": 10, "send": 10}
-    migrate()
