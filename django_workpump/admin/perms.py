@@ -1,7 +1,7 @@
-"""Per-model checks of the operator permissions (migration 0003).
+"""Per-model checks of the operator permissions (the models' ``Meta.permissions``).
 
 The four work models share the codenames ``retry_work``, ``release_work_lease``,
-``dead_letter_work``, ``requeue_work`` and ``cancel_work`` (migrations 0003, 0011, 0016),
+``force_release_work_lease``, ``dead_letter_work``, ``requeue_work`` and ``cancel_work``,
 so ``user.has_perm("workpump.retry_work")`` alone cannot tell an outbox grant from a
 receptor grant. An action therefore needs the
 permission on its own model's content type, read once per request (one query for every
