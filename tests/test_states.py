@@ -33,6 +33,7 @@ PYTHON_ONLY_REASONS = {
     FailureReason.SHUTDOWN,
     FailureReason.NOT_RETRYABLE,
     FailureReason.TIMEOUT,
+    FailureReason.RELEASED,
 }
 # The functions that report what they did with each row they were given.
 OUTCOME_FUNCTIONS = (
