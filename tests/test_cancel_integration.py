@@ -172,9 +172,7 @@ def test_snooze_discard_and_retry_through_the_pump(outbox_handlers, pump):
 
 
 @override_settings(WORKPUMP=FAST)
-def test_a_handler_that_releases_at_shutdown_leaves_its_row_to_a_later_pump(
-    outbox_handlers, pump
-):
+def test_a_handler_that_releases_at_shutdown_leaves_its_row_to_a_later_pump(outbox_handlers, pump):
     started = threading.Event()
     runs: list[tuple[int, Any]] = []
 

@@ -127,7 +127,7 @@ def test_a_release_of_its_own_accord_counts_the_attempt_and_retries_at_once(run)
         raise workpump.Release()
 
     row = make_row()
-    dispatcher, coordinator = run(handle, [row])
+    _dispatcher, coordinator = run(handle, [row])
 
     assert coordinator.wait_for_call("fail")
     ((work_id, error, reason),) = coordinator.failed
