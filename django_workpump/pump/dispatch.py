@@ -54,6 +54,7 @@ from django_workpump.categories import category as category_meta
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.control import MAX_DELAY_TEXT, Discard, Release, Snooze, named_index
 from django_workpump.db import ClaimedWork, Outcome
+from django_workpump.dead_letters import log_dead_lettered, stored_dead_reason
 from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.middleware import Middleware
 from django_workpump.middleware import wrap as wrap_in_middleware
@@ -205,16 +206,16 @@ def log_failed_attempt(item: FailedAttempt, outcome: Any) -> None:
         + ("" if item.attempt is None else f", attempt {item.attempt}/{item.max_attempts}")
     )
     if status == OutcomeStatus.DEAD:
-        logger.error(
-            "%s %s dead-lettered (%s): %s. It is parked%s until an operator re-queues it: "
-            "manage.py workpump_action requeue %s",
+        log_dead_lettered(
             item.category,
             item.work_id,
-            where,
+            stored_dead_reason(item.reason),
             headline,
-            "" if item.stream is None else " and blocks its stream",
-            item.work_id,
-            extra=fields,
+            topic=item.topic,
+            stream=item.stream,
+            attempt=item.attempt,
+            max_attempts=item.max_attempts,
+            workpump_retry_at=None,
         )
         return
     logger.warning(
@@ -937,6 +938,22 @@ class Dispatcher:
                 self.stats.released += 1
             else:
                 self.stats.failed += 1
+            if outcome.status == OutcomeStatus.DEAD:
+                if what == "dead-lettering":  # (error, reason)
+                    error, reason = args[0], stored_dead_reason(args[1])
+                else:  # a snooze over MAX_SNOOZES on the last attempt
+                    error = "it snoozed more than MAX_SNOOZES times, on its last attempt"
+                    reason = FailureReason.MAX_ATTEMPTS
+                log_dead_lettered(
+                    job.row.category,
+                    job.row.work_id,
+                    reason,
+                    error_headline(error),
+                    topic=job.row.topic,
+                    stream=job.row.stream,
+                    attempt=job.row.attempts,
+                    max_attempts=job.row.max_attempts,
+                )
 
     def _snooze(self, job: _Job, seconds: float) -> list[Any]:
         return self.coordinator.snooze(
@@ -1259,9 +1276,10 @@ class Dispatcher:
             return True
         self._outcome_queued(1, job.row)
         logger.error(
-            "handler of %s %s still running at its lease deadline: abandoned (%d so far)",
+            "handler of %s %s still running at %s: abandoned (%d so far)",
             handle.category,
             handle.work_id,
+            "the end of its timeout" if handle.timed_out else "its lease deadline",
             self.stats.abandoned,
             extra={"action": "abandoned"},
         )
