@@ -34,15 +34,16 @@ MAX_DELAY_TEXT = "100 years (3155760000 s)"
 def _seconds(value: Any, what: str, fix: str, *, bounded: bool = True) -> float:
     """``value`` (seconds or a timedelta) as finite seconds >= 0 (and at most
     ``MAX_DELAY_SECONDS`` when ``bounded``), or ValueError."""
+    given = value
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ValueError(f"{what} must be a number of seconds or a timedelta, not {value!r}; {fix}")
     seconds = float(value)
     if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{what} must be finite and >= 0, not {value!r}; {fix}")
+        raise ValueError(f"{what} must be finite and >= 0, not {given!r}; {fix}")
     if bounded and seconds > MAX_DELAY_SECONDS:
-        raise ValueError(f"{what} must be at most {MAX_DELAY_TEXT}, not {value!r}; {fix}")
+        raise ValueError(f"{what} must be at most {MAX_DELAY_TEXT}, not {given!r}; {fix}")
     return seconds
 
 
