@@ -28,7 +28,8 @@ _CREATE = re.compile(r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.M
 
 
 def _version(path: Path) -> int:
-    return int(path.parent.name.removeprefix("v"))
+    # v23 and v23_<name> (deltas written side by side, folded into one version later)
+    return int(path.parent.name.removeprefix("v").split("_")[0])
 
 
 def descriptions() -> dict[str, tuple[str, str]]:
