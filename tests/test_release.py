@@ -194,3 +194,31 @@ def test_release_is_public_and_takes_no_arguments():
     assert workpump.Release is not None and "Release" in workpump.__all__
     with pytest.raises(TypeError):
         workpump.Release(uuid.uuid4())  # type: ignore[call-arg]
+
+
+@pytest.mark.django_db
+def test_run_pending_treats_a_release_as_the_handlers_own_decision():
+    from django_workpump import models
+    from django_workpump.registry import registry
+    from django_workpump.testing import RunReport, run_pending
+
+    runs: list[int] = []
+
+    @workpump.outbox_handler("release.in.tests")
+    def once_more(work: Work) -> str:
+        runs.append(work.attempts)
+        if len(runs) == 1:
+            raise workpump.Release()
+        return "second time"
+
+    try:
+        work_id = workpump.send("release.in.tests", {})
+        report = RunReport()
+        run_pending(report=report)
+    finally:
+        registry.unregister("outbox", "release.in.tests")
+
+    assert report.released == [work_id]
+    assert runs == [1, 2]  # the first attempt counted, the row claimable again at once
+    row = models.Outbox.objects.get(message_id=work_id)
+    assert (row.attempts, row.result, row.failure_reason) == (2, "second time", "released")
