@@ -4,7 +4,9 @@ Every path that parks a row as dead calls ``log_dead_lettered`` once per row it 
 a failed last attempt (``fail_work``), a ``Retry(on=...)`` that does not name the
 exception, a snooze over ``MAX_SNOOZES`` on the last attempt, an undecodable payload, and
 an operator (``workpump.dead_letter``, ``manage.py workpump_action dead-letter``, the
-admin). Its ``extra`` keys are stable: ``action`` is ``dead_lettered``.
+admin). Its ``extra`` keys are stable: ``action`` is ``dead_lettered``. The claim's own
+parking of a row whose last attempt ended without an outcome happens in SQL and is not
+reported to Python, so it is not logged.
 """
 
 from __future__ import annotations
