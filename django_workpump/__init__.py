@@ -4,8 +4,8 @@ Produce work inside your transaction with ``send``, ``receive`` and ``emit`` (``
 and ``emit_many`` for lists); handle it with the decorators, ``periodic`` schedules it;
 run it with ``manage.py runworkpump``;
 ``retry_now``, ``requeue_dead``, ``dead_letter``, ``release``, ``cancel`` and ``evict``
-are the operator's actions. A handler raises ``Snooze`` or ``Discard`` to steer its row,
-and takes a ``Retry`` policy and a ``timeout`` at registration.
+are the operator's actions. A handler raises ``Snooze``, ``Discard`` or ``Release`` to
+steer its row, and takes a ``Retry`` policy and a ``timeout`` at registration.
 """
 
 from django_workpump.actions import (
@@ -17,7 +17,7 @@ from django_workpump.actions import (
     requeue_dead,
     retry_now,
 )
-from django_workpump.control import Discard, Retry, Snooze
+from django_workpump.control import Discard, Release, Retry, Snooze
 from django_workpump.periodic import InvalidSchedule, periodic
 from django_workpump.producer import (
     Duplicate,
@@ -37,6 +37,7 @@ __all__ = [
     "Duplicate",
     "InvalidSchedule",
     "InvalidWork",
+    "Release",
     "Retry",
     "Snooze",
     "Work",

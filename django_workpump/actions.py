@@ -17,6 +17,7 @@ from typing import Any
 
 from django_workpump import db
 from django_workpump.conf import get_settings, setting
+from django_workpump.dead_letters import log_when_committed
 from django_workpump.registry import CATEGORIES
 
 # The failure_reason column's length.
@@ -109,12 +110,13 @@ def dead_letter(
             f"The dead_letter reason {reason!r} is {len(reason)} characters long, over "
             f"{MAX_REASON_CHARS} (it is stored as the row's failure_reason); shorten it."
         )
-    return _each_category(
-        ids,
-        category,
-        using,
-        lambda c, i, a: db.dead_letter(category=c, ids=i, reason=reason, using=a),
-    )
+
+    def park(found_category: str, found: list[uuid.UUID], alias: str) -> list[uuid.UUID]:
+        parked = db.dead_letter(category=found_category, ids=found, reason=reason, using=alias)
+        log_when_committed(found_category, parked, reason, by="an operator", using=alias)
+        return parked
+
+    return _each_category(ids, category, using, park)
 
 
 def release(

@@ -1,7 +1,8 @@
-"""Handler control flow: ``Snooze``, ``Discard`` and a handler's own ``Retry`` policy.
+"""Handler control flow: ``Snooze``, ``Discard``, ``Release`` and a handler's ``Retry``.
 
-A handler raises ``Snooze(seconds)`` to run again later without spending an attempt, or
-``Discard(reason)`` to end its row as ``discarded``; ``Retry`` (``retry=`` on the
+A handler raises ``Snooze(seconds)`` to run again later without spending an attempt,
+``Discard(reason)`` to end its row as ``discarded``, or ``Release()`` to hand its row back
+unfinished (at a shutdown its attempt is given back); ``Retry`` (``retry=`` on the
 registration decorators) says which exceptions retry, how long to wait, and how many
 attempts a row gets. See docs/control-flow.md.
 """
@@ -17,21 +18,32 @@ from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 
+from django_workpump.storable import storable_text
+
 if TYPE_CHECKING:
     from django_workpump.pump.dispatch import Work
 
 Backoff = Callable[[int, BaseException], float | None]
 
+# The longest wait a Snooze or a Retry backoff may ask for: 100 years. The time it sets
+# must stay a date Python, the admin and PostgreSQL all handle (Python's ends at 9999).
+MAX_DELAY_SECONDS = 100 * 365.25 * 86400
+MAX_DELAY_TEXT = "100 years (3155760000 s)"
 
-def _seconds(value: Any, what: str, fix: str) -> float:
-    """``value`` (seconds or a timedelta) as finite seconds >= 0, or ValueError."""
+
+def _seconds(value: Any, what: str, fix: str, *, bounded: bool = True) -> float:
+    """``value`` (seconds or a timedelta) as finite seconds >= 0 (and at most
+    ``MAX_DELAY_SECONDS`` when ``bounded``), or ValueError."""
+    given = value
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ValueError(f"{what} must be a number of seconds or a timedelta, not {value!r}; {fix}")
     seconds = float(value)
     if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{what} must be finite and >= 0, not {value!r}; {fix}")
+        raise ValueError(f"{what} must be finite and >= 0, not {given!r}; {fix}")
+    if bounded and seconds > MAX_DELAY_SECONDS:
+        raise ValueError(f"{what} must be at most {MAX_DELAY_TEXT}, not {given!r}; {fix}")
     return seconds
 
 
@@ -71,9 +83,29 @@ class Discard(Exception):
                 f"workpump.Discard(reason) needs a non-empty string, not {reason!r}: it is "
                 "stored as the row's last error."
             )
-        self.reason = reason
+        # Stored as the row's last error: NUL and lone surrogates, which PostgreSQL
+        # refuses, become U+FFFD (with a note) here, as in error texts.
+        self.reason = storable_text(reason)
         self.work = work
-        super().__init__(reason)
+        super().__init__(self.reason)
+
+
+class Release(Exception):
+    """Raise to hand this row back unfinished (typically once ``work.cancelled`` is true).
+
+    At a shutdown (``work.cancel_reason == "shutdown"``), or once the lease is no longer
+    this attempt's, the row returns to pending with its attempt given back: a later
+    instance runs it as if this attempt never started. Otherwise (the handler's own
+    decision, or its timeout or lease deadline passed) the attempt counts: the row is
+    retried (at once for the handler's own decision; reason ``released``, or ``timeout`` /
+    ``lease_expired`` at a deadline), or dead when its attempts are used up. After an
+    operator's cancel the row has ended already and nothing is written.
+    In a batch handler it concerns the whole batch: at a shutdown every row is given
+    back; otherwise the first row's attempt counts and the others are given back.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("released by its handler")
 
 
 def named_index(exc: Snooze | Discard, works: Sequence[Work]) -> int:
@@ -146,22 +178,35 @@ class Retry:
         """Whether ``exc`` may be retried under this policy."""
         return self.on is None or isinstance(exc, self.on)
 
-    def delay(self, attempt: int, exc: BaseException) -> float | None:
+    def delay(
+        self,
+        attempt: int,
+        exc: BaseException,
+        on_clamp: Callable[[float], object] | None = None,
+    ) -> float | None:
         """Seconds before the next attempt, or None for the default backoff.
 
         A backoff that raises or returns something other than finite seconds >= 0
-        raises ValueError naming it.
+        raises ValueError naming it. Seconds over ``MAX_DELAY_SECONDS`` are cut to it
+        (``on_clamp`` is called with what the backoff returned): the row waits as long as
+        the product allows rather than looping on a time the database refuses.
         """
         if self.backoff is None:
             return None
         value = self.backoff(attempt, exc)
         if value is None:
             return None
-        return _seconds(
+        seconds = _seconds(
             value,
             f"The value of Retry(backoff={getattr(self.backoff, '__qualname__', self.backoff)})",
             "return seconds >= 0, or None for the default backoff.",
+            bounded=False,
         )
+        if seconds > MAX_DELAY_SECONDS:
+            if on_clamp is not None:
+                on_clamp(seconds)
+            return MAX_DELAY_SECONDS
+        return seconds
 
 
 def check_timeout(timeout: Any, where: str) -> float | None:

@@ -54,6 +54,7 @@ class HandlerOutcome(StrEnum):
     FAIL = "fail"  # raised (or had no handler): fail the attempt
     SNOOZE = "snooze"  # raised workpump.Snooze: run again later, the attempt not spent
     DISCARD = "discard"  # raised workpump.Discard: end the row as discarded
+    RELEASE = "release"  # raised workpump.Release: hand the row back unfinished
     LOST = "lost"  # the lease was lost before an atomic handler could commit
 
 
@@ -93,6 +94,7 @@ class FailureReason(StrEnum):
     MAX_SNOOZES = "max_snoozes"  # it snoozed MAX_SNOOZES times; the next snooze failed
     DISCARDED = "discarded"  # its handler raised workpump.Discard (the row ended)
     CANCELLED = "cancelled"  # an operator cancelled it (the row ended)
+    RELEASED = "released"  # its handler raised workpump.Release outside a shutdown
 
 
 class CancelReason(StrEnum):
@@ -103,3 +105,12 @@ class CancelReason(StrEnum):
     DISPOSED = "disposed"  # the dispatch let go of it
     LOST = "lost"  # the database refused a renewal (another holder, or evicted)
     CANCELLED = "cancelled"  # an operator cancelled the row (workpump.cancel)
+
+
+class StopReason(StrEnum):
+    """Why ``work.cancelled`` turned true, as ``work.cancel_reason`` says it."""
+
+    SHUTDOWN = "shutdown"  # the pump is stopping: raise workpump.Release to hand the row back
+    OPERATOR = "operator"  # an operator cancelled the row (workpump.cancel); it has ended
+    DEADLINE = "deadline"  # the handler's timeout or its lease deadline passed
+    LEASE_LOST = "lease_lost"  # the row is no longer this attempt's (claimed again, evicted)

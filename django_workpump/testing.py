@@ -24,10 +24,11 @@ from django.db import transaction
 from django_workpump import db, producer, tracing
 from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
-from django_workpump.control import Discard, Snooze, named_index
+from django_workpump.control import Discard, Release, Snooze, named_index
 from django_workpump.pump.dispatch import Work, stream_run_key
 from django_workpump.pump.lease import LeaseHandle
 from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
+from django_workpump.states import FailureReason
 from django_workpump.storable import error_text, storable_result
 
 # The instance id run_pending claims as: registered in the test's transaction, like any
@@ -54,6 +55,7 @@ class RunReport:
     failures: list[Failure] = field(default_factory=list)
     snoozed: list[uuid.UUID] = field(default_factory=list)  # raised workpump.Snooze
     discarded: list[uuid.UUID] = field(default_factory=list)  # raised workpump.Discard
+    released: list[uuid.UUID] = field(default_factory=list)  # raised workpump.Release
 
 
 def run_pending(
@@ -205,6 +207,21 @@ def _raised(
             using=alias,
         )
         report.discarded.append(row.work_id)
+        return
+    if isinstance(exc, Release):
+        # As the pump outside a shutdown: the attempt counts, the row is claimable again
+        # at once (a later round runs it; max_attempts bounds a handler that always does).
+        db.fail_work(
+            instance_id=TEST_INSTANCE_ID,
+            category=row.category,
+            ids=[row.work_id],
+            lease_tokens=[row.lease_token],
+            errors=["the handler released the row unfinished"],
+            reasons=[FailureReason.RELEASED],
+            retry_delays=[0.0],
+            using=alias,
+        )
+        report.released.append(row.work_id)
         return
     # As the pump: any other exception fails the attempt.
     db.fail_work(

@@ -705,6 +705,33 @@ def test_dead_letter_parks_undone_rows_and_leaves_done_ones(
     assert dead.failure_reason == "handler_error"
 
 
+def test_dead_letter_by_a_long_username_fits_the_reason_and_logs_each_row(
+    client: Client,
+    world: World,
+    caplog: pytest.LogCaptureFixture,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    username = "o" * 150  # Django's longest username
+    client.force_login(User.objects.create_superuser(username, "o@example.com", "x"))
+    chosen = [world.rows[n] for n in ("pending", "leased_stale")]
+
+    with django_capture_on_commit_callbacks(execute=True):
+        response = run_action(client, OUTBOX_URL, "dead_letter", chosen)
+
+    assert response.status_code == 302
+    for row in chosen:
+        stored = refresh(row).failure_reason
+        assert len(stored) == 40 and stored.startswith("dead-lettered in the admin by ooo")
+        assert stored.endswith("…")
+    errors = [r for r in caplog.records if getattr(r, "action", None) == "dead_lettered"]
+    ids = sorted(str(row.message_id) for row in chosen)
+    assert sorted(r.workpump_id for r in errors) == ids  # one each
+    for record in errors:
+        message = record.getMessage()
+        assert record.levelname == "ERROR" and username in message
+        assert f"manage.py workpump_action requeue {record.workpump_id}" in message
+
+
 def test_requeue_resets_attempts_of_dead_rows_and_keeps_their_error(
     admin_client: Client, world: World
 ) -> None:

@@ -58,6 +58,7 @@ def test_a_running_handler_sees_work_cancelled_and_its_outcome_is_fenced(outbox_
         if work.lease.cancelled.wait(WAIT):
             seen["reason"] = work.lease.cancel_reason
             seen["cancelled"] = work.cancelled
+            seen["why"] = work.cancel_reason
             observed.set()
         return {"late": True}  # reported after the cancel: must not land
 
@@ -71,7 +72,7 @@ def test_a_running_handler_sees_work_cancelled_and_its_outcome_is_fenced(outbox_
 
     assert list(result) == [first] and result.running == [first]
     assert observed.wait(WAIT), "the handler never saw work.cancelled"
-    assert seen == {"reason": CancelReason.CANCELLED, "cancelled": True}
+    assert seen == {"reason": CancelReason.CANCELLED, "cancelled": True, "why": "operator"}
     assert supervisor.gate is not None and supervisor.gate.cancels_received == 1
     # the stream moves on to the next row; the cancelled one keeps no result
     assert wait_until(lambda: ran == [2], WAIT)
@@ -168,3 +169,43 @@ def test_snooze_discard_and_retry_through_the_pump(outbox_handlers, pump):
     assert [a for a in attempts if a[0] == "picky"] == [("picky", 1)]
     assert (dead.failure_reason, dead.max_attempts) == ("not_retryable", 5)
     assert dead.dead_lettered_at is not None
+
+
+@override_settings(WORKPUMP=FAST)
+def test_a_handler_that_releases_at_shutdown_leaves_its_row_to_a_later_pump(outbox_handlers, pump):
+    started = threading.Event()
+    runs: list[tuple[int, Any]] = []
+
+    def long_job(work: Any) -> str:
+        if runs:  # the later pump: finish
+            runs.append((work.attempts, work.cancel_reason))
+            return "finished"
+        runs.append((work.attempts, work.cancel_reason))
+        started.set()
+        for _ in range(int(WAIT * 100)):
+            if work.cancelled:
+                runs.append((work.attempts, work.cancel_reason))
+                raise workpump.Release()
+            work.lease.cancelled.wait(0.01)
+        return "never told"
+
+    outbox_handlers("it.release.shutdown", long_job)
+    work_id = workpump.send("it.release.shutdown", {})
+    first = pump()
+    assert started.wait(WAIT)
+
+    assert first.shutdown() == EXIT_OK
+
+    assert runs == [(1, None), (1, "shutdown")]
+    row = models.Outbox.objects.get(message_id=work_id)
+    # pending again, its attempt given back, nothing recorded against it
+    assert (row.attempts, row.instance_id, row.lease_token) == (0, None, None)
+    assert (row.processed_at, row.dead_lettered_at, row.failure_reason) == (None, None, None)
+    assert (row.result, row.last_error) == (None, None)
+
+    assert drain(pump(drain=True)) == EXIT_OK
+
+    row = models.Outbox.objects.get(message_id=work_id)
+    assert runs[-1] == (1, None)
+    assert (row.attempts, row.result) == (1, "finished")
+    assert row.processed_at is not None and row.dead_lettered_at is None

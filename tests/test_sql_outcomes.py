@@ -625,6 +625,29 @@ def test_a_failure_on_the_last_attempt_parks_the_row_dead(category):
     assert claim(me, FAR_FUTURE) == []
 
 
+@pytest.mark.parametrize(
+    ("reason", "stored"),
+    [
+        ("timeout", "timeout"),
+        ("not_retryable", "not_retryable"),
+        ("undecodable_payload", "undecodable_payload"),
+        ("handler_error", "max_attempts"),
+        ("lease_expired", "max_attempts"),
+        (None, "max_attempts"),
+    ],
+)
+def test_the_last_attempts_reason_is_kept_when_it_says_why_the_row_is_dead(reason, stored):
+    me = uuid.uuid4()
+    work_id = produce("outbox", max_attempts=2)
+    reach_attempt("outbox", work_id, me, 2)
+
+    outcome = fail(me, "outbox", [work_id], ["too slow"], [reason], now=at(20))[work_id]
+
+    assert outcome["status"] == "dead"
+    after = row("outbox", work_id)
+    assert (after["failure_reason"], after["dead_lettered_at"]) == (stored, at(20))
+
+
 def test_a_failure_of_a_row_the_caller_does_not_hold_is_lost():
     me, other = uuid.uuid4(), uuid.uuid4()
     theirs = produce("outbox")

@@ -28,11 +28,9 @@ FAILURE_DEFAULTS = (
 # Reasons only Python writes (passed to fail_work / dead_letter as parameters).
 PYTHON_ONLY_REASONS = {
     FailureReason.NO_HANDLER,
-    FailureReason.UNDECODABLE_PAYLOAD,
     FailureReason.UNSTORABLE_OUTCOME,
     FailureReason.SHUTDOWN,
-    FailureReason.NOT_RETRYABLE,
-    FailureReason.TIMEOUT,
+    FailureReason.RELEASED,
 }
 # The functions that report what they did with each row they were given.
 OUTCOME_FUNCTIONS = (

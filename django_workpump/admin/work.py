@@ -22,6 +22,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from django_workpump import db
+from django_workpump.actions import MAX_REASON_CHARS
 from django_workpump.admin import display
 from django_workpump.admin.base import WorkpumpModelAdmin, pump_database
 from django_workpump.admin.expressions import (
@@ -40,6 +41,7 @@ from django_workpump.admin.expressions import (
 from django_workpump.admin.pagination import EstimatingPaginator
 from django_workpump.admin.perms import has_model_permission
 from django_workpump.conf import get_settings
+from django_workpump.dead_letters import log_when_committed
 from django_workpump.models import (
     ServiceInstance,
     dead_condition,
@@ -53,6 +55,14 @@ from django_workpump.status import STATES
 # The most rows one admin action changes: "select all" over a large table is refused
 # with a message instead of one statement that locks every row.
 MAX_ACTION_ROWS = 1_000
+
+
+def admin_reason(username: str) -> str:
+    """The failure reason of rows a user dead-lettered in the admin, cut to fit its column
+    (the dead-letter's ERROR log line names the user in full)."""
+    reason = f"dead-lettered in the admin by {username}"
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 1] + "…"
+
 
 NEIGHBOURS = 5  # rows shown on each side of a row of an ordered stream
 STUCK = "stuck"
@@ -723,8 +733,16 @@ class WorkAdmin(WorkpumpModelAdmin):
 
     def _dead_letter(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         ids = self._ids(queryset)
-        reason = f"dead-lettered in the admin by {request.user.get_username()}"
+        user = request.user.get_username()
+        reason = admin_reason(user)
         changed = self._run("dead_letter", ids=ids, reason=reason)
+        log_when_committed(
+            self.spec.category,
+            changed,
+            reason,
+            by=f"{user!r} in the admin",
+            using=get_settings()["DATABASE_ALIAS"],
+        )
         if changed:
             self.message_user(
                 request,

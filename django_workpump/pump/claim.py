@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.db import ClaimedWork, InstanceRefused
+from django_workpump.dead_letters import log_dead_lettered
 from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.service import LoopService
@@ -317,7 +318,20 @@ class ClaimWorker(LoopService):
                 if row.work_id in parked_ids:
                     self.metrics.dead_lettered(category, row.topic, UNDECODABLE_PAYLOAD)
             for row, error in zip(group, errors, strict=True):
-                parked = row.work_id in parked_ids
+                if row.work_id in parked_ids:
+                    log_dead_lettered(
+                        category,
+                        row.work_id,
+                        UNDECODABLE_PAYLOAD,
+                        error,
+                        topic=row.topic,
+                        stream=row.stream,
+                        attempt=row.attempts,
+                        max_attempts=row.max_attempts,
+                        fix="it is never run as it is: fix its payload first (the admin "
+                        "shows it as stored) or delete the row",
+                    )
+                    continue
                 fields = {
                     "action": UNDECODABLE_PAYLOAD,
                     "workpump_category": category,
@@ -329,25 +343,14 @@ class ClaimWorker(LoopService):
                     "workpump_reason": str(UNDECODABLE_PAYLOAD),
                     "workpump_error": error,
                 }
-                if parked:
-                    logger.error(
-                        "%s %s dead-lettered (topic %r): %s. It is never run; fix or delete "
-                        "the row (the admin shows its payload as stored)",
-                        category,
-                        row.work_id,
-                        row.topic,
-                        error,
-                        extra=fields,
-                    )
-                else:
-                    logger.warning(
-                        "%s %s (topic %r) not run and its lease was lost: %s",
-                        category,
-                        row.work_id,
-                        row.topic,
-                        error,
-                        extra=fields,
-                    )
+                logger.warning(
+                    "%s %s (topic %r) not run and its lease was lost: %s",
+                    category,
+                    row.work_id,
+                    row.topic,
+                    error,
+                    extra=fields,
+                )
 
     def _refuse(self, reason: str) -> None:
         self.refused = reason

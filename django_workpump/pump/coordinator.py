@@ -299,7 +299,8 @@ class DatabaseCoordinator:
 
         The failure records each row's error under the lease fence; the dead-lettering
         parks at once what would otherwise be retried. A row on its last attempt is parked
-        by the failure itself, with reason ``max_attempts``.
+        by the failure itself (with ``reason`` when it is one ``fail_work`` keeps, such as
+        ``not_retryable`` and ``undecodable_payload``; else ``max_attempts``).
         """
 
         def fail_and_park() -> list[Outcome]:

@@ -22,10 +22,12 @@ outcome is dropped and an atomic handler's transaction rolls back.
 A handler controls its row by raising ``workpump.Snooze`` (``snooze_work``: run again
 later, the attempt not spent) or ``workpump.Discard`` (``discard_work``: the row ends
 discarded); a handler's ``Retry`` policy picks the retry delay or fails a row at once
-(docs/control-flow.md). An operator's ``workpump.cancel`` reaches a running attempt
-through ``cancel_running`` (the NOTIFY gate, or a renewal reporting it cancelled): its
-``work.cancelled`` turns true, an async handler's task is cancelled, and its outcome is
-dropped (the database fences it out anyway).
+(docs/control-flow.md); ``workpump.Release`` hands its row back (``release_work``, the
+attempt given back) when the pump is stopping or the lease is no longer the attempt's,
+and otherwise fails the attempt (it counts). An operator's ``workpump.cancel`` reaches a
+running attempt through ``cancel_running`` (the NOTIFY gate, or a renewal reporting it
+cancelled): its ``work.cancelled`` turns true, an async handler's task is cancelled, and
+its outcome is dropped (the database fences it out anyway).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ from django.db import connections, transaction
 from django_workpump import tracing
 from django_workpump.categories import category as category_meta
 from django_workpump.clock import Clock, SystemClock
-from django_workpump.control import Discard, Snooze, named_index
+from django_workpump.control import MAX_DELAY_TEXT, Discard, Release, Snooze, named_index
 from django_workpump.db import ClaimedWork, Outcome
+from django_workpump.dead_letters import log_dead_lettered, stored_dead_reason
 from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.middleware import Middleware
 from django_workpump.middleware import wrap as wrap_in_middleware
@@ -67,6 +70,7 @@ from django_workpump.states import (
     HandlerOutcome,
     JobState,
     OutcomeStatus,
+    StopReason,
 )
 from django_workpump.storable import (
     ascii_text,
@@ -106,10 +110,36 @@ class Work:
     @property
     def cancelled(self) -> bool:
         """True once the lease deadline (or the handler's timeout) passed, the row was
-        cancelled by an operator, or the pump shuts down: stop early."""
+        cancelled by an operator, or the pump shuts down: stop early (``raise
+        workpump.Release()`` hands the row back unfinished)."""
         return self.lease.cancelled.is_set() or (
             self.stopping is not None and self.stopping.is_set()
         )
+
+    @property
+    def cancel_reason(self) -> StopReason | None:
+        """Why ``cancelled`` is true: ``"shutdown"``, ``"operator"``, ``"deadline"`` (the
+        handler's timeout or its lease deadline) or ``"lease_lost"``; None while not."""
+        return stop_reason(self.lease, self.stopping)
+
+
+_STOP_REASONS = {
+    CancelReason.SHUTDOWN: StopReason.SHUTDOWN,
+    CancelReason.CANCELLED: StopReason.OPERATOR,
+    CancelReason.DEADLINE: StopReason.DEADLINE,
+    CancelReason.LOST: StopReason.LEASE_LOST,
+}
+
+
+def stop_reason(handle: LeaseHandle, stopping: threading.Event | None) -> StopReason | None:
+    """Why an attempt was told to stop (``Work.cancel_reason``), or None."""
+    reason = handle.cancel_reason
+    if reason in _STOP_REASONS:
+        return _STOP_REASONS[reason]
+    if stopping is not None and stopping.is_set():
+        return StopReason.SHUTDOWN
+    # Disposed: the dispatch let go of the row while the handler still ran.
+    return None if reason is None else StopReason.LEASE_LOST
 
 
 class FailedAttempt(NamedTuple):
@@ -176,16 +206,16 @@ def log_failed_attempt(item: FailedAttempt, outcome: Any) -> None:
         + ("" if item.attempt is None else f", attempt {item.attempt}/{item.max_attempts}")
     )
     if status == OutcomeStatus.DEAD:
-        logger.error(
-            "%s %s dead-lettered (%s): %s. It is parked%s until an operator re-queues it: "
-            "manage.py workpump_action requeue %s",
+        log_dead_lettered(
             item.category,
             item.work_id,
-            where,
+            stored_dead_reason(item.reason),
             headline,
-            "" if item.stream is None else " and blocks its stream",
-            item.work_id,
-            extra=fields,
+            topic=item.topic,
+            stream=item.stream,
+            attempt=item.attempt,
+            max_attempts=item.max_attempts,
+            workpump_retry_at=None,
         )
         return
     logger.warning(
@@ -568,6 +598,8 @@ class Dispatcher:
             outcome = (HandlerOutcome.SNOOZE, exc.seconds)
         except Discard as exc:
             outcome = (HandlerOutcome.DISCARD, exc.reason)
+        except Release:
+            outcome = (HandlerOutcome.RELEASE, None)
         except BaseException as exc:  # noqa: BLE001 (a handler's exit ends its attempt only)
             # SystemExit, KeyboardInterrupt and the like from a handler end its attempt,
             # not this thread: re-raised, they would leave the row leased by no one.
@@ -627,7 +659,12 @@ class Dispatcher:
             if not self.completions.put(item):
                 with self._lock:  # refused: the row's lease runs out and it runs again
                     self._stream_run_ends.discard((job.row.category, job.row.work_id))
-        elif kind in (HandlerOutcome.FAIL, HandlerOutcome.SNOOZE, HandlerOutcome.DISCARD):
+        elif kind in (
+            HandlerOutcome.FAIL,
+            HandlerOutcome.SNOOZE,
+            HandlerOutcome.DISCARD,
+            HandlerOutcome.RELEASE,
+        ):
             self._write_setback(job, kind, value)
         elif kind == HandlerOutcome.LOST:
             self.stats.lost_leases += 1
@@ -707,6 +744,8 @@ class Dispatcher:
                     outcome, value = HandlerOutcome.SNOOZE, exc.seconds
                 else:
                     outcome, value = HandlerOutcome.DISCARD, exc.reason
+        except Release:
+            outcome = HandlerOutcome.RELEASE
         except BaseException as exc:  # noqa: BLE001 (a handler's exit ends its attempt only)
             if not isinstance(exc, Exception):
                 self._discard_loop()
@@ -736,6 +775,11 @@ class Dispatcher:
         for job in started:
             if job not in live:
                 self._finish(job)  # superseded: a newer attempt holds it
+        if outcome == HandlerOutcome.RELEASE:
+            # At a shutdown every row goes back with its attempt (as below for a lost
+            # lease); otherwise the first row's attempt counts, as for a failure.
+            value = self._release_failure(started[0])
+            outcome = HandlerOutcome.LOST if value is None else HandlerOutcome.FAIL
         if outcome == HandlerOutcome.DONE:
             self._complete_batch(live)
             self._release_rest(run, len(started))
@@ -781,7 +825,14 @@ class Dispatcher:
             self.completions.hurry()  # the stream's next row waits on these completions
 
     def _write_setback(self, job: _Job, kind: HandlerOutcome, value: Any) -> None:
-        """Queue or write a failure (FAIL), a snooze (SNOOZE) or a discard (DISCARD)."""
+        """Queue or write a failure (FAIL), a snooze (SNOOZE), a discard (DISCARD) or a
+        handler's release (RELEASE)."""
+        if kind == HandlerOutcome.RELEASE:
+            failure = self._release_failure(job)
+            if failure is None:
+                self._write_now(job, "release", self._release)
+                return
+            kind, value = HandlerOutcome.FAIL, failure
         if kind == HandlerOutcome.FAIL:
             error, reason, delay = value
             if reason == FailureReason.NOT_RETRYABLE:
@@ -794,6 +845,25 @@ class Dispatcher:
         else:
             self._write_now(job, "discard", self._discard, value)
 
+    def _release_failure(self, job: _Job) -> tuple[str, str, float | None] | None:
+        """What a handler's ``workpump.Release`` does to its row: None to give the row back
+        with its attempt (a shutdown, or the lease is no longer this attempt's), else the
+        failure that counts the attempt (error, reason, retry delay)."""
+        why = stop_reason(job.handle, self._stopping)
+        if why in (StopReason.SHUTDOWN, StopReason.LEASE_LOST):
+            return None
+        if why == StopReason.DEADLINE:
+            timed_out = job.handle.timed_out
+            return (
+                "the handler released the row at "
+                + ("the end of its timeout" if timed_out else "its lease deadline"),
+                FailureReason.TIMEOUT if timed_out else FailureReason.LEASE_EXPIRED,
+                None,
+            )
+        # Its own decision: the attempt counts (a handler that always releases ends
+        # dead, not in a loop), and the row is claimable again at once.
+        return "the handler released the row unfinished", FailureReason.RELEASED, 0.0
+
     def _failure_of(
         self, handler: Handler | None, job: _Job, exc: BaseException
     ) -> tuple[str, str, float | None]:
@@ -804,8 +874,22 @@ class Dispatcher:
             return error, FailureReason.HANDLER_ERROR, None
         if not retry.retries(exc):
             return error, FailureReason.NOT_RETRYABLE, None
+
+        def clamped(seconds: float) -> None:
+            logger.warning(
+                "the Retry backoff of %s %s returned %r s, over the longest wait (%s); "
+                "%s %s retries after that longest wait",
+                job.row.category,
+                job.row.topic,
+                seconds,
+                MAX_DELAY_TEXT,
+                job.row.category,
+                job.row.work_id,
+                extra={"action": "backoff_clamped"},
+            )
+
         try:
-            delay = retry.delay(job.row.attempts, exc)
+            delay = retry.delay(job.row.attempts, exc, clamped)
         except Exception as backoff_error:  # noqa: BLE001 (any backoff bug: default backoff)
             logger.error(
                 "the Retry backoff of %s %s failed (%s); the default backoff is used",
@@ -850,8 +934,26 @@ class Dispatcher:
                 self.stats.snoozed += 1
             elif outcome.status == OutcomeStatus.DISCARDED:
                 self.stats.discarded += 1
+            elif outcome.status == OutcomeStatus.RELEASED:
+                self.stats.released += 1
             else:
                 self.stats.failed += 1
+            if outcome.status == OutcomeStatus.DEAD:
+                if what == "dead-lettering":  # (error, reason)
+                    error, reason = args[0], stored_dead_reason(args[1])
+                else:  # a snooze over MAX_SNOOZES on the last attempt
+                    error = "it snoozed more than MAX_SNOOZES times, on its last attempt"
+                    reason = FailureReason.MAX_ATTEMPTS
+                log_dead_lettered(
+                    job.row.category,
+                    job.row.work_id,
+                    reason,
+                    error_headline(error),
+                    topic=job.row.topic,
+                    stream=job.row.stream,
+                    attempt=job.row.attempts,
+                    max_attempts=job.row.max_attempts,
+                )
 
     def _snooze(self, job: _Job, seconds: float) -> list[Any]:
         return self.coordinator.snooze(
@@ -862,6 +964,9 @@ class Dispatcher:
         return self.coordinator.discard(
             job.row.category, [job.row.work_id], [job.row.lease_token], [reason]
         )
+
+    def _release(self, job: _Job) -> list[Any]:
+        return self.coordinator.release(job.row.category, [job.row.work_id], [job.row.lease_token])
 
     def _dead_letter(self, job: _Job, error: str, reason: str) -> list[Any]:
         return self.coordinator.dead_letter(
@@ -1171,9 +1276,10 @@ class Dispatcher:
             return True
         self._outcome_queued(1, job.row)
         logger.error(
-            "handler of %s %s still running at its lease deadline: abandoned (%d so far)",
+            "handler of %s %s still running at %s: abandoned (%d so far)",
             handle.category,
             handle.work_id,
+            "the end of its timeout" if handle.timed_out else "its lease deadline",
             self.stats.abandoned,
             extra={"action": "abandoned"},
         )

@@ -3346,8 +3346,10 @@ $$;
 -- error and reason, the lease released, and a retry scheduled after p_retry_delays[i]
 -- seconds (the handler's own backoff; 0 retries at once) or, where that is NULL or not
 -- given, after retry_delay_seconds; or the row parked as dead when its attempts are used
--- up. Attempts are not bumped: the claim counted this attempt. Returns every id with
--- 'retry', 'dead' or 'lost'.
+-- up, with reason 'max_attempts' unless the last attempt's own reason says why it
+-- could not succeed ('timeout', 'not_retryable', 'undecodable_payload'). Attempts are
+-- not bumped: the claim counted this attempt. Returns every id with 'retry', 'dead' or
+-- 'lost'.
 CREATE FUNCTION workpump.fail_work(
     p_instance_id uuid,
     p_category text,
@@ -3413,8 +3415,10 @@ BEGIN
                 instance_id = NULL, lease_expiry = NULL, lease_token = NULL,
                 lease_renewals = 0, claimed_at = NULL,
                 last_error = i.error,
-                failure_reason = CASE WHEN t.attempts >= t.max_attempts
-                                      THEN 'max_attempts' ELSE i.reason END,
+                failure_reason = CASE
+                    WHEN t.attempts >= t.max_attempts
+                         AND i.reason NOT IN ('timeout', 'not_retryable', 'undecodable_payload')
+                    THEN 'max_attempts' ELSE i.reason END,
                 dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN $5 END,
                 scheduled_for = CASE
                     WHEN t.attempts >= t.max_attempts THEN NULL
