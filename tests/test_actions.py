@@ -150,6 +150,15 @@ def test_evict_tombstones_the_instance_and_releases_its_rows(rows):
     assert workpump.evict(str(instance_id)) == 0
 
 
+def test_evict_of_an_id_nothing_names_raises_and_writes_no_tombstone():
+    from django_workpump.actions import UnknownInstance
+
+    unknown = uuid.uuid4()
+    with pytest.raises(UnknownInstance, match=f"under the id {unknown}; nothing was evicted"):
+        workpump.evict(unknown)
+    assert not models.Eviction.objects.exists()
+
+
 def test_bad_ids_and_categories_name_the_fix():
     with pytest.raises(ValueError, match="'nope' is not a valid work id: pass UUIDs"):
         workpump.retry_now(["nope"])
