@@ -504,7 +504,8 @@ class MetricsServer:
     The thread serves every connection with non-blocking sockets and answers scrapes one
     at a time. A request must arrive whole within ``request_timeout`` seconds (and its
     answer be taken as long again), and at most ``max_connections`` are open: a new one
-    past that closes the oldest still sending its request. So clients that connect and
+    past that closes the oldest still sending its request (or, when all have sent
+    theirs, the oldest). So clients that connect and
     send nothing, or half a request, cost a socket each for a few seconds, never a
     thread, and a scrape that sends its request at once is answered meanwhile.
     """
@@ -550,7 +551,7 @@ class MetricsServer:
         self.thread.start()
         logger.info(
             "metrics served at http://%s:%d/metrics",
-            address,
+            f"[{address}]" if ":" in address else address,  # an IPv6 address in a URL
             self.port,
             extra={"action": "metrics_serving"},
         )
@@ -595,7 +596,7 @@ class MetricsServer:
                     elif sock is self._wake_read:
                         return
                     elif sock in self._connections:
-                        self._service(self._connections[sock], events)  # type: ignore[index]
+                        self._service(self._connections[sock], events)
                 now = time.monotonic()
                 for sock, conn in list(self._connections.items()):
                     if conn.deadline <= now:
@@ -613,14 +614,16 @@ class MetricsServer:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of descriptors, a reset before accept: try on the next turn
+            except OSError:
+                # Out of descriptors: free one of ours, or wait a moment rather than spin
+                # on a listener that stays readable.
+                if self._connections:
+                    self._drop_oldest()
+                else:
+                    self._stopping.wait(0.1)
                 return
             if len(self._connections) >= self.max_connections:
-                reading = [s for s, c in self._connections.items() if c.sending is None]
-                if not reading:
-                    sock.close()  # every slot is sending an answer: this one waits its turn
-                    continue
-                self._drop(min(reading, key=lambda s: self._connections[s].deadline))
+                self._drop_oldest()
             sock.setblocking(False)
             self._connections[sock] = _Connection(sock, time.monotonic() + self.request_timeout)
             self._selector.register(sock, selectors.EVENT_READ)
@@ -656,6 +659,13 @@ class MetricsServer:
             return
         except OSError:
             self._drop(sock)
+
+    def _drop_oldest(self) -> None:
+        """Close the connection nearest its deadline, preferring one still sending its
+        request: a client that sent its request has a better claim to its slot."""
+        reading = [s for s, c in self._connections.items() if c.sending is None]
+        candidates = reading or list(self._connections)
+        self._drop(min(candidates, key=lambda s: self._connections[s].deadline))
 
     def _drop(self, sock: socket.socket) -> None:
         self._connections.pop(sock, None)
