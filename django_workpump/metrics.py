@@ -10,8 +10,10 @@ The database-wide gauges (rows per state, the oldest waiting row, instances) are
 ``DatabaseCollector`` with the two queries ``workpump_status`` uses for them, at most once
 per ``METRICS_CACHE_SECONDS``, however often Prometheus scrapes.
 
-Serve them with ``runworkpump --metrics-port PORT`` (or ``WORKPUMP["METRICS_PORT"]``) or
-route ``metrics_view`` in a project's URLconf. See docs/metrics.md.
+Serve them with ``runworkpump --metrics-port PORT`` (or ``WORKPUMP["METRICS_PORT"]``; on
+127.0.0.1 unless ``--metrics-bind``) or route ``metrics_view`` in a project's URLconf. The
+``topic`` label takes at most ``METRICS_MAX_TOPICS`` values, then ``other``. See
+docs/metrics.md.
 """
 
 from __future__ import annotations
