@@ -213,6 +213,10 @@ def cancel(ids: WorkIds, *, category: str | None = None, using: str | None = Non
     )
 
 
+class UnknownInstance(ValueError):
+    """No registration, tombstone or lease names this instance id."""
+
+
 def evict(
     instance_id: uuid.UUID | str,
     reason: str = "evicted by an operator",
@@ -222,6 +226,21 @@ def evict(
     """Evict one instance now: tombstone it and release its leases; return rows released.
 
     Its next heartbeat is refused and it exits. Evicting it again releases nothing (0).
+    An id nothing in the database names raises UnknownInstance and writes no tombstone:
+    instance ids are fresh UUIDs a process makes at start, and an unregistered instance
+    can take no lease, so such a tombstone would protect nothing.
     """
     (found,) = as_ids(instance_id, "instance id")
+    settings = get_settings()
+    (standing,) = db.instance_standing(
+        ids=[found],
+        stale_after_seconds=settings["STALE_AFTER_SECONDS"],
+        definitively_dead_after_seconds=settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
+        using=using,
+    )
+    if not standing.known:
+        raise UnknownInstance(
+            f"No instance is registered, tombstoned or holds a lease under the id {found}; "
+            "nothing was evicted. Check the id with manage.py workpump_status."
+        )
     return db.evict_instance(instance_id=found, reason=reason, using=using)

@@ -386,6 +386,17 @@ SETTINGS: tuple[Setting, ...] = (
             "read at most this often, however often Prometheus scrapes"
         ),
     ),
+    Setting(
+        "METRICS_MAX_TOPICS",
+        100,
+        "int",
+        minimum=0,
+        meaning=(
+            "distinct `topic` label values a process exports; rows of later topics are counted "
+            'under `topic="other"` (one warning when the cap is first hit), so the series '
+            "stay bounded"
+        ),
+    ),
     # Tracing (docs/tracing.md).
     Setting(
         "TRACING",

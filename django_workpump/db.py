@@ -1119,19 +1119,106 @@ def select_work(
     topic: str | None = None,
     state: str | None = None,
     older_than_seconds: float | None = None,
+    limit: int | None = None,
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[SelectedWork]:
-    """Work rows by id and/or filters (None matches everything), oldest first."""
+    """Work rows by id and/or filters (None matches everything), oldest first, at most
+    ``limit`` (None: all)."""
     params = {
         "ids": None if ids is None else list(ids),
         "category": category,
         "topic": topic,
         "state": state,
         "older_than_seconds": older_than_seconds,
+        "limit": limit,
         "now": now,
     }
     return [SelectedWork.from_row(row) for row in _fetch("select_work", params, using)]
+
+
+def lock_work(
+    *,
+    ids: Sequence[uuid.UUID],
+    category: str | None = None,
+    topic: str | None = None,
+    state: str | None = None,
+    older_than_seconds: float | None = None,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[SelectedWork]:
+    """Lock the rows of ``ids`` until the transaction ends; return those that still match
+    the filters, oldest first."""
+    params = {
+        "ids": list(ids),
+        "category": category,
+        "topic": topic,
+        "state": state,
+        "older_than_seconds": older_than_seconds,
+        "now": now,
+    }
+    return [SelectedWork.from_row(row) for row in _fetch("lock_work", params, using)]
+
+
+@dataclass(frozen=True)
+class InstanceStanding(FromRow):
+    """What an eviction must know of one instance id."""
+
+    instance_id: uuid.UUID
+    registered: bool  # its row exists (and is locked until the transaction ends)
+    live: bool  # by the liveness rule
+    evicted_at: datetime | None  # tombstoned then; None: not tombstoned
+    evicted_reason: str | None
+    running: int  # rows it leases whose lease has not expired
+    held: int  # rows it leases, expired or not
+
+    @property
+    def known(self) -> bool:
+        """Whether anything in the database has this id."""
+        return self.registered or self.evicted_at is not None or self.held > 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether it may still be running work: live, or leasing rows not yet expired."""
+        return self.live or self.running > 0
+
+
+def instance_standing(
+    *,
+    ids: Sequence[uuid.UUID],
+    stale_after_seconds: int,
+    definitively_dead_after_seconds: int,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> list[InstanceStanding]:
+    """Each instance id's standing, its registration row locked until the transaction ends."""
+    params = {
+        "ids": list(ids),
+        "stale_after_seconds": stale_after_seconds,
+        "definitively_dead_after_seconds": definitively_dead_after_seconds,
+        "now": now,
+    }
+    return [InstanceStanding.from_row(row) for row in _fetch("instance_standing", params, using)]
+
+
+@dataclass(frozen=True)
+class RunningWork(FromRow):
+    """A row an instance leases under a lease not yet expired."""
+
+    COLUMNS = {"id": "work_id"}
+
+    instance_id: uuid.UUID
+    category: str
+    work_id: uuid.UUID
+    topic: str
+
+
+def running_work(
+    *, ids: Sequence[uuid.UUID], limit: int, now: datetime | None = None, using: str | None = None
+) -> list[RunningWork]:
+    """Rows the instances ``ids`` hold under unexpired leases, at most ``limit``."""
+    params = {"ids": list(ids), "limit": limit, "now": now}
+    return [RunningWork.from_row(row) for row in _fetch("running_work", params, using)]
 
 
 def retry_now(

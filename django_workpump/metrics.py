@@ -10,18 +10,22 @@ The database-wide gauges (rows per state, the oldest waiting row, instances) are
 ``DatabaseCollector`` with the two queries ``workpump_status`` uses for them, at most once
 per ``METRICS_CACHE_SECONDS``, however often Prometheus scrapes.
 
-Serve them with ``runworkpump --metrics-port PORT`` (or ``WORKPUMP["METRICS_PORT"]``) or
-route ``metrics_view`` in a project's URLconf. See docs/metrics.md.
+Serve them with ``runworkpump --metrics-port PORT`` (or ``WORKPUMP["METRICS_PORT"]``; on
+127.0.0.1 unless ``--metrics-bind``) or route ``metrics_view`` in a project's URLconf. The
+``topic`` label takes at most ``METRICS_MAX_TOPICS`` values, then ``other``. See
+docs/metrics.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import selectors
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
@@ -46,6 +50,8 @@ logger = logging.getLogger("django_workpump.metrics")
 INSTALL = "pip install 'django-workpump[prometheus]'"
 # Whether prometheus_client could be imported.
 AVAILABLE = prometheus_client is not None
+# The topic label of every topic past WORKPUMP["METRICS_MAX_TOPICS"].
+OTHER_TOPIC = "other"
 
 # Seconds: handler runs from a millisecond to the default lease (300 s).
 HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -120,9 +126,14 @@ class PrometheusRecorder(NullRecorder):
 
     enabled = True
 
-    def __init__(self, registry: Any = None) -> None:
+    def __init__(self, registry: Any = None, *, max_topics: int | None = None) -> None:
         require()
         p = prometheus_client
+        # Distinct topic label values; later topics share OTHER_TOPIC (METRICS_MAX_TOPICS).
+        self.max_topics: int = setting("METRICS_MAX_TOPICS") if max_topics is None else max_topics
+        self._topics: set[str] = set()
+        self._topics_lock = threading.Lock()
+        self._topics_capped = False
         kw: dict[str, Any] = {"registry": p.REGISTRY if registry is None else registry}
         work = ("category", "topic")
         self.claimed_total = p.Counter(
@@ -195,6 +206,30 @@ class PrometheusRecorder(NullRecorder):
         # call, and these are called for every row. A race only makes the same child twice.
         self._children: dict[tuple[Any, ...], Any] = {}
 
+    def _topic(self, topic: str) -> str:
+        """Return ``topic`` as its label value: itself, or OTHER_TOPIC past the cap."""
+        if topic in self._topics:
+            return topic
+        with self._topics_lock:
+            if topic in self._topics:
+                return topic
+            if len(self._topics) < self.max_topics:
+                self._topics.add(topic)
+                return topic
+            if not self._topics_capped:
+                self._topics_capped = True
+                logger.warning(
+                    "the workpump metrics of this process have a topic label for %d topics "
+                    "(WORKPUMP['METRICS_MAX_TOPICS']); %r and every later new topic are "
+                    'counted under topic="%s" so the series stay bounded. Raise the setting '
+                    "if these topics need series of their own.",
+                    self.max_topics,
+                    topic,
+                    OTHER_TOPIC,
+                    extra={"action": "metrics_topics_capped"},
+                )
+        return OTHER_TOPIC
+
     def _child(self, metric: Any, *values: str) -> Any:
         key = (id(metric), *values)
         child = self._children.get(key)
@@ -206,17 +241,18 @@ class PrometheusRecorder(NullRecorder):
         self.claim_duration.observe(seconds)
         counts: dict[tuple[str, str], int] = {}
         for row in rows:
-            key = (row.category, row.topic)
+            key = (row.category, self._topic(row.topic))
             counts[key] = counts.get(key, 0) + 1
         for (category, topic), count in counts.items():
             self._child(self.claimed_total, category, topic).inc(count)
 
     def handler_started(self, row: ClaimedWork, queue_wait: float | None) -> None:
         if queue_wait is not None:
-            self._child(self.queue_wait, row.category, row.topic).observe(max(queue_wait, 0.0))
+            topic = self._topic(row.topic)
+            self._child(self.queue_wait, row.category, topic).observe(max(queue_wait, 0.0))
 
     def handler_finished(self, row: ClaimedWork, seconds: float) -> None:
-        self._child(self.handler_duration, row.category, row.topic).observe(seconds)
+        self._child(self.handler_duration, row.category, self._topic(row.topic)).observe(seconds)
 
     def held(self, category: str, delta: int) -> None:
         self._child(self.in_flight, category).inc(delta)
@@ -233,7 +269,7 @@ class PrometheusRecorder(NullRecorder):
             if status == OutcomeStatus.LOST:
                 self.lost_total.labels(category).inc()
                 continue
-            topic = topics(outcome.work_id)
+            topic = self._topic(topics(outcome.work_id))
             if status == OutcomeStatus.DONE:
                 self._child(self.done_total, category, topic).inc()
                 continue
@@ -244,10 +280,10 @@ class PrometheusRecorder(NullRecorder):
                 self.dead_lettered_total.labels(category, topic, reason).inc()
 
     def dead_lettered(self, category: str, topic: str, reason: str, count: int = 1) -> None:
-        self.dead_lettered_total.labels(category, topic, reason).inc(count)
+        self.dead_lettered_total.labels(category, self._topic(topic), reason).inc(count)
 
     def abandoned(self, category: str, topic: str) -> None:
-        self.abandoned_total.labels(category, topic).inc()
+        self.abandoned_total.labels(category, self._topic(topic)).inc()
 
     def lost(self, category: str, count: int = 1) -> None:
         self.lost_total.labels(category).inc(count)
@@ -401,59 +437,241 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
 
 # -- the runworkpump endpoint ----------------------------------------------------------
 
+# A request must arrive whole, and its answer be taken, within this many seconds.
+REQUEST_TIMEOUT_SECONDS = 5.0
+# Open connections at most; a new one past this closes the oldest still sending.
+MAX_CONNECTIONS = 32
+# Bytes of a request line and headers at most.
+MAX_REQUEST_BYTES = 8192
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+}
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # a scrape every few seconds is not worth a log line
+class _Connection:
+    """One client socket: the request read so far, then the answer left to send."""
+
+    __slots__ = ("deadline", "received", "sending", "sock")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.received = b""
+        self.sending: memoryview | None = None  # None: still reading the request
 
 
-def _app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-    if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
-        start_response("404 Not Found", [("Content-Type", "text/plain")])
-        return [b"Not found: the metrics are at /metrics.\n"]
+def _response(status: int, content_type: str, body: bytes, head_only: bool = False) -> bytes:
+    lines = [
+        f"HTTP/1.1 {status} {_REASONS[status]}",
+        f"Content-Type: {content_type}",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + (b"" if head_only else body)
+
+
+def _answer(request: bytes) -> bytes:
+    """The whole HTTP response to one request (its line and headers)."""
+    line = request.split(b"\r\n", 1)[0].split(b"\n", 1)[0]
+    parts = line.split()
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        return _response(400, "text/plain", b"Bad request: send GET /metrics.\n")
+    method, target = parts[0], parts[1].split(b"?", 1)[0]
+    if method not in (b"GET", b"HEAD"):
+        return _response(405, "text/plain", b"Method not allowed: send GET /metrics.\n")
+    if target not in (b"/", b"/metrics"):
+        return _response(404, "text/plain", b"Not found: the metrics are at /metrics.\n")
     try:
         body, content_type = exposition()
+    except Exception as exc:  # noqa: BLE001 - one failed scrape must not stop the endpoint
+        logger.warning(
+            "a metrics scrape failed: %s", exc, extra={"action": "metrics_scrape_failed"}
+        )
+        return _response(500, "text/plain", b"The metrics could not be collected.\n")
     finally:
-        # Each request runs in a thread of its own: close the connection it opened.
+        # The collector's read opened this thread's connection: do not keep it idle.
         connections.close_all()
-    start_response("200 OK", [("Content-Type", content_type)])
-    return [body]
+    return _response(200, content_type, body, head_only=method == b"HEAD")
 
 
 class MetricsServer:
-    """``/metrics`` over HTTP on a thread of its own; ``close()`` stops it."""
+    """``/metrics`` over HTTP on one thread of its own; ``close()`` stops it.
 
-    def __init__(self, port: int, address: str = "") -> None:
+    The thread serves every connection with non-blocking sockets and answers scrapes one
+    at a time. A request must arrive whole within ``request_timeout`` seconds (and its
+    answer be taken as long again), and at most ``max_connections`` are open: a new one
+    past that closes the oldest still sending its request (or, when all have sent
+    theirs, the oldest). So clients that connect and
+    send nothing, or half a request, cost a socket each for a few seconds, never a
+    thread, and a scrape that sends its request at once is answered meanwhile.
+    """
+
+    def __init__(
+        self,
+        port: int,
+        address: str = "127.0.0.1",
+        *,
+        request_timeout: float = REQUEST_TIMEOUT_SECONDS,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         require()
+        self.address = address
+        self.request_timeout = request_timeout
+        self.max_connections = max_connections
         try:
-            self.httpd = make_server(
-                address, port, _app, server_class=_Server, handler_class=_QuietHandler
-            )
+            family, kind, proto, _, where = socket.getaddrinfo(
+                address or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            listener = socket.socket(family, kind, proto)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(where)
+                listener.listen(64)
+            except BaseException:
+                listener.close()
+                raise
         except (OSError, OverflowError) as exc:
             raise MetricsPortUnavailable(
-                f"The metrics endpoint cannot listen on port {port} "
-                f"({getattr(exc, 'strerror', None) or exc}); "
-                "choose another --metrics-port (WORKPUMP['METRICS_PORT'])."
+                f"The metrics endpoint cannot listen on port {port} of {address!r} "
+                f"({getattr(exc, 'strerror', None) or exc}); choose another --metrics-port "
+                "(WORKPUMP['METRICS_PORT']) or --metrics-bind address."
             ) from exc
-        self.port: int = self.httpd.server_port  # the port taken (port 0: any free one)
-        self.thread = threading.Thread(
-            target=self.httpd.serve_forever, name="workpump-metrics", daemon=True
-        )
+        listener.setblocking(False)
+        self.listener = listener
+        self.port: int = listener.getsockname()[1]  # the port taken (port 0: any free one)
+        self._connections: dict[socket.socket, _Connection] = {}
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._stopping = threading.Event()
+        self._closed = False
+        self.thread = threading.Thread(target=self._serve, name="workpump-metrics", daemon=True)
         self.thread.start()
         logger.info(
             "metrics served at http://%s:%d/metrics",
-            address or "0.0.0.0",
+            f"[{address}]" if ":" in address else address,  # an IPv6 address in a URL
             self.port,
             extra={"action": "metrics_serving"},
         )
 
+    @property
+    def open_connections(self) -> int:
+        """Client connections open now."""
+        return len(self._connections)
+
     def close(self) -> None:
         """Stop serving and free the port; safe to call twice."""
-        if self.thread.is_alive():
-            self.httpd.shutdown()
-            self.thread.join(5)
-        self.httpd.server_close()
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"x")
+        self.thread.join(5)
+        for sock in list(self._connections):
+            self._connections.pop(sock, None)
+            with contextlib.suppress(OSError):
+                sock.close()
+        self.listener.close()
+        self._wake_read.close()
+        self._wake_write.close()
+
+    # -- the serving thread ----------------------------------------------------------
+
+    def _serve(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_read, selectors.EVENT_READ)
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                deadlines = [c.deadline for c in self._connections.values()]
+                timeout = max(0.0, min(deadlines) - now) if deadlines else None
+                for key, events in self._selector.select(timeout):
+                    sock = key.fileobj
+                    if sock is self.listener:
+                        self._accept()
+                    elif sock is self._wake_read:
+                        return
+                    elif sock in self._connections:
+                        self._service(self._connections[sock], events)
+                now = time.monotonic()
+                for sock, conn in list(self._connections.items()):
+                    if conn.deadline <= now:
+                        self._drop(sock)
+        except Exception:  # pragma: no cover - a bug here must not pass silently
+            logger.exception(
+                "the metrics endpoint stopped", extra={"action": "metrics_server_failed"}
+            )
+        finally:
+            self._selector.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                # Out of descriptors: free one of ours, or wait a moment rather than spin
+                # on a listener that stays readable.
+                if self._connections:
+                    self._drop_oldest()
+                else:
+                    self._stopping.wait(0.1)
+                return
+            if len(self._connections) >= self.max_connections:
+                self._drop_oldest()
+            sock.setblocking(False)
+            self._connections[sock] = _Connection(sock, time.monotonic() + self.request_timeout)
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _service(self, conn: _Connection, events: int) -> None:
+        sock = conn.sock
+        try:
+            if conn.sending is None and events & selectors.EVENT_READ:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    self._drop(sock)
+                    return
+                conn.received += chunk
+                end = conn.received.find(b"\r\n\r\n")
+                if end < 0:
+                    end = conn.received.find(b"\n\n")
+                if end < 0 and len(conn.received) <= MAX_REQUEST_BYTES:
+                    return
+                if end < 0:
+                    answer = _response(431, "text/plain", b"Request too large.\n")
+                else:
+                    answer = _answer(conn.received[:end])
+                conn.sending = memoryview(answer)
+                conn.deadline = time.monotonic() + self.request_timeout
+                self._selector.modify(sock, selectors.EVENT_WRITE)
+                events |= selectors.EVENT_WRITE  # try at once: a scrape usually fits the buffer
+            if conn.sending is not None and events & selectors.EVENT_WRITE:
+                sent = sock.send(conn.sending)
+                conn.sending = conn.sending[sent:]
+                if not conn.sending:
+                    self._drop(sock)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(sock)
+
+    def _drop_oldest(self) -> None:
+        """Close the connection nearest its deadline, preferring one still sending its
+        request: a client that sent its request has a better claim to its slot."""
+        reading = [s for s, c in self._connections.items() if c.sending is None]
+        candidates = reading or list(self._connections)
+        self._drop(min(candidates, key=lambda s: self._connections[s].deadline))
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._connections.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(sock)
+        with contextlib.suppress(OSError):
+            sock.close()

@@ -150,6 +150,15 @@ def test_evict_tombstones_the_instance_and_releases_its_rows(rows):
     assert workpump.evict(str(instance_id)) == 0
 
 
+def test_evict_of_an_id_nothing_names_raises_and_writes_no_tombstone():
+    from django_workpump.actions import UnknownInstance
+
+    unknown = uuid.uuid4()
+    with pytest.raises(UnknownInstance, match=f"under the id {unknown}; nothing was evicted"):
+        workpump.evict(unknown)
+    assert not models.Eviction.objects.exists()
+
+
 def test_bad_ids_and_categories_name_the_fix():
     with pytest.raises(ValueError, match="'nope' is not a valid work id: pass UUIDs"):
         workpump.retry_now(["nope"])
@@ -183,7 +192,7 @@ def test_the_command_acts_on_ids_and_reports_what_changed(rows):
         "retry: 1 of 2 selected rows retried; 1 left as they were (only scheduled rows "
         "(waiting for a retry or a deferral) can be retried now)."
     )
-    assert err.strip() == f"{missing}: no work row with this id matches; skipped."
+    assert err.strip() == f"{missing}: no work row has this id; skipped."
 
 
 def test_the_command_selects_by_filters(rows):
@@ -214,9 +223,9 @@ def test_dry_run_prints_exactly_what_would_change_and_changes_nothing(rows):
         "dry run, nothing was changed.",
     ]
     assert models.Inbox.objects.get(pk=rows["held_gone"].pk).instance_id is not None
-    out, _ = run("evict", str(rows["live"].instance_id), "--dry-run")
+    out, _ = run("evict", str(rows["live"].instance_id), "--dry-run", "--force")
     assert out.splitlines() == [
-        f"would evict {rows['live'].instance_id}: 1 rows released.",
+        f"would evict {rows['live'].instance_id}: 1 row released.",
         "evict: dry run, nothing was changed.",
     ]
     assert not models.Eviction.objects.exists()
@@ -281,12 +290,12 @@ def test_a_large_selection_is_confirmed_at_the_prompt(many):
     ("args", "message"),
     [
         (["retry"], "Name the rows to retry: give their ids, or select them with --category"),
-        (["retry", "--force", "--state", "dead"], "--force applies to release only"),
+        (["retry", "--force", "--state", "dead"], "--force applies to release, dead-letter"),
         (["retry", "--reason", "x", "--state", "dead"], "--reason applies to dead-letter"),
         (["evict", "--state", "dead"], "evict takes instance ids only"),
         (["evict"], "evict needs one or more instance ids"),
         (["requeue", "not-a-uuid"], "'not-a-uuid' is not a valid work id"),
-        (["release", "--older-than", "-1"], "--older-than must be 0 or more seconds"),
+        (["release", "--older-than", "-1"], "--older-than must be a number of seconds from 0"),
     ],
 )
 def test_bad_arguments_name_the_fix(args, message):
@@ -297,3 +306,289 @@ def test_bad_arguments_name_the_fix(args, message):
 def test_nothing_selected_changes_nothing():
     out, _ = run("requeue", "--state", "dead")
     assert out.strip() == "Nothing to requeue: no row matches."
+
+
+# --- flags anywhere, --database, hints that work ------------------------------------------
+
+
+def test_flags_may_come_before_between_and_after_the_ids(rows):
+    scheduled, dead = str(key(rows["scheduled"])), str(key(rows["dead"]))
+    out, _ = run("retry", "--dry-run", scheduled, "--category", "outbox", dead, "--yes")
+    assert out.splitlines()[-1].startswith("retry: 1 of 2 selected rows would be retried")
+    out, _ = run("--category", "outbox", "retry", scheduled)
+    assert out.splitlines()[-1] == "retry: 1 of 1 selected row retried."
+    assert state_of(rows["scheduled"]) == "pending"
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "second"])
+def test_database_acts_on_another_database_alias():
+    there = models.Outbox.objects.using("second").create(
+        message_id=uuid.uuid4(),
+        destination="shard.only",
+        payload={},
+        created_at=T0,
+        scheduled_for=timezone.now() + HOUR,
+    )
+    here = factories.OutboxFactory(scheduled_for=timezone.now() + HOUR)
+
+    out, _ = run("retry", "--state", "scheduled", "--database", "second")
+
+    assert out.splitlines() == [
+        f"retried: outbox {there.message_id} shard.only (was scheduled)",
+        "retry: 1 of 1 selected row retried.",
+    ]
+    assert models.Outbox.objects.using("second").get(pk=there.pk).scheduled_for is None
+    assert models.Outbox.objects.get(pk=here.pk).scheduled_for is not None  # default: untouched
+
+
+@pytest.mark.parametrize("action", ["retry", "requeue", "dead-letter", "release", "cancel"])
+def test_the_hint_for_naming_no_rows_selects_rows_the_action_changes(action):
+    from django_workpump.management.commands.workpump_action import EXAMPLE_STATE
+
+    now = timezone.now()
+    gone = uuid.uuid4()
+    factories.OutboxFactory(scheduled_for=now + HOUR)  # scheduled
+    factories.OutboxFactory(dead_lettered_at=T0, failure_reason="max_attempts")  # dead
+    factories.OutboxFactory()  # pending
+    factories.OutboxFactory(instance_id=gone, lease_expiry=now - HOUR, claimed_at=T0)  # orphaned
+    with pytest.raises(CommandError) as raised:
+        run(action)
+    hint = f"--state {EXAMPLE_STATE[action]} --category outbox"
+    assert f"(e.g. {hint})." in str(raised.value)
+
+    out, _ = run(action, *hint.split(), "--dry-run")
+
+    assert f"{action}: 1 of 1 selected row would be " in out
+
+
+# --- validation: one line each -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["release", "--older-than", "nan"], "--older-than must be a number of seconds from 0 to "),
+        (["release", "--older-than", "inf"], r"3153600000 \(100 years\), not 'inf'\.$"),
+        (["release", "--older-than", "1e308"], r"not '1e308'\.$"),
+        (["release", "--older-than", "soon"], r"not 'soon'\.$"),
+        (["dead-letter", "--state", "pending", "--reason", "caf\udce9"], "is not UTF-8 text"),
+        (["dead-letter", "--state", "pending", "--reason", "a\x00b"], "holds a control character"),
+        (["dead-letter", "--state", "pending", "--reason", "  "], "--reason is empty"),
+        (["dead-letter", "--state", "pending", "--reason", "x" * 41], "41 characters long, over"),
+        (["evict", str(uuid.UUID(int=1)), "--reason", "x" * 201], "over the 200 evict stores"),
+        (["cancel", "--topic", "bad\udcfftopic"], r"--topic 'bad\\udcfftopic' is not UTF-8"),
+        (["cancel", "--topic", "a\nb"], "--topic 'a\\\\nb' holds a control character"),
+        (["cancel", "--state", "pending", "--limit", "0"], "--limit must be a whole number"),
+        (["cancel", "--state", "pending", "--limit", "many"], r"at least 1, not 'many'"),
+        (["cancel", "--state", "pending", "--limit", "5", "--all"], "contradict each other"),
+        (["evict", str(uuid.UUID(int=1)), "--all"], "--limit and --all cap a selection"),
+        (["cancel", "--state", "pending", "--database", "shard9"], "--database 'shard9' is not"),
+        (["evict", "nope"], "'nope' is not a valid instance id"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line(args, message):
+    with pytest.raises(CommandError) as raised:
+        run(*args)
+    text = str(raised.value)
+    assert "\n" not in text
+    assert text.endswith(".")
+    assert __import__("re").search(message, text), text
+
+
+# --- the force rule ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def busy() -> dict[str, Any]:
+    """A live instance running one row (its lease not expired)."""
+    now = timezone.now()
+    holder = factories.ServiceInstanceFactory(last_heartbeat_at=now)
+    row = factories.OutboxFactory(
+        instance_id=holder.instance_id, lease_expiry=now + HOUR, claimed_at=now
+    )
+    return {"holder": holder, "row": row}
+
+
+def test_evict_of_a_busy_holder_without_force_changes_nothing(busy):
+    holder = busy["holder"].instance_id
+    with pytest.raises(CommandError) as raised:
+        run("evict", str(holder), "--yes")
+    assert str(raised.value).startswith(
+        f"Nothing was evicted: {holder} is live and runs 1 row (outbox "
+        f"{key(busy['row'])} emails.welcome). Evicted, its rows would run again on a peer"
+    )
+    assert "pass --force to evict it anyway" in str(raised.value)
+    assert models.ServiceInstance.objects.filter(instance_id=holder).exists()
+    assert not models.Eviction.objects.exists()
+    assert models.Outbox.objects.get(pk=busy["row"].pk).instance_id == holder
+    assert state_of(busy["row"]) == "leased"
+
+
+def test_evict_of_a_stale_holder_still_running_rows_needs_force_too(busy):
+    models.ServiceInstance.objects.filter(pk=busy["holder"].pk).update(last_heartbeat_at=T0)
+    with pytest.raises(CommandError, match=r"is not live and runs 1 row"):
+        run("evict", str(busy["holder"].instance_id))
+    assert not models.Eviction.objects.exists()
+
+
+def test_evict_with_force_asks_first_naming_what_runs(busy):
+    holder = busy["holder"].instance_id
+    with pytest.raises(CommandError, match="there is no terminal to ask for confirmation"):
+        run("evict", str(holder), "--force")  # even one instance is confirmed
+    with pytest.raises(CommandError, match=r"Cancelled: nothing was changed\."):
+        run("evict", str(holder), "--force", stdin=Terminal("n\n"))
+    assert not models.Eviction.objects.exists()
+
+    out, _ = run("evict", str(holder), "--force", stdin=Terminal("y\n"))
+
+    assert out.startswith(
+        f"evict 1 instance; {holder} is live and runs 1 row (outbox {key(busy['row'])} "
+        "emails.welcome); --force evicts it anyway"
+    )
+    assert out.splitlines()[-1].endswith(f"evicted {holder}: 1 row released.")
+    assert models.Eviction.objects.filter(instance_id=holder).exists()
+    assert state_of(busy["row"]) == "orphaned"
+
+
+def test_evict_of_an_idle_stale_instance_needs_no_force():
+    idle = factories.ServiceInstanceFactory(last_heartbeat_at=T0)
+    out, _ = run("evict", str(idle.instance_id))
+    assert out.strip() == f"evicted {idle.instance_id}: 0 rows released."
+    assert models.Eviction.objects.filter(instance_id=idle.instance_id).exists()
+
+
+def test_evict_reports_unknown_and_already_evicted_instances_and_tombstones_neither():
+    unknown = uuid.uuid4()
+    with pytest.raises(CommandError) as raised:
+        _run_capturing_err("evict", str(unknown))
+    assert str(raised.value) == "Nothing was evicted: 1 instance id unknown (see above)."
+    assert not models.Eviction.objects.exists()  # no tombstone for an id nothing has
+
+    gone = factories.ServiceInstanceFactory(last_heartbeat_at=T0)
+    run("evict", str(gone.instance_id))
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.raises(CommandError, match="Nothing was evicted: 1 instance id unknown"):
+        call_command("workpump_action", "evict", str(gone.instance_id), str(unknown), "--reason",
+                     "again", stdout=out, stderr=err)  # fmt: skip
+    out, err = out.getvalue(), err.getvalue()
+    assert out.strip().startswith(f"{gone.instance_id}: already evicted at ")
+    assert out.strip().endswith("(evicted with manage.py workpump_action); nothing to do.")
+    assert err.strip() == (
+        f"{unknown}: no instance is registered, tombstoned or holds a lease under this id; "
+        "nothing done. Check the id with manage.py workpump_status."
+    )
+    assert models.Eviction.objects.count() == 1
+
+
+def _run_capturing_err(*args: str) -> None:
+    call_command("workpump_action", *args, stdout=io.StringIO(), stderr=io.StringIO())
+
+
+def test_evict_of_an_unregistered_id_holding_a_lease_releases_it():
+    # No registration row, but a lease names it: known by its lease, and evicted.
+    ghost = uuid.uuid4()
+    row = factories.OutboxFactory(instance_id=ghost, lease_expiry=timezone.now() - HOUR)
+    out, _ = run("evict", str(ghost))
+    assert out.strip() == f"evicted {ghost}: 1 row released."
+    assert models.Outbox.objects.get(pk=row.pk).instance_id is None
+
+
+def test_dead_letter_leaves_leased_rows_alone_without_force(busy, rows):
+    held, pending = str(key(busy["row"])), str(key(rows["pending"]))
+
+    out, _ = run("dead-letter", held, pending)
+
+    assert out.splitlines() == [
+        f"dead-lettered: outbox {pending} emails.welcome (was pending)",
+        "dead-letter: 1 of 2 selected rows dead-lettered; 1 leased by a running instance left "
+        "as they were (--force dead-letters them too).",
+    ]
+    assert state_of(busy["row"]) == "leased"
+    with pytest.raises(CommandError, match="1 row of them leased, which a live instance may"):
+        run("dead-letter", held, "--force")  # asked first, and no terminal to ask
+    out, _ = run("dead-letter", held, "--force", "--yes")
+    assert out.splitlines()[-1] == "dead-letter: 1 of 1 selected row dead-lettered."
+    assert state_of(busy["row"]) == "dead"
+
+
+# --- the selection is checked again where it is acted on ----------------------------------------
+
+
+class LeasingTerminal(Terminal):
+    """A terminal whose operator answers yes, while a pump leases the rows meanwhile."""
+
+    def __init__(self, rows: list[models.Outbox], holder: models.ServiceInstance) -> None:
+        super().__init__("y\n")
+        self.rows, self.holder = rows, holder
+
+    def readline(self, *args: Any) -> str:
+        now = timezone.now()
+        models.Outbox.objects.filter(pk__in=[r.pk for r in self.rows]).update(
+            instance_id=self.holder.instance_id, lease_expiry=now + HOUR, claimed_at=now
+        )
+        return super().readline(*args)
+
+
+def test_rows_leased_while_the_prompt_waits_are_not_dead_lettered():
+    pending = factories.OutboxFactory.create_batch(CONFIRM_OVER + 1, destination="bulk")
+    holder = factories.ServiceInstanceFactory(last_heartbeat_at=timezone.now())
+
+    out, _ = run(
+        "dead-letter",
+        "--topic",
+        "bulk",
+        "--state",
+        "pending",
+        stdin=LeasingTerminal(pending, holder),
+    )
+
+    assert out.splitlines()[-1] == (
+        f"dead-letter {CONFIRM_OVER + 1} rows? [y/N] "
+        f"dead-letter: 0 of {CONFIRM_OVER + 1} selected rows dead-lettered; "
+        f"{CONFIRM_OVER + 1} no longer matched the selection when it was acted on (changed "
+        "since it was listed) and were left as they were."
+    )
+    assert {state_of(row) for row in pending} == {"leased"}
+
+
+def test_rows_leased_while_the_prompt_waits_count_as_held_when_chosen_by_id():
+    pending = factories.OutboxFactory.create_batch(CONFIRM_OVER + 1, destination="bulk")
+    holder = factories.ServiceInstanceFactory(last_heartbeat_at=timezone.now())
+
+    out, _ = run(
+        "dead-letter", *[str(key(r)) for r in pending], stdin=LeasingTerminal(pending, holder)
+    )
+
+    assert out.splitlines()[-1].endswith(
+        f"dead-letter: 0 of {CONFIRM_OVER + 1} selected rows dead-lettered; "
+        f"{CONFIRM_OVER + 1} leased by a running instance left as they were (--force "
+        "dead-letters them too)."
+    )
+    assert {state_of(row) for row in pending} == {"leased"}
+
+
+# --- the cap on a selection ----------------------------------------------------------------
+
+
+def test_a_selection_is_capped_unless_limit_or_all_says_otherwise(monkeypatch):
+    from django_workpump.management.commands import workpump_action
+
+    assert workpump_action.SELECTION_CAP == 1_000
+    monkeypatch.setattr(workpump_action, "SELECTION_CAP", 3)
+    factories.OutboxFactory.create_batch(5, destination="bulk", scheduled_for=timezone.now() + HOUR)
+
+    out, _ = run("retry", "--topic", "bulk")
+
+    assert out.splitlines()[0] == (
+        "More than 3 rows match: this acts on the oldest 3 only. Pass --limit N to act on up "
+        "to N rows, or --all for every matching row."
+    )
+    assert out.splitlines()[-1] == "retry: 3 of 3 selected rows retried."
+    out, _ = run("retry", "--topic", "bulk", "--state", "scheduled", "--limit", "1", "--dry-run")
+    assert out.splitlines()[-1].startswith("retry: 1 of 1 selected row would be retried")
+    out, _ = run("retry", "--topic", "bulk", "--all")
+    assert "More than" not in out
+    assert (
+        out.splitlines()[-1] == "retry: 2 of 5 selected rows retried; 3 left as they were "
+        "(only scheduled rows (waiting for a retry or a deferral) can be retried now)."
+    )

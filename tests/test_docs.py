@@ -176,10 +176,16 @@ def _some_ids() -> list[uuid.UUID]:
     return [workpump.send("readme.given", {"n": n}) for n in range(2)]
 
 
+def _an_instance() -> uuid.UUID:
+    from tests.factories import ServiceInstanceFactory
+
+    return ServiceInstanceFactory().instance_id  # registered, its heartbeat long stale
+
+
 GIVEN: dict[str, Callable[[], Any]] = {
     "event": lambda: {"id": "evt_1PzQ", "type": "payment_intent.succeeded"},
     "ids": _some_ids,
-    "instance_id": uuid.uuid4,
+    "instance_id": _an_instance,
     "client": SignupClient,
 }
 

@@ -696,3 +696,178 @@ def test_an_abandoned_batch_counts_one_abandoned_handler_and_one_failed_row():
     assert sample("workpump_failed_total", **BATCH, reason="lease_expired") == 1
     assert sample("workpump_in_flight", category="outbox") == 0
     assert dispatcher._outcome_topics == {}
+
+
+# -- a bounded label set ---------------------------------------------------------------------
+
+
+def test_300_queue_topics_keep_the_series_under_the_documented_cap(caplog):
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    recorder = metrics.PrometheusRecorder(registry)  # WORKPUMP["METRICS_MAX_TOPICS"]: 100
+    cap = recorder.max_topics
+    assert cap == 100
+    for n in range(300):  # a django.tasks queue each: a topic each
+        row = dataclasses.replace(make_row("inbox"), topic=f"django.tasks:default:queue-{n}")
+        recorder.claim([row], 0.001)
+        recorder.handler_started(row, 0.5)
+        recorder.handler_finished(row, 0.01)
+        outcomes = [Outcome(row.work_id, "done"), Outcome(row.work_id, "retry")]
+        recorder.outcomes("inbox", outcomes, lambda _, t=row.topic: t, lambda _: "handler_error")
+        recorder.abandoned("inbox", row.topic)
+
+    series = [
+        s
+        for family in registry.collect()
+        if family.name.startswith("workpump_")
+        for s in family.samples
+    ]
+    topics = {s.labels["topic"] for s in series if "topic" in s.labels}
+    # docs/metrics.md: per category and topic value at most 44 series, plus 4 per reason
+    bound = (cap + 1) * (44 + 4 * 1)
+    assert len(topics) == cap + 1
+    assert "django.tasks:default:queue-0" in topics
+    assert "django.tasks:default:queue-100" not in topics
+    assert metrics.OTHER_TOPIC in topics
+    assert len(series) <= bound < 300 * (44 + 4)
+    # every row is still counted: the later topics under "other"
+    other = {"category": "inbox", "topic": metrics.OTHER_TOPIC}
+    assert registry.get_sample_value("workpump_claimed_total", other) == 200
+    assert registry.get_sample_value("workpump_done_total", other) == 200
+    capped = [r for r in caplog.records if getattr(r, "action", None) == "metrics_topics_capped"]
+    assert len(capped) == 1
+    assert capped[0].levelname == "WARNING"
+    assert "WORKPUMP['METRICS_MAX_TOPICS']" in capped[0].getMessage()
+    assert "'django.tasks:default:queue-100'" in capped[0].getMessage()
+
+
+@override_settings(WORKPUMP={"METRICS_MAX_TOPICS": 0})
+def test_a_cap_of_0_counts_every_topic_as_other():
+    recorder, sample = own_recorder()
+    recorder.claim([dataclasses.replace(make_row(), topic="emails.welcome")], 0.001)
+    assert sample("workpump_claimed_total", category="outbox", topic="other") == 1
+    assert sample("workpump_claimed_total", category="outbox", topic="emails.welcome") is None
+
+
+def test_metrics_max_topics_is_checked_like_the_other_settings():
+    from django.core.checks import run_checks
+
+    with override_settings(WORKPUMP={"METRICS_MAX_TOPICS": -1}):
+        messages = run_checks(tags=["workpump"])
+    assert [(m.id, m.msg) for m in messages] == [
+        ("workpump.E004", "WORKPUMP['METRICS_MAX_TOPICS'] (-1) must be at least 0.")
+    ]
+    with override_settings(WORKPUMP={"METRICS_MAX_TOPICS": "many"}):
+        assert [m.id for m in run_checks(tags=["workpump"])] == ["workpump.E003"]
+
+
+# -- the endpoint: this host only by default, bounded under half-sent requests ---------------
+
+
+def scrape(port: int, timeout: float = 5) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:
+        return response.read().decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_endpoint_listens_on_127_0_0_1_unless_told_otherwise():
+    server = metrics.MetricsServer(0)
+    try:
+        assert server.listener.getsockname()[0] == "127.0.0.1"
+        assert "# HELP workpump_in_flight" in scrape(server.port)
+    finally:
+        server.close()
+    everywhere = metrics.MetricsServer(0, "0.0.0.0")
+    try:
+        assert everywhere.listener.getsockname()[0] == "0.0.0.0"
+    finally:
+        everywhere.close()
+    with pytest.raises(metrics.MetricsPortUnavailable, match=r"of '256\.0\.0\.1' \("):
+        metrics.MetricsServer(0, "256.0.0.1")
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP=FAST)
+def test_runworkpump_binds_the_metrics_port_to_metrics_bind(pump):
+    supervisor = pump(metrics_port=0)
+    assert supervisor.metrics_server.listener.getsockname()[0] == "127.0.0.1"
+    with pytest.raises(CommandError, match=r"--metrics-bind is empty; give an address"):
+        call_command("runworkpump", "--metrics-port", "0", "--metrics-bind", " ", "--drain")
+    with pytest.raises(CommandError, match=r"cannot listen on port 0 of 'no-such-host\.invalid'"):
+        call_command("runworkpump", "--metrics-port", "0", "--metrics-bind", "no-such-host.invalid")
+
+
+def closed_by_server(sock: Any) -> bool:
+    """Whether the server closed ``sock`` (an end of file, or a reset: its data was unread)."""
+    sock.settimeout(10)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.django_db(transaction=True)
+def test_half_sent_requests_neither_stop_a_scrape_nor_add_threads():
+    import socket
+
+    # A timeout longer than the scrape may take: the scrape is answered in spite of them.
+    server = metrics.MetricsServer(0, request_timeout=60, max_connections=32)
+    threads = threading.active_count()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(200):  # each sends half a request and then nothing
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            held.append(sock)
+
+        text = scrape(server.port, timeout=5)
+
+        assert "# HELP workpump_in_flight" in text
+        assert threading.active_count() == threads  # no thread per connection
+        assert server.open_connections <= 32
+        assert closed_by_server(held[0])  # the oldest half-sent request, at the cap
+    finally:
+        for sock in held:
+            sock.close()
+        server.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_half_sent_request_is_closed_at_the_request_timeout():
+    import socket
+
+    server = metrics.MetricsServer(0, request_timeout=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+            assert closed_by_server(sock)  # well before the 10 s
+        assert wait_until(lambda: server.open_connections == 0)
+    finally:
+        server.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_endpoint_answers_404_405_and_a_head_request():
+    import http.client
+
+    server = metrics.MetricsServer(0)
+    try:
+        for method, path, status in (
+            ("GET", "/other", 404),
+            ("POST", "/metrics", 405),
+            ("HEAD", "/metrics", 200),
+            ("GET", "/metrics?x=1", 200),
+        ):
+            client = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+            client.request(method, path)
+            response = client.getresponse()
+            body = response.read()
+            client.close()
+            assert response.status == status, (method, path)
+            if method == "HEAD":
+                assert body == b""
+                assert int(response.headers["Content-Length"]) > 0
+    finally:
+        server.close()
+    server.close()  # twice is fine

@@ -77,6 +77,7 @@ class PumpOptions:
     topics: Sequence[str] | None = None  # None: every topic with a handler here
     queues: Sequence[str] | None = None  # django.tasks queues; None: as topics says
     metrics_port: int | None = None  # serve /metrics here; None: WORKPUMP["METRICS_PORT"]
+    metrics_bind: str = "127.0.0.1"  # the address the metrics port is bound on
 
 
 class DrainWatcher(LoopService):
@@ -367,7 +368,9 @@ class Supervisor:
             raise SchemaNotReady(MISSING_MIGRATIONS)
         if self.metrics_port is not None and self.metrics_server is None:
             # First: a port already taken fails the start before anything registers.
-            self.metrics_server = metrics.MetricsServer(self.metrics_port)
+            self.metrics_server = metrics.MetricsServer(
+                self.metrics_port, self.options.metrics_bind
+            )
         if self.heartbeat.policy.enabled:
             first = self.heartbeat.beat()  # registers the instance before the first claim
             if first.accepted is False:

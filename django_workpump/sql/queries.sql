@@ -436,3 +436,125 @@ WHERE (%(category)s::text IS NULL OR w.category = %(category)s::text)
   AND (%(older_than_seconds)s::double precision IS NULL
        OR w.created_at <= c.now - make_interval(secs => %(older_than_seconds)s::double precision))
 ORDER BY w.created_at, w.id
+LIMIT %(limit)s  -- NULL: every row
+
+-- name: lock_work
+-- The rows of %(ids)s, locked until the transaction ends, that still match select_work's
+-- filters: what an operator action confirmed on a listing may change now. Claims skip
+-- locked rows; a holder's renewal or outcome waits for the action's commit.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), outbox AS (
+    -- each table's rows locked as they are now (FOR UPDATE waits for a writer, then
+    -- returns the row it committed)
+    SELECT t.message_id AS id, t.destination AS topic, t.created_at, t.processed_at AS done_at,
+           t.dead_lettered_at, t.instance_id, t.lease_expiry, t.claimed_at, t.scheduled_for,
+           t.end_state
+    FROM workpump_outbox t WHERE t.message_id = ANY (%(ids)s::uuid[])
+    FOR UPDATE
+), inbox AS (
+    SELECT t.message_id, t.handler_name, t.created_at, t.processed_at, t.dead_lettered_at,
+           t.instance_id, t.lease_expiry, t.claimed_at, t.scheduled_for, t.end_state
+    FROM workpump_inbox t WHERE t.message_id = ANY (%(ids)s::uuid[])
+    FOR UPDATE
+), perspective_event AS (
+    SELECT t.event_work_id, t.perspective_name, t.created_at, t.processed_at,
+           t.dead_lettered_at, t.instance_id, t.lease_expiry, t.claimed_at, t.scheduled_for,
+           t.end_state
+    FROM workpump_perspective_event t WHERE t.event_work_id = ANY (%(ids)s::uuid[])
+    FOR UPDATE
+), receptor AS (
+    SELECT t.id, t.receptor_name, t.created_at, t.completed_at, t.dead_lettered_at,
+           t.instance_id, t.lease_expiry, t.claimed_at, t.scheduled_for, t.end_state
+    FROM workpump_receptor_processing t WHERE t.id = ANY (%(ids)s::uuid[])
+    FOR UPDATE
+), locked AS (
+    -- the four, as category, id, topic, created_at and the columns of the state
+    SELECT 'outbox' AS category, o.* FROM outbox o
+    UNION ALL SELECT 'inbox', i.* FROM inbox i
+    UNION ALL SELECT 'perspective_event', p.* FROM perspective_event p
+    UNION ALL SELECT 'receptor', r.* FROM receptor r
+), work AS (
+    -- the state of each locked row as of this transaction's clock
+    SELECT l.category, l.id, l.topic, l.created_at,
+           workpump.state_of(l.done_at, l.dead_lettered_at, l.instance_id, l.lease_expiry,
+                             l.claimed_at, l.scheduled_for, c.now, l.end_state) AS state
+    FROM locked l CROSS JOIN clock c
+)
+SELECT w.category, w.id, w.topic, w.state, w.created_at
+FROM work w CROSS JOIN clock c
+WHERE (%(category)s::text IS NULL OR w.category = %(category)s::text)
+  AND (%(topic)s::text IS NULL OR w.topic = %(topic)s::text)
+  AND (%(state)s::text IS NULL OR w.state = %(state)s::text)
+  AND (%(older_than_seconds)s::double precision IS NULL
+       OR w.created_at <= c.now - make_interval(secs => %(older_than_seconds)s::double precision))
+ORDER BY w.created_at, w.id
+
+-- name: instance_standing
+-- What an operator evicting %(ids)s must know of each: registered (its row locked until
+-- the transaction ends, so it cannot beat meanwhile), live by the liveness rule,
+-- tombstoned, and the rows it leases: running (lease not yet expired) and in all.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), wanted AS (
+    SELECT DISTINCT w.instance_id FROM unnest(%(ids)s::uuid[]) AS w(instance_id)
+), registered AS (
+    -- locked: its heartbeat waits for the eviction's commit, then is refused
+    SELECT si.instance_id FROM workpump_service_instance si
+    WHERE si.instance_id = ANY (%(ids)s::uuid[])
+    FOR UPDATE
+), live AS (
+    -- the liveness rule with the configured cutoffs
+    SELECT l.instance_id
+    FROM clock c,
+         workpump.live_instances(c.now - make_interval(secs => %(stale_after_seconds)s),
+                                 c.now - make_interval(secs => %(definitively_dead_after_seconds)s))
+             AS l(instance_id)
+), held AS (
+    -- the leases of the wanted instances, in every work table
+    SELECT t.instance_id, t.lease_expiry FROM workpump_outbox t
+    WHERE t.instance_id = ANY (%(ids)s::uuid[])
+    UNION ALL SELECT t.instance_id, t.lease_expiry FROM workpump_inbox t
+    WHERE t.instance_id = ANY (%(ids)s::uuid[])
+    UNION ALL SELECT t.instance_id, t.lease_expiry FROM workpump_perspective_event t
+    WHERE t.instance_id = ANY (%(ids)s::uuid[])
+    UNION ALL SELECT t.instance_id, t.lease_expiry FROM workpump_receptor_processing t
+    WHERE t.instance_id = ANY (%(ids)s::uuid[])
+)
+SELECT w.instance_id,
+       w.instance_id IN (SELECT instance_id FROM registered) AS registered,
+       w.instance_id IN (SELECT instance_id FROM live) AS live,
+       e.evicted_at,
+       e.reason AS evicted_reason,
+       (SELECT count(*) FROM held h WHERE h.instance_id = w.instance_id
+                                      AND h.lease_expiry > c.now) AS running,
+       (SELECT count(*) FROM held h WHERE h.instance_id = w.instance_id) AS held
+FROM wanted w CROSS JOIN clock c
+LEFT JOIN workpump_eviction e ON e.instance_id = w.instance_id
+ORDER BY w.instance_id
+
+-- name: running_work
+-- Rows %(ids)s (instance ids) hold under a lease not yet expired, oldest claim first, at
+-- most %(limit)s: what an eviction would take from under a running handler.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), held AS (
+    SELECT 'outbox' AS category, t.message_id AS id, t.destination AS topic, t.instance_id,
+           t.lease_expiry, t.claimed_at
+    FROM workpump_outbox t WHERE t.instance_id = ANY (%(ids)s::uuid[])
+    UNION ALL
+    SELECT 'inbox', t.message_id, t.handler_name, t.instance_id, t.lease_expiry, t.claimed_at
+    FROM workpump_inbox t WHERE t.instance_id = ANY (%(ids)s::uuid[])
+    UNION ALL
+    SELECT 'perspective_event', t.event_work_id, t.perspective_name, t.instance_id,
+           t.lease_expiry, t.claimed_at
+    FROM workpump_perspective_event t WHERE t.instance_id = ANY (%(ids)s::uuid[])
+    UNION ALL
+    SELECT 'receptor', t.id, t.receptor_name, t.instance_id, t.lease_expiry, t.claimed_at
+    FROM workpump_receptor_processing t WHERE t.instance_id = ANY (%(ids)s::uuid[])
+)
+SELECT h.instance_id, h.category, h.id, h.topic
+FROM held h CROSS JOIN clock c
+WHERE h.lease_expiry > c.now
+ORDER BY h.claimed_at, h.id
+LIMIT %(limit)s

@@ -156,6 +156,13 @@ class Command(BaseCommand):
             help="Serve Prometheus metrics at http://<host>:PORT/metrics while running "
             "(WORKPUMP METRICS_PORT; needs the prometheus extra).",
         )
+        parser.add_argument(
+            "--metrics-bind",
+            default="127.0.0.1",
+            metavar="ADDRESS",
+            help="The address the metrics port listens on (default 127.0.0.1: this host "
+            "only; 0.0.0.0 or :: for every interface, e.g. for a Prometheus elsewhere).",
+        )
         parser.add_argument("--log-format", choices=["text", "json"], default="text")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -188,6 +195,12 @@ class Command(BaseCommand):
         port = options["metrics_port"]
         if port is not None and not 0 <= port <= 65535:
             raise CommandError(f"--metrics-port must be between 0 and 65535, not {port}.")
+        bind = options["metrics_bind"].strip()
+        if not bind:
+            raise CommandError(
+                "--metrics-bind is empty; give an address such as 127.0.0.1 (this host only) "
+                "or 0.0.0.0 (every interface)."
+            )
         topics = self._names("--topics", options["topics"])
         queues = self._names("--queues", options["queues"])
         ensure_reachable(alias)
@@ -204,6 +217,7 @@ class Command(BaseCommand):
                     topics=topics,
                     queues=queues,
                     metrics_port=options["metrics_port"],
+                    metrics_bind=bind,
                 )
             )
         except (TopicSelectionError, metrics.MetricsUnavailable) as exc:
