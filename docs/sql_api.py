@@ -28,7 +28,8 @@ _CREATE = re.compile(r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.M
 
 
 def _version(path: Path) -> int:
-    return int(path.parent.name.removeprefix("v"))
+    # v<N>, or v<N>_<name> for a delta not yet folded into its version
+    return int(path.parent.name.removeprefix("v").partition("_")[0])
 
 
 def descriptions() -> dict[str, tuple[str, str]]:

@@ -306,3 +306,49 @@ def test_after_a_spoof_a_real_cancel_still_stops_the_handler(pump, role, outbox_
     row = models.Outbox.objects.get(message_id=work_id)
     assert (row.end_state, row.result) == ("cancelled", None)
     assert wait_until(lambda: supervisor.dispatcher.stats.cancelled == 1, WAIT)
+
+
+# -- cancel_work's notifications fit PostgreSQL's payload limit ---------------------------
+
+
+def test_cancelling_many_running_rows_of_one_holder_notifies_in_parsable_chunks():
+    from tests.test_sql_outcomes import claim, produce
+
+    me = uuid.uuid4()
+    ids = [produce("perspective_event") for _ in range(120)]
+    leased: set[uuid.UUID] = set()
+    while len(leased) < len(ids):
+        batch = {r["work_id"] for r in claim(me, lease_seconds=300)}
+        assert batch, "the claim leased nothing more"
+        leased |= batch
+    listener = psycopg.connect(conninfo(), autocommit=True)
+    listener.execute("LISTEN workpump_cancel")
+
+    # 120 pairs used to exceed 8000 bytes in one payload: the whole cancel failed
+    cancelled = workpump.cancel(ids, category="perspective_event")
+
+    assert sorted(map(str, cancelled.running)) == sorted(map(str, ids))
+    payloads = [n.payload for n in listener.notifies(timeout=WAIT, stop_after=3)]
+    listener.close()
+    hints = [parse_cancel(payload) for payload in payloads]
+    assert [len(h.attempts) for h in hints] == [50, 50, 20]
+    assert {h.instance for h in hints} == {me}
+    assert {i for h in hints for i, _ in h.attempts} == set(ids)
+    assert max(map(len, payloads)) < 4500
+
+
+def test_the_v23_notify_migration_reverses_and_applies_again(scratch_database):
+    def chunk() -> str:
+        with scratch_database.connect() as conn:
+            row = conn.execute(
+                "SELECT prosrc FROM pg_proc WHERE proname = 'cancel_work'"
+                " AND pronamespace = 'workpump'::regnamespace"
+            ).fetchone()
+        return "/ 50 AS chunk" if "/ 50 AS chunk" in row[0] else "/ 100 AS chunk"
+
+    scratch_database.migrate("workpump", "0030")
+    assert chunk() == "/ 50 AS chunk"
+    scratch_database.migrate("workpump", "0029")
+    assert chunk() == "/ 100 AS chunk"
+    scratch_database.migrate("workpump", "0030")
+    assert chunk() == "/ 50 AS chunk"
