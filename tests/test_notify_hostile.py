@@ -331,7 +331,7 @@ def test_cancelling_many_running_rows_of_one_holder_notifies_in_parsable_chunks(
     payloads = [n.payload for n in listener.notifies(timeout=WAIT, stop_after=3)]
     listener.close()
     hints = [parse_cancel(payload) for payload in payloads]
-    assert [len(h.attempts) for h in hints] == [50, 50, 20]
+    assert sorted(len(h.attempts) for h in hints) == [20, 50, 50]
     assert {h.instance for h in hints} == {me}
     assert {i for h in hints for i, _ in h.attempts} == set(ids)
     assert max(map(len, payloads)) < 4500

@@ -21,6 +21,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -56,6 +57,9 @@ MAX_PAYLOAD_CHARS = 8000
 CANCEL_MAX_DEPTH = 3
 CANCEL_MAX_ATTEMPTS = 100
 _UUID_MAX_CHARS = 45  # the longest spelling uuid.UUID accepts: "urn:uuid:" + 36
+# Cancels waiting for their confirming read: more arrived at once are dropped (the
+# renewal still reports a cancelled row).
+MAX_PENDING_CANCELS = 100
 # One log line per kind of rejected notification per this many seconds.
 REJECT_LOG_INTERVAL_SECONDS = 60.0
 
@@ -295,17 +299,11 @@ class NotifyGate(LoopService):
         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         db.notify_probe(conn, channel=channel)
         seen = False
-        notifies = conn.notifies(timeout=self.probe_timeout_seconds)
-        try:
-            for notify in notifies:
-                if notify.channel == channel:
-                    seen = True
-                    break
-                self._dispatch(notify.channel, notify.payload)
-        finally:
-            notifies.close()  # releases the connection for the queries below
+        # The socket waits in real time, whatever clock the gate was given.
+        deadline = time.monotonic() + self.probe_timeout_seconds
+        while not seen and (remaining := deadline - time.monotonic()) > 0:
+            seen = self._receive(conn, remaining, probe=channel)
         conn.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
-        self._confirm_cancels(conn)
         if not seen:
             raise TimeoutError(
                 f"self-NOTIFY probe not delivered within {self.probe_timeout_seconds} s"
@@ -366,7 +364,7 @@ class NotifyGate(LoopService):
         self.cancels_received += 1
         if self.on_cancel is None or not hint.attempts:
             return
-        if len(self._pending) >= CANCEL_MAX_ATTEMPTS:  # a flood between two reads
+        if len(self._pending) >= MAX_PENDING_CANCELS:  # a flood within one arrival
             self._reject(
                 "cancel_backlog", "dropped a %s notification: too many pending", CANCEL_CHANNEL
             )
@@ -419,18 +417,28 @@ class NotifyGate(LoopService):
             except Exception:
                 logger.exception("cancel subscriber failed", extra={"action": "cancel_subscriber"})
 
+    def _receive(
+        self, conn: psycopg.Connection[Any], timeout: float, probe: str | None = None
+    ) -> bool:
+        """Handle what arrives next (or nothing within ``timeout``), then confirm cancels.
+
+        ``stop_after=1`` ends the wait after one arrival, however many notifications it
+        brought: the confirming read needs the connection that ``notifies()`` holds, and
+        breaking out of it mid-arrival would drop the rest. True if ``probe`` was among them.
+        """
+        seen = False
+        for notify in conn.notifies(timeout=timeout, stop_after=1):
+            if notify.channel == probe:
+                seen = True
+            else:
+                self._dispatch(notify.channel, notify.payload)
+        self._confirm_cancels(conn)
+        return seen
+
     def _serve(self, conn: psycopg.Connection[Any]) -> None:
         last_keepalive = self.clock.monotonic()
         while not self._stop.is_set():
-            notifies = conn.notifies(timeout=0.5)
-            try:
-                for notify in notifies:
-                    self._dispatch(notify.channel, notify.payload)
-                    if self._pending:
-                        break  # confirm a cancel now, not at the end of the wait
-            finally:
-                notifies.close()
-            self._confirm_cancels(conn)
+            self._receive(conn, 0.5)
             if self.clock.monotonic() - last_keepalive >= self.keepalive_seconds:
                 db.keepalive(conn)
                 self._take_alive_lock(conn)  # retried until registered
