@@ -80,9 +80,9 @@ def hostile_payloads(instance_id: uuid.UUID) -> dict[str, str]:
     me = str(instance_id)
     return {
         "deep nesting": "[" * 3500 + "]" * 3500,
-        # 101 attempts in the short UUID spelling: one more than cancel_work ever sends
+        # 200 attempts (bare ids in the short UUID spelling): cancel_work sends at most 100
         "huge payload": json.dumps(
-            {"instance": me, "category": "outbox", "work": [[instance_id.hex] * 2] * 101}
+            {"instance": me, "category": "outbox", "work": [instance_id.hex] * 200}
         ),
         "invalid JSON": '{"instance": "' + me + '", "category": ',
         "wrong types": json.dumps({"instance": me, "category": ["outbox"], "work": "all"}),
@@ -116,6 +116,11 @@ def test_a_cancel_payload_is_parsed_only_in_its_known_shape():
         {"instance": str(me), "category": "inbox", "work": [[str(work_id), None]]}
     )
     assert parse_cancel(unleased).attempts == ()
+    # for another instance: not read past its instance, however bad the rest
+    assert parse_cancel(good, uuid.uuid4()) is None
+    assert parse_cancel(good, me) == hint
+    other = json.dumps({"instance": str(uuid.uuid4()), "category": 1, "work": [["x"]]})
+    assert parse_cancel(other, me) is None
 
     kinds = {}
     assert 7000 < len(hostile_payloads(me)["huge payload"]) < 8000
@@ -124,18 +129,25 @@ def test_a_cancel_payload_is_parsed_only_in_its_known_shape():
             parse_cancel(payload)
         kinds[name] = caught.value.kind
     assert kinds == {
-        "deep nesting": "too_deep",
+        "deep nesting": "too_large",
         "huge payload": "too_many_attempts",
         "invalid JSON": "invalid_json",
         "wrong types": "wrong_shape",
         "invalid UUIDs": "invalid_uuid",
         "unknown shape": "wrong_shape",
     }
-    with pytest.raises(MalformedNotification) as caught:
-        parse_cancel("x" * 8001)
-    assert caught.value.kind == "too_long"
+    for payload, kind in [
+        ("x" * 8001, "too_long"),
+        ('{"instance": [[[["' + str(me) + '"]]]]}', "too_deep"),
+        ('{"instance": "\\u0041"}', "wrong_shape"),  # cancel_work's strings need no escape
+        ('{"instance": "' + str(me) + "}", "invalid_json"),
+        ("[]" * 103, "too_large"),
+    ]:
+        with pytest.raises(MalformedNotification) as caught:
+            parse_cancel(payload)
+        assert caught.value.kind == kind, payload
     # nesting inside a string is text, not depth
-    quoted = json.dumps({"instance": str(me), "category": "outbox", "work": [], "x": '"[[[[['})
+    quoted = json.dumps({"instance": str(me), "category": "outbox", "work": [], "x": "[[[[["})
     assert parse_cancel(quoted).category == "outbox"
 
 
@@ -158,9 +170,9 @@ def test_a_flood_of_one_kind_logs_once_and_counts_the_rest(caplog):
         gate._dispatch(CANCEL_CHANNEL, "[" * 3500 + "]" * 3500)
     lines = [r.getMessage() for r in caplog.records if r.name == "django_workpump.notify"]
     assert len(lines) == 3, lines
-    assert "too_deep" in lines[0] and "invalid_json" in lines[1]
+    assert "too_large" in lines[0] and "invalid_json" in lines[1]
     assert "500 more" in lines[2]  # the 499 suppressed ones and this one
-    assert gate.rejected == {"too_deep": 501, "invalid_json": 1}
+    assert gate.rejected == {"too_large": 501, "invalid_json": 1}
 
 
 # -- a role with CONNECT only -----------------------------------------------------------
