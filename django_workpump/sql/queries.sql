@@ -399,24 +399,29 @@ FROM workpump.cancel_work(
 
 -- name: cancelled_attempts
 -- The attempts among (ids[i], lease_tokens[i]) of category whose row cancel_work ended:
--- cancel_work keeps the attempt's token on the row, so a token names one attempt.
+-- cancel_work keeps the attempt's token on the row, so a token names one attempt. Each
+-- branch reads its table only for its own category (a one-time filter on the constant).
 SELECT t.work_id
 FROM (
-    SELECT 'outbox' AS category, message_id AS work_id, lease_token, end_state
-    FROM workpump_outbox WHERE message_id = ANY (%(ids)s::uuid[])
+    SELECT message_id AS work_id, lease_token, end_state
+    FROM workpump_outbox
+    WHERE %(category)s::text = 'outbox' AND message_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT 'inbox', message_id, lease_token, end_state
-    FROM workpump_inbox WHERE message_id = ANY (%(ids)s::uuid[])
+    SELECT message_id, lease_token, end_state
+    FROM workpump_inbox
+    WHERE %(category)s::text = 'inbox' AND message_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT 'perspective_event', event_work_id, lease_token, end_state
-    FROM workpump_perspective_event WHERE event_work_id = ANY (%(ids)s::uuid[])
+    SELECT event_work_id, lease_token, end_state
+    FROM workpump_perspective_event
+    WHERE %(category)s::text = 'perspective_event' AND event_work_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT 'receptor', id, lease_token, end_state
-    FROM workpump_receptor_processing WHERE id = ANY (%(ids)s::uuid[])
+    SELECT id, lease_token, end_state
+    FROM workpump_receptor_processing
+    WHERE %(category)s::text = 'receptor' AND id = ANY (%(ids)s::uuid[])
 ) t
 JOIN unnest(%(ids)s::uuid[], %(lease_tokens)s::uuid[]) AS a(id, token)
   ON t.work_id = a.id AND t.lease_token = a.token
-WHERE t.category = %(category)s::text AND t.end_state = 'cancelled'
+WHERE t.end_state = 'cancelled'
 
 -- name: select_work
 -- Work rows by id and/or filters (each NULL filter matches everything), oldest first:
