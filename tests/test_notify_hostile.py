@@ -320,6 +320,40 @@ def test_after_a_spoof_a_real_cancel_still_stops_the_handler(pump, role, outbox_
     assert wait_until(lambda: supervisor.dispatcher.stats.cancelled == 1, WAIT)
 
 
+# -- the confirming read -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("category", [c.name for c in CATEGORIES])
+def test_the_confirming_read_names_only_cancelled_attempts_of_that_category(category):
+    from django_workpump import db
+    from tests.test_sql_outcomes import TABLES, claim, produce
+
+    me = uuid.uuid4()
+    cancelled, running = produce(category), produce(category)
+    assert {r["work_id"] for r in claim(me)} == {cancelled, running}
+    table, key, _ = TABLES[category]
+    with psycopg.connect(conninfo(), autocommit=True) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT {}, lease_token FROM {} WHERE {} = ANY (%s)").format(
+                sql.Identifier(key), sql.Identifier(table), sql.Identifier(key)
+            ),
+            ([cancelled, running],),
+        ).fetchall()
+        token = dict(rows)
+        workpump.cancel(cancelled, category=category)
+        other = next(c.name for c in CATEGORIES if c.name != category)
+
+        def confirmed(category: str, *pairs: tuple[uuid.UUID, uuid.UUID]) -> set[uuid.UUID]:
+            ids, tokens = [i for i, _ in pairs], [t for _, t in pairs]
+            return db.cancelled_attempts(conn, category=category, ids=ids, lease_tokens=tokens)
+
+        both = [(cancelled, token[cancelled]), (running, token[running])]
+        assert confirmed(category, *both) == {cancelled}
+        assert confirmed(category, (cancelled, uuid.uuid4())) == set()  # another attempt
+        assert confirmed(other, *both) == set()  # the id is not of that category
+        assert confirmed(category) == set()
+
+
 # -- cancel_work's notifications fit PostgreSQL's payload limit ---------------------------
 
 
