@@ -962,6 +962,22 @@ def keepalive(conn: Any) -> None:
     conn.execute(named_queries()["keepalive"])
 
 
+def cancelled_attempts(
+    conn: Any,
+    *,
+    category: str,
+    ids: Sequence[uuid.UUID],
+    lease_tokens: Sequence[uuid.UUID],
+) -> set[uuid.UUID]:
+    """The ids among ``(ids[i], lease_tokens[i])`` whose attempt an operator cancelled.
+
+    Runs on ``conn`` (the NOTIFY gate's session): a cancel notification is only a hint.
+    """
+    params = {"category": category, "ids": list(ids), "lease_tokens": list(lease_tokens)}
+    rows = conn.execute(named_queries()["cancelled_attempts"], params).fetchall()
+    return {row[0] for row in rows}
+
+
 def evict_instance(
     *, instance_id: uuid.UUID, reason: str = "evicted by an operator", using: str | None = None
 ) -> int:

@@ -974,7 +974,8 @@ class Dispatcher:
         )
 
     def cancel_running(self, category: str, attempts: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> int:
-        """Stop attempts an operator cancelled: ``(work id, lease token)`` pairs.
+        """Stop attempts an operator cancelled: ``(work id, lease token)`` pairs the
+        database showed cancelled (a renewal's answer, or a NOTIFY the gate confirmed).
 
         Each matching dispatch gets ``work.cancelled`` (reason ``cancelled``) and, for an
         async handler, its task cancelled; attempts not in flight here are ignored.

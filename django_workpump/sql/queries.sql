@@ -397,6 +397,32 @@ SELECT r.work_id AS id, r.holder
 FROM workpump.cancel_work(
     p_category => %(category)s, p_ids => %(ids)s::uuid[], p_now => %(now)s) AS r
 
+-- name: cancelled_attempts
+-- The attempts among (ids[i], lease_tokens[i]) of category whose row cancel_work ended:
+-- cancel_work keeps the attempt's token on the row, so a token names one attempt. Each
+-- branch reads its table only for its own category (a one-time filter on the constant).
+SELECT t.work_id
+FROM (
+    SELECT message_id AS work_id, lease_token, end_state
+    FROM workpump_outbox
+    WHERE %(category)s::text = 'outbox' AND message_id = ANY (%(ids)s::uuid[])
+    UNION ALL
+    SELECT message_id, lease_token, end_state
+    FROM workpump_inbox
+    WHERE %(category)s::text = 'inbox' AND message_id = ANY (%(ids)s::uuid[])
+    UNION ALL
+    SELECT event_work_id, lease_token, end_state
+    FROM workpump_perspective_event
+    WHERE %(category)s::text = 'perspective_event' AND event_work_id = ANY (%(ids)s::uuid[])
+    UNION ALL
+    SELECT id, lease_token, end_state
+    FROM workpump_receptor_processing
+    WHERE %(category)s::text = 'receptor' AND id = ANY (%(ids)s::uuid[])
+) t
+JOIN unnest(%(ids)s::uuid[], %(lease_tokens)s::uuid[]) AS a(id, token)
+  ON t.work_id = a.id AND t.lease_token = a.token
+WHERE t.end_state = 'cancelled'
+
 -- name: select_work
 -- Work rows by id and/or filters (each NULL filter matches everything), oldest first:
 -- category, id, topic, state (workpump.state_of) and created_at.

@@ -4065,9 +4065,9 @@ $$;
 -- its attempt's lease token, so that attempt's complete_work and fail_work come back
 -- 'lost' and its renewal 'cancelled'; its holder is told at once by a NOTIFY on
 -- workpump_cancel, payload {"instance": <holder>, "category": ..., "work": [[id, token],
--- ...]} (at most 100 rows each), delivered when the caller commits. Returns each
--- cancelled id with its holder (NULL when no instance held it); ids of no undone row are
--- not returned.
+-- ...]} (at most 50 rows each: under the 8000-byte limit of a NOTIFY payload), delivered
+-- when the caller commits. Returns each cancelled id with its holder (NULL when no
+-- instance held it); ids of no undone row are not returned.
 -- The rows' streams are locked before the rows (lock_streams_of).
 CREATE FUNCTION workpump.cancel_work(
     p_category text, p_ids uuid[], p_now timestamptz DEFAULT NULL
@@ -4125,7 +4125,7 @@ BEGIN
     PERFORM pg_notify('workpump_cancel', json_build_object(
                 'instance', c.holder, 'category', p_category,
                 'work', json_agg(json_build_array(c.id, c.token)))::text)
-    FROM (SELECT u.id, u.holder, u.token, (row_number() OVER (PARTITION BY u.holder) - 1) / 100 AS chunk
+    FROM (SELECT u.id, u.holder, u.token, (row_number() OVER (PARTITION BY u.holder) - 1) / 50 AS chunk
           FROM unnest(v_ids, v_holders, v_tokens) u(id, holder, token)
           WHERE u.holder IS NOT NULL) c
     GROUP BY c.holder, c.chunk;
