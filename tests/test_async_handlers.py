@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
+import psycopg
+import psycopg.sql
 import pytest
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib.auth.models import Group
 from django.db import connection
 from django.test import TestCase, override_settings
@@ -432,3 +440,63 @@ def test_a_system_exit_from_an_async_handler_fails_its_attempt_and_the_next_row_
 
 async def returns_fine(work: Any) -> str:
     return "fine"
+
+
+# --- manage.py test of a project with an async receptor, twice ----------------------------------
+
+SAMPLE = Path(__file__).resolve().parent / "async_sample"
+
+
+def _sample_url(dbname: str) -> str:
+    server = urlsplit(settings.DATABASE_URL)
+    return urlunsplit(server._replace(path=f"/{dbname}"))
+
+
+@pytest.mark.slow
+def test_manage_py_test_with_an_async_receptor_leaves_no_test_database_behind():
+    base = f"{urlsplit(settings.DATABASE_URL).path.lstrip('/') or 'postgres'}_async_sample"
+    test_database = f"test_{base}"
+    env = {
+        **os.environ,
+        "DATABASE_URL": _sample_url(base),
+        "PYTHONPATH": str(SAMPLE.parent.parent),
+    }
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # the sample's own settings
+
+    def leftover() -> list[str]:
+        with psycopg.connect(_sample_url("postgres"), autocommit=True) as admin:
+            found = admin.execute(
+                "SELECT datname FROM pg_database WHERE datname = %s", [test_database]
+            )
+            return [name for (name,) in found.fetchall()]
+
+    def drop() -> None:
+        with psycopg.connect(_sample_url("postgres"), autocommit=True) as admin:
+            admin.execute(
+                psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    psycopg.sql.Identifier(test_database)
+                )
+            )
+
+    drop()  # a run of an older build may have left it
+    try:
+        for run in (1, 2):
+            # No --noinput: a test database left by the first run would make the second
+            # ask whether to delete it, and fail on the closed stdin.
+            result = subprocess.run(
+                [sys.executable, str(SAMPLE / "manage.py"), "test", "warehouse"],
+                cwd=SAMPLE,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            output = result.stdout + result.stderr
+            assert result.returncode == 0, f"run {run}:\n{output}"
+            assert "Ran 2 tests" in output and "\nOK" in output, output
+            # the run dropped its test database: no session of a thread of its own held on
+            assert leftover() == [], f"run {run} left {leftover()}"
+    finally:
+        drop()
