@@ -169,6 +169,36 @@ def test_an_async_atomic_batch_that_fails_once_leaves_one_effect_per_row(handler
     assert sorted(name.split("-")[1] for name in names) == ["0", "1", "2", "3"]
 
 
+@pumped
+@override_settings(WORKPUMP={**FAST, "CONCURRENCY": 1})
+def test_async_and_sync_handlers_share_the_handler_threads_kept_connection(handlers, pump):
+    pids: list[tuple[str, int]] = []
+
+    def backend_pid() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            return int(cursor.fetchone()[0])
+
+    async def on_async(work: Any) -> None:
+        pids.append(("async", await sync_to_async(backend_pid)()))
+
+    def on_sync(work: Any) -> None:
+        pids.append(("sync", backend_pid()))
+
+    handlers("outbox_handler", "pid.async", on_async)
+    handlers("outbox_handler", "pid.sync", on_sync)
+    for n in range(3):
+        workpump.send("pid.async", {"n": n}, stream="pids")
+        workpump.send("pid.sync", {"n": n}, stream="pids")
+
+    assert drain(pump(drain=True)) == EXIT_OK
+
+    # one handler thread: its one connection served every row, async or sync
+    assert [kind for kind, _ in pids] == ["async", "sync"] * 3
+    assert len({pid for _, pid in pids}) == 1
+    assert pids[0][1] != backend_pid()  # not the test's own connection
+
+
 # --- sync handlers and tasks under an async middleware ----------------------------------------
 
 
@@ -246,6 +276,26 @@ def test_run_pending_runs_an_async_receptor_on_the_tests_connection(handlers, ra
     assert seen.fetchone()["n"] == 0
     # and no connection of another thread was opened for it
     assert sessions_on_this_database() - {other.info.backend_pid} == before
+
+
+@pytest.mark.django_db
+def test_the_pytest_fixtures_run_pending_runs_an_async_handler_in_the_tests_transaction(
+    handlers, request, raw_connect
+):
+    fixture = request.getfixturevalue("workpump")
+
+    async def tell(work: Any) -> None:
+        await Group.objects.acreate(name=f"fixture-{work.payload['n']}")
+
+    handlers("outbox_handler", "fixture.async", tell)
+    workpump.send("fixture.async", {"n": 1})
+
+    assert fixture.run_pending() == 1
+
+    fixture.assert_sent("fixture.async", n=1)
+    assert effects("fixture-") == ["fixture-1"]
+    seen = raw_connect().execute("SELECT count(*) AS n FROM auth_group WHERE name = 'fixture-1'")
+    assert seen.fetchone()["n"] == 0  # uncommitted: in the test's transaction only
 
 
 class RunPendingAsyncInATestCase(TestCase):
