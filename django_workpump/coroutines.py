@@ -44,8 +44,12 @@ class HandlerLoop:
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
+        running = threading.Event()
+        self.loop.call_soon(running.set)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+        # Older asgiref uses a loop named by the thread-local only once it is running.
+        running.wait()
 
     @property
     def alive(self) -> bool:
