@@ -91,6 +91,8 @@ class HandlerLoop:
 
 
 async def _in_task(awaitable: Any, on_task: OnTask | None) -> Any:
+    # A task of its own, in a copy of the context: what the coroutine sets in its context
+    # stays there (async_to_sync brings this coroutine's changes back to the caller).
     task = asyncio.ensure_future(_boxed(awaitable))
     if on_task is not None:
         on_task(asyncio.get_running_loop(), task)

@@ -13,6 +13,7 @@ dispatcher tests on a fake coordinator and a frozen clock.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import os
 import subprocess
@@ -550,3 +551,29 @@ def test_manage_py_test_with_an_async_receptor_leaves_no_test_database_behind():
             assert leftover() == [], f"run {run} left {leftover()}"
     finally:
         drop()
+
+
+TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("tenant", default="none")
+
+
+def test_what_an_async_handler_sets_in_its_context_does_not_reach_the_next_job():
+    seen: list[str] = []
+    done = threading.Semaphore(0)
+
+    async def sets(work: Any) -> None:
+        seen.append(TENANT.get())
+        TENANT.set(work.payload["tenant"])
+        done.release()
+
+    coordinator, handlers = FakeCoordinator(), Registry()
+    handlers.register(Handler("outbox", "ctx", sets))
+    dispatcher = Dispatcher(coordinator, handlers, LeaseRegistry(), concurrency=1)
+    dispatcher.start()
+    try:
+        for tenant in ("a", "b"):
+            row = dataclasses.replace(make_row(), topic="ctx", payload={"tenant": tenant})
+            dispatcher.submit([row])
+            assert done.acquire(timeout=WAIT)
+    finally:
+        dispatcher.stop()
+    assert seen == ["none", "none"]
