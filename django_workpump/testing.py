@@ -4,13 +4,14 @@
 uncommitted rows of a Django ``TestCase``. ``run_pending()`` claims and runs them in the
 calling thread, on the test's connection, through the same SQL as the pump (claims by
 topic, per-stream order, lease tokens, fenced completion), so it works inside ``TestCase``
-and ``TransactionTestCase`` alike. ``captured()`` records what the code under test sent,
-received and emitted. See docs/testing.md.
+and ``TransactionTestCase`` alike. An async handler runs through ``async_to_sync`` from
+the calling thread, so its ORM calls (``acreate``, ``sync_to_async``) come back to that
+thread and run in the test's transaction too. ``captured()`` records what the code under
+test sent, received and emitted. See docs/testing.md.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import uuid
@@ -21,7 +22,7 @@ from typing import Any
 
 from django.db import transaction
 
-from django_workpump import db, producer, tracing
+from django_workpump import coroutines, db, producer, tracing
 from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
 from django_workpump.control import Discard, Release, Snooze, named_index
@@ -164,7 +165,7 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport, savepo
         ):
             result = handler.func([work] if handler.batch else work)
             if inspect.isawaitable(result):
-                result = asyncio.run(_awaited(result))
+                result = coroutines.run(result)
     except BaseException as exc:  # noqa: BLE001 (as the pump: it ends the attempt)
         _raised(row, exc, alias, raise_errors, report)
         return
@@ -269,7 +270,7 @@ def _run_batch(
         ):
             result = handler.func(works)
             if inspect.isawaitable(result):
-                asyncio.run(_awaited(result))
+                coroutines.run(result)
     except BaseException as exc:  # noqa: BLE001 (as the pump: it ends the attempt)
         raised: BaseException = exc
     else:
@@ -336,10 +337,6 @@ def _work_of(row: Any) -> Work:
         lease_token=row.lease_token,
         headers=row.headers,
     )
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
 
 
 # -- capturing what was produced -----------------------------------------------------------

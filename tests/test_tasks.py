@@ -503,6 +503,23 @@ def test_async_tasks_and_other_queues_run(pump):
 
 
 @pumped
+def test_tasks_sync_and_async_run_under_an_async_middleware(pump):
+    # docs/middleware.md's async timing middleware: the task handler is sync, so it runs
+    # on the handler thread through sync_to_async, where the ORM is allowed
+    with override_settings(WORKPUMP={**FAST, "MIDDLEWARE": ["tests.test_async_handlers.timing"]}):
+        added = task_funcs.add.enqueue(2, b=40)
+        doubled = task_funcs.double_async.enqueue(21)
+        recorded = task_funcs.record.enqueue("under middleware")
+        assert drain(pump(drain=True)) == EXIT_OK
+    assert task_funcs.add.get_result(added.id).return_value == 42
+    assert task_funcs.double_async.get_result(doubled.id).return_value == 42
+    assert task_funcs.record.get_result(recorded.id).status == TaskResultStatus.SUCCESSFUL
+    assert task_funcs.calls == ["under middleware"]
+    # each ran once: its attempt record (the ORM, on the handler thread) was written
+    assert {row(r.id).attempts for r in (added, doubled, recorded)} == {1}
+
+
+@pumped
 def test_a_task_moved_to_another_workpump_backend_runs_there(pump):
     result = task_funcs.add.using(backend="bulk").enqueue(5, b=5)
     assert row(result.id).handler_name == "django.tasks:bulk:default"

@@ -53,6 +53,7 @@ from django_workpump import tracing
 from django_workpump.categories import category as category_meta
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.control import MAX_DELAY_TEXT, Discard, Release, Snooze, named_index
+from django_workpump.coroutines import HandlerLoop
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.dead_letters import log_dead_lettered, stored_dead_reason
 from django_workpump.metrics import NullRecorder, recorder
@@ -267,6 +268,8 @@ class _Run:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # The rows a batch handler runs in one call: given up on together (_give_up_batch).
     batch: list[_Job] | None = None
+    # An async batch handler's loop and task while it runs, so giving up can cancel it.
+    task: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
 
 
 def stream_run_key(row: ClaimedWork) -> tuple[str, str, str] | uuid.UUID:
@@ -518,6 +521,7 @@ class Dispatcher:
                 if not self._execute(run):
                     return  # this thread was abandoned with its job; a replacement took over
         finally:
+            self._discard_loop()
             connections.close_all()
 
     def _execute(self, run: _Run) -> bool:
@@ -726,7 +730,7 @@ class Dispatcher:
                 self._call_batch_atomic(handler, started, works)
                 outcome = HandlerOutcome.DONE_COMMITTED
             else:
-                self._call_batch(handler, works)
+                self._call_batch(handler, works, run)
                 outcome = HandlerOutcome.DONE
         except LeaseLost as exc:
             outcome = HandlerOutcome.LOST
@@ -1004,21 +1008,18 @@ class Dispatcher:
             )
         return told
 
-    def _call_batch(self, handler: Handler, works: list[Work]) -> None:
+    def _call_batch(self, handler: Handler, works: list[Work], run: _Run | None = None) -> None:
         # One consumer span per batch call, current inside the handler, sync or async.
         with tracing.handling_batch(works):
             result = wrap_in_middleware(handler.func, self.middleware)(works)
             if inspect.isawaitable(result):
-                loop = getattr(self._local, "loop", None)
-                if loop is None:
-                    loop = self._local.loop = asyncio.new_event_loop()
-                loop.run_until_complete(_awaited(result))
+                self._await(result, run)
 
     def _call_batch_atomic(self, handler: Handler, jobs: list[_Job], works: list[Work]) -> None:
         """Run a batch handler and the fenced completion of every row in one transaction."""
         category = jobs[0].row.category
         with transaction.atomic(using=self.alias):
-            self._call_batch(handler, works)
+            self._call_batch(handler, works, jobs[0].run)
             gone = []
             for job in jobs:
                 with job.lock:
@@ -1068,19 +1069,59 @@ class Dispatcher:
             row.headers,
         )
 
+    def _await(self, awaitable: Any, holder: _Job | _Run | None) -> Any:
+        """Run an async handler's (or middleware's) awaitable to its end from this handler
+        thread, on the thread's event loop; return its result.
+
+        Through ``async_to_sync`` (coroutines.HandlerLoop): Django's async ORM and
+        thread-sensitive ``sync_to_async`` calls run back on this thread, on its
+        connection, inside an atomic handler's transaction. The task is kept on
+        ``holder`` (the row, or a batch's run) while it runs, so an operator's cancel,
+        the handler's timeout, its lease deadline or a shutdown can cancel it.
+        """
+        runner = getattr(self._local, "loop", None)
+        if runner is None or not runner.alive:
+            runner = self._local.loop = HandlerLoop(f"{threading.current_thread().name}-loop")
+
+        def started(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+            if holder is None:
+                return
+            with holder.lock:
+                holder.task = (loop, task)
+                doomed = _given_up(holder)
+            if doomed:
+                task.cancel()  # given up on before its task existed
+
+        try:
+            return runner.run(awaitable, started)
+        finally:
+            if holder is not None:
+                with holder.lock:
+                    holder.task = None
+
+    @staticmethod
+    def _cancel_task(job: _Job, whole_batch: bool = True) -> None:
+        """Cancel the task of ``job``'s async handler, if one runs; ``whole_batch``: also
+        the task of the batch it is part of (the batch is given up whole)."""
+        holders: list[_Job | _Run] = [job]
+        if whole_batch and job.run is not None and job.run.batch is not None:
+            holders.append(job.run)
+        for holder in holders:
+            with holder.lock:
+                running = holder.task
+            if running is not None:
+                loop, task = running
+                # A closed loop raises RuntimeError: the handler has returned already.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(task.cancel)
+
     def _discard_loop(self) -> None:
-        """Close this thread's event loop: a BaseException may have left it mid-run."""
-        loop = getattr(self._local, "loop", None)
-        if loop is None:
+        """Stop this thread's event loop: the thread ends, or a BaseException ended a call."""
+        runner = getattr(self._local, "loop", None)
+        if runner is None:
             return
         self._local.loop = None
-        try:
-            loop.close()
-        except Exception:
-            logger.exception(
-                "the event loop of a handler thread failed to close",
-                extra={"action": "event_loop_close_failed"},
-            )
+        runner.close()
 
     def _call(self, handler: Handler, job: _Job, traced: bool | None = None) -> str | None:
         work = self._work_for(job)
@@ -1089,17 +1130,7 @@ class Dispatcher:
         with tracing.handling(work) if traced is not False else _NOT_TRACED:
             result = wrap_in_middleware(handler.func, self.middleware)(work)
             if inspect.isawaitable(result):  # an async handler, or an async middleware
-                loop = getattr(self._local, "loop", None)
-                if loop is None:
-                    loop = self._local.loop = asyncio.new_event_loop()
-                task = loop.create_task(_awaited(result))
-                job.task = (loop, task)
-                if job.handle.cancel_reason == CancelReason.CANCELLED:
-                    task.cancel()  # cancelled before the task existed
-                try:
-                    result = loop.run_until_complete(task)
-                finally:
-                    job.task = None
+                result = self._await(result, job)
 
         def warn(change: str) -> None:
             logger.warning(
@@ -1155,6 +1186,7 @@ class Dispatcher:
             extra={"action": "superseded"},
         )
         job.handle.cancel(CancelReason.LOST)
+        self._cancel_task(job, whole_batch=False)  # the batch's other rows are still live
         job.handle.dispose()  # leaves the registry free for the new handle
 
     def _finish(self, job: _Job) -> None:
@@ -1247,6 +1279,7 @@ class Dispatcher:
             if job.state != JobState.RUNNING:
                 return False  # queued jobs are released by their worker; finished ones are done
             job.state = JobState.ABANDONED
+        self._cancel_task(job)  # an async handler can be stopped: its thread comes back
         self.stats.abandoned += 1
         self.metrics.abandoned(job.row.category, job.row.topic)
         if job.run is not None and job.run.batch is not None:
@@ -1505,6 +1538,7 @@ class Dispatcher:
                 if job.state != JobState.RUNNING:
                     continue  # queued ones are released by their worker
                 job.state = JobState.ABANDONED
+            self._cancel_task(job)
             failed += 1
             if job.run is not None and job.run.batch is not None:
                 self._give_up_batch(
@@ -1572,9 +1606,15 @@ def _queue_wait(job: _Job, started_at: float) -> float | None:
     return (row.claimed_at - row.due_at).total_seconds() + (started_at - job.received_at)
 
 
-async def _awaited(awaitable: Any) -> Any:
-    """A coroutine of any awaitable, so it can run as a task."""
-    return await awaitable
+def _given_up(holder: _Job | _Run) -> bool:
+    """Whether the attempt of ``holder`` (a row, or a batch's run) was given up on or
+    cancelled; called with its lock held."""
+    if isinstance(holder, _Run):
+        return any(job.state == JobState.ABANDONED for job in holder.batch or ())
+    return (
+        holder.state in (JobState.ABANDONED, JobState.SUPERSEDED)
+        or holder.handle.cancel_reason == CancelReason.CANCELLED
+    )
 
 
 def _first_line(error: Exception) -> str:
