@@ -50,6 +50,7 @@ def log_dead_lettered(
     error: str | None = None,
     *,
     topic: str | None = None,
+    subject: str | None = None,
     stream: str | None = None,
     attempt: int | None = None,
     max_attempts: int | None = None,
@@ -59,7 +60,8 @@ def log_dead_lettered(
 ) -> None:
     """Log that one row was dead-lettered, at ERROR, with its reason and the re-queue
     command. ``error`` is what went wrong (its first line is quoted), ``fix`` what to do
-    before re-queueing it, ``by`` who parked it (an operator), and ``fields`` more
+    before re-queueing it, ``by`` who parked it (an operator), ``subject`` what the row
+    runs where its topic does not say it (a task's path), and ``fields`` more
     ``extra`` keys (e.g. ``workpump_retry_at``).
     """
     headline = (error or "").strip().splitlines()
@@ -67,6 +69,7 @@ def log_dead_lettered(
     where = ", ".join(
         part
         for part in (
+            subject,
             None if topic is None else f"topic {topic!r}",
             None if stream is None else f"stream {stream!r}",
             None if attempt is None else f"attempt {attempt}/{max_attempts}",
@@ -96,6 +99,7 @@ def log_dead_lettered(
             "workpump_reason": str(reason),
             "workpump_error": quoted,
             "workpump_by": by,
+            **({} if subject is None else {"workpump_subject": subject}),
             **fields,
         },
     )

@@ -32,7 +32,7 @@ from django.db import connections
 
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.conf import setting
-from django_workpump.states import OutcomeStatus, WorkState
+from django_workpump.states import ENDED_STATES, OutcomeStatus, WorkState
 
 try:
     import prometheus_client
@@ -58,8 +58,11 @@ HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 
-# The undone states workpump_pending reports (done rows are not a backlog).
-PENDING_STATES = tuple(state for state in WorkState if state != WorkState.DONE)
+# The undone states workpump_pending reports: rows that ended are not a backlog.
+PENDING_STATES = tuple(state for state in WorkState if state not in ENDED_STATES)
+# The ended states workpump_ended reports, counted exactly (done rows are estimated and
+# counted by workpump_done_total instead).
+ENDED_GAUGE_STATES = (WorkState.CANCELLED, WorkState.DISCARDED)
 
 
 class MetricsUnavailable(ImproperlyConfigured):
@@ -375,6 +378,12 @@ class DatabaseCollector:
                 labels=("category", "state"),
             ),
             GaugeMetricFamily(
+                "workpump_ended",
+                "Rows that ended without completing per category and state (cancelled, "
+                "discarded), database-wide; never a backlog.",
+                labels=("category", "state"),
+            ),
+            GaugeMetricFamily(
                 "workpump_oldest_pending_age_seconds",
                 "Age of the oldest row waiting for a claimer (pending or orphaned) per "
                 "category; 0 when none waits.",
@@ -393,15 +402,17 @@ class DatabaseCollector:
         self.reads += 1
         counts = status.state_counts(using=self.using)
         instances = status.instances(using=self.using)
-        pending, oldest, fleet = self._empty()
+        pending, ended, oldest, fleet = self._empty()
         for category in counts.categories:
             for state in PENDING_STATES:
                 pending.add_metric((category.category, state), category.counts.get(state, 0))
+            for state in ENDED_GAUGE_STATES:
+                ended.add_metric((category.category, state), category.counts.get(state, 0))
             oldest.add_metric((category.category,), category.oldest_pending_age_seconds or 0.0)
         live = sum(1 for instance in instances if instance.live)
         fleet.add_metric(("live",), live)
         fleet.add_metric(("stale",), len(instances) - live)
-        return [pending, oldest, fleet]
+        return [pending, ended, oldest, fleet]
 
 
 _collector: DatabaseCollector | None = None

@@ -22,6 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from django.contrib import admin
 from django.contrib.auth.models import Permission, User
 from django.contrib.contenttypes.models import ContentType
 from django.contrib.messages import get_messages
@@ -31,6 +32,7 @@ from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+import django_workpump as workpump
 from django_workpump import models
 from django_workpump.admin import display
 from django_workpump.admin import work as work_admin
@@ -524,6 +526,47 @@ def test_detail_page_shows_formatted_payload_full_error_and_stream_neighbours(
     assert f'href="{OUTBOX_URL}{head.pk}/change/"' in table
 
 
+@pytest.mark.parametrize("model", WORK_MODELS, ids=lambda m: m._meta.model_name)
+def test_a_work_id_url_leads_to_the_row_page_which_shows_the_whole_id(
+    admin_client: Client, model: type[Any]
+) -> None:
+    row = factories_for(model)
+    work_id = str(getattr(row, admin.site._registry[model].spec.key_field))
+    base = f"/admin/workpump/{model._meta.model_name}/"
+    page = f"{base}{row.pk}/change/"
+    for url in (f"{base}{work_id}/", f"{base}{work_id}/change/"):
+        response = admin_client.get(url)
+        assert (response.status_code, response["Location"]) == (302, page), url
+    # the changelist's filters ride along, as on any change page
+    filtered = admin_client.get(f"{base}{work_id}/change/", {"_changelist_filters": "state=dead"})
+    assert filtered["Location"] == f"{page}?_changelist_filters=state%3Ddead"
+
+    html = admin_client.get(page).content.decode()
+    assert f'<code class="wp-id" style="user-select:all">{work_id}</code>' in html
+    changelist = admin_client.get(base).content.decode()
+    ids = re.findall(r'<th class="field-work_id"><a [^>]*>(?:<span [^>]*>)?([^<]+)<', changelist)
+    assert ids == [work_id]  # in full, not its first 8 characters
+
+
+def test_the_id_send_returns_opens_its_outbox_row_and_an_unknown_id_says_so(
+    admin_client: Client,
+) -> None:
+    message_id = workpump.send("admin.by_id", {"n": 1})
+    response = admin_client.get(f"{OUTBOX_URL}{message_id}/change/", follow=True)
+    assert response.status_code == 200
+    assert response.context["original"].message_id == message_id
+
+    unknown = uuid.uuid4()
+    response = admin_client.get(f"{OUTBOX_URL}{unknown}/change/", follow=True)
+    assert response.redirect_chain == [(OUTBOX_URL, 302)]
+    assert messages_of(response) == [
+        f"No outbox message has the id {unknown}: check the id, or retention may have "
+        "removed the row."
+    ]
+    outsider = client_for(staff("outsider"))
+    assert outsider.get(f"{OUTBOX_URL}{message_id}/").status_code == 403
+
+
 def test_perspective_detail_shows_the_event_payload(admin_client: Client) -> None:
     event = factories.EventFactory(payload={"order_id": 42}, event_type="order.placed")
     row = factories.PerspectiveEventFactory(event=event)
@@ -863,6 +906,47 @@ def test_a_stale_instance_with_its_alive_lock_held_is_live(
     # ... and its rows stop being stuck for that reason.
     listed = listed_keys(admin_client.get(OUTBOX_URL, {"state": "stuck"}).content.decode())
     assert world.key("leased_stale") not in listed
+
+
+@pytest.mark.parametrize(
+    ("age", "locked", "mode", "expected"),
+    [
+        # holding its alive-lock it beats every 60 s: 45 s is on time, not stale
+        (45, True, "advisory_lock_when_available", "fresh"),
+        (45, False, "advisory_lock_when_available", "stale"),  # it beats every 10 s
+        # late for the slow cadence: one interval plus the fast cadence's 20 s margin
+        (85, True, "advisory_lock_when_available", "stale"),
+        (45, True, "heartbeat_table_only", "stale"),  # no lock source: always 10 s
+        (400, True, "advisory_lock_when_available", "dead"),
+    ],
+    ids=["locked-slow-beat", "unlocked", "locked-late", "table-only", "past-dead"],
+)
+def test_the_heartbeat_colour_follows_the_instance_cadence_and_alive_lock(
+    admin_client: Client,
+    now: datetime,
+    raw_connect: Any,
+    age: int,
+    locked: bool,
+    mode: str,
+    expected: str,
+) -> None:
+    instance = factories.ServiceInstanceFactory(last_heartbeat_at=now - secs(age))
+    row = factories.OutboxFactory(
+        instance_id=instance.instance_id, lease_expiry=now + secs(200), claimed_at=now, attempts=1
+    )
+    if locked:
+        raw_connect().execute(
+            "SELECT pg_advisory_lock(%s, %s)", (ALIVE_NAMESPACE, instance.alive_lock_key)
+        )
+    colour = f"wp-{expected}"
+    with override_settings(WORKPUMP={"LIVENESS_SOURCE_MODE": mode}):
+        instances = admin_client.get(INSTANCES_URL).content.decode()
+        assert colour in row_cells(instances, instance.instance_id)["heartbeat"]["html"]
+        outbox = admin_client.get(OUTBOX_URL).content.decode()
+        assert colour in row_cells(outbox, row.message_id)["owner_heartbeat"]["html"]
+        summary = admin_client.get(SUMMARY_URL).content.decode()
+        [line] = [r for r in summary.split("<tr") if str(instance.instance_id) in r]
+        assert colour in line
 
 
 def test_evict_asks_first_then_tombstones_the_instance_and_releases_its_rows(

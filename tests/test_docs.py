@@ -1,12 +1,16 @@
 """Docs rendered from the code cannot drift: the SQL API page from the installed functions,
-the README's settings table from ``conf.SETTINGS``, and the README's Python snippets run."""
+the README's settings table from ``conf.SETTINGS``, and the Python snippets of the README
+and of docs/*.md run (or compile, when marked as not runnable standalone)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import importlib.util
+import logging
 import re
+import sys
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -133,20 +137,24 @@ def test_the_python_snippets_of_a_page_use_only_what_exists(page):
     assert missing == [], "snippets name things the package does not have: " + ", ".join(missing)
 
 
-# --- the README's Python snippets run ---------------------------------------------------
+# --- the Python snippets of the README and of docs/*.md run ----------------------------
 #
-# Every ```python block of the README runs, in order, in one namespace (a later block uses
-# what an earlier one imported or defined), each in a transaction rolled back after it, with
-# the registries restored at the end. The comment on the line before a block says when it
-# does not run as is:
+# Every ```python block of a page runs, in order, in one namespace per page (a later block
+# uses what an earlier one imported or defined), each in a transaction rolled back after
+# it, with the registries restored at the end. The comment on the line before a block
+# says when it does not run as is:
 #   <!-- snippet: settings -->         a settings fragment: executed on its own, and every
 #                                      django_workpump path and WORKPUMP key it names must exist
-#   <!-- snippet: not run (why) -->    illustrative only
-# Names the README's prose takes as given (the provider's event, some work ids, ...) are
-# provided when a block uses them without defining them.
+#   <!-- snippet: not run (why) -->    not runnable standalone (it imports your app's
+#                                      modules, configures the process, ...): compiled only
+# Names the prose takes as given (the provider's event, some work ids, a client's
+# exception, ...) are provided when a block uses them without defining them; a
+# third-party module an example imports and the test extras lack has a stand-in here.
 
 README = DOCS.parent / "README.md"
+DOC_PAGES = [page for page in sorted(DOCS.glob("*.md")) if python_snippets(page)]
 SNIPPET_MARKER = re.compile(r"^<!-- snippet: (settings|not run)\b.*-->$")
+NOT_RUN_WITH_A_REASON = re.compile(r"^<!-- snippet: not run \(.+\) -->$")
 
 
 def marked_snippets(page: Path) -> list[tuple[int, str, str]]:
@@ -182,12 +190,75 @@ def _an_instance() -> uuid.UUID:
     return ServiceInstanceFactory().instance_id  # registered, its heartbeat long stale
 
 
+def _a_sent_id() -> uuid.UUID:
+    import django_workpump as workpump
+
+    return workpump.send("docs.given", {})
+
+
+class RateLimited(Exception):
+    """docs/control-flow.md's client exception: it says when to try again."""
+
+    retry_after = 30
+
+
+class Order:
+    def __init__(self) -> None:
+        self.id = 7
+
+
+def place_order(order: Order) -> None:
+    """docs/testing.md's code under test: it sends the receipt and emits the event."""
+    import django_workpump as workpump
+
+    workpump.send("emails.receipt", {"order_id": order.id})
+    workpump.emit("order.placed", {"order_id": order.id}, stream=f"order-{order.id}")
+
+
 GIVEN: dict[str, Callable[[], Any]] = {
     "event": lambda: {"id": "evt_1PzQ", "type": "payment_intent.succeeded"},
     "ids": _some_ids,
     "instance_id": _an_instance,
     "client": SignupClient,
+    "message_id": _a_sent_id,
+    "other_id": _a_sent_id,
+    "RateLimited": lambda: RateLimited,
+    "order": Order,
+    "place_order": lambda: place_order,
 }
+
+
+class SentryScope:
+    """What a ``sentry_sdk`` scope was told, for the middleware examples."""
+
+    def __init__(self) -> None:
+        self.tags: dict[str, str] = {}
+        self.contexts: dict[str, Any] = {}
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.tags[key] = value
+
+    def set_context(self, key: str, value: Any) -> None:
+        self.contexts[key] = value
+
+
+def sentry_stand_in() -> types.ModuleType:
+    """A ``sentry_sdk`` that records its scopes and captured exceptions."""
+    module = types.ModuleType("sentry_sdk")
+    module.scopes = []  # type: ignore[attr-defined]
+    module.captured = []  # type: ignore[attr-defined]
+
+    @contextmanager
+    def new_scope() -> Iterator[SentryScope]:
+        module.scopes.append(SentryScope())  # type: ignore[attr-defined]
+        yield module.scopes[-1]  # type: ignore[attr-defined]
+
+    module.new_scope = new_scope  # type: ignore[attr-defined]
+    module.capture_exception = module.captured.append  # type: ignore[attr-defined]
+    return module
+
+
+STAND_INS: dict[str, Callable[[], types.ModuleType]] = {"sentry_sdk": sentry_stand_in}
 
 
 def used_names(code: str) -> set[str]:
@@ -225,13 +296,13 @@ def strings_in(value: Any) -> Iterator[str]:
             yield from strings_in(item)
 
 
-def check_settings_fragment(line: int, code: str) -> None:
+def check_settings_fragment(where: str, code: str) -> None:
     from django.utils.module_loading import import_string
 
     from django_workpump.conf import DEFAULTS
 
     settings: dict[str, Any] = {}
-    exec(compile(code, f"README.md:{line}", "exec"), settings)
+    exec(compile(code, where, "exec"), settings)
     for text in strings_in({k: v for k, v in settings.items() if k.isupper()}):
         if text.split(".")[0] == "django_workpump":
             try:
@@ -239,39 +310,59 @@ def check_settings_fragment(line: int, code: str) -> None:
             except ImportError:
                 import_string(text)  # raises, naming the path, if it does not exist
     unknown = set(settings.get("WORKPUMP", {})) - set(DEFAULTS)
-    assert not unknown, f"README.md:{line}: unknown WORKPUMP keys {sorted(unknown)}"
+    assert not unknown, f"{where}: unknown WORKPUMP keys {sorted(unknown)}"
 
 
-def test_every_readme_snippet_is_run_or_marked():
-    kinds = [kind for _, kind, _ in marked_snippets(README)]
-    assert kinds.count("run") >= 6, kinds
+def run_snippets(page: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Run a page's snippets as the comment above says; return the page's namespace.
+
+    Call it inside ``sandboxed_registries()``.
+    """
+    namespace: dict[str, Any] = {"__name__": page.stem.replace("-", "_")}
+    for name, make in STAND_INS.items():
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            monkeypatch.setitem(sys.modules, name, make())
+    for line, kind, code in marked_snippets(page):
+        where = f"{page.name}:{line}"
+        compiled = compile(code, where, "exec")  # every block at least compiles
+        if kind == "not run":
+            continue
+        if kind == "settings":
+            check_settings_fragment(where, code)
+            continue
+        with transaction.atomic():
+            for name in used_names(code) & GIVEN.keys():
+                if name not in namespace:
+                    namespace[name] = GIVEN[name]()
+            try:
+                exec(compiled, namespace)
+            except Exception as exc:  # noqa: BLE001 - reported with the snippet's line
+                pytest.fail(f"The snippet at {where} raised {type(exc).__name__}: {exc}\n{code}")
+            finally:
+                transaction.set_rollback(True)
+                for name in GIVEN:
+                    namespace.pop(name, None)
+    return namespace
+
+
+@pytest.mark.parametrize("page", [README, *DOC_PAGES], ids=lambda p: p.name)
+def test_every_snippet_is_run_or_marked_with_a_reason(page):
+    lines = page.read_text(encoding="utf-8").splitlines()
+    kinds = [kind for _, kind, _ in marked_snippets(page)]
     assert set(kinds) <= {"run", "settings", "not run"}
+    unexplained = [
+        f"{page.name}:{line}"
+        for line, kind, _ in marked_snippets(page)
+        if kind == "not run" and not NOT_RUN_WITH_A_REASON.match(lines[line - 2].strip())
+    ]
+    assert unexplained == [], "say why a snippet is not run: <!-- snippet: not run (why) -->"
+    if page == README:
+        assert kinds.count("run") >= 6, kinds
 
 
-def test_the_readme_python_snippets_run():
-    namespace: dict[str, Any] = {"__name__": "readme"}
+def test_the_readme_python_snippets_run(monkeypatch):
     with sandboxed_registries():
-        for line, kind, code in marked_snippets(README):
-            if kind == "not run":
-                continue
-            if kind == "settings":
-                check_settings_fragment(line, code)
-                continue
-            with transaction.atomic():
-                for name in used_names(code) & GIVEN.keys():
-                    if name not in namespace:
-                        namespace[name] = GIVEN[name]()
-                try:
-                    exec(compile(code, f"README.md:{line}", "exec"), namespace)
-                except Exception as exc:  # noqa: BLE001 - reported with the snippet's line
-                    pytest.fail(
-                        f"The README's snippet at line {line} raised "
-                        f"{type(exc).__name__}: {exc}\n{code}"
-                    )
-                finally:
-                    transaction.set_rollback(True)
-                    for name in GIVEN:
-                        namespace.pop(name, None)
+        namespace = run_snippets(README, monkeypatch)
         # they ran: the handlers and schedules they define were registered
         from django_workpump.periodic import schedules
         from django_workpump.registry import registry
@@ -279,3 +370,106 @@ def test_the_readme_python_snippets_run():
         assert registry.get("outbox", "emails.welcome").func is namespace["send_welcome"]
         assert schedules.get("reports.nightly") is not None
         assert namespace["produced"].assert_sent("emails.welcome")
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
+def test_the_python_snippets_of_the_docs_run(page, monkeypatch):
+    with sandboxed_registries():
+        run_snippets(page, monkeypatch)
+
+
+def test_the_docs_run_their_handlers_and_calls_for_real(monkeypatch):
+    """A few pages' snippets, checked for what they did, not only that they ran."""
+    from django_workpump.registry import registry
+
+    with sandboxed_registries():
+        flow = run_snippets(DOCS / "control-flow.md", monkeypatch)
+        capture = registry.get("outbox", "payments.capture")
+        assert capture.func is flow["capture"] and capture.timeout == 120
+        assert registry.get("perspective_event", "ledger").batch
+        assert list(flow["result"]) != [] and flow["result"].unknown == []
+
+        testing = run_snippets(DOCS / "testing.md", monkeypatch)
+        assert testing["produced"].assert_sent("emails.receipt", order_id=7)
+
+
+# --- the middleware examples wrap every kind of handler they say they wrap ---------------
+
+
+def run_through_dispatcher(middleware: list[Any], batch: bool) -> Any:
+    """Run three rows through a dispatcher with ``middleware``: one batch handler call on
+    a stream run of three, or three single calls, all completed; return the rows."""
+    import dataclasses
+
+    from django_workpump.clock import FrozenClock
+    from django_workpump.pump.dispatch import Dispatcher
+    from django_workpump.pump.lease import LeaseRegistry
+    from django_workpump.registry import Handler, Registry
+    from tests.fakes import FakeCoordinator, make_row
+
+    calls: list[Any] = []
+
+    def handler(work: Any) -> None:
+        calls.append(work)
+
+    category = "receptor" if batch else "outbox"
+    handlers = Registry()
+    handlers.register(
+        Handler(category, "docs.middleware", handler, events=("docs.event",), batch=True)
+        if batch
+        else Handler(category, "docs.middleware", handler)
+    )
+    rows = [
+        dataclasses.replace(
+            make_row(category),
+            topic="docs.middleware",
+            stream="s" if batch else None,
+            payload={"n": n},
+        )
+        for n in range(3)
+    ]
+    coordinator = FakeCoordinator()
+    dispatcher = Dispatcher(
+        coordinator,
+        handlers,
+        LeaseRegistry(),
+        concurrency=1,
+        clock=FrozenClock(),
+        middleware=middleware,
+    )
+    dispatcher.start()
+    try:
+        dispatcher.submit(rows)
+        assert dispatcher.wait_idle(10)
+    finally:
+        dispatcher.stop()
+    assert coordinator.failed == [], coordinator.failed
+    assert sorted(work_id for work_id, _ in coordinator.completed) == sorted(
+        row.work_id for row in rows
+    )
+    assert len(calls) == (1 if batch else 3)
+    return rows
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "single"])
+def test_the_middleware_examples_wrap_batch_and_single_handlers(batch, monkeypatch, caplog, capsys):
+    monkeypatch.setitem(sys.modules, "sentry_sdk", sentry_stand_in())
+    with sandboxed_registries():
+        examples = run_snippets(DOCS / "middleware.md", monkeypatch)
+    sentry = sys.modules["sentry_sdk"]
+    caplog.set_level(logging.INFO, logger="myproject.jobs")
+    middleware = [examples["log_context"], examples["sentry_scope"], examples["timing"]]
+
+    rows = run_through_dispatcher(middleware, batch)
+
+    ids = [str(row.work_id) for row in rows]
+    logged = [r.work_ids for r in caplog.records if r.name == "myproject.jobs"]
+    assert logged == ([ids, ids] if batch else [[i] for i in ids for _ in ("start", "end")])
+    assert [scope.tags["workpump.topic"] for scope in sentry.scopes] == ["docs.middleware"] * (
+        1 if batch else 3
+    )
+    assert [scope.contexts["work"]["ids"] for scope in sentry.scopes] == (
+        [ids] if batch else [[i] for i in ids]
+    )
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed] == ["docs.middleware"] * (1 if batch else 3)

@@ -37,6 +37,7 @@ from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.supervisor import EXIT_OK
 from django_workpump.registry import Handler, Registry, registry
+from django_workpump.testing import run_pending
 from tests.conftest import FAST_PUMP, ROOT, at, drain, enroll, scalar, wait_until
 from tests.fakes import WAIT, FakeCoordinator, FakeSink, make_row
 
@@ -173,6 +174,35 @@ def test_scrapes_within_the_cache_window_read_the_database_once():
     assert families.keys() == again.keys()
     pending = {tuple(s.labels.values()): s.value for s in families["workpump_pending"].samples}
     assert pending[("outbox", "pending")] == 1
+
+
+@pytest.mark.django_db
+def test_the_pending_gauge_counts_no_ended_row_and_the_ended_gauge_counts_them(handlers):
+    def discard(work: Any) -> None:
+        if work.payload["n"] == 1:
+            raise workpump.Discard("not wanted")
+
+    handlers("metrics.ended", discard)
+    for n in range(3):
+        workpump.send("metrics.ended", {"n": n})
+    assert run_pending(topics=["metrics.ended"]) == 2  # done; the third is discarded
+    waiting = [workpump.send("metrics.ended", {"n": n}) for n in range(3, 6)]
+    assert list(workpump.cancel(waiting[:2])) == waiting[:2]  # one of them still waits
+
+    families = {f.name: f for f in metrics.DatabaseCollector(cache_seconds=0).collect()}
+
+    def by_state(name: str) -> dict[str, float]:
+        return {
+            s.labels["state"]: s.value
+            for s in families[name].samples
+            if s.labels["category"] == "outbox"
+        }
+
+    pending = by_state("workpump_pending")
+    # the backlog is the one row that still waits: sum(workpump_pending) says so
+    assert pending["pending"] == 1 and sum(pending.values()) == 1, pending
+    assert {"cancelled", "discarded", "done"}.isdisjoint(pending)
+    assert by_state("workpump_ended") == {"cancelled": 2, "discarded": 1}
 
 
 @pytest.mark.django_db

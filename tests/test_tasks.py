@@ -592,6 +592,16 @@ def test_a_task_failing_every_attempt_is_failed_with_all_its_errors(pump, signal
         ("WARNING", 1, "RuntimeError: no luck"),
         ("ERROR", 2, "RuntimeError: no luck"),
     ]
+    # both name the task that failed, not only the queue's topic
+    task_path = "tests.task_funcs.always_fails"
+    failures = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING
+        and r.name in ("django_workpump.dispatch", "django_workpump.dead_letter")
+    ]
+    assert [r.workpump_subject for r in failures] == [f"task '{task_path}'"] * 2
+    assert all(f"(task '{task_path}', topic 'django.tasks:" in r.getMessage() for r in failures)
 
     failed = task_funcs.always_fails.get_result(result.id)
     assert failed.status == TaskResultStatus.FAILED

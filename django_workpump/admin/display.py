@@ -66,21 +66,35 @@ def when(value: datetime | None) -> str:
     return timezone.localtime(value).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def freshness(age_seconds: float) -> str:
-    """fresh, stale or dead, by the configured liveness cutoffs."""
+def stale_after(alive_lock_held: bool) -> float:
+    """Seconds after which an instance's heartbeat is late for its own cadence.
+
+    Without its alive-lock (or with no lock source) an instance beats on the fast cadence
+    and is late past ``STALE_AFTER_SECONDS``. Holding it, it beats on the slow cadence:
+    it is late only when it overran that cadence by the margin the fast cadence is given
+    (``STALE_AFTER_SECONDS`` minus one fast interval).
+    """
     settings = get_settings()
-    if age_seconds < settings["STALE_AFTER_SECONDS"]:
-        return "fresh"
-    if age_seconds < settings["DEFINITIVELY_DEAD_AFTER_SECONDS"]:
-        return "stale"
-    return "dead"
+    stale = float(settings["STALE_AFTER_SECONDS"])
+    if not alive_lock_held or settings["LIVENESS_SOURCE_MODE"] == "heartbeat_table_only":
+        return stale
+    margin = stale - settings["HEARTBEAT_INTERVAL_SECONDS"]
+    return max(stale, settings["HEARTBEAT_SLOW_INTERVAL_SECONDS"] + margin)
 
 
-def heartbeat(age_seconds: float | None) -> SafeString | str:
-    """The heartbeat age, coloured fresh/stale/dead, with the word for screen readers."""
+def freshness(age_seconds: float, alive_lock_held: bool = False) -> str:
+    """fresh, stale (late for its cadence) or dead (past the definitive-dead cutoff)."""
+    if age_seconds >= get_settings()["DEFINITIVELY_DEAD_AFTER_SECONDS"]:
+        return "dead"
+    return "fresh" if age_seconds < stale_after(alive_lock_held) else "stale"
+
+
+def heartbeat(age_seconds: float | None, alive_lock_held: bool = False) -> SafeString | str:
+    """The heartbeat age, coloured fresh/stale/dead for the instance's cadence (slow while
+    it holds its alive-lock), with the word for screen readers."""
     if age_seconds is None:
         return DASH
-    kind = freshness(age_seconds)
+    kind = freshness(age_seconds, alive_lock_held)
     return format_html(
         '<span class="wp-heartbeat wp-{}" style="color:{};font-weight:bold" title="{}">'
         "{} ago</span>",

@@ -332,6 +332,16 @@ def instance_heartbeat_age(instance_ref: str) -> Subquery:
     )
 
 
+def owner_holds_alive_lock(obj: Any) -> bool:
+    """Whether the live owner of a row annotated with ``wp_holder`` and
+    ``wp_owner_heartbeat_age`` holds its alive-lock, as far as its colour matters: a live
+    instance whose heartbeat is past the stale cutoff is live only by its lock
+    (workpump.live_instances); within the cutoff it is fresh either way."""
+    return obj.wp_holder == HOLDER_LIVE and (
+        obj.wp_owner_heartbeat_age >= get_settings()["STALE_AFTER_SECONDS"]
+    )
+
+
 def holder_kind(instance_ref: str) -> Case:
     """What holds a row (or stream): '', live, stale, evicted or gone (see HOLDER_*)."""
     lookup = f"{instance_ref}__in"

@@ -28,6 +28,7 @@ from django_workpump.admin.expressions import (
     instance_label,
     listening_instance_ids,
     live_instance_ids,
+    owner_holds_alive_lock,
     seconds_since,
     seconds_until,
     undone_in_stream,
@@ -167,7 +168,7 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
 
     @admin.display(description="heartbeat age", ordering="wp_heartbeat_age")
     def heartbeat(self, obj: Any) -> SafeString | str:
-        return display.heartbeat(obj.wp_heartbeat_age)
+        return display.heartbeat(obj.wp_heartbeat_age, obj.wp_alive_lock)
 
     @admin.display(description="live", ordering="wp_live")
     def live(self, obj: Any) -> SafeString:
@@ -290,7 +291,7 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
         instances = [
             {
                 "status": instance,
-                "age": display.heartbeat(instance.heartbeat_age_seconds),
+                "age": display.heartbeat(instance.heartbeat_age_seconds, instance.alive_lock_held),
                 "held": instance.total_held,
                 "held_estimated": bool(instance.rows_held_estimated),
             }
@@ -430,7 +431,7 @@ class ActiveStreamAdmin(ReadOnlyAdmin):
             return display.DASH
         if obj.wp_owner_heartbeat_age is None:
             return obj.wp_holder
-        return display.heartbeat(obj.wp_owner_heartbeat_age)
+        return display.heartbeat(obj.wp_owner_heartbeat_age, owner_holds_alive_lock(obj))
 
     @admin.display(description="stream lease expires", ordering="lease_expiry")
     def stream_lease(self, obj: Any) -> SafeString | str:

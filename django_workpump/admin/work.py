@@ -4,6 +4,7 @@ the operator actions, each through the SQL function that keeps leases fenced (do
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -11,13 +12,13 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import model_ngettext
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import F, Q, QuerySet, TextField
 from django.db.models.expressions import Combinable
 from django.db.models.functions import Cast, Coalesce
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.urls import reverse
+from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
@@ -33,6 +34,7 @@ from django_workpump.admin.expressions import (
     annotate_work,
     held_seqs,
     not_live_seqs,
+    owner_holds_alive_lock,
     pending_seqs,
     state_condition,
     state_of,
@@ -330,6 +332,36 @@ class WorkAdmin(WorkpumpModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return WorkChangeList
 
+    def get_urls(self) -> list[URLPattern]:
+        # Logs, workpump_status, cancel() and workpump_action name a row by its work id,
+        # the admin's own URLs by seq: a work id's URL redirects to its row's page.
+        by_work_id = self.admin_site.admin_view(self.work_id_redirect)
+        return [
+            path("<uuid:work_id>/", by_work_id),
+            path("<uuid:work_id>/change/", by_work_id),
+            *super().get_urls(),
+        ]
+
+    def work_id_redirect(self, request: HttpRequest, work_id: uuid.UUID) -> HttpResponse:
+        """Redirect to the change page of the row whose work id is ``work_id``."""
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied
+        rows = self.model._default_manager.using(pump_database())
+        seq = rows.filter(**{self.spec.key_field: work_id}).values_list("seq", flat=True).first()
+        name = f"admin:{self.opts.app_label}_{self.opts.model_name}"
+        if seq is None:
+            messages.warning(
+                request,
+                f"No {self.opts.verbose_name} has the id {work_id}: check the id, or "
+                "retention may have removed the row.",
+            )
+            return HttpResponseRedirect(
+                reverse(f"{name}_changelist", current_app=self.admin_site.name)
+            )
+        url = reverse(f"{name}_change", args=[seq], current_app=self.admin_site.name)
+        query = request.GET.urlencode()
+        return HttpResponseRedirect(f"{url}?{query}" if query else url)
+
     def get_object(
         self, request: HttpRequest, object_id: str, from_field: str | None = None
     ) -> Any:
@@ -422,12 +454,17 @@ class WorkAdmin(WorkpumpModelAdmin):
 
     @admin.display(description="id", ordering="seq")
     def work_id(self, obj: Any) -> SafeString:
+        # In full: it is the id logs, workpump_status and cancel() print.
         key = str(getattr(obj, self.spec.key_field))
-        return format_html('<span title="{}">{}</span>', key, key[:8])
+        return format_html('<span title="{}" class="wp-id">{}</span>', key, key)
 
     @admin.display(description="id")
-    def work_id_full(self, obj: Any) -> str:
-        return str(getattr(obj, self.spec.key_field))
+    def work_id_full(self, obj: Any) -> SafeString:
+        # One click selects the whole id, ready to copy.
+        return format_html(
+            '<code class="wp-id" style="user-select:all">{}</code>',
+            getattr(obj, self.spec.key_field),
+        )
 
     @admin.display(description="state", ordering="wp_state")
     def state(self, obj: Any) -> SafeString:
@@ -506,7 +543,7 @@ class WorkAdmin(WorkpumpModelAdmin):
                 display.FRESHNESS_COLOURS["dead"],
                 obj.wp_holder,
             )
-        return display.heartbeat(obj.wp_owner_heartbeat_age)
+        return display.heartbeat(obj.wp_owner_heartbeat_age, owner_holds_alive_lock(obj))
 
     @admin.display(description="last error")
     def error(self, obj: Any) -> str:

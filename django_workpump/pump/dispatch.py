@@ -156,6 +156,7 @@ class FailedAttempt(NamedTuple):
     attempt: int | None = None
     max_attempts: int | None = None
     delay: float | None = None  # a handler's own retry delay (Retry backoff); None: default
+    subject: str | None = None  # what the row runs, when its topic does not say it
 
     @classmethod
     def of(
@@ -172,7 +173,13 @@ class FailedAttempt(NamedTuple):
             row.attempts,
             row.max_attempts,
             delay,
+            next(filter(None, (name(row) for name in FAILURE_SUBJECTS)), None),
         )
+
+
+# Callables naming what a row runs when its topic is shared (the tasks backend's queue
+# topic runs every task): ``name(row)`` returns e.g. "task 'myapp.tasks.send'" or None.
+FAILURE_SUBJECTS: list[Callable[[ClaimedWork], str | None]] = []
 
 
 # The longest exception line a log line quotes (the row keeps the whole text).
@@ -201,8 +208,11 @@ def log_failed_attempt(item: FailedAttempt, outcome: Any) -> None:
         "workpump_error": headline,
         "workpump_retry_at": None if retry_at is None else retry_at.isoformat(),
     }
+    if item.subject is not None:
+        fields["workpump_subject"] = item.subject
     where = (
-        f"topic {item.topic!r}"
+        ("" if item.subject is None else f"{item.subject}, ")
+        + f"topic {item.topic!r}"
         + ("" if item.stream is None else f", stream {item.stream!r}")
         + ("" if item.attempt is None else f", attempt {item.attempt}/{item.max_attempts}")
     )
@@ -213,6 +223,7 @@ def log_failed_attempt(item: FailedAttempt, outcome: Any) -> None:
             stored_dead_reason(item.reason),
             headline,
             topic=item.topic,
+            subject=item.subject,
             stream=item.stream,
             attempt=item.attempt,
             max_attempts=item.max_attempts,

@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from django_workpump import db
 from django_workpump.conf import setting
+from django_workpump.pump.dispatch import FAILURE_SUBJECTS
 from django_workpump.registry import Handler, registry
 from django_workpump.storable import ascii_text, is_transient, storable_text
 from django_workpump.tasks.checks import valid_name
@@ -45,6 +46,7 @@ from django_workpump.tasks.compat import (
 )
 from django_workpump.tasks.errors import AttemptLost, TaskRefused, class_path
 from django_workpump.tasks.resolution import (
+    TOPIC_PREFIX,
     backend_class,
     is_workpump_backend,
     resolve_task,
@@ -149,6 +151,18 @@ def _prefix_handler(alias: str) -> Any:
         return AttemptRunner(alias, work.topic[len(prefix) :], work).run()
 
     return run_task
+
+
+def task_subject(row: Any) -> str | None:
+    """Name the task a failed task row ran, for the pump's failure log (its topic names
+    only the backend and queue)."""
+    if row.category != "inbox" or not row.topic.startswith(f"{TOPIC_PREFIX}:"):
+        return None
+    path = row.payload.get("task") if isinstance(row.payload, Mapping) else None
+    return f"task {path!r}" if isinstance(path, str) else None
+
+
+FAILURE_SUBJECTS.append(task_subject)
 
 
 # -- one attempt -------------------------------------------------------------------------
