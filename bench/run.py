@@ -4,8 +4,10 @@
 Creates bench/.venv from bench/requirements.txt (the project itself with its test extra,
 PgQueuer with asyncpg, Procrastinate with psycopg, py-spy), re-runs itself inside it, uses
 databases of its own (``wp_bench*`` on the machine's PostgreSQL at 127.0.0.1:5432, and an
-embedded PostgreSQL with pg_stat_statements for the write counts), writes
-docs/benchmarks.md, and prints the headline as one JSON object on its last line.
+embedded PostgreSQL with pg_stat_statements for the write counts), records the sections
+it ran into bench/results/<mode>.json (the others keep their last measurement), renders
+that file's page whole (full mode: docs/benchmark-results.md; quick:
+bench/results/quick.md), and prints the headline as one JSON object on its last line.
 """
 
 from __future__ import annotations
@@ -52,14 +54,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, one round (< 10 min)")
     parser.add_argument("--only", choices=SECTIONS, action="append", help="run only these")
-    parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument(
+        "--no-doc", action="store_true", help="record the results only, do not render the page"
+    )
     parser.add_argument(
         "--cleanup", action="store_true", help="drop every wp_bench* database and exit"
     )
     parser.add_argument(
         "--render",
         action="store_true",
-        help="only rewrite docs/benchmarks.md from bench/results/<mode>.json",
+        help="only render the page of bench/results/<mode>.json",
     )
     args = parser.parse_args()
     bootstrap()

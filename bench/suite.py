@@ -1,4 +1,4 @@
-"""Runs the sections, keeps their results in bench/results/<mode>.json, renders the doc."""
+"""Runs the sections, records them into bench/results/<mode>.json, renders its page."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -39,6 +40,9 @@ class Config:
     ordered_proc_jobs: int = 100  # Procrastinate lock= jobs enqueued
     ordered_proc_window: float = 20.0  # seconds Procrastinate lock= gets
     ordered_reps: int = 1  # rounds of the ordered section's cases (medians, alternated)
+    # Throughput: None drains ``jobs`` as given; a number sizes each case's backlog from a
+    # calibration drain of ``jobs`` so that every drain lasts at least that many seconds.
+    min_drain_seconds: float | None = None
 
 
 QUICK = Config(
@@ -58,6 +62,7 @@ QUICK = Config(
     claim_calls=500,
     profile=False,
     profile_jobs=5_000,
+    min_drain_seconds=3.0,
 )
 FULL = Config(
     mode="full",
@@ -184,17 +189,28 @@ def section_throughput(cfg: Config, server: h.Server, workdir: Path) -> dict[str
 
     for system, database in DATABASES.items():
         h.install_schema(system, server, database)
-    runs = []
     cases = _cases(cfg)
+    calibration: dict[str, Any] = {}
+    if cfg.min_drain_seconds:
+        cases, calibration = sized_cases(
+            cfg,
+            cases,
+            lambda case, rep: throughput.run_case(
+                server, DATABASES[case.system], case, rep, workdir
+            ),
+        )
+    runs = []
     for rep in range(cfg.reps):
-        for case in cases:  # systems back to back within each repetition
-            result = throughput.run_case(server, DATABASES[case.system], case, rep, workdir)
-            runs.append(result)
-            rate = result.get("rate")
-            h.log(
-                f"throughput rep {rep + 1}/{cfg.reps} {case.key}: "
-                + (f"{rate:,.0f} jobs/s" if rate else f"FAILED {result.get('error')}")
+        for i, case in enumerate(cases):  # systems back to back within each repetition
+            result, cases[i] = drain_long_enough(
+                cfg,
+                case,
+                lambda c, rep=rep: throughput.run_case(
+                    server, DATABASES[c.system], c, rep, workdir
+                ),
             )
+            runs.append(result)
+            h.log(f"throughput rep {rep + 1}/{cfg.reps} {case.key}: {_rate(result)}")
     pairs = {
         "vs_pgqueuer_p1": ("workpump/default/p1", "pgqueuer/default/p1"),
         "vs_procrastinate_p1": ("workpump/default/p1", "procrastinate/default/p1"),
@@ -213,7 +229,67 @@ def section_throughput(cfg: Config, server: h.Server, workdir: Path) -> dict[str
         values = throughput.ratios(runs, a, b)
         if values:
             ratios[name] = {"median": h.median(values), "by_rep": values}
-    return {"runs": runs, "summary": throughput.summarize(runs), "ratios": ratios}
+    return {
+        "runs": runs,
+        "summary": throughput.summarize(runs),
+        "ratios": ratios,
+        "min_drain_seconds": cfg.min_drain_seconds,
+        "calibration": calibration,
+    }
+
+
+def sized_cases(
+    cfg: Config, cases: list[Any], run: Callable[[Any, int], dict[str, Any]]
+) -> tuple[list[Any], dict[str, Any]]:
+    """``cases`` with backlogs sized from one calibration drain each (of ``case.jobs``),
+    so that a drain lasts ``cfg.min_drain_seconds`` with a margin, django-workpump's
+    enqueued with ``send_many``; and the calibration."""
+    from bench import throughput
+
+    sized, calibration = [], {}
+    for case in cases:
+        probe = run(case, -1)
+        jobs = throughput.backlog_for(
+            probe.get("rate"), cfg.min_drain_seconds or 0, fallback=case.jobs
+        )
+        calibration[case.key] = {
+            "jobs": case.jobs,
+            "seconds": probe.get("seconds"),
+            "rate": probe.get("rate"),
+            "sized": jobs,
+        }
+        h.log(f"throughput calibration {case.key}: {_rate(probe)}; backlog {jobs:,} jobs")
+        # send_many: a large backlog enqueued per row would cost more than its drain
+        variant = "many" if case.system == "workpump" else case.variant
+        sized.append(replace(case, jobs=jobs, variant=variant))
+    return sized, calibration
+
+
+def drain_long_enough(
+    cfg: Config, case: Any, run: Callable[[Any], dict[str, Any]], tries: int = 3
+) -> tuple[dict[str, Any], Any]:
+    """Run ``case``; while its drain ended before ``cfg.min_drain_seconds``, enqueue a
+    backlog sized from that drain and run it again. Return the result and the case
+    (with the backlog that sufficed, for the next repetitions)."""
+    from bench import throughput
+
+    result = run(case)
+    for _ in range(tries - 1):
+        seconds = result.get("seconds")
+        if not cfg.min_drain_seconds or seconds is None or seconds >= cfg.min_drain_seconds:
+            break
+        jobs = throughput.backlog_for(result["rate"], cfg.min_drain_seconds, fallback=case.jobs)
+        if jobs <= case.jobs:
+            break  # at the cap: the short drain stays, flagged by its seconds
+        h.log(f"throughput {case.key}: drained in {seconds:.1f} s; again with {jobs:,} jobs")
+        case = replace(case, jobs=jobs)
+        result = run(case)
+    return result, case
+
+
+def _rate(result: dict[str, Any]) -> str:
+    rate = result.get("rate")
+    return f"{rate:,.0f} jobs/s" if rate else f"FAILED {result.get('error')}"
 
 
 def section_claim(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
@@ -295,73 +371,6 @@ RUNNERS = {
 }
 
 
-# -- headline ----------------------------------------------------------------------
-def headline(results: dict[str, Any]) -> dict[str, Any]:
-    sections = results.get("sections", {})
-    out: dict[str, Any] = {"mode": results.get("mode")}
-    tp = sections.get("throughput", {}).get("ratios", {})
-    out["throughput_ratio_vs_pgqueuer"] = _round(tp.get("vs_pgqueuer_p1", {}).get("median"))
-    out["throughput_ratio_vs_procrastinate"] = _round(
-        tp.get("vs_procrastinate_p1", {}).get("median")
-    )
-    lat = sections.get("latency", {}).get("summary", {}).get("workpump", {})
-    out["latency_p50_ms"] = _round(lat.get("p50"))
-    out["latency_p99_ms"] = _round(lat.get("p99"))
-    wv = sections.get("writes", {}).get("instances", {})
-    out["idle_writes_per_min"] = _round(
-        wv.get("workpump-idle-lock", {}).get("write_statements_per_min")
-    )
-    claim = sections.get("claim", {})
-    labels = list(claim)
-    if len(labels) == 2:
-        small, large = claim[labels[0]], claim[labels[1]]
-        out["claim_p50_ratio_1m_vs_1k"] = _round(large["p50_ms"] / small["p50_ms"])
-        out["claim_sizes"] = f"{labels[1]} vs {labels[0]}"
-    else:
-        out["claim_p50_ratio_1m_vs_1k"] = None
-    out["throughput_ratio_vs_pgqueuer_tuned"] = _round(
-        tp.get("tuned_vs_pgqueuer_p1", {}).get("median")
-    )
-    scale = sections.get("scale", {})
-    out["enqueue_many_ratio_vs_pgqueuer"] = _round(
-        scale.get("enqueue", {}).get("many_ratio_vs_pgqueuer")
-    )
-    out["enqueue_single_ratio_vs_pgqueuer"] = _round(
-        scale.get("enqueue", {}).get("single_ratio_vs_pgqueuer")
-    )
-    out["latency_p50_ratio_vs_pgqueuer"] = _round(
-        scale.get("latency", {}).get("p50_ratio_vs_pgqueuer")
-    )
-    out["latency_p99_ratio_vs_pgqueuer"] = _round(
-        scale.get("latency", {}).get("p99_ratio_vs_pgqueuer")
-    )
-    out["renewal_statements_per_window"] = _round(
-        scale.get("renewals", {}).get("statements_per_category_per_window")
-    )
-    out["scale_8_vs_1_ratio"] = _round(scale.get("instances", {}).get("scale_8_vs_1_ratio"))
-    out["scale_32_vs_1_ratio"] = _round(scale.get("instances", {}).get("scale_32_vs_1_ratio"))
-    out["scale_32_share_spread"] = _round(scale.get("instances", {}).get("scale_32_share_spread"))
-    out["scale_32_idle_write_statements_per_instance_per_min"] = _round(
-        scale.get("instances", {}).get("idle_write_statements_per_instance_per_min")
-    )
-    ordered = sections.get("ordered", {}).get("summary", {})
-    for key in (
-        "ordered_stream_rows_per_s",
-        "ordered_vs_unordered_ratio",
-        "orm_handler_rows_per_s",
-        "orm_default_vs_persistent_ratio",
-        "ordered_orm_rows_per_s",
-        "ordered_orm_vs_unordered_orm_ratio",
-        "procrastinate_lock_jobs_per_s",
-    ):
-        out[key] = _round(ordered.get(key), 0 if key.endswith("rows_per_s") else 2)
-    return out
-
-
-def _round(value: Any, digits: int = 2) -> Any:
-    return None if value is None else round(float(value), digits)
-
-
 # -- driver ------------------------------------------------------------------------
 def cleanup() -> None:
     server = h.system_server()
@@ -378,49 +387,65 @@ def cleanup() -> None:
 
 
 def render(mode: str) -> None:
+    """Write the page of bench/results/<mode>.json, whole."""
     from bench import report
 
     results = json.loads((h.RESULTS / f"{mode}.json").read_text())
-    doc = h.ROOT / "docs" / "benchmarks.md"
-    doc.write_text(report.render(results) + report.kept_sections(doc))
-    h.log(f"wrote {doc.relative_to(h.ROOT)} from bench/results/{mode}.json")
+    page = report.page_path(mode)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(report.render(results))
+    h.log(f"wrote {page.relative_to(h.ROOT)} from bench/results/{mode}.json")
 
 
 def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str]) -> None:
+    from bench import report
+
     cfg = QUICK if quick else FULL
     server = h.system_server()
     chosen = [
         s for s in RUNNERS if (only and s in only) or (not only and (s != "profile" or cfg.profile))
     ]
     path = h.RESULTS / f"{cfg.mode}.json"
-    results: dict[str, Any] = {}
-    if only and path.exists():
-        results = json.loads(path.read_text())  # keep the other sections of the last run
-    results.setdefault("sections", {})
+    # The sections this run does not measure keep their last measurement, each with its
+    # own revision and time; the page is rendered whole from the merged results.
+    results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     results["mode"] = cfg.mode
-    results["config"] = {
+    config = {
         "reps": cfg.reps,
         "matrix": cfg.matrix,
         "jobs": cfg.jobs,
+        "min_drain_seconds": cfg.min_drain_seconds,
         "latency": [cfg.latency_rounds, cfg.latency_n, cfg.latency_gap_ms],
         "writes_window": cfg.writes_window,
         "claim_sizes": cfg.claim_sizes,
         "claim_calls": cfg.claim_calls,
         "tuned": dict(TUNED),
     }
-    results["versions"] = versions(server)
-    results["command"] = "python bench/run.py " + " ".join(argv)
+    run_versions = versions(server)
+    command = "python bench/run.py " + " ".join(argv)
     workdir = Path(tempfile.mkdtemp(prefix="wp-bench-"))
     started = time.monotonic()
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     h.log(f"mode {cfg.mode}: sections {', '.join(chosen)}; work files in {workdir}")
     try:
         for name in chosen:
             t0 = time.monotonic()
-            results["sections"][name] = RUNNERS[name](cfg, server, workdir)
-            results.setdefault("timings", {})[name] = {
-                "seconds": time.monotonic() - t0,
-                "at": datetime.now(UTC).isoformat(timespec="seconds"),
-            }
+            data = RUNNERS[name](cfg, server, workdir)
+            report.record(
+                results,
+                name,
+                data,
+                {
+                    "started": started_at,
+                    "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+                    "seconds": time.monotonic() - t0,
+                    "revision": _revision(),
+                    "command": command.rstrip(),
+                    "mode": cfg.mode,
+                    "config": config,
+                    "versions": run_versions,
+                },
+            )
             h.save_json(cfg.mode, results)
             h.log(f"section {name} done in {time.monotonic() - t0:.0f} s")
     finally:
@@ -429,25 +454,9 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
             for database in DATABASES.values():
                 with contextlib.suppress(Exception):
                     server.drop(database)
-    results["versions"]["django-workpump at the end of the run"] = _revision()
-    results["wall_seconds"] = time.monotonic() - started
-    results["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
-    results["headline"] = headline(results)
-    h.save_json(cfg.mode, results)
     if write_doc:
-        from bench import report
-
-        doc = h.ROOT / "docs" / "benchmarks.md"
-        doc.parent.mkdir(exist_ok=True)
-        # one section run alone replaces its own section: the others are from a full run
-        if chosen == ["ordered"]:
-            doc.write_text(report.splice_ordered(doc, results))
-        elif chosen == ["scale"]:
-            doc.write_text(report.splice_scale(doc, results))
-        else:
-            doc.write_text(report.render(results) + report.kept_sections(doc))
-        h.log(f"wrote {doc.relative_to(h.ROOT)}")
+        render(cfg.mode)
     shutil.rmtree(workdir, ignore_errors=True)
     h.log(f"total {time.monotonic() - started:.0f} s")
-    print(json.dumps(results["headline"]), flush=True)
+    print(json.dumps(report.headline(results)), flush=True)
     sys.stdout.flush()

@@ -3,10 +3,15 @@
 Rate = N / (first handler start -> the moment no job is left unfinished in the
 database). Workers are started after the enqueue, so the clock starts when the first
 one begins work; their start-up is reported apart.
+
+A drain that lasts well under a second measures start-up more than the steady rate, so
+a run may size its backlogs from a short calibration drain (``backlog_for``) and
+enqueue again, larger, when a drain still ends too soon.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,10 +32,28 @@ class Case:
     conn_max_age: str | None = None  # BENCH_CONN_MAX_AGE for our worker ("none": persistent)
     task: str = "noop"  # the handler: bench.<task>
     stream: str | None = None  # workpump: every job on this one stream
+    variant: str = "send"  # workpump: how bench.produce enqueues (send per row, or send_many)
 
     @property
     def key(self) -> str:
         return f"{self.system}/{self.name}/p{self.processes}"
+
+
+def backlog_for(
+    rate: float | None,
+    seconds: float,
+    *,
+    fallback: int,
+    margin: float = 1.25,
+    batch: int = 1_000,
+    cap: int = 200_000,
+) -> int:
+    """Jobs for a drain at ``rate`` jobs/s to last ``seconds`` times ``margin``: whole
+    batches of ``batch``, at most ``cap``; ``fallback`` when the rate is unknown."""
+    if not rate or rate <= 0:
+        return fallback
+    jobs = math.ceil(rate * seconds * margin / batch) * batch
+    return max(batch, min(jobs, cap))
 
 
 def run_case(
@@ -41,6 +64,8 @@ def run_case(
     args = ["bulk", "--n", str(case.jobs), "--batch", "1000", "--task", case.task]
     if case.stream is not None:
         args += ["--stream", case.stream]
+    if case.system == "workpump" and case.variant != "send":
+        args += ["--variant", case.variant]
     enqueue = h.produce(case.system, server, database, args)
     with server.connect(database) as conn:
         conn.execute(h.ANALYZE_SQL[case.system])
@@ -118,6 +143,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "processes": items[0]["processes"],
             "concurrency": items[0]["concurrency"],
             "jobs": items[0]["jobs"],
+            "jobs_max": max(r["jobs"] for r in items),  # a short drain's rerun enqueues more
+            "seconds_min": min((r["seconds"] for r in items if "rate" in r), default=None),
             "workpump": items[0]["workpump"],
             "conn_max_age": items[0].get("conn_max_age"),
             "runs": len(items),

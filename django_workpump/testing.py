@@ -89,6 +89,9 @@ def run_pending(
     Raises RuntimeError when work is still claimable after ``max_rounds`` rounds (a
     handler that keeps producing work for itself).
     """
+    from django_workpump.tasks import load_task_code
+
+    load_task_code()  # as runworkpump does at start: a task row runs only loaded code
     alias = using or setting("DATABASE_ALIAS")
     chosen = [c for c in (categories or CATEGORIES)]
     named = list(topics) if topics is not None else None

@@ -6,6 +6,7 @@ queries of db.py, the Python twin of the partition hash, and no SQL in runtime m
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import io
 import pkgutil
@@ -22,7 +23,6 @@ from django.db import IntegrityError, migrations, transaction
 import django_workpump
 import django_workpump.migrations
 from django_workpump import models
-from django_workpump.partitions import partition_of
 from django_workpump.sql import PIN_SEARCH_PATH, named_queries, read
 from tests import factories
 from tests.conftest import T0, at, run_sql, scalar
@@ -197,6 +197,12 @@ def test_migrating_back_drops_the_schema_and_forward_restores_it():
 
 
 # --- The partition hash ----------------------------------------------------------------
+
+
+def partition_of(key: str, partition_count: int = 10_000) -> int:
+    """The hash docs/sql-api.md gives for ``workpump.partition_of``, written from it."""
+    digest = hashlib.md5(key.encode(), usedforsecurity=False).hexdigest()
+    return int(digest[:8], 16) % partition_count
 
 
 def random_keys(count: int) -> list[str]:

@@ -55,6 +55,7 @@ from django_workpump.tasks.compat import (
     task_finished,
     task_started,
 )
+from django_workpump.tasks.resolution import load_task_code
 from django_workpump.tasks.runner import register_backends, unregister_backends
 from django_workpump.testing import run_pending
 from tests.conftest import FAST_PUMP, drain, wait_until
@@ -846,6 +847,26 @@ def test_a_task_enqueue_writes_no_deduplication_row():
     result = task_funcs.add.enqueue(1)
     assert models.Inbox.objects.filter(message_id=result.id).exists()
     assert not models.InboxDedup.objects.filter(message_id=result.id).exists()
+
+
+def test_building_a_backend_registers_and_imports_nothing_runworkpump_start_imports():
+    params = {
+        "BACKEND": "django_workpump.tasks.WorkPumpBackend",
+        "QUEUES": ["lazy-q"],
+        "OPTIONS": {"TASK_MODULES": ["colorsys"]},
+    }
+    sys.modules.pop("colorsys", None)
+
+    backend = WorkPumpBackend("lazy", params)
+
+    assert backend.queues == {"lazy-q"}
+    assert registry.get("inbox", "django.tasks:lazy:lazy-q") is None
+    assert "colorsys" not in sys.modules
+    with override_settings(TASKS={**TASKS, "lazy": params}):
+        assert "lazy" in load_task_code()
+        assert "colorsys" in sys.modules
+        # WorkPumpConfig.ready() and a TASKS change register the queues from settings
+        assert registry.get("inbox", "django.tasks:lazy:lazy-q") is not None
 
 
 def test_register_backends_is_idempotent():

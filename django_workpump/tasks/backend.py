@@ -34,9 +34,8 @@ from django_workpump.tasks.compat import (
     task_enqueued,
 )
 from django_workpump.tasks.errors import TaskRefused
-from django_workpump.tasks.resolution import import_task_modules, resolve_task, topic_of
+from django_workpump.tasks.resolution import resolve_task, topic_of
 from django_workpump.tasks.results import read_result
-from django_workpump.tasks.runner import register_queues
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,20 +59,13 @@ class WorkPumpBackend(BaseTaskBackend):
     supports_get_result = True
     supports_priority = True
 
-    def __init__(self, alias: str, params: dict[str, Any]) -> None:
-        super().__init__(alias, params)
-        # The workers of this process must run what any process enqueues.
-        register_queues(alias, self.queues)
-        # Task paths are resolved among loaded modules only: load the ones tasks may
-        # live in now, never because a row names one.
-        import_task_modules(self.options.get("TASK_MODULES", ()))
+    # Building a backend only stores its settings, as Django's backends do: the queues'
+    # handlers are registered by WorkPumpConfig.ready() and the task modules imported
+    # when runworkpump starts (resolution.load_task_code).
 
     # -- validation ----------------------------------------------------------------
     def validate_task(self, task: Task) -> None:
-        super().validate_task(task)
-        # Django's rule: empty QUEUES accepts any queue name.
-        if self.queues and task.queue_name not in self.queues:
-            raise InvalidTask(f"Queue '{task.queue_name}' is not valid for backend.")
+        super().validate_task(task)  # also the queue: empty QUEUES accepts any name
         max_attempts = getattr(task, "max_attempts", None)
         if max_attempts is not None and (
             isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1

@@ -1,8 +1,8 @@
 """Which code a task row may name, and the inbox handler of each queue.
 
 A row never names arbitrary code. The modules tasks may live in (each installed app's
-``tasks`` module and ``OPTIONS["TASK_MODULES"]``) are imported when a backend is built;
-resolving a row's task path afterwards imports nothing, and accepts only a ``Task``
+``tasks`` module and ``OPTIONS["TASK_MODULES"]``) are imported when ``runworkpump``
+starts; resolving a row's task path afterwards imports nothing, and accepts only a ``Task``
 declared for a ``WorkPumpBackend``. Anything else raises ``TaskRefused``.
 """
 
@@ -59,12 +59,7 @@ def _may_import(module_name: str, backend: WorkPumpBackend) -> bool:
 
 def import_task_modules(task_modules: Iterable[Any] = ()) -> None:
     """Import the modules tasks may live in: each installed app's ``tasks`` module and
-    ``task_modules`` (a backend's ``OPTIONS["TASK_MODULES"]``).
-
-    Called when a backend is built (``runworkpump`` builds every WorkPumpBackend at
-    start), so that resolving a row's task path never imports anything: the code a worker
-    may run is fixed by configuration, not by what a row names.
-    """
+    ``task_modules`` (a backend's ``OPTIONS["TASK_MODULES"]``)."""
     autodiscover_modules("tasks")
     if isinstance(task_modules, str):
         return  # not a list: the backend's check() reports it
@@ -74,16 +69,22 @@ def import_task_modules(task_modules: Iterable[Any] = ()) -> None:
 
 
 def load_task_code() -> list[str]:
-    """Build every WorkPumpBackend of ``TASKS`` (importing their task modules); return the
-    aliases. ``runworkpump`` calls it before it claims anything."""
+    """Import the task modules of every WorkPumpBackend of ``TASKS``; return the aliases.
+
+    ``runworkpump`` calls it before it claims anything, so that resolving a row's task
+    path never imports anything: the code a worker may run is fixed by configuration,
+    not by what a row names. Backends are not built: only their settings are read.
+    """
     configured = getattr(settings, "TASKS", None) or {}
-    aliases = [
-        alias
-        for alias, params in configured.items()
-        if isinstance(params, Mapping) and is_workpump_backend(params.get("BACKEND"))
-    ]
-    for alias in aliases:
-        task_backends[alias]
+    if not isinstance(configured, Mapping):
+        return []
+    aliases = []
+    for alias, params in configured.items():
+        if isinstance(params, Mapping) and is_workpump_backend(params.get("BACKEND")):
+            options = params.get("OPTIONS") or {}
+            modules = options.get("TASK_MODULES", ()) if isinstance(options, Mapping) else ()
+            import_task_modules(modules)
+            aliases.append(alias)
     return aliases
 
 
@@ -91,7 +92,7 @@ def resolve_task(module_path: Any, backend: WorkPumpBackend) -> Task:
     """Return the task ``module_path`` names, or raise ``TaskRefused`` (never run blindly).
 
     Nothing is imported: the module must already be loaded (each installed app's
-    ``tasks`` module and ``OPTIONS["TASK_MODULES"]`` are, once the backend is built) and
+    ``tasks`` module and ``OPTIONS["TASK_MODULES"]`` are, once ``load_task_code`` ran) and
     belong to an installed app or to ``TASK_MODULES``, as enqueue checks too, so that a
     worker will accept the row. The attribute must be a ``Task`` declared for a
     ``WorkPumpBackend``.
