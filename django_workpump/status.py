@@ -8,7 +8,6 @@ A full report (``collect``) runs a fixed number of queries, whatever the row cou
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -17,6 +16,7 @@ from typing import Any
 from django_workpump import db
 from django_workpump.categories import NAMES as CATEGORIES
 from django_workpump.conf import get_settings
+from django_workpump.payloads import StoredJSON, decode_or_stored
 from django_workpump.periodic import ScheduleRegistry, schedules
 from django_workpump.states import WAITING_STATES, WorkState
 
@@ -289,9 +289,7 @@ def instances(*, now: datetime | None = None, using: str | None = None) -> list[
     for row in db.fetch_named(QUERIES, "instances", params, using=using):
         held = {category: int(row.pop(f"held_{category}")) for category in CATEGORIES}
         capped = tuple(c for c, n in held.items() if n > EXACT_COUNT_LIMIT)
-        stalled = row.pop("stalled_flushers")
-        # Django's psycopg setup leaves jsonb as text.
-        stalled = json.loads(stalled) if isinstance(stalled, str) else stalled
+        stalled = _stalled(row.pop("stalled_flushers"))
         result.append(
             InstanceStatus(
                 **row,
@@ -301,6 +299,18 @@ def instances(*, now: datetime | None = None, using: str | None = None) -> list[
             )
         )
     return result
+
+
+def _stalled(value: Any) -> dict[str, Any]:
+    """An instance's stalled flushers from its metadata (jsonb, which Django's psycopg
+    setup leaves as text); metadata that cannot be read (written through SQL) counts as
+    one stalled flusher named ``unreadable``, so the report shows it and goes on."""
+    if isinstance(value, str):
+        value = decode_or_stored(value)
+    if isinstance(value, StoredJSON) or not isinstance(value, dict):
+        error = value.error if isinstance(value, StoredJSON) else "not a JSON object"
+        return {"unreadable": {"last_error": f"its stalled_flushers cannot be read: {error}"}}
+    return value
 
 
 def unhandled_topics(

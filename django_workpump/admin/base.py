@@ -11,7 +11,9 @@ The pages' queries are short and interactive, but the planner may cost some of t
 takes longer than running them, and how long depends on the server's JIT setting. A
 page runs in one transaction with ``SET LOCAL jit = off`` (``db.without_jit``), its
 template rendered inside it: a ``TemplateResponse`` renders lazily, and the page's rows
-are fetched while it renders.
+are fetched while it renders. A stored time Python's datetime cannot hold ('infinity',
+past year 9999: anyone with table access can write one) reads as its text
+(``db.StoredTime``) and shows as stored, rather than failing the page.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ class PumpDatabaseAdmin(admin.ModelAdmin):
 
 
 def rendered_without_jit(model: Any, view: Callable[[], HttpResponse]) -> HttpResponse:
-    """The response of ``view``, run and rendered in one transaction without JIT."""
-    with db.without_jit(using=pump_database()):
+    """The response of ``view``, run and rendered in one transaction without JIT; a time
+    Python cannot hold (written through SQL) reads as its stored text."""
+    alias = pump_database()
+    with db.without_jit(using=alias), db.stored_times_readable(using=alias):
         response = view()
         if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
             response.render()

@@ -1,0 +1,208 @@
+"""Hostile values written through SQL, as anyone with access to the tables could: each
+affects its own row only. A JSON column Python cannot decode (headers, result, metadata,
+a schedule's payload) or a time Python cannot hold ('infinity', past year 9999) fails
+no claim, no batch-mate, no admin page and no status report; the admin and the report
+show such a value as stored.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client, override_settings
+
+import django_workpump as workpump
+from django_workpump import db, models, status, testing
+from django_workpump.payloads import StoredJSON
+from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
+from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
+from django_workpump.pump.supervisor import EXIT_OK
+from django_workpump.registry import registry
+from tests.conftest import FAST_PUMP, drain, run_sql, scalar
+from tests.fakes import FakeSink
+
+# Past Python's recursion limit for json.loads (3.11/3.12 fail near 1,000 levels).
+LEVELS = 3000
+DEEP_OBJECT = '{"a": ' * LEVELS + "1" + "}" * LEVELS
+OUTBOX_URL = "/admin/workpump/outbox/"
+
+
+def write(column: str, value: str, message_id: uuid.UUID, cast: str = "jsonb") -> None:
+    """Overwrite one column of an outbox row through SQL, past every producer check."""
+    run_sql(
+        f"UPDATE workpump_outbox SET {column} = %s::{cast} WHERE message_id = %s",
+        [value, message_id],
+    )
+
+
+@pytest.fixture
+def admin_client() -> Client:
+    user = User.objects.create_superuser("root", password="pw")
+    client = Client(raise_request_exception=True)
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def recorded() -> Iterator[list[tuple[Any, Any]]]:
+    """A handler for hv.good that records (payload, headers) of each run."""
+    seen: list[tuple[Any, Any]] = []
+    lock = threading.Lock()
+
+    def handle(work: Any) -> None:
+        with lock:
+            seen.append((work.payload, work.headers))
+
+    workpump.outbox_handler("hv.good")(handle)
+    yield seen
+    registry.unregister("outbox", "hv.good")
+
+
+# -- JSON columns --------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_claim_reads_deep_headers_as_none_for_their_row_alone():
+    good = [workpump.send("hv.good", {"n": n}, headers={"k": "v"}) for n in range(3)]
+    deep = workpump.send("hv.good", {"n": 9})
+    write("headers", DEEP_OBJECT, deep)
+    instance_id = uuid.uuid4()
+    scalar("SELECT workpump.record_heartbeat(%s, 'tests', 'host', 1)", [instance_id])
+
+    rows = db.claim_work(instance_id=instance_id, max_rows=10, lease_seconds=300,
+                         partition_count=10_000)  # fmt: skip
+
+    by_id = {row.work_id: row for row in rows}
+    assert set(by_id) == {*good, deep}
+    assert [by_id[i].headers for i in good] == [{"k": "v"}] * 3
+    assert all(by_id[i].headers_error is None for i in good)
+    assert by_id[deep].headers is None
+    assert by_id[deep].payload == {"n": 9}  # the work itself is intact
+    assert f"{LEVELS} levels deep" in str(by_id[deep].headers_error)
+
+
+@pytest.mark.django_db
+def test_the_claim_worker_runs_a_row_with_deep_headers_without_them_and_warns(caplog):
+    good = [workpump.send("hv.good", {"n": n}) for n in range(3)]
+    deep = workpump.send("hv.good", {"n": 9})
+    write("headers", DEEP_OBJECT, deep)
+    sink = FakeSink(free=10)
+    coordinator = DatabaseCoordinator(InstanceIdentity())
+    coordinator.heartbeat({})
+
+    with caplog.at_level("WARNING", logger="django_workpump.claim"):
+        result = ClaimWorker(coordinator, sink, ClaimPolicy()).run_once()
+
+    assert result.error is None and result.claimed == 4
+    (batch,) = sink.batches
+    assert {row.work_id for row in batch} == {*good, deep}
+    warnings = [r for r in caplog.records if getattr(r, "action", "") == "unreadable_headers"]
+    assert [r.workpump_id for r in warnings] == [str(deep)]
+    assert "runs without its headers" in warnings[0].getMessage()
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(WORKPUMP={**FAST_PUMP, "CONCURRENCY": 4})
+def test_a_pump_completes_the_clean_batch_mates_of_a_deep_headers_row(recorded, pump):
+    good = [workpump.send("hv.good", {"n": n}, stream=f"s-{n % 2}") for n in range(6)]
+    deep = workpump.send("hv.good", {"n": 9}, stream="s-0")
+    write("headers", DEEP_OBJECT, deep)
+
+    assert drain(pump(drain=True)) == EXIT_OK
+
+    done = models.Outbox.objects.filter(processed_at__isnull=False, dead_lettered_at=None)
+    assert set(done.values_list("message_id", flat=True)) == {*good, deep}
+    assert set(done.values_list("attempts", flat=True)) == {1}
+    assert sorted(payload["n"] for payload, _ in recorded) == [0, 1, 2, 3, 4, 5, 9]
+    assert [headers for payload, headers in recorded if payload["n"] == 9] == [None]
+
+
+@pytest.mark.django_db
+def test_run_pending_runs_the_rows_around_deep_headers_and_parks_an_undecodable_payload(
+    recorded,
+):
+    good = [workpump.send("hv.good", {"n": n}) for n in range(3)]
+    deep_headers = workpump.send("hv.good", {"n": 9})
+    write("headers", DEEP_OBJECT, deep_headers)
+    deep_payload = workpump.send("hv.good", {"n": 10})
+    write("payload", DEEP_OBJECT, deep_payload)
+
+    assert testing.run_pending() == 4
+
+    assert sorted(payload["n"] for payload, _ in recorded) == [0, 1, 2, 9]
+    parked = models.Outbox.objects.get(message_id=deep_payload)
+    assert (parked.failure_reason, parked.attempts) == ("undecodable_payload", 1)
+    assert parked.dead_lettered_at is not None
+    done = models.Outbox.objects.filter(processed_at__isnull=False)
+    assert set(done.values_list("message_id", flat=True)) == {*good, deep_headers}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("column", ["headers", "result"])
+def test_the_admin_pages_of_a_row_with_a_deep_json_column_answer_and_show_it_as_stored(
+    admin_client, column
+):
+    clean = workpump.send("hv.good", {"n": 1})
+    hostile = workpump.send("hv.good", {"n": 2})
+    write(column, DEEP_OBJECT, hostile)
+
+    for url in [OUTBOX_URL, f"{OUTBOX_URL}?state=pending"]:
+        listing = admin_client.get(url)
+        assert listing.status_code == 200
+        assert {str(clean), str(hostile)} <= set(listing.content.decode().split('"'))
+    pk = models.Outbox.objects.only("seq").get(message_id=hostile).pk
+    page = admin_client.get(f"{OUTBOX_URL}{pk}/change/")
+    assert page.status_code == 200
+    if column == "result":
+        html = page.content.decode()
+        assert "Shown as stored: this value cannot be decoded" in html
+        assert "Its first 10,000 characters:" in html
+        assert DEEP_OBJECT[:200].replace('"', "&quot;") in html
+
+
+@pytest.mark.django_db
+def test_a_model_reads_an_undecodable_json_column_as_its_stored_text():
+    message_id = workpump.send("hv.good", {"n": 1})
+    write("result", DEEP_OBJECT, message_id)
+    huge = '{"big": ' + "9" * 5000 + "}"  # past the int-string digit limit
+    write("headers", huge, message_id)
+
+    row = models.Outbox.objects.get(message_id=message_id)
+
+    assert isinstance(row.result, StoredJSON) and row.result == DEEP_OBJECT
+    assert f"{LEVELS} levels deep" in row.result.error
+    assert isinstance(row.headers, StoredJSON) and row.headers == huge
+    assert row.payload == {"n": 1}
+
+
+@pytest.mark.django_db
+def test_the_admin_and_status_answer_with_deep_instance_metadata_and_schedule_payload(
+    admin_client,
+):
+    instance_id = uuid.uuid4()
+    scalar("SELECT workpump.record_heartbeat(%s, 'tests', 'host', 1)", [instance_id])
+    run_sql(
+        "UPDATE workpump_service_instance SET metadata = %s::jsonb WHERE instance_id = %s",
+        ['{"stalled_flushers": ' + DEEP_OBJECT + "}", instance_id],
+    )
+    run_sql(
+        "INSERT INTO workpump_periodic_schedule (name, every_seconds, timezone, catch_up,"
+        " payload, priority, max_attempts) VALUES ('hv.deep', 60, 'UTC', 'latest', %s::jsonb,"
+        " 0, 3)",
+        [DEEP_OBJECT],
+    )
+
+    assert admin_client.get("/admin/workpump/serviceinstance/").status_code == 200
+    assert admin_client.get("/admin/workpump/serviceinstance/summary/").status_code == 200
+    assert admin_client.get("/admin/workpump/periodicschedule/").status_code == 200
+    page = admin_client.get("/admin/workpump/periodicschedule/hv.deep/change/")
+    assert page.status_code == 200
+    assert "this value cannot be decoded" in page.content.decode()
+    (mine,) = [i for i in status.collect().instances if i.instance_id == instance_id]
+    assert list(mine.stalled_flushers) == ["unreadable"]
+    assert f"{LEVELS} levels deep" in mine.stalled_flushers["unreadable"]["last_error"]
