@@ -8,6 +8,7 @@ A full report (``collect``) runs a fixed number of queries, whatever the row cou
 
 from __future__ import annotations
 
+import unicodedata
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -18,6 +19,7 @@ from django_workpump.categories import NAMES as CATEGORIES
 from django_workpump.conf import get_settings
 from django_workpump.payloads import StoredJSON, decode_or_stored
 from django_workpump.periodic import ScheduleRegistry, schedules
+from django_workpump.registry import CONTROL_CATEGORIES
 from django_workpump.states import WAITING_STATES, WorkState
 
 # Every state, in the order reports show them.
@@ -437,6 +439,21 @@ def _plain(values: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def printable(text: str) -> str:
+    """``text`` with each control or format character escaped as in a Python literal
+    (``\\x1b``, ``\\n``, ``\\u202e``): topics, streams, host names and errors come from
+    rows anyone with table access can write, and must not move a terminal's cursor,
+    colour its text or forge a line of the report."""
+    if all(unicodedata.category(char) not in CONTROL_CATEGORIES for char in text):
+        return text
+    return "".join(
+        char.encode("unicode_escape").decode("ascii")
+        if unicodedata.category(char) in CONTROL_CATEGORIES
+        else char
+        for char in text
+    )
 
 
 def health_problems(

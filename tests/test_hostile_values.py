@@ -7,18 +7,26 @@ show such a value as stored.
 
 from __future__ import annotations
 
+import io
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import psycopg
 import pytest
 from django.contrib.auth.models import User
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.db import DataError, transaction
 from django.test import Client, override_settings
 
 import django_workpump as workpump
 from django_workpump import db, models, status, testing
 from django_workpump.payloads import StoredJSON
+from django_workpump.periodic import InvalidSchedule, schedules
+from django_workpump.producer import InvalidWork
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
 from django_workpump.pump.supervisor import EXIT_OK
@@ -206,3 +214,151 @@ def test_the_admin_and_status_answer_with_deep_instance_metadata_and_schedule_pa
     (mine,) = [i for i in status.collect().instances if i.instance_id == instance_id]
     assert list(mine.stalled_flushers) == ["unreadable"]
     assert f"{LEVELS} levels deep" in mine.stalled_flushers["unreadable"]["last_error"]
+
+
+# -- times past year 9999 ------------------------------------------------------------------
+
+LAST_DAY_WEST = datetime.max.replace(tzinfo=timezone(timedelta(hours=-14)))  # 10000 in UTC
+
+
+def producer_calls() -> list[Any]:
+    return [
+        lambda when: workpump.send("hv.good", {"n": 1}, run_after=when),
+        lambda when: workpump.receive(uuid.uuid4(), "hv.in", {"n": 1}, run_after=when),
+        lambda when: workpump.send_many("hv.good", [{"n": 1}], run_after=when),
+    ]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("call", producer_calls(), ids=["send", "receive", "send_many"])
+def test_producers_refuse_a_run_after_past_year_9999_in_utc(call):
+    with pytest.raises(InvalidWork, match=r"past year 9999 in UTC"):
+        call(LAST_DAY_WEST)
+    call(datetime(9999, 12, 31, 9, 0, tzinfo=timezone(timedelta(hours=-14))))  # 23:00 UTC
+    assert models.Outbox.objects.count() + models.Inbox.objects.count() == 1
+
+
+SQL_SENDS = {
+    "send": "SELECT workpump.send('hv.good', '{}'::jsonb, p_scheduled_for => %s)",
+    "receive": "SELECT workpump.receive(gen_random_uuid(), 'hv.in', '{}'::jsonb,"
+    " p_scheduled_for => %s)",
+    "send_many": "SELECT workpump.send_many('hv.good', ARRAY['{}'::jsonb], p_scheduled_for => %s)",
+}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("function", list(SQL_SENDS))
+@pytest.mark.parametrize(
+    "when", ["infinity", "-infinity", "10000-01-01 00:00:00+00", "0001-12-31 23:00:00+00 BC"]
+)
+def test_the_sql_producers_refuse_a_scheduled_for_outside_years_1_to_9999(function, when):
+    with pytest.raises(DataError) as raised, transaction.atomic():
+        run_sql(SQL_SENDS[function], [when])
+    error = raised.value.__cause__
+    assert isinstance(error, psycopg.Error)
+    assert error.sqlstate == "22023"  # invalid_parameter_value
+    assert "outside years 1 to 9999 (UTC)" in str(error)
+    run_sql(SQL_SENDS[function], ["9999-12-31 23:59:59+00"])  # the last second is fine
+
+
+@pytest.mark.django_db
+def test_unique_for_past_a_century_is_refused_with_a_clear_error():
+    with pytest.raises(InvalidWork, match=r"longer than the 36525 days \(100 years\)"):
+        workpump.send("hv.good", {"n": 1}, unique_key="k", unique_for=timedelta.max)
+    workpump.send("hv.good", {"n": 1}, unique_key="k", unique_for=timedelta(days=36_525))
+
+
+def test_a_periodic_every_past_ten_years_is_refused_at_registration():
+    with pytest.raises(InvalidSchedule, match=r"must be at most 3650 days"):
+        workpump.periodic("hv.rare", every=timedelta(days=999_999_999))
+    assert schedules.get("hv.rare") is None
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("when", ["infinity", "10000-01-01 00:00:00+00"])
+def test_the_admin_and_status_show_a_stored_time_past_year_9999_as_stored(admin_client, when):
+    clean = workpump.send("hv.good", {"n": 1}, stream="s")
+    hostile = workpump.send("hv.good", {"n": 2}, stream="t")
+    write("scheduled_for", when, hostile, cast="timestamptz")
+    run_sql("UPDATE workpump_outbox SET attempts = 1 WHERE message_id = %s", [hostile])
+    shown = scalar("SELECT %s::timestamptz::text", [when])
+
+    for url in [OUTBOX_URL, f"{OUTBOX_URL}?state=scheduled", f"{OUTBOX_URL}?state=pending"]:
+        assert admin_client.get(url).status_code == 200
+    listing = admin_client.get(f"{OUTBOX_URL}?state=scheduled").content.decode()
+    assert str(hostile) in listing and str(clean) not in listing
+    assert shown in listing
+    pk = models.Outbox.objects.only("seq").get(message_id=hostile).pk
+    page = admin_client.get(f"{OUTBOX_URL}{pk}/change/")
+    assert page.status_code == 200 and shown in page.content.decode()
+    assert admin_client.get("/admin/workpump/serviceinstance/summary/").status_code == 200
+
+    report = status.collect()
+    (blocked,) = report.blocked_streams
+    assert blocked.retry_at == shown
+    out = io.StringIO()
+    call_command("workpump_status", stdout=out)
+    assert shown in out.getvalue()
+
+
+# -- control characters in topics -------------------------------------------------------------
+
+FORGED = "x\n\x1b[32mHEALTHY\x1b[0m"
+
+
+@pytest.mark.parametrize(
+    "register",
+    [
+        lambda: workpump.outbox_handler(FORGED)(lambda work: None),
+        lambda: workpump.inbox_handler("a\u202eb")(lambda work: None),
+        lambda: workpump.perspective("hv.totals", events=["e\rvent"])(lambda work: None),
+    ],
+    ids=["outbox", "bidi-override", "event"],
+)
+def test_registration_refuses_topics_with_control_characters(register):
+    with pytest.raises(ImproperlyConfigured, match=r"has a control character \(U\+[0-9A-F]{4}\)"):
+        register()
+    assert registry.get("outbox", FORGED) is None
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: workpump.send(FORGED, {"n": 1}),
+        lambda: workpump.receive(uuid.uuid4(), "in\tbox", {"n": 1}),
+        lambda: workpump.emit("ev\x1b", {"n": 1}),
+        lambda: workpump.send_many("a\x85b", [{"n": 1}]),
+    ],
+    ids=["send", "receive", "emit", "send_many"],
+)
+def test_producers_refuse_topics_with_control_characters(call):
+    with pytest.raises(InvalidWork, match=r"has a control character .* printable text"):
+        call()
+    assert models.Outbox.objects.count() == 0
+
+
+@pytest.mark.django_db
+def test_workpump_status_escapes_a_hostile_topic_written_through_sql():
+    message_id = workpump.send("hv.good", {"n": 1})
+    run_sql(
+        "UPDATE workpump_outbox SET destination = %s, dead_lettered_at = now(), attempts = 1,"
+        " last_error = %s WHERE message_id = %s",
+        [FORGED, "boom\x1b[2J", message_id],
+    )
+
+    out = io.StringIO()
+    call_command("workpump_status", stdout=out)
+    text = out.getvalue()
+
+    assert "\x1b" not in text and "\\x1b[32mHEALTHY\\x1b[0m" in text
+    assert "x\\n\\x1b" in text  # the newline is escaped: no line of its own
+    assert not any(line.lstrip().startswith("HEALTHY") for line in text.splitlines())
+    out = io.StringIO()
+    call_command("workpump_status", "--json", stdout=out)
+    assert "\x1b" not in out.getvalue() and "\n" not in out.getvalue().strip()
+
+
+def test_printable_escapes_control_and_format_characters_only():
+    assert status.printable("ok é ✓") == "ok é ✓"
+    assert status.printable("a\nb\x1b[0m\u202ec\x00") == "a\\nb\\x1b[0m\\u202ec\\x00"
