@@ -548,7 +548,8 @@ def claim_work(
     work anyway. Inside a transaction of the caller's the caller's setting stands.
 
     Raise InstanceRefused when this instance is evicted or not registered. A row whose
-    payload cannot be decoded comes back with ``payload_error``. Each row says when it was
+    payload cannot be decoded comes back with ``payload_error``, one whose headers cannot
+    be read with ``headers_error`` (and no headers). Each row says when it was
     created and when it became claimable (``due_at``, for the queue-wait metric).
     """
     params = {

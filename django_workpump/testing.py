@@ -78,7 +78,9 @@ def run_pending(
     A batch handler gets each stream's run (``STREAM_RUN_MAX`` rows) in one call, with
     the pump's meaning of its outcome (docs/control-flow.md, "Batch handlers").
     Events' perspective and receptor rows are followed in later rounds. Rows scheduled for
-    later (a deferral, a retry's backoff) are not due, so they do not run.
+    later (a deferral, a retry's backoff) are not due, so they do not run. As under the
+    pump, a row whose payload cannot be decoded is parked dead unrun, and one whose
+    headers cannot be read runs without them.
 
     The first handler exception is raised (its row is failed first, as the pump would);
     with ``raise_errors=False`` failures are recorded in ``report`` and the run goes on
