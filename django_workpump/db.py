@@ -1063,8 +1063,12 @@ class PeriodicState(FromRow):
 def periodic_states(
     *, now: datetime | None = None, using: str | None = None
 ) -> tuple[datetime, dict[str, PeriodicState]]:
-    """The database clock (``now`` if given) and every schedule's state, by name."""
-    rows = _fetch("periodic_states", {"now": now}, using)
+    """The database clock (``now`` if given) and every schedule's state, by name.
+
+    A stored time Python cannot hold (written through SQL) comes as a ``StoredTime``:
+    the worker's pass of that schedule fails alone, not the pass of every schedule.
+    """
+    rows = _fetch("periodic_states", {"now": now}, using, set_loaders=_readable_times)
     # One row carries the clock even with no schedule: its schedule columns are NULL.
     states = {row["name"]: PeriodicState.from_row(row) for row in rows if row["name"] is not None}
     return rows[0]["now"], states

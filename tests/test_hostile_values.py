@@ -25,13 +25,14 @@ from django.test import Client, override_settings
 import django_workpump as workpump
 from django_workpump import db, models, status, testing
 from django_workpump.payloads import StoredJSON
-from django_workpump.periodic import InvalidSchedule, schedules
+from django_workpump.periodic import InvalidSchedule, ScheduleRegistry, build_schedule, schedules
 from django_workpump.producer import InvalidWork
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
+from django_workpump.pump.periodic import PeriodicWorker
 from django_workpump.pump.supervisor import EXIT_OK
 from django_workpump.registry import registry
-from tests.conftest import FAST_PUMP, drain, run_sql, scalar
+from tests.conftest import FAST_PUMP, T0, drain, run_sql, scalar
 from tests.fakes import FakeSink
 
 # Past Python's recursion limit for json.loads (3.11/3.12 fail near 1,000 levels).
@@ -299,6 +300,53 @@ def test_the_admin_and_status_show_a_stored_time_past_year_9999_as_stored(admin_
     out = io.StringIO()
     call_command("workpump_status", stdout=out)
     assert shown in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_the_schedule_pages_show_a_stored_time_past_year_9999_as_stored(admin_client):
+    run_sql(
+        "INSERT INTO workpump_periodic_schedule (name, every_seconds, timezone, catch_up,"
+        " payload, priority, max_attempts, next_fire_at, last_slot) VALUES ('hv.late', 60,"
+        " 'UTC', 'latest', '{}', 0, 3, 'infinity', '10000-06-01 00:00:00+00')"
+    )
+
+    listing = admin_client.get("/admin/workpump/periodicschedule/")
+    assert listing.status_code == 200 and "infinity" in listing.content.decode()
+    page = admin_client.get("/admin/workpump/periodicschedule/hv.late/change/")
+    assert page.status_code == 200
+    (schedule,) = status.collect().periodic
+    assert schedule.next_fire_at == "infinity"
+    out = io.StringIO()
+    call_command("workpump_status", stdout=out)
+    assert "infinity" in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_a_schedule_with_a_stored_time_past_year_9999_fails_its_own_pass_alone():
+    found = ScheduleRegistry()
+    for name in ("hv.every", "hv.late"):
+        found.register(
+            build_schedule(name, cron=None, every=timedelta(seconds=60), tz=None, payload=None,
+                           catch_up="latest", priority=0, max_attempts=None)
+        )  # fmt: skip
+    worker = PeriodicWorker(
+        alias="default",
+        partition_count=10_000,
+        max_payload_bytes=1_048_576,
+        default_max_attempts=10,
+        registry=found,
+    )
+    worker.register(now=T0)
+    run_sql(
+        "UPDATE workpump_periodic_schedule SET last_slot = 'infinity',"
+        " created_at = '10000-01-01 00:00:00+00' WHERE name = 'hv.late'"
+    )
+
+    result = worker.run_once(now=T0 + timedelta(minutes=5))
+
+    assert result.failed == ["hv.late"]
+    assert models.Outbox.objects.filter(destination="hv.every").count() == 1
+    assert models.Outbox.objects.filter(destination="hv.late").count() == 0
 
 
 # -- control characters in topics -------------------------------------------------------------
