@@ -1215,7 +1215,9 @@ def select_work(
         "limit": limit,
         "now": now,
     }
-    return [SelectedWork.from_row(row) for row in _fetch("select_work", params, using)]
+    # A created_at Python cannot hold (written through SQL) must not fail the selection.
+    rows = _fetch("select_work", params, using, set_loaders=_readable_times)
+    return [SelectedWork.from_row(row) for row in rows]
 
 
 def lock_work(

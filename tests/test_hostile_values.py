@@ -410,3 +410,26 @@ def test_workpump_status_escapes_a_hostile_topic_written_through_sql():
 def test_printable_escapes_control_and_format_characters_only():
     assert status.printable("ok é ✓") == "ok é ✓"
     assert status.printable("a\nb\x1b[0m\u202ec\x00") == "a\\nb\\x1b[0m\\u202ec\\x00"
+
+
+@pytest.mark.django_db
+def test_workpump_action_selects_rows_beside_a_hostile_one_and_escapes_its_topic():
+    clean = workpump.send("hv.good", {"n": 1})
+    hostile = workpump.send("hv.good", {"n": 2})
+    run_sql(
+        "UPDATE workpump_outbox SET destination = %s, created_at = 'infinity',"
+        " scheduled_for = now() + interval '1 hour' WHERE message_id = %s",
+        [FORGED, hostile],
+    )
+    run_sql(
+        "UPDATE workpump_outbox SET scheduled_for = now() + interval '1 hour'"
+        " WHERE message_id = %s",
+        [clean],
+    )
+
+    out = io.StringIO()
+    call_command("workpump_action", "retry", str(clean), str(hostile), stdout=out)
+
+    text = out.getvalue()
+    assert "\x1b" not in text and "x\\n\\x1b[32mHEALTHY" in text
+    assert models.Outbox.objects.filter(scheduled_for__isnull=True).count() == 2

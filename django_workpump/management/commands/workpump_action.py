@@ -372,7 +372,9 @@ class Command(BaseCommand):
         for row in current:
             if row.work_id in changed:
                 self.stdout.write(
-                    f"{verb}: {row.category} {row.work_id} {row.topic} (was {row.state})"
+                    # The topic comes from the row: escaped, it cannot forge a line.
+                    f"{verb}: {row.category} {row.work_id} {status.printable(row.topic)} "
+                    f"(was {row.state})"
                 )
         summary = f"{action}: {len(changed)} of {len(selected)} selected {noun} {verb}"
         if gone := len(selected) - len(current):
