@@ -11,6 +11,7 @@ import io
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import nullcontext
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -19,8 +20,9 @@ import pytest
 from django.contrib.auth.models import User
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
-from django.db import DataError, transaction
+from django.db import DataError, connection, transaction
 from django.test import Client, override_settings
+from django.test.utils import CaptureQueriesContext
 
 import django_workpump as workpump
 from django_workpump import db, models, status, testing
@@ -260,6 +262,25 @@ def test_the_sql_producers_refuse_a_scheduled_for_outside_years_1_to_9999(functi
     assert error.sqlstate == "22023"  # invalid_parameter_value
     assert "outside years 1 to 9999 (UTC)" in str(error)
     run_sql(SQL_SENDS[function], ["9999-12-31 23:59:59+00"])  # the last second is fine
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("logged", [False, True], ids=["kept-cursor", "django-cursor"])
+def test_a_claim_reads_a_created_at_past_year_9999_as_unknown_for_its_row_alone(logged):
+    good = [workpump.send("hv.good", {"n": n}) for n in range(3)]
+    hostile = workpump.send("hv.good", {"n": 9})
+    write("created_at", "infinity", hostile, cast="timestamptz")
+    instance_id = uuid.uuid4()
+    scalar("SELECT workpump.record_heartbeat(%s, 'tests', 'host', 1)", [instance_id])
+
+    with CaptureQueriesContext(connection) if logged else nullcontext():
+        rows = db.claim_work(instance_id=instance_id, max_rows=10, lease_seconds=300,
+                             partition_count=10_000)  # fmt: skip
+
+    by_id = {row.work_id: row for row in rows}
+    assert set(by_id) == {*good, hostile}
+    assert (by_id[hostile].created_at, by_id[hostile].due_at) == (None, None)
+    assert all(isinstance(by_id[i].created_at, datetime) for i in good)
 
 
 @pytest.mark.django_db
