@@ -1240,7 +1240,9 @@ def lock_work(
         "older_than_seconds": older_than_seconds,
         "now": now,
     }
-    return [SelectedWork.from_row(row) for row in _fetch("lock_work", params, using)]
+    # As select_work: a created_at Python cannot hold must not fail the selection.
+    rows = _fetch("lock_work", params, using, set_loaders=_readable_times)
+    return [SelectedWork.from_row(row) for row in rows]
 
 
 @dataclass(frozen=True)
