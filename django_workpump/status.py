@@ -8,6 +8,7 @@ A full report (``collect``) runs a fixed number of queries, whatever the row cou
 
 from __future__ import annotations
 
+import math
 import unicodedata
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -402,7 +403,7 @@ def as_json(report: StatusReport) -> dict[str, Any]:
             c.category: {
                 "counts": dict(c.counts),
                 "total": c.total,
-                "oldest_pending_age_seconds": c.oldest_pending_age_seconds,
+                "oldest_pending_age_seconds": _finite(c.oldest_pending_age_seconds),
                 "estimated": list(c.estimated),
             }
             for c in report.categories
@@ -429,7 +430,9 @@ def _iso(value: datetime | None) -> str | None:
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:
-    """Datetimes as ISO strings and uuids as text; everything else is JSON already."""
+    """Datetimes as ISO strings and uuids as text; everything else is JSON already, but an
+    infinite age (of a time written through SQL as 'infinity'), which JSON has no number
+    for: null."""
     out: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, datetime):
@@ -437,8 +440,13 @@ def _plain(values: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, uuid.UUID):
             out[key] = str(value)
         else:
-            out[key] = value
+            out[key] = _finite(value)
     return out
+
+
+def _finite(value: Any) -> Any:
+    """``value``, but None for an infinite or NaN float (strict JSON has neither)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def printable(text: str) -> str:

@@ -8,6 +8,7 @@ show such a value as stored.
 from __future__ import annotations
 
 import io
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -368,6 +369,33 @@ def test_a_schedule_with_a_stored_time_past_year_9999_fails_its_own_pass_alone()
     assert result.failed == ["hv.late"]
     assert models.Outbox.objects.filter(destination="hv.every").count() == 1
     assert models.Outbox.objects.filter(destination="hv.late").count() == 0
+
+
+def strict_json(text: str) -> Any:
+    """``text`` decoded as strict JSON: Infinity and NaN are no JSON numbers."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.django_db
+def test_workpump_status_json_stays_strict_json_beside_an_infinite_created_at():
+    hostile = workpump.send("hv.good", {"n": 1})
+    write("created_at", "-infinity", hostile, cast="timestamptz")
+
+    out = io.StringIO()
+    call_command("workpump_status", "--json", stdout=out)
+
+    report = strict_json(out.getvalue())
+    assert report["categories"]["outbox"]["counts"]["pending"] == 1
+    assert report["categories"]["outbox"]["oldest_pending_age_seconds"] is None
+    (unhandled,) = report["no_live_handler"]
+    assert unhandled["oldest_age_seconds"] is None
+    text = io.StringIO()
+    call_command("workpump_status", stdout=text)
+    assert "forever" in text.getvalue()
 
 
 # -- control characters in topics -------------------------------------------------------------
