@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from functools import cache
 from typing import Any, ClassVar, Self
 
+import psycopg
 from django.db import DatabaseError, ProgrammingError, connections, transaction
 from psycopg.abc import Loader
 from psycopg.pq import Format
@@ -93,6 +94,9 @@ class ClaimedWork(FromRow):
     # Why the payload could not be decoded (then ``payload`` is empty): the row must be
     # dead-lettered, not run.
     payload_error: str | None = None
+    # Why the stored headers could not be read (then ``headers`` is None): the row runs
+    # without them, and the claimer logs a warning.
+    headers_error: str | None = None
     # When the row was created, and when it became claimable: the expiry of the lease the
     # claim took over, else when its retry or deferral fell due, else created_at (database
     # clock). None only from a caller that builds rows without them.
@@ -172,6 +176,50 @@ def _claim_loaders(adapters: Any) -> None:
     _parse_timestamps_once(adapters)
 
 
+class StoredTime(str):
+    """A stored time Python's datetime cannot hold ('infinity', past year 9999), as the
+    text PostgreSQL gives for it. Readers show it as stored rather than fail the page,
+    report or batch it is in."""
+
+
+def _readable_times(adapters: Any) -> None:
+    """Make a cursor's timestamptz loader (Django's, with the connection's time zone)
+    give a ``StoredTime`` for a value Python cannot hold; ``adapters`` is the cursor's own."""
+    oid = adapters.types["timestamptz"].oid
+    base = adapters.get_loader(oid, Format.TEXT)
+    if base is not None and not issubclass(base, _Tolerant):
+        adapters.register_loader(oid, _tolerant_loader(base))
+
+
+class _Tolerant:
+    """Marks a loader made by ``_tolerant_loader``."""
+
+
+@cache
+def _tolerant_loader(base: type[Loader]) -> type[Loader]:
+    class Tolerant(_Tolerant, base):  # type: ignore[valid-type,misc]
+        def load(self, data: Any) -> Any:
+            try:
+                return super().load(data)
+            except psycopg.DataError:  # too large or too small for a datetime
+                return StoredTime(bytes(data).decode("utf-8", "replace"))
+
+    return Tolerant
+
+
+@contextmanager
+def stored_times_readable(*, using: str | None = None) -> Iterator[None]:
+    """Inside, every query on the connection reads a time Python cannot hold as a
+    ``StoredTime`` instead of failing (the admin's pages: rows written through SQL)."""
+
+    def wrapper(execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
+        _readable_times(context["cursor"].cursor.adapters)
+        return execute(sql, params, many, context)
+
+    with connections[_alias(using)].execute_wrapper(wrapper):
+        yield
+
+
 def _parse_timestamps_once(adapters: Any) -> None:
     """Make a cursor's timestamptz loader (Django's, with the connection's time zone)
     parse each distinct value once per result; ``adapters`` is the cursor's own."""
@@ -202,7 +250,13 @@ def _once_loader(base: type[Loader]) -> type[Loader]:
             if value is None:
                 if len(self._parsed) >= PARSED_ONCE_MAX:
                     self._parsed.clear()  # a cursor kept for many results (claims)
-                value = self._parsed[key] = super().load(data)
+                try:
+                    value = self._parsed[key] = super().load(data)
+                except psycopg.DataError:
+                    # A time Python cannot hold ('infinity', past year 9999), written
+                    # through SQL: unknown for its row (created_at, due_at), not an
+                    # error for the batch.
+                    return None
             return value
 
     return ParsedOnce
@@ -239,6 +293,7 @@ def fetch_named(
 ) -> list[dict[str, Any]]:
     """Run query ``name`` of ``sql/<path>`` (a read-only report query); rows as dicts."""
     with connections[_alias(using)].cursor() as cursor:
+        _readable_times(cursor.cursor.adapters)
         cursor.execute(named_queries(path)[name], params or {})
         columns = [column.name for column in cursor.description]
         return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
@@ -493,7 +548,8 @@ def claim_work(
     work anyway. Inside a transaction of the caller's the caller's setting stands.
 
     Raise InstanceRefused when this instance is evicted or not registered. A row whose
-    payload cannot be decoded comes back with ``payload_error``. Each row says when it was
+    payload cannot be decoded comes back with ``payload_error``, one whose headers cannot
+    be read with ``headers_error`` (and no headers). Each row says when it was
     created and when it became claimable (``due_at``, for the queue-wait metric).
     """
     params = {
@@ -585,7 +641,8 @@ def _in_transaction(using: str | None) -> bool:
 
 
 def _claimed(row: Row) -> ClaimedWork:
-    row = {**row, "headers": _headers(row.get("headers"))}
+    headers, headers_error = _headers(row.get("headers"))
+    row = {**row, "headers": headers, "headers_error": headers_error}
     text: str = row["payload"]  # the payload's JSON text
     try:
         payload = decode(text)
@@ -597,15 +654,19 @@ def _claimed(row: Row) -> ClaimedWork:
     return ClaimedWork.from_row({**row, "payload": payload})
 
 
-def _headers(text: str | None) -> dict[str, str] | None:
-    """A row's headers from their JSON text; None for none, or for any that do not decode."""
+def _headers(text: str | None) -> tuple[dict[str, str] | None, str | None]:
+    """A row's headers from their JSON text, and why they could not be read (None when
+    they could): the producers store objects of strings, so anything else was written
+    through SQL. Headers are metadata (a trace context): the row runs without them."""
     if text is None:
-        return None
+        return None, None
     try:
-        headers = json.loads(text)
-    except ValueError:
-        return None  # the producers store objects of strings: a hand-written row at worst
-    return headers if isinstance(headers, dict) else None
+        headers = decode(text)
+    except UndecodablePayload as exc:
+        return None, str(exc)
+    if not isinstance(headers, dict):
+        return None, f"they are a JSON {type(headers).__name__}, not an object"
+    return headers, None
 
 
 def renew_leases(
@@ -1002,8 +1063,12 @@ class PeriodicState(FromRow):
 def periodic_states(
     *, now: datetime | None = None, using: str | None = None
 ) -> tuple[datetime, dict[str, PeriodicState]]:
-    """The database clock (``now`` if given) and every schedule's state, by name."""
-    rows = _fetch("periodic_states", {"now": now}, using)
+    """The database clock (``now`` if given) and every schedule's state, by name.
+
+    A stored time Python cannot hold (written through SQL) comes as a ``StoredTime``:
+    the worker's pass of that schedule fails alone, not the pass of every schedule.
+    """
+    rows = _fetch("periodic_states", {"now": now}, using, set_loaders=_readable_times)
     # One row carries the clock even with no schedule: its schedule columns are NULL.
     states = {row["name"]: PeriodicState.from_row(row) for row in rows if row["name"] is not None}
     return rows[0]["now"], states
@@ -1150,7 +1215,9 @@ def select_work(
         "limit": limit,
         "now": now,
     }
-    return [SelectedWork.from_row(row) for row in _fetch("select_work", params, using)]
+    # A created_at Python cannot hold (written through SQL) must not fail the selection.
+    rows = _fetch("select_work", params, using, set_loaders=_readable_times)
+    return [SelectedWork.from_row(row) for row in rows]
 
 
 def lock_work(
@@ -1173,7 +1240,9 @@ def lock_work(
         "older_than_seconds": older_than_seconds,
         "now": now,
     }
-    return [SelectedWork.from_row(row) for row in _fetch("lock_work", params, using)]
+    # As select_work: a created_at Python cannot hold must not fail the selection.
+    rows = _fetch("lock_work", params, using, set_loaders=_readable_times)
+    return [SelectedWork.from_row(row) for row in rows]
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,32 @@ per-stream FIFO a property of the index the claim scans instead of a per-row che
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db import models
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
 
+from django_workpump.payloads import decode_or_stored
+
 if TYPE_CHECKING:
     from django_stubs_ext import StrPromise
+
+
+class StoredJSONField(models.JSONField):
+    """A JSONField whose stored text, when Python cannot decode it (nested too deep for
+    the recursion limit, an integer past the digit limit), loads as a ``StoredJSON`` of
+    that text: a hostile value written through SQL affects its own row, not every query
+    that reads it. Migrations see a plain JSONField: the column is the same."""
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        if not isinstance(value, str) or self.decoder is not None:
+            return super().from_db_value(value, expression, connection)
+        return decode_or_stored(value)
+
+    def deconstruct(self) -> Any:
+        name, _path, args, kwargs = super().deconstruct()
+        return name, "django.db.models.JSONField", args, kwargs
 
 
 class WorkRow(models.Model):
@@ -47,10 +65,10 @@ class WorkRow(models.Model):
     last_error = models.TextField(null=True, blank=True)
     failure_reason = models.CharField(max_length=40, null=True, blank=True)
     dead_lettered_at = models.DateTimeField(null=True, blank=True)
-    result = models.JSONField(null=True, blank=True)
+    result = StoredJSONField(null=True, blank=True)
     # What the producer sent along, a JSON object of strings: e.g. the W3C trace context
     # ("traceparent", "tracestate") that links a handler's span to its producer's.
-    headers = models.JSONField(null=True, blank=True, editable=False)
+    headers = StoredJSONField(null=True, blank=True, editable=False)
     # How a done row ended when not by completing: "cancelled" (workpump.cancel) or
     # "discarded" (the handler raised workpump.Discard). NULL for a completed row.
     end_state = models.CharField(max_length=20, null=True, blank=True, editable=False)
@@ -183,7 +201,7 @@ def _work_indexes(prefix: str, done: str, scope: tuple[str, ...] = ()) -> list[m
 class Outbox(WorkRow):
     message_id = models.UUIDField(unique=True)
     destination = models.TextField()
-    payload = models.JSONField()
+    payload = StoredJSONField()
     processed_at = models.DateTimeField(null=True, blank=True)
     # send(unique_key=...): at most one unprocessed row per (destination, unique_key).
     unique_key = models.TextField(null=True, blank=True)
@@ -218,7 +236,7 @@ class Outbox(WorkRow):
 class Inbox(WorkRow):
     message_id = models.UUIDField(unique=True)
     handler_name = models.TextField()
-    payload = models.JSONField()
+    payload = StoredJSONField()
     processed_at = models.DateTimeField(null=True, blank=True)
     # receive(unique_key=...), unique tasks: at most one unprocessed row per key.
     unique_key = models.TextField(null=True, blank=True)
@@ -273,7 +291,7 @@ class Event(models.Model):
     seq = models.BigAutoField(primary_key=True)
     event_id = models.UUIDField(unique=True)
     event_type = models.TextField()
-    payload = models.JSONField()
+    payload = StoredJSONField()
     stream = models.TextField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now())
     # emit(unique_key=...): held while the event's work is not all done.
@@ -356,7 +374,7 @@ class ServiceInstance(models.Model):
     process_id = models.IntegerField()
     started_at = models.DateTimeField(db_default=Now())
     last_heartbeat_at = models.DateTimeField(db_default=Now())
-    metadata = models.JSONField(db_default={})
+    metadata = StoredJSONField(db_default={})
     # Second half of the alive-lock's two-int advisory key; unique among live rows.
     alive_lock_key = models.IntegerField(unique=True, editable=False)
     # When a peer first saw the alive-lock missing; eviction for a missing lock waits a
@@ -468,7 +486,7 @@ class PeriodicSchedule(models.Model):
     every_seconds = models.IntegerField(null=True, blank=True)  # interval, or NULL
     timezone = models.TextField(db_default="UTC")  # the zone cron is evaluated in
     catch_up = models.TextField(choices=CATCH_UP_CHOICES, db_default="latest")
-    payload = models.JSONField(db_default={})
+    payload = StoredJSONField(db_default={})
     priority = models.SmallIntegerField(db_default=0)
     max_attempts = models.IntegerField(db_default=10)
     paused = models.BooleanField(db_default=False)  # a paused schedule fires nothing

@@ -32,6 +32,26 @@ class UndecodablePayload(ValueError):
     """A stored payload Python cannot decode; the message says why."""
 
 
+class StoredJSON(str):
+    """The text of a stored JSON value Python cannot decode safely, as read; ``error``
+    says why. Readers show it as stored rather than fail the page or batch it is in."""
+
+    error: str = ""
+
+    def __new__(cls, text: str, error: str) -> StoredJSON:
+        value = super().__new__(cls, text)
+        value.error = error
+        return value
+
+
+def decode_or_stored(text: str, max_depth: int = DECODE_MAX_DEPTH) -> Any:
+    """Decode JSON ``text``, or give it back as a ``StoredJSON`` when it cannot be decoded."""
+    try:
+        return decode(text, max_depth)
+    except UndecodablePayload as exc:
+        return StoredJSON(text, str(exc))
+
+
 def nesting_depth(text: str) -> int:
     """Return how deep objects and arrays nest in the JSON ``text`` (``{}`` is 1)."""
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))

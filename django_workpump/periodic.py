@@ -30,6 +30,9 @@ CATCH_UP_MODES = ("latest", "none", "all")
 NONE_TOLERANCE = timedelta(seconds=5)
 # catch_up="all" fires at most this many missed slots of one schedule per pass.
 CATCH_UP_BATCH = 100
+# The longest every=: slot arithmetic must stay inside Python's datetime (year 9999) and
+# every_seconds inside its integer column.
+MAX_EVERY = timedelta(days=3650)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _TICK = timedelta(microseconds=1)
 
@@ -131,6 +134,11 @@ def build_schedule(
             raise InvalidSchedule(
                 f"{what}: every= ({every}) must be at least one second; "
                 "e.g. every=timedelta(seconds=1)."
+            )
+        if every > MAX_EVERY:
+            raise InvalidSchedule(
+                f"{what}: every= ({every.days} days) must be at most {MAX_EVERY.days} days "
+                "(about ten years); for rarer work use cron=, e.g. cron='0 3 1 1 *'."
             )
         if every % timedelta(seconds=1):
             raise InvalidSchedule(

@@ -12,7 +12,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
@@ -21,10 +21,15 @@ from django.db import ProgrammingError, transaction
 from django_workpump import db, tracing
 from django_workpump.conf import setting
 from django_workpump.payloads import MAX_DEPTH
-from django_workpump.registry import TOPIC_NOUNS, registry
+from django_workpump.registry import TOPIC_NOUNS, control_character, registry
 
 # Longest stream key, in UTF-8 bytes: keys are indexed, and index rows have a size limit.
 MAX_STREAM_BYTES = 512
+# The last year a run_after may fall in (UTC): Python's datetime ends with it, and so do
+# the SQL producers' p_scheduled_for.
+MAX_YEAR = 9999
+# The longest unique_for window: PostgreSQL computes now() minus it.
+MAX_UNIQUE_FOR = timedelta(days=36_525)
 _V = TypeVar("_V")
 # Characters PostgreSQL text and jsonb cannot hold: NUL, and UTF-16 surrogates (a str
 # holds them only after lossy decoding, e.g. errors="surrogateescape").
@@ -250,6 +255,11 @@ def _name(what: str, value: Any) -> str:
         raise InvalidWork(f"The {what} must be a non-empty string, not {value!r}.")
     if problem := _unstorable(value):
         raise InvalidWork(f"The {what} {value!r} has {problem}. Use printable text.")
+    if problem := control_character(value):
+        raise InvalidWork(
+            f"The {what} {value!r} has {problem}; topic names must be printable text. "
+            "Remove it from the name."
+        )
     return value
 
 
@@ -315,9 +325,21 @@ def _max_attempts(category: str, topic: str, max_attempts: int | None) -> int:
 
 
 def _when(what: str, run_after: datetime | None) -> datetime | None:
-    if run_after is not None and (not isinstance(run_after, datetime) or run_after.tzinfo is None):
+    if run_after is None:
+        return None
+    if not isinstance(run_after, datetime) or run_after.tzinfo is None:
         raise InvalidWork(
             f"run_after of {what} must be an aware datetime (USE_TZ), not {run_after!r}."
+        )
+    try:
+        in_utc = run_after.astimezone(UTC)
+    except OverflowError:  # past year 9999 (or before year 1) once in UTC
+        in_utc = None
+    if in_utc is None or in_utc.year > MAX_YEAR:
+        raise InvalidWork(
+            f"run_after of {what} ({run_after.isoformat()}) is past year {MAX_YEAR} in UTC, "
+            "a time Python cannot read back and no pump would reach. Pass an earlier time, "
+            "or do not send the work."
         )
     return run_after
 
@@ -363,6 +385,12 @@ def _unique(
             raise InvalidWork(
                 f"unique_for of {what} must not be negative, not {unique_for!r}. Pass a "
                 "window such as timedelta(minutes=5), or None."
+            )
+        if unique_for > MAX_UNIQUE_FOR:
+            raise InvalidWork(
+                f"unique_for of {what} ({unique_for.days} days) is longer than the "
+                f"{MAX_UNIQUE_FOR.days} days (100 years) a window may span. Pass a shorter "
+                "window, or None for a key held while its row is not done."
             )
     return unique_key, unique_for
 

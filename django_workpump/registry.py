@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -215,9 +216,28 @@ def claim_prefixes(
     return {c: sorted(h.topic for h in handlers.prefix_handlers(c)) for c in categories}
 
 
+def control_character(text: str) -> str | None:
+    """Describe the first control or format character of ``text`` (a newline, an ESC
+    that starts a terminal escape sequence, a bidirectional override), if any: names
+    holding one print as something else in a terminal or a log."""
+    for position, char in enumerate(text):
+        if unicodedata.category(char) in CONTROL_CATEGORIES:
+            return f"a control character (U+{ord(char):04X}) at position {position}"
+    return None
+
+
+# Unicode categories of control (Cc), format (Cf) and line/paragraph separator characters.
+CONTROL_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
 def _check_name(what: str, value: object) -> None:
     if not isinstance(value, str) or not value.strip():
         raise ImproperlyConfigured(f"A workpump {what} must be a non-empty string, not {value!r}.")
+    if problem := control_character(value):
+        raise ImproperlyConfigured(
+            f"The workpump {what} {value!r} has {problem}; topic names must be printable "
+            "text. Remove it from the name."
+        )
 
 
 registry = Registry()

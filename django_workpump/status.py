@@ -8,7 +8,8 @@ A full report (``collect``) runs a fixed number of queries, whatever the row cou
 
 from __future__ import annotations
 
-import json
+import math
+import unicodedata
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -17,7 +18,9 @@ from typing import Any
 from django_workpump import db
 from django_workpump.categories import NAMES as CATEGORIES
 from django_workpump.conf import get_settings
+from django_workpump.payloads import StoredJSON, decode_or_stored
 from django_workpump.periodic import ScheduleRegistry, schedules
+from django_workpump.registry import CONTROL_CATEGORIES
 from django_workpump.states import WAITING_STATES, WorkState
 
 # Every state, in the order reports show them.
@@ -289,9 +292,7 @@ def instances(*, now: datetime | None = None, using: str | None = None) -> list[
     for row in db.fetch_named(QUERIES, "instances", params, using=using):
         held = {category: int(row.pop(f"held_{category}")) for category in CATEGORIES}
         capped = tuple(c for c, n in held.items() if n > EXACT_COUNT_LIMIT)
-        stalled = row.pop("stalled_flushers")
-        # Django's psycopg setup leaves jsonb as text.
-        stalled = json.loads(stalled) if isinstance(stalled, str) else stalled
+        stalled = _stalled(row.pop("stalled_flushers"))
         result.append(
             InstanceStatus(
                 **row,
@@ -301,6 +302,18 @@ def instances(*, now: datetime | None = None, using: str | None = None) -> list[
             )
         )
     return result
+
+
+def _stalled(value: Any) -> dict[str, Any]:
+    """An instance's stalled flushers from its metadata (jsonb, which Django's psycopg
+    setup leaves as text); metadata that cannot be read (written through SQL) counts as
+    one stalled flusher named ``unreadable``, so the report shows it and goes on."""
+    if isinstance(value, str):
+        value = decode_or_stored(value)
+    if isinstance(value, StoredJSON) or not isinstance(value, dict):
+        error = value.error if isinstance(value, StoredJSON) else "not a JSON object"
+        return {"unreadable": {"last_error": f"its stalled_flushers cannot be read: {error}"}}
+    return value
 
 
 def unhandled_topics(
@@ -390,7 +403,7 @@ def as_json(report: StatusReport) -> dict[str, Any]:
             c.category: {
                 "counts": dict(c.counts),
                 "total": c.total,
-                "oldest_pending_age_seconds": c.oldest_pending_age_seconds,
+                "oldest_pending_age_seconds": _finite(c.oldest_pending_age_seconds),
                 "estimated": list(c.estimated),
             }
             for c in report.categories
@@ -417,7 +430,9 @@ def _iso(value: datetime | None) -> str | None:
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:
-    """Datetimes as ISO strings and uuids as text; everything else is JSON already."""
+    """Datetimes as ISO strings and uuids as text; everything else is JSON already, but an
+    infinite age (of a time written through SQL as 'infinity'), which JSON has no number
+    for: null."""
     out: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, datetime):
@@ -425,8 +440,28 @@ def _plain(values: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, uuid.UUID):
             out[key] = str(value)
         else:
-            out[key] = value
+            out[key] = _finite(value)
     return out
+
+
+def _finite(value: Any) -> Any:
+    """``value``, but None for an infinite or NaN float (strict JSON has neither)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def printable(text: str) -> str:
+    """``text`` with each control or format character escaped as in a Python literal
+    (``\\x1b``, ``\\n``, ``\\u202e``): topics, streams, host names and errors come from
+    rows anyone with table access can write, and must not move a terminal's cursor,
+    colour its text or forge a line of the report."""
+    if all(unicodedata.category(char) not in CONTROL_CATEGORIES for char in text):
+        return text
+    return "".join(
+        char.encode("unicode_escape").decode("ascii")
+        if unicodedata.category(char) in CONTROL_CATEGORIES
+        else char
+        for char in text
+    )
 
 
 def health_problems(

@@ -26,10 +26,11 @@ from django_workpump import coroutines, db, producer, tracing
 from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
 from django_workpump.control import Discard, Release, Snooze, named_index
+from django_workpump.pump.claim import warn_unreadable_headers
 from django_workpump.pump.dispatch import Work, stream_run_key
 from django_workpump.pump.lease import LeaseHandle
 from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
-from django_workpump.states import FailureReason
+from django_workpump.states import FailureReason, OutcomeStatus
 from django_workpump.storable import error_text, storable_result
 
 # The instance id run_pending claims as: registered in the test's transaction, like any
@@ -77,7 +78,9 @@ def run_pending(
     A batch handler gets each stream's run (``STREAM_RUN_MAX`` rows) in one call, with
     the pump's meaning of its outcome (docs/control-flow.md, "Batch handlers").
     Events' perspective and receptor rows are followed in later rounds. Rows scheduled for
-    later (a deferral, a retry's backoff) are not due, so they do not run.
+    later (a deferral, a retry's backoff) are not due, so they do not run. As under the
+    pump, a row whose payload cannot be decoded is parked dead unrun, and one whose
+    headers cannot be read runs without them.
 
     The first handler exception is raised (its row is failed first, as the pump would);
     with ``raise_errors=False`` failures are recorded in ``report`` and the run goes on
@@ -129,6 +132,8 @@ def run_pending(
         )
         if not rows and not runs:
             return report.ran
+        rows = _runnable([*rows, *(row for run in runs for row in run)], rows, alias)
+        runs = [kept for run in runs if (kept := [row for row in run if not row.payload_error])]
         for run in runs:
             _run_batch(run, alias, raise_errors, report, savepoint)
         for row in rows:
@@ -137,6 +142,29 @@ def run_pending(
         f"run_pending: work was still claimable after {max_rounds} rounds; a handler may be "
         "producing work for itself. Raise max_rounds if that is intended."
     )
+
+
+def _runnable(claimed: list[Any], rows: list[Any], alias: str) -> list[Any]:
+    """``rows`` but those whose payload cannot be decoded, which are parked dead (reason
+    ``undecodable_payload``) as the pump parks them; rows whose headers cannot be read
+    run without them, with the pump's warning."""
+    warn_unreadable_headers(claimed)
+    undecodable = [row for row in claimed if row.payload_error]
+    for row in undecodable:
+        error = f"the payload cannot be decoded: {row.payload_error}"
+        reason = str(FailureReason.UNDECODABLE_PAYLOAD)
+        outcomes = db.fail_work(
+            instance_id=TEST_INSTANCE_ID,
+            category=row.category,
+            ids=[row.work_id],
+            lease_tokens=[row.lease_token],
+            errors=[error],
+            reasons=[reason],
+            using=alias,
+        )
+        if any(o.status == OutcomeStatus.RETRY for o in outcomes):
+            db.dead_letter(category=row.category, ids=[row.work_id], reason=reason, using=alias)
+    return [row for row in rows if not row.payload_error]
 
 
 def _is_batch(category: str, topic: str) -> bool:

@@ -14,12 +14,15 @@ is traced; either way headers stay as the caller gave them and every helper is a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from django_workpump.conf import setting
+
+logger = logging.getLogger("django_workpump.tracing")
 
 try:
     from opentelemetry import propagate, trace
@@ -176,9 +179,28 @@ def handling(work: Work) -> AbstractContextManager[None]:
 _NOT_TRACED: AbstractContextManager[None] = nullcontext()
 
 
+def _producer_context(headers: Any) -> Any:
+    """The producer's context in a row's headers; None when there is none to read.
+
+    Headers are stored data anyone with table access can write: an entry that is not a
+    string (a numeric ``traceparent``), or one the propagators choke on, is ignored, so
+    tracing never fails the row it runs.
+    """
+    if not headers or not isinstance(headers, Mapping):
+        return None
+    carrier = {k: v for k, v in headers.items() if isinstance(k, str) and isinstance(v, str)}
+    if not carrier:
+        return None
+    try:
+        return propagate.extract(carrier)
+    except Exception:  # a propagator's bug must not fail the work
+        logger.debug("headers without a readable trace context", exc_info=True)
+        return None
+
+
 @contextmanager
 def _handling(work: Work) -> Iterator[None]:
-    parent = propagate.extract(work.headers) if work.headers else None
+    parent = _producer_context(work.headers)
     links = []
     if parent is not None:
         producer = trace.get_current_span(parent).get_span_context()
@@ -215,9 +237,10 @@ def handling_batch(works: Sequence[Work]) -> Iterator[None]:
         return
     links = []
     for work in works[:MAX_BATCH_LINKS]:
-        if not work.headers:
+        context = _producer_context(work.headers)
+        if context is None:
             continue
-        producer = trace.get_current_span(propagate.extract(work.headers)).get_span_context()
+        producer = trace.get_current_span(context).get_span_context()
         if producer.is_valid:
             links.append(Link(producer, {MESSAGE_ID: str(work.id)}))
     first = works[0]

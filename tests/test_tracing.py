@@ -377,6 +377,59 @@ def test_the_claim_returns_the_rows_headers():
     assert TRACEPARENT.match(row.headers["traceparent"])
 
 
+UNREADABLE_HEADERS = [
+    '{"traceparent": 5, "tracestate": ["x"]}',
+    '{"traceparent": {"a": 1}, "tracestate": 7, "tenant": "acme"}',
+    '{"tracestate": null}',
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("headers", UNREADABLE_HEADERS)
+def test_headers_tracing_cannot_read_never_fail_the_row(headers):
+    message_id = workpump.send("tr.sync", {"n": 1})
+    run_sql(
+        "UPDATE workpump_outbox SET headers = %s::jsonb WHERE message_id = %s",
+        [headers, message_id],
+    )
+    EXPORTER.clear()
+
+    report = RunReport()
+    assert run_pending(raise_errors=False, report=report) == 1
+
+    assert report.failures == []
+    (row,) = run_sql(
+        "SELECT attempts, processed_at, dead_lettered_at FROM workpump_outbox"
+        " WHERE message_id = %s",
+        [message_id],
+    )
+    assert row["attempts"] == 1 and row["processed_at"] is not None
+    assert row["dead_lettered_at"] is None
+    (consumer,) = spans(SpanKind.CONSUMER)  # a span of its own: no producer to link
+    assert consumer.parent is None and list(consumer.links) == []
+
+
+@pytest.mark.django_db
+def test_a_batch_with_unreadable_headers_runs_and_links_only_the_readable_ones(batch_handlers):
+    for n in range(2):
+        workpump.emit("tr.batched", {"n": n}, stream="s-1")
+    (_, second) = spans(SpanKind.PRODUCER)
+    run_sql(
+        "UPDATE workpump_perspective_event SET headers = %s::jsonb WHERE event_id IN"
+        " (SELECT event_id FROM workpump_event WHERE payload = '{\"n\": 0}')",
+        ['{"traceparent": 5}'],
+    )
+    EXPORTER.clear()
+
+    assert run_pending() == 4
+
+    consumers = {span.name: span for span in spans(SpanKind.CONSUMER)}
+    assert [link.context.span_id for link in consumers["process tr.batch"].links] == [
+        second.context.span_id
+    ]
+    assert len(consumers["process tr.batch.async"].links) == 2  # its rows were not touched
+
+
 # -- batch handlers ----------------------------------------------------------------------
 
 

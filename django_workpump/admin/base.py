@@ -11,7 +11,9 @@ The pages' queries are short and interactive, but the planner may cost some of t
 takes longer than running them, and how long depends on the server's JIT setting. A
 page runs in one transaction with ``SET LOCAL jit = off`` (``db.without_jit``), its
 template rendered inside it: a ``TemplateResponse`` renders lazily, and the page's rows
-are fetched while it renders.
+are fetched while it renders. On every page a stored time Python's datetime cannot hold
+('infinity', past year 9999: anyone with table access can write one) reads as its text
+(``db.StoredTime``) and shows as stored, rather than failing the page.
 """
 
 from __future__ import annotations
@@ -34,19 +36,50 @@ def pump_database() -> str:
 
 
 class PumpDatabaseAdmin(admin.ModelAdmin):
-    """A ModelAdmin whose rows are read, and saved, on ``pump_database()``."""
+    """A ModelAdmin whose rows are read, and saved, on ``pump_database()``; its list and
+    detail pages show a stored time Python cannot hold as stored
+    (``rendered_with_stored_times``)."""
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         # A row fetched here is saved back to the database it came from.
         return super().get_queryset(request).using(pump_database())
 
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        parent = super().changelist_view
+        return rendered_with_stored_times(lambda: parent(request, extra_context))
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        parent = super().change_view
+        return rendered_with_stored_times(
+            lambda: parent(request, object_id, form_url, extra_context)
+        )
+
 
 def rendered_without_jit(model: Any, view: Callable[[], HttpResponse]) -> HttpResponse:
     """The response of ``view``, run and rendered in one transaction without JIT."""
     with db.without_jit(using=pump_database()):
-        response = view()
-        if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
-            response.render()
+        return _rendered(view)
+
+
+def rendered_with_stored_times(view: Callable[[], HttpResponse]) -> HttpResponse:
+    """The response of ``view``, run and rendered with every time Python cannot hold
+    (written through SQL) read as its stored text (``db.StoredTime``)."""
+    with db.stored_times_readable(using=pump_database()):
+        return _rendered(view)
+
+
+def _rendered(view: Callable[[], HttpResponse]) -> HttpResponse:
+    response = view()
+    if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
+        response.render()
     return response
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from datetime import datetime
 from typing import Any
 
@@ -16,7 +17,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from django_workpump.conf import get_settings
-from django_workpump.payloads import MAX_DEPTH, UndecodablePayload, decode
+from django_workpump.payloads import MAX_DEPTH, StoredJSON, UndecodablePayload, decode
 from django_workpump.states import WorkState
 
 DASH = "—"
@@ -36,7 +37,10 @@ FRESHNESS_COLOURS = {"fresh": "#2e7d32", "stale": "#c2410c", "dead": "#b91c1c"}
 
 
 def duration(seconds: float) -> str:
-    """``4m 12s``, ``3m``, ``45s``, ``1h 2m``, ``2d 3h``: the largest unit and the next one."""
+    """``4m 12s``, ``3m``, ``45s``, ``1h 2m``, ``2d 3h``: the largest unit and the next one;
+    ``forever`` for an infinite time (written through SQL)."""
+    if not math.isfinite(seconds):
+        return "forever"
     total = int(abs(seconds))
     units = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
     for index, (unit, size) in enumerate(units):
@@ -59,10 +63,13 @@ def relative(seconds_left: float) -> str:
     return f"expired {duration(seconds_left)} ago"
 
 
-def when(value: datetime | None) -> str:
-    """An absolute time in the current time zone, to the second."""
+def when(value: datetime | str | None) -> str:
+    """An absolute time in the current time zone, to the second; a stored time Python
+    cannot hold (``StoredTime``) as stored."""
     if value is None:
         return DASH
+    if isinstance(value, str):
+        return value
     return timezone.localtime(value).strftime("%Y-%m-%d %H:%M:%S")
 
 
@@ -124,29 +131,50 @@ def badge(state: str, note: str = "") -> SafeString:
     return html
 
 
+# At most this many characters of a stored text the page cannot decode are shown.
+RAW_TEXT_LIMIT = 10_000
+
+
 def pretty_json(value: Any) -> SafeString:
-    """A JSON value indented in a ``<pre>`` block."""
+    """A JSON value indented in a ``<pre>`` block; a value Python cannot decode or indent
+    (``StoredJSON``, or nested deeper than producers allow) as its stored text."""
+    if isinstance(value, StoredJSON):
+        return raw_json(value, value.error, "value")
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
-            value = json.loads(value)
-    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
-    return format_html('<pre class="wp-json" style="margin:0;white-space:pre-wrap">{}</pre>', text)
+            value = decode(value, max_depth=MAX_DEPTH)
+    try:
+        # Compact first (the C encoder): the indenting one recurses in Python per level.
+        text = json.dumps(value, default=str)
+    except (ValueError, RecursionError) as exc:
+        return raw_json(repr(value)[:RAW_TEXT_LIMIT], str(exc), "value")
+    return payload(text, "value")
 
 
-def payload(text: str) -> SafeString:
-    """A stored payload (JSON text) indented, or as stored when Python cannot decode it."""
+def payload(text: str, what: str = "payload") -> SafeString:
+    """A stored JSON text (a payload, a result) indented, or as stored when Python cannot
+    decode it."""
     try:
         # No deeper than producers allow: the indenting encoder recurses per level.
         value = decode(text, max_depth=MAX_DEPTH)
     except UndecodablePayload as exc:
-        return format_html(
-            '<p class="wp-undecodable">Shown as stored: this payload cannot be decoded ({}).</p>'
-            '<pre class="wp-json wp-raw" style="margin:0;white-space:pre-wrap;'
-            'word-break:break-all">{}</pre>',
-            exc,
-            text,
-        )
-    return pretty_json(value)
+        return raw_json(text, str(exc), what)
+    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    return format_html('<pre class="wp-json" style="margin:0;white-space:pre-wrap">{}</pre>', text)
+
+
+def raw_json(text: str, error: str, what: str) -> SafeString:
+    """A stored JSON text shown as stored (its first RAW_TEXT_LIMIT characters)."""
+    cut = len(text) > RAW_TEXT_LIMIT
+    return format_html(
+        '<p class="wp-undecodable">Shown as stored: this {} cannot be decoded ({}).{}</p>'
+        '<pre class="wp-json wp-raw" style="margin:0;white-space:pre-wrap;'
+        'word-break:break-all">{}</pre>',
+        what,
+        error,
+        f" Its first {RAW_TEXT_LIMIT:,} characters:" if cut else "",
+        text[:RAW_TEXT_LIMIT] + ("…" if cut else ""),
+    )
 
 
 def pre(text: str | None) -> SafeString | str:

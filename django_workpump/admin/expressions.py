@@ -87,19 +87,24 @@ class DbNow(Func):
 
 
 def seconds_until(field: str) -> Func:
-    """Seconds from the database clock until ``field`` (negative once it has passed)."""
+    """Seconds from the database clock until ``field`` (negative once it has passed).
+
+    A difference of epochs, not of times: PostgreSQL cannot subtract an infinite time
+    (one written through SQL), whose epoch is infinite instead."""
     return Func(
         F(field),
-        template="EXTRACT(EPOCH FROM (%(expressions)s - now()))::double precision",
+        template="(EXTRACT(EPOCH FROM %(expressions)s) - EXTRACT(EPOCH FROM now()))"
+        "::double precision",
         output_field=FloatField(),
     )
 
 
 def seconds_since(field: str) -> Func:
-    """Seconds from ``field`` until the database clock."""
+    """Seconds from ``field`` until the database clock (as ``seconds_until``, by epochs)."""
     return Func(
         F(field),
-        template="EXTRACT(EPOCH FROM (now() - %(expressions)s))::double precision",
+        template="(EXTRACT(EPOCH FROM now()) - EXTRACT(EPOCH FROM %(expressions)s))"
+        "::double precision",
         output_field=FloatField(),
     )
 

@@ -80,6 +80,32 @@ class ClaimPolicy:
         )
 
 
+def warn_unreadable_headers(rows: list[ClaimedWork]) -> None:
+    """Log each row whose stored headers cannot be read: it runs without them.
+
+    Headers are metadata (a trace context), not the work: losing them costs a trace
+    link, while parking the row would lose the work to a value anyone with table access
+    could write.
+    """
+    for row in rows:
+        if row.headers_error is None:
+            continue
+        logger.warning(
+            "%s %s (topic %r) runs without its headers: they cannot be read (%s)",
+            row.category,
+            row.work_id,
+            row.topic,
+            row.headers_error,
+            extra={
+                "action": "unreadable_headers",
+                "workpump_category": row.category,
+                "workpump_topic": row.topic,
+                "workpump_id": str(row.work_id),
+                "workpump_error": row.headers_error,
+            },
+        )
+
+
 def poll_wait_ms(policy: ClaimPolicy, empty_polls: int, gate_available: bool | None) -> int | None:
     """Milliseconds to wait before the next poll; None: wait for a wake only.
 
@@ -273,6 +299,7 @@ class ClaimWorker(LoopService):
         if rows:
             self.empty_polls = 0
             self.claimed_total += len(rows)
+            warn_unreadable_headers(rows)
             runnable = [row for row in rows if row.payload_error is None]
             if runnable:
                 self.sink.submit(runnable)

@@ -339,6 +339,28 @@ BEGIN
 END
 $$;
 
+-- Raise unless p_scheduled_for is NULL or a finite time within years 1 to 9999 (UTC):
+-- past them Python's datetime cannot read the row back, and a row due at 'infinity' would
+-- never run and would hold back its stream. p_what names the producer's topic noun.
+CREATE FUNCTION workpump.check_scheduled_for(p_what text, p_topic text,
+                                             p_scheduled_for timestamptz)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_scheduled_for IS NOT NULL
+       AND (NOT isfinite(p_scheduled_for)
+            OR p_scheduled_for < '0001-01-01 00:00:00+00'::timestamptz
+            OR p_scheduled_for >= '10000-01-01 00:00:00+00'::timestamptz) THEN
+        RAISE EXCEPTION 'p_scheduled_for of % % is %, outside years 1 to 9999 (UTC): no pump could read the row or reach that time.',
+            p_what, quote_literal(p_topic), p_scheduled_for
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass a time before 10000-01-01 00:00:00+00, or NULL to run it now.';
+    END IF;
+END
+$$;
+
 -- Raise unless a unique key, its window and the conflict policy are valid. p_what names
 -- the producer's topic noun ('outbox destination', 'event type').
 CREATE FUNCTION workpump.check_unique_key(
@@ -444,6 +466,7 @@ $$;
 -- return the id of the row that holds the key instead, writing nothing: an unprocessed
 -- row with that key, or (with p_unique_for) one created within the window
 -- (unique_key_holder). p_headers are stored with the row (check_headers).
+-- p_scheduled_for must fall within years 1 to 9999 in UTC (check_scheduled_for).
 CREATE FUNCTION workpump.send(
     p_destination text,
     p_payload jsonb,
@@ -470,6 +493,7 @@ DECLARE
 BEGIN
     PERFORM workpump.check_new_work('outbox destination', p_destination, p_payload,
                                     p_priority, p_max_attempts, p_partition_count);
+    PERFORM workpump.check_scheduled_for('outbox destination', p_destination, p_scheduled_for);
     PERFORM workpump.check_payload('outbox destination', p_destination, p_payload,
                                    p_max_payload_bytes, p_max_payload_depth);
     PERFORM workpump.check_headers('outbox destination', p_destination, p_headers);
@@ -519,6 +543,7 @@ $$;
 -- (unique_key_holder; p_on_conflict => 'raise' raises unique_violation instead).
 -- p_deduplicate => false skips the de-duplication row, for producers whose ids are fresh
 -- UUIDs (task enqueues): a repeated id then fails on the inbox's unique message_id.
+-- p_scheduled_for must fall within years 1 to 9999 in UTC (check_scheduled_for).
 CREATE FUNCTION workpump.receive(
     p_message_id uuid,
     p_handler_name text,
@@ -549,6 +574,7 @@ BEGIN
     END IF;
     PERFORM workpump.check_new_work('inbox handler', p_handler_name, p_payload,
                                     p_priority, p_max_attempts, p_partition_count);
+    PERFORM workpump.check_scheduled_for('inbox handler', p_handler_name, p_scheduled_for);
     PERFORM workpump.check_payload('inbox handler', p_handler_name, p_payload,
                                    p_max_payload_bytes, p_max_payload_depth);
     PERFORM workpump.check_headers('inbox handler', p_handler_name, p_headers);
@@ -830,6 +856,7 @@ $$;
 -- Store one outbox message for p_destination per payload, in list order; return their
 -- message ids in the same order. p_streams is NULL or parallel to p_payloads (NULL
 -- entries: no ordering); p_message_ids likewise (NULL: fresh ids).
+-- p_scheduled_for must fall within years 1 to 9999 in UTC (check_scheduled_for).
 CREATE FUNCTION workpump.send_many(
     p_destination text,
     p_payloads jsonb[],
@@ -850,6 +877,7 @@ DECLARE
 BEGIN
     PERFORM workpump.check_new_work('outbox destination', p_destination, '{}'::jsonb,
                                     p_priority, p_max_attempts, p_partition_count);
+    PERFORM workpump.check_scheduled_for('outbox destination', p_destination, p_scheduled_for);
     IF p_payloads IS NULL THEN
         RAISE EXCEPTION 'p_payloads of outbox destination % must be an array of JSON objects, not NULL.',
             quote_literal(p_destination)

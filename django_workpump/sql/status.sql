@@ -372,7 +372,7 @@ WITH RECURSIVE clock AS (
     SELECT * FROM done
 )
 SELECT k.category, s.state, coalesce(n.count, 0) AS count,
-       extract(epoch FROM c.now - n.oldest_created_at)::double precision AS oldest_age_seconds,
+       (extract(epoch FROM c.now) - extract(epoch FROM n.oldest_created_at))::double precision AS oldest_age_seconds,
        coalesce(n.estimated, false) AS estimated, c.now
 FROM clock c
 CROSS JOIN unnest(%(categories)s::text[]) WITH ORDINALITY AS k(category, k_order)
@@ -593,7 +593,7 @@ WITH clock AS (
 )
 SELECT si.instance_id, si.service_name, si.host_name, si.process_id, si.started_at,
        si.last_heartbeat_at,
-       extract(epoch FROM c.now - si.last_heartbeat_at)::double precision
+       (extract(epoch FROM c.now) - extract(epoch FROM si.last_heartbeat_at))::double precision
            AS heartbeat_age_seconds,
        si.alive_lock_key IN (SELECT key FROM held_keys) AS alive_lock_held,
        si.instance_id IN (SELECT instance_id FROM live) AS live,
@@ -624,7 +624,8 @@ ORDER BY si.started_at, si.instance_id
 -- name: tombstones
 -- The newest tombstones of evicted instances.
 SELECT e.instance_id, e.evicted_at, e.reason,
-       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - e.evicted_at)::double precision
+       (extract(epoch FROM coalesce(%(now)s::timestamptz, now()))
+        - extract(epoch FROM e.evicted_at))::double precision
            AS age_seconds
 FROM workpump_eviction e
 ORDER BY e.evicted_at DESC, e.instance_id
@@ -788,7 +789,7 @@ WITH clock AS (
     FROM waiting w GROUP BY w.category, w.arm
 )
 SELECT w.category, w.topic, count(*) AS rows,
-       extract(epoch FROM max(c.now - w.created_at))::double precision AS oldest_age_seconds,
+       max(extract(epoch FROM c.now) - extract(epoch FROM w.created_at))::double precision AS oldest_age_seconds,
        EXISTS (SELECT 1 FROM capped p WHERE p.category = w.category AND p.capped) AS estimated
 FROM waiting w CROSS JOIN clock c
 WHERE NOT EXISTS (SELECT 1 FROM handled h

@@ -372,7 +372,9 @@ class Command(BaseCommand):
         for row in current:
             if row.work_id in changed:
                 self.stdout.write(
-                    f"{verb}: {row.category} {row.work_id} {row.topic} (was {row.state})"
+                    # The topic comes from the row: escaped, it cannot forge a line.
+                    f"{verb}: {row.category} {row.work_id} {status.printable(row.topic)} "
+                    f"(was {row.state})"
                 )
         summary = f"{action}: {len(changed)} of {len(selected)} selected {noun} {verb}"
         if gone := len(selected) - len(current):
@@ -415,7 +417,8 @@ class Command(BaseCommand):
 
     def _leased_note(self, action: str, leased: list[db.SelectedWork]) -> str:
         shown = ", ".join(
-            f"{row.category} {row.work_id} {row.topic}" for row in leased[:RUNNING_SHOWN]
+            f"{row.category} {row.work_id} {status.printable(row.topic)}"
+            for row in leased[:RUNNING_SHOWN]
         )
         more = f" and {len(leased) - RUNNING_SHOWN} more" if len(leased) > RUNNING_SHOWN else ""
         return (
@@ -445,7 +448,9 @@ class Command(BaseCommand):
             rows = db.running_work(ids=[found.instance_id], limit=RUNNING_SHOWN, using=using)
             what = "is live" if found.live else "is not live"
             if found.running:
-                shown = ", ".join(f"{r.category} {r.work_id} {r.topic}" for r in rows)
+                shown = ", ".join(
+                    f"{r.category} {r.work_id} {status.printable(r.topic)}" for r in rows
+                )
                 more = found.running - len(rows)
                 what += f" and runs {_plural(found.running, 'row')} ({shown}"
                 what += f" and {more} more)" if more > 0 else ")"

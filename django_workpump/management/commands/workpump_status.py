@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 from datetime import datetime
 from typing import Any
@@ -77,9 +78,11 @@ class Command(BaseCommand):
             self._check(report, options)
             return
         if options["json"]:
+            # json.dumps escapes every control character (and every non-ASCII one).
             self.stdout.write(json.dumps(status.as_json(report), sort_keys=True))
         else:
-            self.stdout.write("\n".join(render_text(report)))
+            # Each line escaped again: text from rows must not forge a line of its own.
+            self.stdout.write("\n".join(status.printable(line) for line in render_text(report)))
 
     def _check(self, report: status.StatusReport, options: dict[str, Any]) -> None:
         problems = status.health_problems(
@@ -90,7 +93,7 @@ class Command(BaseCommand):
         )
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            self.stdout.write(f"UNHEALTHY: {problems[0]}{more}")
+            self.stdout.write(status.printable(f"UNHEALTHY: {problems[0]}{more}"))
             raise SystemExit(1)
         live = sum(1 for i in report.instances if i.live)
         self.stdout.write(f"OK: {live} live instance{'s' if live != 1 else ''}")
@@ -148,7 +151,7 @@ def render_text(report: status.StatusReport) -> list[str]:
                     b.head_state,
                     f"{b.attempts}/{b.max_attempts}",
                     str(b.waiting),
-                    b.retry_at.isoformat() if b.retry_at else "-",
+                    _when(b.retry_at),
                     _short(b.last_error),
                 ]
                 for b in report.blocked_streams
@@ -190,7 +193,7 @@ def render_text(report: status.StatusReport) -> list[str]:
                     d.topic,
                     f"{d.attempts}/{d.max_attempts}",
                     d.failure_reason or "-",
-                    d.dead_lettered_at.isoformat(),
+                    _when(d.dead_lettered_at),
                     _short(d.last_error),
                 ]
                 for d in report.dead_rows
@@ -272,7 +275,9 @@ def _flushers(stalled: dict[str, Any]) -> str:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    """Columns two spaces apart; a column of numbers (and '-') is right-aligned."""
+    """Columns two spaces apart; a column of numbers (and '-') is right-aligned. Cells are
+    escaped (``status.printable``) before they are measured: they hold text from rows."""
+    rows = [[status.printable(cell) for cell in row] for row in rows]
     columns = range(len(headers))
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in columns]
     numeric = [
@@ -295,6 +300,8 @@ def _age(seconds: float | None) -> str:
     """'-' for none, else e.g. '45s', '3m 12s', '2h 5m', '3d 4h'."""
     if seconds is None:
         return "-"
+    if not math.isfinite(seconds):  # a time written through SQL: 'infinity'
+        return "forever"
     whole = max(int(seconds), 0)
     days, rest = divmod(whole, 86_400)
     hours, rest = divmod(rest, 3_600)
@@ -308,8 +315,11 @@ def _age(seconds: float | None) -> str:
     return f"{secs}s"
 
 
-def _when(value: datetime | None) -> str:
-    return value.isoformat() if value is not None else "-"
+def _when(value: datetime | str | None) -> str:
+    """ISO time; '-' for none; a stored time Python cannot hold (``db.StoredTime``) as is."""
+    if value is None:
+        return "-"
+    return value if isinstance(value, str) else value.isoformat()
 
 
 def _short(text: str | None, width: int = 60) -> str:
