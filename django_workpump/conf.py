@@ -1,7 +1,7 @@
 """The ``WORKPUMP`` settings dict: every key declared once, merged lazily, reset on change.
 
 ``SETTINGS`` is the one table of keys: each one's default, how ``manage.py check``
-validates it (``checks.py``) and what it means (the README's settings table, rendered by
+validates it (``checks.py``) and what it means (the table of docs/settings.md, rendered by
 ``docs/settings_table.py``). Units are part of every key name. Validation lives in
 ``checks.py`` so a bad value is reported with an id and a hint instead of failing at import.
 """
@@ -38,7 +38,7 @@ class Setting:
     default: Any
     kind: Kind
     _: KW_ONLY
-    meaning: str  # one line of Markdown: the README's settings table shows it
+    meaning: str  # one line of Markdown: the table of docs/settings.md shows it
     minimum: int | None = None  # "int": the smallest value allowed
     optional: bool = False  # "int": None is allowed too
 

@@ -1,5 +1,5 @@
 """Docs rendered from the code cannot drift: the SQL API page from the installed functions,
-the README's settings table from ``conf.SETTINGS``, and the Python snippets of the README
+the settings page's table from ``conf.SETTINGS``, and the Python snippets of the README
 and of docs/*.md run (or compile, when marked as not runnable standalone)."""
 
 from __future__ import annotations
@@ -47,14 +47,15 @@ def test_the_sql_api_page_matches_the_installed_functions():
     )
 
 
-def test_the_readme_settings_table_matches_conf_settings():
+def test_the_settings_page_table_matches_conf_settings():
     settings_table = load("settings_table")
-    readme = settings_table.README.read_text(encoding="utf-8")
+    assert settings_table.PAGE == DOCS / "settings.md"
+    page = settings_table.PAGE.read_text(encoding="utf-8")
     assert "| `LEASE_SECONDS` | 300 | a claimed row is held this long unless renewed |" in (
         settings_table.render()
     )
-    assert settings_table.splice(readme) == readme, (
-        "README.md's settings table differs from django_workpump.conf.SETTINGS: "
+    assert settings_table.splice(page) == page, (
+        "docs/settings.md's settings table differs from django_workpump.conf.SETTINGS: "
         "run python docs/settings_table.py"
     )
 
