@@ -499,7 +499,8 @@ def claim_work(
 
     A row whose attempts are used up (its last attempt ended without an outcome) is parked
     as dead by the claim instead of leased: it is not returned, and is logged here, once,
-    as every dead-lettered row is (``dead_letters.log_dead_lettered``).
+    as every dead-lettered row is (``dead_letters.log_dead_lettered``). The log comes when
+    the claim returns, also inside a caller's transaction (``run_pending`` in a test).
     """
     params = {
         "instance_id": instance_id,
