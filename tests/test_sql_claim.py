@@ -605,6 +605,21 @@ def test_a_caller_that_asks_gets_the_rows_the_claim_parked_without_a_token(categ
     assert claim(B, at(30), p_return_dead_lettered=True) == []  # returned once
 
 
+def test_a_row_whose_holder_was_evicted_on_its_last_attempt_is_returned_parked():
+    parked = make("outbox", max_attempts=1)
+    claim(A, T0, p_lease_seconds=300)
+    enroll(B, at(100))
+    run_sql("SELECT * FROM workpump.cleanup_stale_instances(%s, p_now => %s)", [at(90), at(100)])
+
+    [dead] = claim(B, at(100), p_return_dead_lettered=True)
+
+    assert (dead["work_id"], dead["lease_token"]) == (parked, None)
+    assert dead["last_error"].startswith(
+        f"attempt 1 ended without a reported outcome: instance {A} was evicted at "
+    )
+    assert row("outbox", parked)["failure_reason"] == "max_attempts"
+
+
 def test_a_claim_that_parks_nothing_returns_what_it_did_before():
     make("outbox", "s-1", max_attempts=2)
     claim(A, T0, p_lease_seconds=10)
