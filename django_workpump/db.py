@@ -25,6 +25,7 @@ from psycopg.pq import Format
 from psycopg.types.string import TextLoader
 
 from django_workpump.conf import setting
+from django_workpump.dead_letters import log_parked_by_claim
 from django_workpump.payloads import UndecodablePayload, decode
 from django_workpump.prepared import PreparedQuery
 from django_workpump.sql import named_queries
@@ -551,6 +552,11 @@ def claim_work(
     payload cannot be decoded comes back with ``payload_error``, one whose headers cannot
     be read with ``headers_error`` (and no headers). Each row says when it was
     created and when it became claimable (``due_at``, for the queue-wait metric).
+
+    A row whose attempts are used up (its last attempt ended without an outcome) is parked
+    as dead by the claim instead of leased: it is not returned, and is logged here, once,
+    as every dead-lettered row is (``dead_letters.log_dead_lettered``). The log comes when
+    the claim returns, also inside a caller's transaction (``run_pending`` in a test).
     """
     params = {
         "instance_id": instance_id,
@@ -574,7 +580,10 @@ def claim_work(
         rows = _claim_rows(params, using)
     except DatabaseError as exc:
         raise (_refused(exc) or exc) from exc
-    return [_claimed(row) for row in rows]
+    claimed = [_claimed(row) for row in rows if row["lease_token"] is not None]
+    if len(claimed) < len(rows):  # the claim parked rows as dead: each is logged here, once
+        log_parked_by_claim(row for row in rows if row["lease_token"] is None)
+    return claimed
 
 
 def _claim_rows(params: dict[str, Any], using: str | None) -> list[dict[str, Any]]:

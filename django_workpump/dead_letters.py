@@ -4,16 +4,17 @@ Every path that parks a row as dead calls ``log_dead_lettered`` once per row it 
 a failed last attempt (``fail_work``), a ``Retry(on=...)`` that does not name the
 exception, a snooze over ``MAX_SNOOZES`` on the last attempt, an undecodable payload, and
 an operator (``workpump.dead_letter``, ``manage.py workpump_action dead-letter``, the
-admin). Its ``extra`` keys are stable: ``action`` is ``dead_lettered``. The claim's own
-parking of a row whose last attempt ended without an outcome happens in SQL and is not
-reported to Python, so it is not logged.
+admin), and the claim itself, which parks a row whose attempts are used up instead of
+leasing it (its last attempt ended without an outcome: the holder died, the lease
+expired) and returns it to ``db.claim_work`` to be logged (``log_parked_by_claim``). Its
+``extra`` keys are stable: ``action`` is ``dead_lettered``.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.db import transaction
@@ -103,6 +104,23 @@ def log_dead_lettered(
             **fields,
         },
     )
+
+
+def log_parked_by_claim(rows: Iterable[Mapping[str, Any]]) -> None:
+    """Log the rows a claim parked as dead instead of leasing them (``claim_work``'s rows
+    without a lease token), with reason ``max_attempts`` and the ``last_error`` they were
+    parked with."""
+    for row in rows:
+        log_dead_lettered(
+            row["category"],
+            row["work_id"],
+            FailureReason.MAX_ATTEMPTS,
+            row["last_error"],
+            topic=row["topic"],
+            stream=row["stream"],
+            attempt=row["attempts"],
+            max_attempts=row["max_attempts"],
+        )
 
 
 def log_when_committed(

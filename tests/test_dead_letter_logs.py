@@ -1,9 +1,11 @@
 """Every dead-lettered row is logged once, at ERROR, with its reason and the re-queue.
 
 Each path that parks a row is driven here: the dispatcher's (on a fake coordinator that
-answers ``dead``), the claim's undecodable payloads, an operator's action and the
-command (real PostgreSQL), and a handler that runs out its timeout on its last attempt
-under a real pump, whose row is stored with reason ``timeout``.
+answers ``dead``), the claim's undecodable payloads, the claim's own parking of a row
+whose last attempt ended without an outcome (real PostgreSQL, through the claim worker
+and through ``run_pending``), an operator's action and the command (real PostgreSQL),
+and a handler that runs out its timeout on its last attempt under a real pump, whose row
+is stored with reason ``timeout``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -23,12 +26,15 @@ import django_workpump as workpump
 from django_workpump import models
 from django_workpump.db import Outcome
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
+from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
 from django_workpump.pump.dispatch import Work
 from django_workpump.registry import registry
 from django_workpump.states import FailureReason
-from tests.conftest import FAST_PUMP, wait_until
+from django_workpump.testing import run_pending
+from tests.conftest import FAST_PUMP, enroll, scalar, wait_until
 from tests.fakes import WAIT, FakeCoordinator, FakeSink, make_row
 from tests.test_control_flow import make_dispatcher
+from tests.test_sql_claim import CATEGORIES, TOPICS, A, claim, make, row
 
 
 def dead_letter_logs(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -112,6 +118,87 @@ def test_an_undecodable_payload_logs_its_dead_letter(caplog):
     message = assert_one_error(caplog, bad.work_id, FailureReason.UNDECODABLE_PAYLOAD)
     assert "the payload cannot be decoded: not JSON" in message
     assert "fix its payload first" in message
+
+
+def expired_lease_on_the_last_attempt(category: str, topic: str | None = None) -> uuid.UUID:
+    """A row of ``category`` with one attempt, leased by instance A a minute ago for 10 s:
+    its holder died, the lease ran out (A itself is alive, so nobody evicts it)."""
+    now: datetime = scalar("SELECT now()")
+    enroll(A, now)
+    work_id = make(category, "s-1", topic=topic, max_attempts=1)
+    assert len(claim(A, now - timedelta(seconds=60), p_lease_seconds=10)) == 1
+    return work_id
+
+
+def claim_worker(sink: FakeSink | None = None) -> ClaimWorker:
+    """A claim worker of a second instance, over the database."""
+    coordinator = DatabaseCoordinator(InstanceIdentity(service_name="dead-letter-logs"))
+    coordinator.heartbeat({})
+    return ClaimWorker(coordinator, sink or FakeSink(free=4), ClaimPolicy())
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("category", CATEGORIES)
+def test_a_row_the_claim_parks_at_its_attempt_cap_logs_its_dead_letter(category, caplog):
+    caplog.set_level(logging.INFO)
+    work_id = expired_lease_on_the_last_attempt(category)
+    sink = FakeSink(free=4)
+    worker = claim_worker(sink)
+
+    assert worker.run_once().claimed == 0
+
+    message = assert_one_error(caplog, work_id, FailureReason.MAX_ATTEMPTS)
+    stored = row(category, work_id)
+    assert stored["dead_lettered_at"] is not None
+    assert stored["failure_reason"] == FailureReason.MAX_ATTEMPTS
+    assert stored["last_error"].startswith(
+        f"attempt 1 ended without a reported outcome: the lease of instance {A} expired at "
+    )
+    assert f"with reason max_attempts: {stored['last_error']}. It is parked" in message
+    (record,) = dead_letter_logs(caplog)
+    assert (record.workpump_category, record.workpump_topic, record.workpump_stream) == (
+        category,
+        TOPICS[category],
+        "s-1",
+    )
+    assert (record.workpump_attempt, record.workpump_max_attempts) == (1, 1)
+    assert sink.batches == []
+    # parked for good: the next claims find it no more, and log nothing more
+    assert worker.run_once().claimed == 0
+    assert len(dead_letter_logs(caplog)) == 1
+
+
+@pytest.mark.django_db
+def test_a_claim_that_parks_nothing_logs_no_dead_letter(caplog):
+    caplog.set_level(logging.INFO)
+    now: datetime = scalar("SELECT now()")
+    enroll(A, now)
+    taken_over = make("outbox", "s-1", max_attempts=2)  # an expired lease, an attempt left
+    claim(A, now - timedelta(seconds=60), p_lease_seconds=10)
+    ready = make("outbox", "s-2")
+    sink = FakeSink(free=4)
+
+    assert claim_worker(sink).run_once().claimed == 2
+
+    assert {r.work_id for batch in sink.batches for r in batch} == {taken_over, ready}
+    assert dead_letter_logs(caplog) == []
+
+
+@pytest.mark.django_db
+def test_run_pending_logs_a_row_the_claim_parks_once(caplog):
+    caplog.set_level(logging.INFO)
+    ran: list[Work] = []
+    workpump.outbox_handler("logs.parked")(ran.append)
+    try:
+        work_id = expired_lease_on_the_last_attempt("outbox", topic="logs.parked")
+        assert run_pending() == 0
+        assert run_pending() == 0
+    finally:
+        registry.unregister("outbox", "logs.parked")
+
+    assert ran == []
+    message = assert_one_error(caplog, work_id, FailureReason.MAX_ATTEMPTS)
+    assert f"the lease of instance {A} expired at" in message
 
 
 @pytest.mark.django_db

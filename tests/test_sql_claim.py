@@ -14,6 +14,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -106,8 +107,8 @@ def claim(instance: uuid.UUID | None = A, now: Any = T0, **params: Any) -> list[
         f"p_instance_id => %(instance)s, p_now => %(now)s{named})",
         {"instance": instance, "now": now, **params},
     )
-    # Django's cursor leaves jsonb as text
-    return [r | {"payload": json.loads(r["payload"])} for r in rows]
+    # Django's cursor leaves jsonb as text (a parked row has no payload)
+    return [r | {"payload": r["payload"] and json.loads(r["payload"])} for r in rows]
 
 
 def row(category: str, work_id: uuid.UUID) -> dict[str, Any]:
@@ -254,9 +255,15 @@ def test_claim_work_has_the_documented_parameters_all_defaulted_but_the_instance
     ]:
         assert name in names
     assert names[0] == "p_instance_id"
-    # the topic filters and the run size come after p_now, so a positional caller that
-    # stops at p_now keeps working
-    assert names[-4:] == ["p_now", "p_topics", "p_topic_prefixes", "p_stream_run_max"]
+    # the topic filters, the run size and the return of parked rows come after p_now, so
+    # a positional caller that stops at p_now keeps working
+    assert names[-5:] == [
+        "p_now",
+        "p_topics",
+        "p_topic_prefixes",
+        "p_stream_run_max",
+        "p_return_dead_lettered",
+    ]
     assert args[0] == "p_instance_id uuid"
     assert all(" DEFAULT " in a for a in args[1:]), args
     assert rows[0]["pronargdefaults"] == rows[0]["pronargs"] - 1
@@ -570,6 +577,56 @@ def test_parking_a_row_does_not_use_up_the_batch():
 
     assert ids(rows) == [ready]
     assert row("outbox", dead)["dead_lettered_at"] == at(20)
+
+
+@pytest.mark.parametrize("category", CATEGORIES)
+def test_a_caller_that_asks_gets_the_rows_the_claim_parked_without_a_token(category):
+    parked = make(category, "s-1", max_attempts=1)
+    claim(A, T0, p_lease_seconds=10)
+    ready = make(category, "s-2")
+
+    rows = claim(B, at(20), p_max_rows=2, p_return_dead_lettered=True)
+
+    assert ids(rows) == [parked, ready]  # a category's parked rows come first
+    dead, leased = rows
+    stored = row(category, parked)
+    assert stored["last_error"] == (
+        f"attempt 1 ended without a reported outcome: the lease of instance {A} expired at "
+        f"{T0 + timedelta(seconds=10):%Y-%m-%d %H:%M:%S}+00"
+    )
+    assert dead["last_error"] == stored["last_error"]
+    assert (dead["category"], dead["topic"], dead["stream"]) == (category, TOPICS[category], "s-1")
+    assert (dead["attempts"], dead["max_attempts"]) == (1, 1)
+    assert dead["lease_token"] is None and dead["lease_expiry"] is None
+    assert dead["payload"] is None
+    assert leased["lease_token"] is not None and leased["last_error"] is None
+    # the parked row is not counted as leased: the category did not fill its share
+    assert leased["has_more"] is False
+    assert claim(B, at(30), p_return_dead_lettered=True) == []  # returned once
+
+
+def test_a_row_whose_holder_was_evicted_on_its_last_attempt_is_returned_parked():
+    parked = make("outbox", max_attempts=1)
+    claim(A, T0, p_lease_seconds=300)
+    enroll(B, at(100))
+    run_sql("SELECT * FROM workpump.cleanup_stale_instances(%s, p_now => %s)", [at(90), at(100)])
+
+    [dead] = claim(B, at(100), p_return_dead_lettered=True)
+
+    assert (dead["work_id"], dead["lease_token"]) == (parked, None)
+    assert dead["last_error"].startswith(
+        f"attempt 1 ended without a reported outcome: instance {A} was evicted at "
+    )
+    assert row("outbox", parked)["failure_reason"] == "max_attempts"
+
+
+def test_a_claim_that_parks_nothing_returns_what_it_did_before():
+    make("outbox", "s-1", max_attempts=2)
+    claim(A, T0, p_lease_seconds=10)
+
+    [taken_over] = claim(B, at(20), p_return_dead_lettered=True)
+
+    assert taken_over["lease_token"] is not None and taken_over["last_error"] is None
 
 
 # --- 7. per-stream FIFO -------------------------------------------------------------------------

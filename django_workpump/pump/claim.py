@@ -4,7 +4,9 @@ It claims at most the free dispatch slots (plus a small prefetch), of the topics
 process has handlers for, hands rows to the dispatcher, and waits between polls by an
 adaptive backoff that NOTIFY wakes can cut short at any depth. When the database refuses
 the claim because this instance was evicted (or is not registered), it stops claiming for
-good and calls ``on_refused``: the instance stops as on a refused heartbeat.
+good and calls ``on_refused``: the instance stops as on a refused heartbeat. Rows the
+claim parked as dead instead of leasing (their attempts used up) never reach it:
+``db.claim_work`` logs each, once, and returns the leased rows.
 """
 
 from __future__ import annotations

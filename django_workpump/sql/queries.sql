@@ -103,12 +103,14 @@ SELECT workpump.sync_subscriptions(
 
 -- name: claim_work
 -- created_at and due_at (when the row became claimable) feed the queue-wait metric.
+-- The rows the claim parked as dead come too (no lease_token; last_error says why), to be
+-- logged.
 -- synchronous_commit: the setting this statement's transaction commits with ('off': do
 -- not wait for the WAL flush), set for this transaction only; NULL leaves it as it is.
 -- A one-row function scan: evaluated once.
 SELECT c.category, c.work_id, c.topic, c.payload, c.stream, c.attempts, c.max_attempts,
        c.lease_expiry, c.event_id, c.event_type, c.priority, c.claimed_at, c.lease_token,
-       c.headers, c.created_at, c.due_at, c.has_more
+       c.headers, c.created_at, c.due_at, c.last_error, c.has_more
 FROM set_config('synchronous_commit',
                 coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
                 true) AS commit_setting
@@ -123,7 +125,8 @@ CROSS JOIN workpump.claim_work(
     p_now => %(now)s,
     p_topics => %(topics)s::jsonb,
     p_topic_prefixes => %(topic_prefixes)s::jsonb,
-    p_stream_run_max => %(stream_run_max)s) AS c
+    p_stream_run_max => %(stream_run_max)s,
+    p_return_dead_lettered => true) AS c
 
 -- name: renew_leases
 SELECT work_id, lease_expiry, status

@@ -30,7 +30,7 @@ CREATE SEQUENCE workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 
 -- --------------------------------------------------------------------------------------
 -- Types
 -- --------------------------------------------------------------------------------------
--- The row a claim leases (claim_work adds has_more).
+-- The row a claim leases, or parks as dead (claim_work adds has_more).
 
 CREATE TYPE workpump.leased_work AS (
     category text,
@@ -48,7 +48,8 @@ CREATE TYPE workpump.leased_work AS (
     lease_token uuid,
     headers jsonb,
     created_at timestamptz,
-    due_at timestamptz
+    due_at timestamptz,
+    last_error text  -- NULL but on a row the claim parked as dead (see claim_work)
 );
 
 -- --------------------------------------------------------------------------------------
@@ -1601,8 +1602,9 @@ $$;
 -- The outbox claim: rows of workpump.send, whose topic is the destination.
 -- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
 -- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
--- each with a new lease token; rows whose attempts are used up are parked as dead instead.
--- Each row comes with its created_at and due_at (see claim_work). Called by
+-- each with a new lease token; rows whose attempts are used up are parked as dead instead,
+-- and returned first, without a lease token, with their last_error. Each row comes with
+-- its created_at and due_at (see claim_work). Called by
 -- claim_work, which checks the instance and the input and computes p_rank and
 -- p_live_count.
 CREATE FUNCTION workpump.claim_outbox(
@@ -1629,6 +1631,7 @@ DECLARE
     v_head_seqs bigint[];  -- their seqs, in the same order
     v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
     v_stream_passes integer[];
+    v_parked workpump.leased_work[];  -- the heads parked as dead instead (NULL: none)
 BEGIN
     -- The heads: locked and leased (or parked as dead) in one statement; what is
     -- returned, and what their runs need, is kept in arrays.
@@ -1726,12 +1729,12 @@ BEGIN
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.pass
+                  t.created_at, c.due_at, c.pass, t.last_error
     )
     SELECT coalesce(array_agg(ROW(
                'outbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
                c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-               c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
+               c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at, NULL::text
                )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead), '{}'),
            coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
@@ -1739,9 +1742,23 @@ BEGIN
            array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
            array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL)
-    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+           array_agg(ROW(
+               'outbox'::text, c.work_id, c.topic, NULL::jsonb, c.stream, c.attempts,
+               c.max_attempts, NULL::timestamptz, c.event_id, NULL::text, c.priority::integer,
+               NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at, c.due_at,
+               c.last_error
+               )::workpump.leased_work ORDER BY c.seq)
+               FILTER (WHERE c.dead)
+    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
     FROM claimed_heads c;
+    IF v_parked IS NOT NULL THEN
+        -- Parked rows come first, without a lease token and with the last_error they
+        -- were parked with: claim_work passes them on to a caller that asks, to log them.
+        FOREACH v_head IN ARRAY v_parked LOOP
+            RETURN NEXT v_head;
+        END LOOP;
+    END IF;
     IF v_stream_seqs IS NULL THEN
         -- No ordered stream among them: no run to add and no stream to own, so the
         -- statement below (a fifth of a one-row claim, cold) is not run.
@@ -1863,17 +1880,18 @@ BEGIN
     -- the heads as leased above, each run right after its head, in stream order
     SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
            o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at
+           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error
     FROM (
         SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
         FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
              attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, seq_position)
+             claimed_at, lease_token, headers, created_at, due_at, last_error,
+             seq_position)
         UNION ALL
         SELECT 'outbox'::text, r.work_id, r.topic, r.payload, r.stream, r.attempts,
                r.max_attempts, r.lease_expiry, r.event_id, NULL::text, r.priority::integer,
-               r.claimed_at, r.lease_token, r.headers, r.created_at, r.due_at, p.position,
-               p.position, r.seq
+               r.claimed_at, r.lease_token, r.headers, r.created_at, r.due_at, NULL::text,
+               p.position, p.position, r.seq
         FROM claimed_runs r
         JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
         WHERE NOT r.dead
@@ -1885,8 +1903,9 @@ $$;
 -- The inbox claim: rows of workpump.receive, whose topic is the handler_name.
 -- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
 -- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
--- each with a new lease token; rows whose attempts are used up are parked as dead instead.
--- Each row comes with its created_at and due_at (see claim_work). Called by
+-- each with a new lease token; rows whose attempts are used up are parked as dead instead,
+-- and returned first, without a lease token, with their last_error. Each row comes with
+-- its created_at and due_at (see claim_work). Called by
 -- claim_work, which checks the instance and the input and computes p_rank and
 -- p_live_count.
 CREATE FUNCTION workpump.claim_inbox(
@@ -1913,6 +1932,7 @@ DECLARE
     v_head_seqs bigint[];  -- their seqs, in the same order
     v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
     v_stream_passes integer[];
+    v_parked workpump.leased_work[];  -- the heads parked as dead instead (NULL: none)
 BEGIN
     -- The heads: locked and leased (or parked as dead) in one statement; what is
     -- returned, and what their runs need, is kept in arrays.
@@ -2010,12 +2030,12 @@ BEGIN
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.pass
+                  t.created_at, c.due_at, c.pass, t.last_error
     )
     SELECT coalesce(array_agg(ROW(
                'inbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
                c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-               c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at
+               c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at, NULL::text
                )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead), '{}'),
            coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
@@ -2023,9 +2043,23 @@ BEGIN
            array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
            array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL)
-    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+           array_agg(ROW(
+               'inbox'::text, c.work_id, c.topic, NULL::jsonb, c.stream, c.attempts,
+               c.max_attempts, NULL::timestamptz, c.event_id, NULL::text, c.priority::integer,
+               NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at, c.due_at,
+               c.last_error
+               )::workpump.leased_work ORDER BY c.seq)
+               FILTER (WHERE c.dead)
+    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
     FROM claimed_heads c;
+    IF v_parked IS NOT NULL THEN
+        -- Parked rows come first, without a lease token and with the last_error they
+        -- were parked with: claim_work passes them on to a caller that asks, to log them.
+        FOREACH v_head IN ARRAY v_parked LOOP
+            RETURN NEXT v_head;
+        END LOOP;
+    END IF;
     IF v_stream_seqs IS NULL THEN
         -- No ordered stream among them: no run to add and no stream to own, so the
         -- statement below (a fifth of a one-row claim, cold) is not run.
@@ -2147,17 +2181,18 @@ BEGIN
     -- the heads as leased above, each run right after its head, in stream order
     SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
            o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at
+           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error
     FROM (
         SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
         FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
              attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, seq_position)
+             claimed_at, lease_token, headers, created_at, due_at, last_error,
+             seq_position)
         UNION ALL
         SELECT 'inbox'::text, r.work_id, r.topic, r.payload, r.stream, r.attempts,
                r.max_attempts, r.lease_expiry, r.event_id, NULL::text, r.priority::integer,
-               r.claimed_at, r.lease_token, r.headers, r.created_at, r.due_at, p.position,
-               p.position, r.seq
+               r.claimed_at, r.lease_token, r.headers, r.created_at, r.due_at, NULL::text,
+               p.position, p.position, r.seq
         FROM claimed_runs r
         JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
         WHERE NOT r.dead
@@ -2170,8 +2205,9 @@ $$;
 -- payload and event type come from the event.
 -- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
 -- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
--- each with a new lease token; rows whose attempts are used up are parked as dead instead.
--- Each row comes with its created_at and due_at (see claim_work). Called by
+-- each with a new lease token; rows whose attempts are used up are parked as dead instead,
+-- and returned first, without a lease token, with their last_error. Each row comes with
+-- its created_at and due_at (see claim_work). Called by
 -- claim_work, which checks the instance and the input and computes p_rank and
 -- p_live_count.
 CREATE FUNCTION workpump.claim_perspective_event(
@@ -2198,6 +2234,7 @@ DECLARE
     v_head_seqs bigint[];  -- their seqs, in the same order
     v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
     v_stream_passes integer[];
+    v_parked workpump.leased_work[];  -- the heads parked as dead instead (NULL: none)
 BEGIN
     -- The heads: locked and leased (or parked as dead) in one statement; what is
     -- returned, and what their runs need, is kept in arrays.
@@ -2295,13 +2332,13 @@ BEGIN
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.pass
+                  t.created_at, c.due_at, c.pass, t.last_error
     )
     SELECT coalesce(array_agg(ROW(
                'perspective_event'::text, c.work_id, c.topic, e.payload, c.stream,
                c.attempts, c.max_attempts, c.lease_expiry, c.event_id, e.event_type,
                c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
-               c.due_at
+               c.due_at, NULL::text
                )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead), '{}'),
            coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
@@ -2309,10 +2346,24 @@ BEGIN
            array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
            array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL)
-    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+           array_agg(ROW(
+               'perspective_event'::text, c.work_id, c.topic, NULL::jsonb, c.stream,
+               c.attempts, c.max_attempts, NULL::timestamptz, c.event_id, e.event_type,
+               c.priority::integer, NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at,
+               c.due_at, c.last_error
+               )::workpump.leased_work ORDER BY c.seq)
+               FILTER (WHERE c.dead)
+    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
     FROM claimed_heads c
     JOIN workpump_event e ON e.event_id = c.event_id;
+    IF v_parked IS NOT NULL THEN
+        -- Parked rows come first, without a lease token and with the last_error they
+        -- were parked with: claim_work passes them on to a caller that asks, to log them.
+        FOREACH v_head IN ARRAY v_parked LOOP
+            RETURN NEXT v_head;
+        END LOOP;
+    END IF;
     IF v_stream_seqs IS NULL THEN
         -- No ordered stream among them: no run to add and no stream to own, so the
         -- statement below (a fifth of a one-row claim, cold) is not run.
@@ -2434,17 +2485,18 @@ BEGIN
     -- the heads as leased above, each run right after its head, in stream order
     SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
            o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at
+           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error
     FROM (
         SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
         FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
              attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, seq_position)
+             claimed_at, lease_token, headers, created_at, due_at, last_error,
+             seq_position)
         UNION ALL
         SELECT 'perspective_event'::text, r.work_id, r.topic, e.payload, r.stream,
                r.attempts, r.max_attempts, r.lease_expiry, r.event_id, e.event_type,
                r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
-               r.due_at, p.position, p.position, r.seq
+               r.due_at, NULL::text, p.position, p.position, r.seq
         FROM claimed_runs r
         JOIN workpump_event e ON e.event_id = r.event_id
         JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
@@ -2458,8 +2510,9 @@ $$;
 -- payload and event type come from the event.
 -- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
 -- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
--- each with a new lease token; rows whose attempts are used up are parked as dead instead.
--- Each row comes with its created_at and due_at (see claim_work). Called by
+-- each with a new lease token; rows whose attempts are used up are parked as dead instead,
+-- and returned first, without a lease token, with their last_error. Each row comes with
+-- its created_at and due_at (see claim_work). Called by
 -- claim_work, which checks the instance and the input and computes p_rank and
 -- p_live_count.
 CREATE FUNCTION workpump.claim_receptor(
@@ -2486,6 +2539,7 @@ DECLARE
     v_head_seqs bigint[];  -- their seqs, in the same order
     v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
     v_stream_passes integer[];
+    v_parked workpump.leased_work[];  -- the heads parked as dead instead (NULL: none)
 BEGIN
     -- The heads: locked and leased (or parked as dead) in one statement; what is
     -- returned, and what their runs need, is kept in arrays.
@@ -2583,13 +2637,13 @@ BEGIN
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.pass
+                  t.created_at, c.due_at, c.pass, t.last_error
     )
     SELECT coalesce(array_agg(ROW(
                'receptor'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
                c.max_attempts, c.lease_expiry, c.event_id, e.event_type,
                c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
-               c.due_at
+               c.due_at, NULL::text
                )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead), '{}'),
            coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
@@ -2597,10 +2651,24 @@ BEGIN
            array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
            array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL)
-    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes
+               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+           array_agg(ROW(
+               'receptor'::text, c.work_id, c.topic, NULL::jsonb, c.stream,
+               c.attempts, c.max_attempts, NULL::timestamptz, c.event_id, e.event_type,
+               c.priority::integer, NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at,
+               c.due_at, c.last_error
+               )::workpump.leased_work ORDER BY c.seq)
+               FILTER (WHERE c.dead)
+    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
     FROM claimed_heads c
     JOIN workpump_event e ON e.event_id = c.event_id;
+    IF v_parked IS NOT NULL THEN
+        -- Parked rows come first, without a lease token and with the last_error they
+        -- were parked with: claim_work passes them on to a caller that asks, to log them.
+        FOREACH v_head IN ARRAY v_parked LOOP
+            RETURN NEXT v_head;
+        END LOOP;
+    END IF;
     IF v_stream_seqs IS NULL THEN
         -- No ordered stream among them: no run to add and no stream to own, so the
         -- statement below (a fifth of a one-row claim, cold) is not run.
@@ -2722,17 +2790,18 @@ BEGIN
     -- the heads as leased above, each run right after its head, in stream order
     SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
            o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at
+           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error
     FROM (
         SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
         FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
              attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, seq_position)
+             claimed_at, lease_token, headers, created_at, due_at, last_error,
+             seq_position)
         UNION ALL
         SELECT 'receptor'::text, r.work_id, r.topic, e.payload, r.stream, r.attempts,
                r.max_attempts, r.lease_expiry, r.event_id, e.event_type,
                r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
-               r.due_at, p.position, p.position, r.seq
+               r.due_at, NULL::text, p.position, p.position, r.seq
         FROM claimed_runs r
         JOIN workpump_event e ON e.event_id = r.event_id
         JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
@@ -2778,6 +2847,13 @@ RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_
 -- leased with a run: up to that many rows in all, the head and the consecutive rows that
 -- follow it and could be leased now, each with its own token, returned together in stream
 -- order; the runs' rows count against p_max_rows.
+-- A row whose attempts are used up (its last attempt ended without an outcome: the lease
+-- expired) is parked as dead (failure_reason max_attempts), not leased. With
+-- p_return_dead_lettered such rows are returned too, before their category's leased
+-- rows, without a lease token and with the last_error they were parked with, so the
+-- caller can log them; in the call that parks them they take budget from the categories
+-- claimed after theirs (never more than p_max_rows rows are leased). last_error is NULL
+-- on every leased row.
 CREATE FUNCTION workpump.claim_work(
     p_instance_id uuid,
     p_max_rows integer DEFAULT 100,
@@ -2789,7 +2865,8 @@ CREATE FUNCTION workpump.claim_work(
     p_now timestamptz DEFAULT NULL,
     p_topics jsonb DEFAULT NULL,
     p_topic_prefixes jsonb DEFAULT NULL,
-    p_stream_run_max integer DEFAULT 1
+    p_stream_run_max integer DEFAULT 1,
+    p_return_dead_lettered boolean DEFAULT false
 ) RETURNS TABLE (
     category text,
     work_id uuid,
@@ -2807,6 +2884,7 @@ CREATE FUNCTION workpump.claim_work(
     headers jsonb,
     created_at timestamptz,
     due_at timestamptz,
+    last_error text,
     has_more boolean
 )
 LANGUAGE plpgsql
@@ -3084,25 +3162,29 @@ BEGIN
         END IF;
         IF v_quota > 0 THEN
             IF v_category = 'outbox' THEN
-                RETURN QUERY SELECT w.*, count(*) OVER () >= v_quota
+                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_outbox(
                     p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_outbox_topics, v_now, v_outbox_prefixes, p_stream_run_max) w;
+                    v_outbox_topics, v_now, v_outbox_prefixes, p_stream_run_max) w
+                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_category = 'inbox' THEN
-                RETURN QUERY SELECT w.*, count(*) OVER () >= v_quota
+                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_inbox(
                     p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_inbox_topics, v_now, v_inbox_prefixes, p_stream_run_max) w;
+                    v_inbox_topics, v_now, v_inbox_prefixes, p_stream_run_max) w
+                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_category = 'perspective_event' THEN
-                RETURN QUERY SELECT w.*, count(*) OVER () >= v_quota
+                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_perspective_event(
                     p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_perspective_topics, v_now, v_perspective_prefixes, p_stream_run_max) w;
+                    v_perspective_topics, v_now, v_perspective_prefixes, p_stream_run_max) w
+                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSE
-                RETURN QUERY SELECT w.*, count(*) OVER () >= v_quota
+                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_receptor(
                     p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_receptor_topics, v_now, v_receptor_prefixes, p_stream_run_max) w;
+                    v_receptor_topics, v_now, v_receptor_prefixes, p_stream_run_max) w
+                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             END IF;
             GET DIAGNOSTICS v_count = ROW_COUNT;
             v_remaining := v_remaining - v_count;
