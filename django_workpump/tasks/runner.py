@@ -55,8 +55,8 @@ from django_workpump.tasks.resolution import (
 from django_workpump.tasks.results import parse_time, read_result
 
 if TYPE_CHECKING:
-    from django_workpump.pump.dispatch import Work
     from django_workpump.tasks.backend import WorkPumpBackend
+    from django_workpump.work import Work
 
 logger = logging.getLogger("django_workpump.tasks")
 
