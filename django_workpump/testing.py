@@ -27,7 +27,7 @@ from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
 from django_workpump.control import Discard, Release, Snooze, named_index
 from django_workpump.pump.claim import warn_unreadable_headers
-from django_workpump.pump.dispatch import stream_run_key
+from django_workpump.pump.jobs import stream_run_key
 from django_workpump.pump.lease import LeaseHandle
 from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
 from django_workpump.states import FailureReason, OutcomeStatus

@@ -20,8 +20,9 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 import django_workpump as workpump
+from django_workpump import Work
 from django_workpump.clock import FrozenClock
-from django_workpump.pump.dispatch import Dispatcher, Work
+from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.notify import CancelHint, NotifyGate
 from django_workpump.pump.renewal import LeaseRenewalWorker

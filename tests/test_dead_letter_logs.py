@@ -23,11 +23,10 @@ from django.core.management import call_command
 from django.test import override_settings
 
 import django_workpump as workpump
-from django_workpump import models
+from django_workpump import Work, models
 from django_workpump.db import Outcome
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
-from django_workpump.pump.dispatch import Work
 from django_workpump.registry import registry
 from django_workpump.states import FailureReason
 from django_workpump.testing import run_pending
