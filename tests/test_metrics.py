@@ -437,9 +437,9 @@ def own_recorder() -> tuple[metrics.PrometheusRecorder, Callable[..., float | No
 class LosingCoordinator(FakeCoordinator):
     """Completions come back ``lost``: the lease went to someone else meanwhile."""
 
-    def complete(self, category, ids, tokens, results):
-        super().complete(category, ids, tokens, results)
-        return [Outcome(work_id, "lost") for work_id in ids]
+    def complete(self, leases, results):
+        super().complete(leases, results)
+        return [Outcome(lease.id, "lost") for lease in leases]
 
 
 def test_the_dispatcher_counts_runs_outcomes_and_rows_in_flight():

@@ -142,7 +142,7 @@ class Dispatcher:
         self.completions = self.outcomes.completions
         self.failures = self.outcomes.failures
         self.runner = HandlerRunner(
-            self.outcomes.complete_now,
+            coordinator.complete,
             alias=alias,
             middleware=middleware,
             stopping=self._stopping,

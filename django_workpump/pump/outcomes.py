@@ -214,11 +214,6 @@ def log_failed_attempt(item: FailedAttempt, outcome: Any) -> None:
     )
 
 
-def ids_and_tokens(leases: Sequence[Lease]) -> tuple[list[uuid.UUID], list[uuid.UUID]]:
-    """The parallel arrays the fenced SQL functions take."""
-    return [lease.id for lease in leases], [lease.token for lease in leases]
-
-
 def _category_of(item: Completion | FailedAttempt) -> str:
     return item.lease.category
 
@@ -327,12 +322,6 @@ class OutcomeWriter:
             with self._lock:  # refused: the row's lease runs out and it runs again
                 self._stream_run_ends.discard(job.key)
 
-    def complete_now(
-        self, category: str, leases: Sequence[Lease], results: Sequence[str | None]
-    ) -> list[Outcome]:
-        """Complete rows at once (inside an atomic handler's transaction)."""
-        return self.coordinator.complete(category, *ids_and_tokens(leases), list(results))
-
     def committed(self, jobs: Sequence[Job]) -> None:
         """Count completions an atomic handler's transaction committed."""
         self.stats.completed += len(jobs)
@@ -400,7 +389,7 @@ class OutcomeWriter:
         try:
             self.retrying_transient(
                 jobs,
-                lambda: self.coordinator.release(leases[0].category, *ids_and_tokens(leases)),
+                lambda: self.coordinator.release(leases),
             )
             self.stats.released += len(jobs)
         except Exception:
@@ -488,27 +477,23 @@ class OutcomeWriter:
                 )
 
     def _snooze(self, lease: Lease, seconds: float) -> list[Any]:
-        return self.coordinator.snooze(lease.category, [lease.id], [lease.token], [seconds])
+        return self.coordinator.snooze([lease], [seconds])
 
     def _discard(self, lease: Lease, reason: str) -> list[Any]:
-        return self.coordinator.discard(lease.category, [lease.id], [lease.token], [reason])
+        return self.coordinator.discard([lease], [reason])
 
     def _release(self, lease: Lease) -> list[Any]:
-        return self.coordinator.release(lease.category, [lease.id], [lease.token])
+        return self.coordinator.release([lease])
 
     def _dead_letter(self, lease: Lease, error: str, reason: str) -> list[Any]:
-        return self.coordinator.dead_letter(
-            lease.category, [lease.id], [lease.token], [error], reason
-        )
+        return self.coordinator.dead_letter([lease], [error], reason)
 
     # -- the flushers' callbacks -----------------------------------------------------
     # Each flush gets the items of one category (group_by): one SQL call each.
     def _flush_completions(self, batch: list[Completion]) -> None:
         category = batch[0].lease.category
         outcomes = self.coordinator.complete(
-            category,
-            *ids_and_tokens([item.lease for item in batch]),
-            [item.result for item in batch],
+            [item.lease for item in batch], [item.result for item in batch]
         )
         self.count(outcomes, "completed", category)
         self.queued(-len(batch))
@@ -536,8 +521,7 @@ class OutcomeWriter:
     def _write_failures(self, batch: list[FailedAttempt]) -> None:
         """Fail one category's attempts in one call; log each by what the database did."""
         outcomes = self.coordinator.fail(
-            batch[0].category,
-            *ids_and_tokens([item.lease for item in batch]),
+            [item.lease for item in batch],
             [item.error for item in batch],
             [item.reason for item in batch],
             [item.delay for item in batch],
@@ -558,9 +542,7 @@ class OutcomeWriter:
         )
         try:
             self._settle(
-                lambda: self.coordinator.complete(
-                    lease.category, [lease.id], [lease.token], [note]
-                ),
+                lambda: self.coordinator.complete([lease], [note]),
                 "completed",
                 lease.category,
             )

@@ -33,6 +33,7 @@ from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.service import LoopService
 from django_workpump.states import CancelReason
+from django_workpump.work import Lease
 
 logger = logging.getLogger("django_workpump.renewal")
 
@@ -149,7 +150,9 @@ class LeaseRenewalWorker(LoopService):
         # A failure raises: the flusher retries a connection error (this category's ids
         # only, so others do not spend a second capped renewal) and splits a data error.
         try:
-            renewed = self.coordinator.renew(category, ids, list(tokens.values()))
+            renewed = self.coordinator.renew(
+                [Lease(category, work_id, token) for work_id, token in tokens.items()]
+            )
         except InstanceRefused as exc:
             self._refuse(str(exc))
             return

@@ -17,6 +17,7 @@ from django.db import transaction
 from django_workpump import tracing
 from django_workpump.control import MAX_DELAY_TEXT, Discard, Release, Snooze, named_index
 from django_workpump.coroutines import HandlerLoop
+from django_workpump.db import Outcome
 from django_workpump.middleware import Middleware
 from django_workpump.middleware import wrap as wrap_in_middleware
 from django_workpump.pump.jobs import Job, LeaseLost, Run, given_up
@@ -33,7 +34,7 @@ from django_workpump.pump.outcomes import (
 from django_workpump.registry import TOPIC_NOUNS, Handler
 from django_workpump.states import FailureReason, JobState, OutcomeStatus
 from django_workpump.storable import error_text, storable_result
-from django_workpump.work import Work
+from django_workpump.work import Lease, Work
 
 logger = logging.getLogger("django_workpump.dispatch")
 
@@ -44,13 +45,13 @@ _NOT_TRACED = contextlib.nullcontext()
 class HandlerRunner:
     """Call handlers for the dispatcher, on its handler threads; say what came of it.
 
-    ``complete(category, leases, results)`` writes completions inside an atomic
-    handler's transaction (the coordinator's fenced ``complete``).
+    ``complete(leases, results)`` writes completions inside an atomic handler's
+    transaction (the coordinator's fenced ``complete``).
     """
 
     def __init__(
         self,
-        complete: Callable[..., list[Any]],
+        complete: Callable[[Sequence[Lease], Sequence[str | None]], list[Outcome]],
         *,
         alias: str,
         middleware: Sequence[Middleware],
@@ -209,7 +210,7 @@ class HandlerRunner:
                         f"{job.row.category} {job.row.work_id}: attempt {job.row.attempts} "
                         f"was {job.state} before it committed; its transaction was rolled back"
                     )
-            outcome = self._complete(job.row.category, [job.lease], [result])
+            outcome = self._complete([job.lease], [result])
             if not outcome or outcome[0].status != OutcomeStatus.DONE:
                 raise LeaseLost(
                     f"{job.row.category} {job.row.work_id}: lease lost before the atomic "
@@ -241,7 +242,7 @@ class HandlerRunner:
                     "transaction was rolled back",
                     len(gone),
                 )
-            outcomes = self._complete(category, [job.lease for job in jobs], [None] * len(jobs))
+            outcomes = self._complete([job.lease for job in jobs], [None] * len(jobs))
             lost = [o.work_id for o in outcomes if o.status != OutcomeStatus.DONE]
             if len(outcomes) != len(jobs) or lost:
                 count = len(lost) or len(jobs)
