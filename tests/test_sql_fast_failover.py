@@ -246,3 +246,81 @@ def test_the_v4_migration_reverses_to_the_v3_functions_and_applies_again(scratch
     assert v4_present() == (False, False)
     migrate()
     assert v4_present() == (True, True)
+
+
+# --- wherever in its life an instance dies ------------------------------------------------
+
+
+def test_an_instance_that_dies_in_its_first_seconds_is_evicted_one_grace_after_the_loss_is_seen(
+    raw_connect,
+):
+    assert beat(A, at(100))  # registers, its lock not taken yet: stamped missing
+    assert lost_at(A) == at(100)
+    gate = raw_connect()
+    take_lock(gate, A)  # the listener takes it a moment later: no peer probed meanwhile
+    assert lost_at(A) is None
+
+    drop_lock(gate, A)  # dies at 101, before any peer saw it holding the lock
+    assert next_eviction_in(at(102)) == GRACE  # the loss is stamped after its only beat
+    assert cleanup(at(102 + GRACE - 1)) == []
+    assert cleanup(at(102 + GRACE)) == [A]  # 12 s after the start, not the 30 s stale path
+
+
+def test_an_instance_that_dies_mid_run_is_evicted_one_grace_after_the_loss_is_seen(raw_connect):
+    assert beat(A, at(100))
+    gate = raw_connect()
+    take_lock(gate, A)
+    assert next_eviction_in(at(105)) == DEAD - 5  # a probe sees it holding its lock
+    assert beat(A, at(160))  # the slow cadence
+    assert lost_at(A) is None
+
+    drop_lock(gate, A)  # dies at 190
+    assert next_eviction_in(at(191)) == GRACE
+    assert cleanup(at(191 + GRACE - 1)) == []
+    assert cleanup(at(191 + GRACE)) == [A]
+
+
+def test_an_instance_that_dies_right_after_a_beat_is_evicted_one_grace_after_the_loss_is_seen(
+    raw_connect,
+):
+    assert beat(A, at(100))
+    gate = raw_connect()
+    take_lock(gate, A)
+    assert beat(A, at(160))
+
+    drop_lock(gate, A)  # dies at 160.1
+    assert next_eviction_in(at(160.5)) == GRACE
+    assert lost_at(A) == at(160.5)
+    assert cleanup(at(160.5 + GRACE - 0.1)) == []
+    assert cleanup(at(160.5 + GRACE)) == [A]
+
+
+def test_an_instance_that_dies_after_a_listener_blip_is_evicted_one_grace_after_the_loss_is_seen(
+    raw_connect,
+):
+    assert beat(A, at(100))
+    gate = raw_connect()
+    take_lock(gate, A)
+    drop_lock(gate, A)  # a listener blip: the instance beats at once, without its lock
+    assert beat(A, at(120))
+    assert lost_at(A) == at(120)  # the beat stamped the loss itself
+    take_lock(gate, A)  # the listener is back
+    assert lost_at(A) is None
+
+    drop_lock(gate, A)  # dies at 121, before any peer probed
+    assert next_eviction_in(at(122)) == GRACE
+    assert cleanup(at(122 + GRACE)) == [A]
+
+
+def test_a_live_instance_whose_lock_is_briefly_not_seen_is_never_evicted(raw_connect):
+    assert beat(A, at(100))
+    gate = raw_connect()
+    take_lock(gate, A)
+    drop_lock(gate, A)  # a blip, seen by a peer
+    assert next_eviction_in(at(101)) == GRACE
+    assert beat(A, at(101.5))  # the instance beats at once when its listener goes down
+    take_lock(gate, A)  # and takes its lock again when the listener is back
+    for second in (111, 120, 131, 200, 399):  # slow cadence from here on: no beat needed
+        assert cleanup(at(second)) == []
+        assert next_eviction_in(at(second)) > 0
+    assert exists(A)
