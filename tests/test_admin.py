@@ -795,6 +795,10 @@ def test_instances_page_shows_heartbeat_colour_alive_lock_listener_and_rows_held
     )
     lock = raw_connect(application_name=f"workpump-{world.live.instance_id}")
     lock.execute("SELECT pg_advisory_lock(%s, %s)", (ALIVE_NAMESPACE, world.live.alive_lock_key))
+    # the lock counts in the session recorded as its holder
+    models.ServiceInstance.objects.filter(pk=world.live.pk).update(
+        alive_lock_pid=lock.info.backend_pid
+    )
 
     html = admin_client.get(INSTANCES_URL).content.decode()
     live = row_cells(html, world.live.instance_id)
@@ -830,6 +834,10 @@ def test_a_stale_instance_with_its_alive_lock_held_is_live(
 ) -> None:
     lock = raw_connect()
     lock.execute("SELECT pg_advisory_lock(%s, %s)", (ALIVE_NAMESPACE, world.stale.alive_lock_key))
+    # the lock counts in the session recorded as its holder
+    models.ServiceInstance.objects.filter(pk=world.stale.pk).update(
+        alive_lock_pid=lock.info.backend_pid
+    )
     html = admin_client.get(INSTANCES_URL).content.decode()
     stale = row_cells(html, world.stale.instance_id)
     assert (stale["live"]["text"], stale["alive_lock"]["text"]) == ("yes", "yes")
