@@ -28,7 +28,8 @@ _CREATE = re.compile(r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.M
 
 
 def _version(path: Path) -> int:
-    return int(path.parent.name.removeprefix("v"))
+    # v23 or v23_<name>: a delta folder may carry a name after its version
+    return int(re.match(r"v(\d+)", path.parent.name).group(1))
 
 
 def descriptions() -> dict[str, tuple[str, str]]:

@@ -1170,6 +1170,11 @@ CREATE TRIGGER workpump_receptor_processing_notify AFTER INSERT ON workpump_rece
 -- the grace, with no beat since it was first seen missing, is evicted however fresh its
 -- heartbeat; instance_evictable holds the whole rule. A grace of 0 turns the lock-loss
 -- rules off (heartbeat_table_only observers).
+--
+-- Any role that may connect can take advisory locks: a lock counts only while the
+-- session that took it for its instance (alive_lock_pid) holds it, and take_alive_lock
+-- skips keys other sessions hold. Taking the lock clears alive_lock_lost_at, so the
+-- loss of a lock is stamped after the instance's last beat wherever in its life it dies.
 
 -- alive_lock_key values whose alive-lock is held by the session that took it for its
 -- instance (alive_lock_pid): the same key held by any other session proves nothing.
