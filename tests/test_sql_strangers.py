@@ -236,3 +236,38 @@ def test_without_a_lock_timeout_the_stream_lock_waits_at_most_thirty_seconds():
     )
     assert "lock_timeout=30s" in config
     assert wait_until(lambda: scalar("SHOW lock_timeout") == "0", timeout=1)
+
+
+@pytest.mark.django_db
+def test_the_v23_migration_records_held_locks_reverses_and_applies_again(scratch_database):
+    def functions() -> dict[str, bool]:
+        """Per function: whether it is this version's."""
+        with scratch_database.connect() as conn:
+            rows = conn.execute(
+                "SELECT proname, prosrc LIKE '%%alive_lock_pid%%' OR prosrc LIKE '%%wait_for%%'"
+                " OR coalesce(pg_get_functiondef(oid) LIKE '%%wait_for_xact_lock%%', false)"
+                " FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace AND proname = ANY(%s)",
+                [["held_alive_lock_keys", "take_alive_lock", "lock_stream", "lock_unique_key"]],
+            ).fetchall()
+        return dict(rows)
+
+    scratch_database.migrate("workpump", "0029")
+    with scratch_database.connect() as conn:
+        conn.autocommit = True
+        conn.execute("SELECT workpump.record_heartbeat(%s, 's', 'h', 1)", [A])
+        # an instance of the previous release holding its lock while the migration runs
+        conn.execute("SELECT workpump.take_alive_lock(%s)", [A])
+        holder = conn.info.backend_pid
+        scratch_database.migrate("workpump", "0030")
+        assert functions() == dict.fromkeys(functions(), True)
+        pid = conn.execute(
+            "SELECT alive_lock_pid FROM workpump_service_instance WHERE instance_id = %s", [A]
+        ).fetchone()[0]
+        assert pid == holder
+        assert conn.execute("SELECT workpump.alive_lock_held(%s)", [A]).fetchone()[0] is True
+    scratch_database.migrate("workpump", "0029")
+    assert functions() == dict.fromkeys(
+        ["held_alive_lock_keys", "take_alive_lock", "lock_stream", "lock_unique_key"], False
+    )
+    scratch_database.migrate("workpump", "0030")
+    assert len(functions()) == 4 and all(functions().values())
