@@ -959,6 +959,11 @@ def release_maintenance_lock(*, using: str | None = None) -> bool:
     return bool(_scalar("release_maintenance_lock", {}, using))
 
 
+def maintenance_lock_holders(*, using: str | None = None) -> list[int]:
+    """Backend pids of the sessions holding the maintenance lock now."""
+    return _column(_fetch("maintenance_lock_holders", {}, using), "pid")
+
+
 def purge_processed(
     *, category: str, retention_seconds: int, batch: int, using: str | None = None
 ) -> int:

@@ -865,6 +865,10 @@ def test_instances_page_shows_heartbeat_colour_alive_lock_listener_and_rows_held
     )
     lock = raw_connect(application_name=f"workpump-{world.live.instance_id}")
     lock.execute("SELECT pg_advisory_lock(%s, %s)", (ALIVE_NAMESPACE, world.live.alive_lock_key))
+    # the lock counts in the session recorded as its holder
+    models.ServiceInstance.objects.filter(pk=world.live.pk).update(
+        alive_lock_pid=lock.info.backend_pid
+    )
 
     html = admin_client.get(INSTANCES_URL).content.decode()
     live = row_cells(html, world.live.instance_id)
@@ -900,6 +904,10 @@ def test_a_stale_instance_with_its_alive_lock_held_is_live(
 ) -> None:
     lock = raw_connect()
     lock.execute("SELECT pg_advisory_lock(%s, %s)", (ALIVE_NAMESPACE, world.stale.alive_lock_key))
+    # the lock counts in the session recorded as its holder
+    models.ServiceInstance.objects.filter(pk=world.stale.pk).update(
+        alive_lock_pid=lock.info.backend_pid
+    )
     html = admin_client.get(INSTANCES_URL).content.decode()
     stale = row_cells(html, world.stale.instance_id)
     assert (stale["live"]["text"], stale["alive_lock"]["text"]) == ("yes", "yes")
@@ -935,8 +943,11 @@ def test_the_heartbeat_colour_follows_the_instance_cadence_and_alive_lock(
         instance_id=instance.instance_id, lease_expiry=now + secs(200), claimed_at=now, attempts=1
     )
     if locked:
-        raw_connect().execute(
-            "SELECT pg_advisory_lock(%s, %s)", (ALIVE_NAMESPACE, instance.alive_lock_key)
+        lock = raw_connect()
+        lock.execute("SELECT pg_advisory_lock(%s, %s)", (ALIVE_NAMESPACE, instance.alive_lock_key))
+        # the lock counts in the session recorded as its holder
+        models.ServiceInstance.objects.filter(pk=instance.pk).update(
+            alive_lock_pid=lock.info.backend_pid
         )
     colour = f"wp-{expected}"
     with override_settings(WORKPUMP={"LIVENESS_SOURCE_MODE": mode}):
