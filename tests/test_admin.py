@@ -34,8 +34,7 @@ from django.utils import timezone
 
 import django_workpump as workpump
 from django_workpump import models
-from django_workpump.admin import display
-from django_workpump.admin import work as work_admin
+from django_workpump.admin import display, work_actions
 from tests import factories
 from tests.conftest import scalar
 
@@ -716,7 +715,7 @@ def test_dead_letter_asks_first_for_rows_a_live_instance_holds(
 def test_an_action_over_too_many_rows_is_refused_with_a_message(
     admin_client: Client, world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(work_admin, "MAX_ACTION_ROWS", 2)
+    monkeypatch.setattr(work_actions, "MAX_ACTION_ROWS", 2)
     chosen = [world.rows[n] for n in ("pending", "leased_stale", "dead")]
     for action in ("retry_now", "release_lease", "dead_letter", "requeue_dead"):
         response = run_action(admin_client, OUTBOX_URL, action, chosen)
