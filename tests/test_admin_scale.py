@@ -50,7 +50,7 @@ from tests.test_admin import (
     secs,
 )
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.slow]
 
 SPEC = WorkSpec.of("outbox")
 BULK_DONE_ROWS = 20_000  # enough that the planner prefers an index to a scan
