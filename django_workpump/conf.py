@@ -138,7 +138,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "STALE_PEER_PROBE_INTERVAL_SECONDS",
-        5,
+        4,
         "int",
         minimum=1,
         meaning="how often each instance looks for stale peers (a read)",

@@ -380,6 +380,9 @@ class ServiceInstance(models.Model):
     # When a peer first saw the alive-lock missing; eviction for a missing lock waits a
     # grace period from here, so a listener blip is not mistaken for a death.
     alive_lock_lost_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # The backend pid of the session that took the alive-lock: a lock on the key held by
+    # any other session (any role may take advisory locks) proves nothing.
+    alive_lock_pid = models.IntegerField(null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "workpump_service_instance"

@@ -313,3 +313,23 @@ def _second_database_closed() -> None:
     for wrapper in connections.all(initialized_only=True):
         if wrapper.alias == "second" and wrapper.connection is not None:
             wrapper.close()
+
+
+def _utf8(text: str) -> str:
+    """``text`` with lone surrogates escaped (``\\ud800``), so it encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Under pytest -n a report travels to the main process as UTF-8: escape the lone
+    surrogates that tests of text PostgreSQL cannot store leave in captured logs (the
+    worker would otherwise crash sending the report)."""
+    report = yield
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        report.sections = [(title, _utf8(content)) for title, content in report.sections]
+        if report.longrepr is not None:
+            text = str(report.longrepr)
+            if _utf8(text) != text:
+                report.longrepr = _utf8(text)
+    return report

@@ -1,6 +1,7 @@
 """Settings of the test suite: PostgreSQL from DATABASE_URL, else an embedded server."""
 
 import json
+import os
 
 import environ
 
@@ -8,11 +9,16 @@ from django_workpump.embedded import embedded_database_url
 
 env = environ.Env()
 
-DATABASE_URL = env.str("DATABASE_URL", default="") or embedded_database_url()
+# The embedded server is started once, by the first process that reads these settings:
+# the processes it starts (pytest -n workers) find its URL here and share it.
+DATABASE_URL = env.str("DATABASE_URL", default="") or env.str("WORKPUMP_TESTS_EMBEDDED_URL", "")
+if not DATABASE_URL:
+    DATABASE_URL = os.environ["WORKPUMP_TESTS_EMBEDDED_URL"] = embedded_database_url()
 DATABASES = {"default": env.db_url_config(DATABASE_URL)}
 DATABASES["default"]["TEST"] = {"NAME": "test_" + DATABASES["default"]["NAME"]}
 # A second database on the same server, for one pump per database (runworkpump
-# --database). Its test database is created only for tests that name it.
+# --database). Its test database is created only for tests that name it. Under pytest -n
+# pytest-django appends the worker's id to both test names (test_<name>_gw0).
 DATABASES["second"] = {
     **DATABASES["default"],
     "NAME": DATABASES["default"]["NAME"] + "_second",

@@ -34,8 +34,8 @@ from django_workpump.admin.expressions import (
     state_condition,
     stuck_seqs,
 )
-from django_workpump.admin.work import STUCK as STUCK_FILTER
-from django_workpump.admin.work import topic_choices
+from django_workpump.admin.work_filters import STUCK as STUCK_FILTER
+from django_workpump.admin.work_filters import topic_choices
 from django_workpump.registry import Handler, Registry
 from django_workpump.sql import named_queries
 from django_workpump.states import WorkState
@@ -50,7 +50,7 @@ from tests.test_admin import (
     secs,
 )
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.slow]
 
 SPEC = WorkSpec.of("outbox")
 BULK_DONE_ROWS = 20_000  # enough that the planner prefers an index to a scan
@@ -270,7 +270,7 @@ def test_topic_choices_are_registered_topics_and_those_of_rows_needing_attention
 ) -> None:
     handlers = Registry()
     handlers.register(Handler("outbox", "registered.only", func=lambda message: None))
-    monkeypatch.setattr("django_workpump.admin.work.registry", handlers)
+    monkeypatch.setattr("django_workpump.admin.work_filters.registry", handlers)
     topics = set(topic_choices(models.Outbox, SPEC))
     assert "registered.only" in topics
     # pending, waiting for a time, leased and dead rows are listed; done rows are not

@@ -13,7 +13,7 @@ import pytest
 from django.db import connection, transaction
 
 import django_workpump as workpump
-from django_workpump import models, producer
+from django_workpump import models, producer, producer_validation
 from django_workpump.registry import registry
 from tests.conftest import scalar
 
@@ -190,7 +190,7 @@ def test_a_failing_chunk_rolls_back_the_chunks_before_it(monkeypatch):
     # the SQL refuses the second chunk (depth 1 allows no nested containers)
     monkeypatch.setattr(producer, "MAX_DEPTH", 1)
     payloads = [{"n": 0}, {"n": 1}, {"n": 2}, {"nested": {"n": 3}}]
-    monkeypatch.setattr(producer, "_check_payload_values", lambda what, payload: None)
+    monkeypatch.setattr(producer_validation, "check_payload_values", lambda what, payload: None)
     with pytest.raises(Exception, match="Payload 1 of outbox destination"):
         workpump.send_many("emails.welcome", payloads)
     assert models.Outbox.objects.count() == 0

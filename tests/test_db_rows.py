@@ -1,4 +1,4 @@
-"""db.py maps result rows to its dataclasses by column name, and parameters by name."""
+"""The db package maps result rows to its dataclasses by column name, and parameters by name."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_outcome_and_selected_work_hold_enum_members():
 
 def test_a_query_gets_exactly_the_parameters_it_names():
     with pytest.raises(TypeError, match=r"'purge_evictions' takes the parameters"):
-        db._fetch("purge_evictions", {"retention_seconds": 1, "batch": 2}, None)
+        db.queries._fetch("purge_evictions", {"retention_seconds": 1, "batch": 2}, None)
 
 
 @pytest.mark.django_db

@@ -24,7 +24,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MANAGE = REPO_ROOT / "example_project" / "manage.py"
 # The server the suite runs on (DATABASE_URL, or the suite's embedded server).
 SERVER_URL = urlsplit(settings.DATABASE_URL)
-DEMO_DATABASE = f"{SERVER_URL.path.lstrip('/') or 'postgres'}_demo"
+# One per pytest -n worker (gw0, gw1, ...): the workers share the server.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+DEMO_DATABASE = "_".join([SERVER_URL.path.lstrip("/") or "postgres", "demo", WORKER]).rstrip("_")
 
 pytestmark = pytest.mark.slow
 

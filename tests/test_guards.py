@@ -1,6 +1,6 @@
 """Guard tests: the SQL sources, the migrations
 that load them, the function signatures in the database, the lease-pair CHECK, the named
-queries of db.py, the Python twin of the partition hash, and no SQL in runtime modules.
+queries of the db package, the Python twin of the partition hash, and no SQL in runtime modules.
 """
 
 from __future__ import annotations
@@ -332,13 +332,15 @@ def test_a_row_cannot_be_updated_to_half_a_lease(factory, half):
 
 # --- Named queries and SQL in Python -------------------------------------------------
 
-DB_SOURCE = (PACKAGE / "db.py").read_text(encoding="utf-8")
+# The db package, the one door to SQL: its modules' sources, one after the other.
+DB_SOURCES = [path.read_text(encoding="utf-8") for path in sorted((PACKAGE / "db").glob("*.py"))]
+DB_SOURCE = "\n".join(DB_SOURCES)
 
 
 def names_db_py_runs() -> set[str]:
-    """The first argument of every _fetch/_scalar call in db.py."""
+    """The first argument of every _fetch/_scalar call in the db package."""
     names = set()
-    for node in ast.walk(ast.parse(DB_SOURCE)):
+    for node in (n for source in DB_SOURCES for n in ast.walk(ast.parse(source))):
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)

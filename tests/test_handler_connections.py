@@ -52,7 +52,8 @@ def _all_processed() -> bool:
 
 def _connections_named(raw: Any, suffix: str) -> int:
     row = raw.execute(
-        "SELECT count(*) AS n FROM pg_stat_activity WHERE application_name LIKE %s",
+        "SELECT count(*) AS n FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name LIKE %s",
         [f"workpump:%:{suffix}"],
     ).fetchone()
     return int(row["n"])

@@ -187,7 +187,7 @@ def test_the_pending_gauge_counts_no_ended_row_and_the_ended_gauge_counts_them(h
         workpump.send("metrics.ended", {"n": n})
     assert run_pending(topics=["metrics.ended"]) == 2  # done; the third is discarded
     waiting = [workpump.send("metrics.ended", {"n": n}) for n in range(3, 6)]
-    assert list(workpump.cancel(waiting[:2])) == waiting[:2]  # one of them still waits
+    assert set(workpump.cancel(waiting[:2])) == set(waiting[:2])  # one of them still waits
 
     families = {f.name: f for f in metrics.DatabaseCollector(cache_seconds=0).collect()}
 

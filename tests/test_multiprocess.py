@@ -41,8 +41,11 @@ def spawn(pump_process: Callable[..., Any]) -> Callable[..., Any]:
     return lambda *args, **settings: pump_process(*args, timings={**FAST, **settings})
 
 
-def produce_backlog(streams: int, per_stream: int, seconds: float = 0.0) -> int:
-    """Rows of all four categories, ordered per stream; returns the number of work rows."""
+def produce_backlog(streams: int, per_stream: int, seconds: float = 0.0, instances: int = 0) -> int:
+    """Rows of all four categories, ordered per stream; returns the number of work rows.
+
+    With ``instances`` a row starts only once that many pump instances have registered.
+    """
     subscribers = json.dumps(
         [
             {"category": "perspective_event", "name": "mp.perspective"},
@@ -51,7 +54,7 @@ def produce_backlog(streams: int, per_stream: int, seconds: float = 0.0) -> int:
     )
     for n in range(per_stream):
         for s in range(streams):
-            payload = json.dumps({"n": n, "seconds": seconds})
+            payload = json.dumps({"n": n, "seconds": seconds, "instances": instances})
             run_sql("SELECT workpump.send('mp.outbox', %s::jsonb, %s)", [payload, f"out-{s}"])
             run_sql(
                 "SELECT workpump.receive(%s, 'mp.inbox', %s::jsonb, %s)",
@@ -88,7 +91,7 @@ def assert_stream_order() -> None:
 
 
 def test_two_processes_share_a_backlog_and_every_row_runs_exactly_once(executions, spawn):
-    total = produce_backlog(streams=6, per_stream=5, seconds=0.01)
+    total = produce_backlog(streams=6, per_stream=5, seconds=0.01, instances=2)
 
     first = spawn("--drain", "--concurrency", "3")
     second = spawn("--drain", "--concurrency", "3")

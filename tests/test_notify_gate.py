@@ -320,7 +320,11 @@ def test_unregistered_instance_takes_the_alive_lock_once_registered(raw_connect)
         assert recorder.availability == [True]
 
 
-def test_second_gate_of_the_same_instance_does_not_get_the_alive_lock(raw_connect):
+def test_a_second_gate_of_the_same_instance_takes_a_fresh_key_and_alone_proves_it_alive(
+    raw_connect,
+):
+    # As a listener that reconnects while its old session lingers (half-open TCP): the
+    # newest session is the instance's, and a lock the old one keeps proves nothing.
     first_recorder, second_recorder = Recorder(), Recorder()
     instance_id = uuid.uuid4()
     observer = raw_connect()
@@ -328,20 +332,26 @@ def test_second_gate_of_the_same_instance_does_not_get_the_alive_lock(raw_connec
     first = make_gate(first_recorder, instance_id)
     second = make_gate(second_recorder, instance_id, keepalive_seconds=0.2)
 
+    def recorded_pid() -> int:
+        return observer.execute(
+            "SELECT alive_lock_pid FROM workpump_service_instance WHERE instance_id = %s",
+            (instance_id,),
+        ).fetchone()["alive_lock_pid"]
+
     with running(first):
         assert first_recorder.next_change() is True
         assert first.alive_lock_held is True
+        assert recorded_pid() == first.backend_pid
         with running(second):
             assert second_recorder.next_change() is True
-            assert second.available is True
-            assert second.alive_lock_held is False
-            assert first.alive_lock_held is True
-            assert alive_lock_holders(observer, instance_id) == [first.backend_pid]
+            assert second.alive_lock_held is True
+            assert recorded_pid() == second.backend_pid
+            assert alive_lock_holders(observer, instance_id) == [second.backend_pid]
+            assert alive_lock_held(observer, instance_id)
 
-            # Once the first gate is gone, the duplicate's keepalive takes the lock.
             first.stop()
             assert first_recorder.next_change() is False
-            assert wait_until(lambda: second.alive_lock_held)
+            assert alive_lock_held(observer, instance_id)
             assert alive_lock_holders(observer, instance_id) == [second.backend_pid]
 
 

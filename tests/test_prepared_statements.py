@@ -19,7 +19,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture
 def claim_statement() -> Iterator[PreparedQuery]:
     """The process's claim statement, reset around the test (it is process-wide)."""
-    statement = db._claim_statement()
+    statement = db.claim._claim_statement()
 
     def reset() -> None:
         statement.disabled = None
@@ -138,7 +138,7 @@ def test_each_connection_keeps_one_cursor_for_its_claims(claim_statement, coordi
 def test_a_kept_cursor_remembers_a_bounded_number_of_parsed_timestamps():
     from psycopg.types.datetime import TimestamptzLoader
 
-    loader = db._once_loader(TimestamptzLoader)(1184, connection.connection)
+    loader = db.loaders._once_loader(TimestamptzLoader)(1184, connection.connection)
     first = loader.load(b"2026-01-01 00:00:00+00")
     assert loader.load(b"2026-01-01 00:00:00+00") is first  # parsed once
     for n in range(db.PARSED_ONCE_MAX * 3):

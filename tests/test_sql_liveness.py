@@ -20,7 +20,7 @@ import pytest
 from django.db import DatabaseError, DataError, IntegrityError, transaction
 
 from django_workpump import models
-from tests.conftest import T0, at, current_tokens, enroll, run_sql, scalar
+from tests.conftest import T0, at, current_tokens, enroll, run_sql, scalar, wait_until
 from tests.factories import EvictionFactory, OutboxFactory, ServiceInstanceFactory
 
 pytestmark = pytest.mark.django_db
@@ -648,14 +648,22 @@ def test_alive_lock_keys_are_unique():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_only_one_session_can_hold_an_instances_alive_lock(raw_connect):
+def test_only_the_session_that_took_an_instances_alive_lock_last_proves_it_alive(raw_connect):
     beat(A, T0)
     first = raw_connect()
     second = raw_connect()
 
     assert first.execute("SELECT workpump.take_alive_lock(%s) AS ok", [A]).fetchone()["ok"]
-    assert not second.execute("SELECT workpump.take_alive_lock(%s) AS ok", [A]).fetchone()["ok"]
+    first_key = models.ServiceInstance.objects.get(instance_id=A).alive_lock_key
+    # A reconnected listener whose old session has not ended yet: it draws a free key.
+    assert second.execute("SELECT workpump.take_alive_lock(%s) AS ok", [A]).fetchone()["ok"]
+    row = models.ServiceInstance.objects.get(instance_id=A)
+    assert row.alive_lock_key != first_key
+    assert row.alive_lock_pid == second.info.backend_pid
     assert scalar("SELECT workpump.alive_lock_held(%s)", [A]) is True
+
+    second.close()  # the old session still holds the old key: it proves nothing now
+    assert wait_until(lambda: scalar("SELECT workpump.alive_lock_held(%s)", [A]) is False)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -20,6 +20,7 @@ from django_workpump import db, status
 from django_workpump.admin import display
 from django_workpump.admin.base import WorkpumpModelAdmin
 from django_workpump.admin.expressions import (
+    ADMIN_QUERIES,
     HOLDER_LIVE,
     held_alive_lock_keys,
     held_count,
@@ -35,13 +36,12 @@ from django_workpump.admin.expressions import (
 )
 from django_workpump.admin.perms import has_model_permission
 from django_workpump.admin.work import (
-    ADMIN_QUERIES,
     InboxAdmin,
     OutboxAdmin,
     PerspectiveEventAdmin,
     ReceptorProcessingAdmin,
-    confirmation,
 )
+from django_workpump.admin.work_actions import confirmation
 from django_workpump.conf import get_settings
 from django_workpump.models import (
     Inbox,

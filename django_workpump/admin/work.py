@@ -1,226 +1,47 @@
-"""The admin of the four work tables: state, lease, attempts and heartbeat per row, and
-the operator actions, each through the SQL function that keeps leases fenced (docs/admin.md).
+"""The admin of the four work tables: state, lease, attempts and heartbeat per row
+(docs/admin.md). The operator actions are in ``work_actions``, the filters and each
+state's default order in ``work_filters``.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from django.contrib import admin, messages
-from django.contrib.admin import helpers
-from django.contrib.admin.utils import model_ngettext
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import F, Q, QuerySet, TextField
 from django.db.models.expressions import Combinable
-from django.db.models.functions import Cast, Coalesce
+from django.db.models.functions import Cast
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
-from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from django_workpump import db
-from django_workpump.actions import MAX_REASON_CHARS
 from django_workpump.admin import display
-from django_workpump.admin.base import WorkpumpModelAdmin, pump_database
+from django_workpump.admin.base import pump_database
 from django_workpump.admin.expressions import (
-    ADMIN_QUERIES,
     HOLDER_LIVE,
     NOT_LIVE_HOLDERS,
     WorkSpec,
     annotate_work,
-    held_seqs,
-    not_live_seqs,
     owner_holds_alive_lock,
-    pending_seqs,
-    state_condition,
     state_of,
-    stuck_seqs,
 )
 from django_workpump.admin.pagination import EstimatingPaginator
-from django_workpump.admin.perms import has_model_permission
-from django_workpump.conf import get_settings
-from django_workpump.dead_letters import log_when_committed
-from django_workpump.models import (
-    ServiceInstance,
-    dead_condition,
-    ready_condition,
-    timer_condition,
+from django_workpump.admin.work_actions import WorkActionsAdmin
+from django_workpump.admin.work_filters import (
+    NEWEST_FIRST,
+    OwnerFilter,
+    StateFilter,
+    TopicFilter,
+    page_order,
 )
-from django_workpump.registry import registry
+from django_workpump.conf import get_settings
 from django_workpump.states import ENDED_STATES, WorkState
-from django_workpump.status import STATES
-
-# The most rows one admin action changes: "select all" over a large table is refused
-# with a message instead of one statement that locks every row.
-MAX_ACTION_ROWS = 1_000
-
-
-def admin_reason(username: str) -> str:
-    """The failure reason of rows a user dead-lettered in the admin, cut to fit its column
-    (the dead-letter's ERROR log line names the user in full)."""
-    reason = f"dead-lettered in the admin by {username}"
-    return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 1] + "…"
-
 
 NEIGHBOURS = 5  # rows shown on each side of a row of an ordered stream
-STUCK = "stuck"
-
-
-@dataclass(frozen=True)
-class PageOrder:
-    """A changelist's default order (Django ordering names) and how the page says it."""
-
-    ordering: tuple[str, ...]
-    note: str
-
-
-NEWEST_FIRST = PageOrder(("-seq",), "newest first")
-# The default order of a state's page, when the operator has not sorted by a column: the
-# order of the partial index that holds the state's rows, so the page reads the rows it
-# shows instead of scanning the table newest first past rows of other states
-# (docs/admin.md). The leased, orphaned and stuck pages read their indexes newest first.
-STATE_ORDERS: dict[str | None, PageOrder] = {
-    WorkState.DONE: PageOrder(("-wp_done", "-seq"), "most recently done first"),  # _done
-    WorkState.CANCELLED: PageOrder(("-wp_done", "-seq"), "most recently ended first"),  # _ended
-    WorkState.DISCARDED: PageOrder(("-wp_done", "-seq"), "most recently ended first"),
-    WorkState.DEAD: PageOrder(("-dead_lettered_at", "-seq"), "most recently dead-lettered first"),
-    WorkState.SCHEDULED: PageOrder(("scheduled_for", "seq"), "soonest due first"),  # _waiting
-    # _ready's order (pending_seqs): the order the pump claims them in.
-    WorkState.PENDING: PageOrder(
-        ("-priority", "seq"), "in claim order: highest priority first, then oldest first"
-    ),
-}
-
-
-def page_order(state: str | None) -> PageOrder:
-    """The default order of the page of ``state`` (a value of the state filter, or None)."""
-    return STATE_ORDERS.get(state, NEWEST_FIRST)
-
-
-class WorkFilter(admin.SimpleListFilter):
-    """A filter of a work changelist, which knows the table's ``WorkSpec``."""
-
-    def __init__(self, request: HttpRequest, params: Any, model: Any, model_admin: Any) -> None:
-        self.spec: WorkSpec = model_admin.spec
-        super().__init__(request, params, model, model_admin)
-
-
-class StateFilter(WorkFilter):
-    """The state of ``workpump.state_of``, plus ``stuck`` (see ``stuck_condition``).
-
-    Each choice filters through the table's partial indexes (``state_condition``,
-    ``stuck_candidates``), so its page costs the rows it selects, not the table.
-    """
-
-    title = "state"
-    parameter_name = "state"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [(state, state) for state in STATES] + [(STUCK, "stuck (needs a look)")]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        # The topic filter's topic, if any: each bounded filter applies it as it reads.
-        topic = request.GET.get(self.spec.topic_field)
-        if value == STUCK:
-            return queryset.filter(seq__in=stuck_seqs(self.spec, topic))
-        if value in (WorkState.LEASED, WorkState.ORPHANED):
-            # Each holder's rows newest first (_held), not a scan past newer rows.
-            return queryset.filter(seq__in=held_seqs(self.spec, value, topic))
-        if value == WorkState.PENDING:
-            # Three indexes, each read in the claim's order, the page's default.
-            return queryset.filter(seq__in=pending_seqs(self.spec, topic))
-        if value in STATES:
-            return queryset.filter(state_condition(self.spec, value))
-        return queryset
-
-
-class TopicFilter(WorkFilter):
-    """The topic (destination, handler, perspective or receptor name) of a row.
-
-    Its choices are the topics of the registered handlers and of a bounded sample of the
-    rows that need attention (claimable, waiting for a time, dead), each read through its
-    partial index: never a DISTINCT over the whole table, which holds mostly done rows.
-    The parameter is the topic column's name (``?destination=...``), as before.
-    """
-
-    title = "topic"
-    parameter_name = "topic"  # replaced by the column's name in ``for_spec``
-
-    @classmethod
-    def for_spec(cls, spec: WorkSpec) -> type[TopicFilter]:
-        """This filter with the parameter named after ``spec``'s topic column."""
-        return type(f"TopicFilter_{spec.category}", (cls,), {"parameter_name": spec.topic_field})
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        topics = set(topic_choices(model_admin.model, self.spec))
-        if self.value():
-            topics.add(str(self.value()))
-        return [(topic, topic) for topic in sorted(topics)]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        if value is None:
-            return queryset
-        return queryset.filter(**{self.spec.topic_field: value})
-
-
-# Rows read from each index of rows that need attention for the topic filter's choices.
-TOPIC_SAMPLE_ROWS = 500
-
-
-def topic_choices(model: Any, spec: WorkSpec) -> list[str]:
-    """Registered topics of ``spec``'s category and those of rows that need attention.
-
-    One query: the first rows of the _ready, _timer and _dead indexes, in index order.
-    """
-    registered = {handler.topic for handler in registry.handlers(spec.category)}
-    done, topic = spec.done_field, spec.topic_field
-    rows = model._default_manager.using(pump_database()).order_by()
-    ready = rows.filter(ready_condition(done)).order_by("-priority", "seq")
-    timer = rows.filter(timer_condition(done)).order_by(Coalesce("lease_expiry", "scheduled_for"))
-    dead = rows.filter(dead_condition(done)).order_by("dead_lettered_at")
-    samples = [qs.values_list(topic, flat=True)[:TOPIC_SAMPLE_ROWS] for qs in (ready, timer, dead)]
-    found = samples[0].union(*samples[1:], all=True)
-    return sorted(registered | set(found))
-
-
-class OwnerFilter(WorkFilter):
-    """The instance holding the lease: a registered one, none, or one that is not live."""
-
-    title = "owner"
-    parameter_name = "owner"
-    NONE = "none"
-    NOT_LIVE = "not-live"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        instances = ServiceInstance.objects.using(pump_database()).order_by(
-            "service_name", "host_name", "started_at"
-        )
-        return [
-            (self.NONE, "nobody (unleased)"),
-            (self.NOT_LIVE, "an instance that is not live"),
-            *((str(i.instance_id), str(i)) for i in instances),
-        ]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        if value is None:
-            return queryset
-        if value == self.NONE:
-            return queryset.filter(instance_id__isnull=True)
-        if value == self.NOT_LIVE:
-            # The rows of each holder that is not live, through the _held index.
-            topic = request.GET.get(self.spec.topic_field)
-            return queryset.filter(seq__in=not_live_seqs(self.spec, topic))
-        try:
-            return queryset.filter(instance_id=value)
-        except ValidationError:
-            return queryset.none()
 
 
 class WorkChangeList(ChangeList):
@@ -256,7 +77,7 @@ class WorkChangeList(ChangeList):
         self.result_count_estimated = getattr(self.paginator, "estimated", False)
 
 
-class WorkAdmin(WorkpumpModelAdmin):
+class WorkAdmin(WorkActionsAdmin):
     """Base of the four work admins; a subclass names its table's columns in ``spec``."""
 
     spec: WorkSpec
@@ -264,14 +85,6 @@ class WorkAdmin(WorkpumpModelAdmin):
     show_full_result_count = False  # a filtered page runs no extra count of the whole table
     paginator = EstimatingPaginator  # no exact count past EXACT_COUNT_LIMIT rows
     empty_value_display = display.DASH
-    actions = [
-        "retry_now",
-        "release_lease",
-        "force_release_lease",
-        "dead_letter",
-        "requeue_dead",
-        "cancel",
-    ]
     list_display_links = ["work_id"]
     ordering = list(NEWEST_FIRST.ordering)  # a state's page: page_order
 
@@ -282,24 +95,6 @@ class WorkAdmin(WorkpumpModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-
-    def has_retry_work_permission(self, request: HttpRequest) -> bool:
-        return has_model_permission(request, self.model, "retry_work")
-
-    def has_release_work_lease_permission(self, request: HttpRequest) -> bool:
-        return has_model_permission(request, self.model, "release_work_lease")
-
-    def has_force_release_work_lease_permission(self, request: HttpRequest) -> bool:
-        return has_model_permission(request, self.model, "force_release_work_lease")
-
-    def has_dead_letter_work_permission(self, request: HttpRequest) -> bool:
-        return has_model_permission(request, self.model, "dead_letter_work")
-
-    def has_requeue_work_permission(self, request: HttpRequest) -> bool:
-        return has_model_permission(request, self.model, "requeue_work")
-
-    def has_cancel_work_permission(self, request: HttpRequest) -> bool:
-        return has_model_permission(request, self.model, "cancel_work")
 
     # -- queries
 
@@ -629,258 +424,6 @@ class WorkAdmin(WorkpumpModelAdmin):
             body,
         )
 
-    # -- actions
-
-    def _ids(self, queryset: QuerySet[Any]) -> list[Any]:
-        return list(queryset.values_list(self.spec.key_field, flat=True))
-
-    def _too_many(self, request: HttpRequest, queryset: QuerySet[Any]) -> bool:
-        """Refuse (with a message) a selection over MAX_ACTION_ROWS, e.g. "select all"."""
-        selected = len(queryset.values_list("pk", flat=True)[: MAX_ACTION_ROWS + 1])
-        if selected <= MAX_ACTION_ROWS:
-            return False
-        self.message_user(
-            request,
-            f"More than {MAX_ACTION_ROWS:,} {model_ngettext(self.opts, 2)} selected: an action "
-            f"changes at most {MAX_ACTION_ROWS:,} at a time. Narrow the selection with the "
-            "filters, or use manage.py workpump_action for bulk changes.",
-            messages.ERROR,
-        )
-        return True
-
-    def _run(self, name: str, **params: Any) -> set[Any]:
-        rows = db.fetch_named(ADMIN_QUERIES, name, {"category": self.spec.category, **params})
-        return {row["id"] for row in rows}
-
-    def _rows(self, count: int) -> str:
-        return f"{count} {model_ngettext(self.opts, count)}"
-
-    @admin.action(permissions=["retry_work"], description="Retry now (scheduled → pending)")
-    def retry_now(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        if self._too_many(request, queryset):
-            return
-        ids = self._ids(queryset)
-        changed = self._run("retry_now", ids=ids)
-        if changed:
-            self.message_user(request, f"Retried {self._rows(len(changed))} now.", messages.SUCCESS)
-        if skipped := len(ids) - len(changed):
-            self.message_user(
-                request,
-                f"{self._rows(skipped)} left as they were: only scheduled rows (waiting for a "
-                "retry or a deferral; not leased, done or dead) can be retried now.",
-                messages.WARNING,
-            )
-
-    @admin.action(
-        permissions=["release_work_lease"],
-        description="Release lease (held → pending; not from a live instance)",
-    )
-    def release_lease(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        if self._too_many(request, queryset):
-            return
-        self._release(request, queryset, force=False)
-
-    @admin.action(
-        permissions=["force_release_work_lease"],
-        description="Force-release lease, even from a live instance (asks first)",
-    )
-    def force_release_lease(
-        self, request: HttpRequest, queryset: QuerySet[Any]
-    ) -> TemplateResponse | None:
-        if self._too_many(request, queryset):
-            return None
-        if request.POST.get("post") != "yes":
-            return self._confirm(
-                request,
-                queryset,
-                action="force_release_lease",
-                title="Force-release leases?",
-                warning=(
-                    "A live instance may still be running these rows: released, they can be "
-                    "claimed again and run twice. Its late completion is fenced out."
-                ),
-                button="Yes, release these leases",
-            )
-        self._release(request, queryset, force=True)
-        return None
-
-    def _release(self, request: HttpRequest, queryset: QuerySet[Any], *, force: bool) -> None:
-        settings = get_settings()
-        ids = self._ids(queryset)
-        released = self._run(
-            "release_leases",
-            ids=ids,
-            force=force,
-            stale_after_seconds=settings["STALE_AFTER_SECONDS"],
-            definitively_dead_after_seconds=settings["DEFINITIVELY_DEAD_AFTER_SECONDS"],
-        )
-        if released:
-            self.message_user(
-                request,
-                f"Released the leases of {self._rows(len(released))}; they can be claimed again.",
-                messages.SUCCESS,
-            )
-        # What is still held after the call was refused: its holder is live.
-        key = self.spec.key_field
-        refused = (
-            self.model._default_manager.using(pump_database())
-            .filter(
-                **{f"{key}__in": ids, f"{self.spec.done_field}__isnull": True},
-                instance_id__isnull=False,
-            )
-            .count()
-        )
-        if refused:
-            self.message_user(
-                request,
-                f"{self._rows(refused)} not released: held by a live instance, which may "
-                "still be running them. Use “Force-release lease” if that instance is hung.",
-                messages.ERROR,
-            )
-        if unheld := len(ids) - len(released) - refused:
-            self.message_user(
-                request, f"{self._rows(unheld)} had no lease to release.", messages.WARNING
-            )
-
-    @admin.action(
-        permissions=["dead_letter_work"],
-        description="Dead-letter (park as dead; asks first for rows a live instance holds)",
-    )
-    def dead_letter(self, request: HttpRequest, queryset: QuerySet[Any]) -> TemplateResponse | None:
-        if self._too_many(request, queryset):
-            return None
-        held_live = any(
-            obj.instance_id is not None and obj.wp_holder == HOLDER_LIVE for obj in queryset
-        )
-        if held_live and request.POST.get("post") != "yes":
-            return self._confirm(
-                request,
-                queryset,
-                action="dead_letter",
-                title="Dead-letter rows a live instance is running?",
-                warning=(
-                    "A live instance holds some of these rows and may be running them now: "
-                    "dead-lettered, their handlers' outcomes are fenced out, but what the "
-                    "handlers already did is not undone."
-                ),
-                button="Yes, dead-letter these rows",
-            )
-        self._dead_letter(request, queryset)
-        return None
-
-    def _dead_letter(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        ids = self._ids(queryset)
-        user = request.user.get_username()
-        reason = admin_reason(user)
-        changed = self._run("dead_letter", ids=ids, reason=reason)
-        log_when_committed(
-            self.spec.category,
-            changed,
-            reason,
-            by=f"{user!r} in the admin",
-            using=get_settings()["DATABASE_ALIAS"],
-        )
-        if changed:
-            self.message_user(
-                request,
-                f"Dead-lettered {self._rows(len(changed))}; they are never claimed again "
-                "until re-queued.",
-                messages.SUCCESS,
-            )
-        if skipped := len(ids) - len(changed):
-            self.message_user(
-                request,
-                f"{self._rows(skipped)} left as they were: already done or dead.",
-                messages.WARNING,
-            )
-
-    @admin.action(permissions=["requeue_work"], description="Re-queue dead rows (attempts reset)")
-    def requeue_dead(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        if self._too_many(request, queryset):
-            return
-        ids = self._ids(queryset)
-        changed = self._run("requeue_dead", ids=ids)
-        if changed:
-            self.message_user(
-                request,
-                f"Re-queued {self._rows(len(changed))}: attempts reset to 0, last error kept.",
-                messages.SUCCESS,
-            )
-        if skipped := len(ids) - len(changed):
-            self.message_user(
-                request,
-                f"{self._rows(skipped)} left as they were: only dead rows can be re-queued.",
-                messages.WARNING,
-            )
-
-    @admin.action(
-        permissions=["cancel_work"],
-        description="Cancel (end as cancelled; asks first for rows a live instance runs)",
-    )
-    def cancel(self, request: HttpRequest, queryset: QuerySet[Any]) -> TemplateResponse | None:
-        if self._too_many(request, queryset):
-            return None
-        held = any(obj.instance_id is not None for obj in queryset)
-        if held and request.POST.get("post") != "yes":
-            return self._confirm(
-                request,
-                queryset,
-                action="cancel",
-                title="Cancel rows that are running?",
-                warning=(
-                    "Some of these rows are leased: their handlers are told to stop at once "
-                    "(work.cancelled; an async handler's task is cancelled) and what they "
-                    "report later is fenced out, but what they already did is not undone."
-                ),
-                button="Yes, cancel these rows",
-            )
-        ids = self._ids(queryset)
-        changed = self._run("cancel_work", ids=ids)
-        if changed:
-            self.message_user(
-                request,
-                f"Cancelled {self._rows(len(changed))}; they never run again and their "
-                "streams move on.",
-                messages.SUCCESS,
-            )
-        if skipped := len(ids) - len(changed):
-            self.message_user(
-                request,
-                f"{self._rows(skipped)} left as they were: already ended (done, cancelled or "
-                "discarded).",
-                messages.WARNING,
-            )
-        return None
-
-    def _confirm(
-        self,
-        request: HttpRequest,
-        queryset: QuerySet[Any],
-        *,
-        action: str,
-        title: str,
-        warning: str,
-        button: str,
-    ) -> TemplateResponse:
-        return confirmation(
-            self,
-            request,
-            queryset,
-            action=action,
-            title=title,
-            warning=warning,
-            button=button,
-            describe=lambda obj: format_html(
-                "{} — {} {}, held by {}",
-                obj,
-                obj.wp_state,
-                "(stuck)" if obj.wp_stuck else "",
-                (obj.wp_owner_label or obj.instance_id or "nobody")
-                if obj.instance_id is None or obj.wp_holder == HOLDER_LIVE
-                else f"{obj.wp_owner_label or obj.instance_id} ({obj.wp_holder})",
-            ),
-        )
-
 
 def stuck_reasons(obj: Any) -> list[str]:
     """Why an annotated row is stuck, in the words of the stuck filter."""
@@ -894,36 +437,6 @@ def stuck_reasons(obj: Any) -> list[str]:
     if obj.wp_blocked:
         reasons.append("stream blocked by its head")
     return reasons
-
-
-def confirmation(
-    model_admin: admin.ModelAdmin,
-    request: HttpRequest,
-    queryset: QuerySet[Any],
-    *,
-    action: str,
-    title: str,
-    warning: str,
-    button: str,
-    describe: Any,
-) -> TemplateResponse:
-    """An intermediate page that posts the same action back with ``post=yes``."""
-    opts = model_admin.model._meta
-    context = {
-        **model_admin.admin_site.each_context(request),
-        "title": title,
-        "subtitle": None,
-        "opts": opts,
-        "app_label": opts.app_label,
-        "action": action,
-        "warning": warning,
-        "button": button,
-        "objects": [(obj.pk, describe(obj)) for obj in queryset],
-        "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-        "media": model_admin.media,
-    }
-    request.current_app = model_admin.admin_site.name
-    return TemplateResponse(request, "admin/workpump/confirm_action.html", context)
 
 
 class OutboxAdmin(WorkAdmin):

@@ -1,6 +1,6 @@
 """The runtime's view of the database: one instance's calls to the workpump functions.
 
-Services talk to a ``Coordinator``; production uses ``DatabaseCoordinator`` (``db.py`` on
+Services talk to a ``Coordinator``; production uses ``DatabaseCoordinator`` (the ``db`` package on
 the configured Django alias, from whichever thread calls it), tests use fakes.
 """
 
@@ -117,7 +117,7 @@ def reset_if_broken(alias: str) -> None:
 
 
 class DatabaseCoordinator:
-    """``Coordinator`` over ``db.py``, with the WORKPUMP settings of this process.
+    """``Coordinator`` over the ``db`` package, with the WORKPUMP settings of this process.
 
     Every call first replaces a connection an earlier error broke, and after a failure
     closes it, so a service thread recovers from connection loss on its next turn.

@@ -37,7 +37,7 @@ FAILED_BEAT_RETRY_SECONDS = 0.5
 class HeartbeatPolicy:
     interval_seconds: float = 10
     slow_interval_seconds: float = 60
-    stale_peer_probe_interval_seconds: float = 5
+    stale_peer_probe_interval_seconds: float = 4
     liveness_source_mode: str = ADVISORY_LOCK_MODE
     enabled: bool = True
 

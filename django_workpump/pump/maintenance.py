@@ -1,6 +1,8 @@
 """MaintenanceWorker: housekeeping, one instance at a time.
 
-Each pass takes the maintenance advisory lock (skipped when a peer holds it), then:
+Each pass takes the maintenance advisory lock (skipped when a peer holds it; after
+MAX_SKIPPED_PASSES skipped in a row, run without it, since any role that may connect can
+take an advisory lock and hold it for ever), then:
 reaps stale instances (a backstop for the heartbeat's reap); purges, in small batches
 taken in turn until every purge has caught up, processed rows and unreferenced events
 past RETENTION_SECONDS, dead rows past DEAD_RETENTION_SECONDS (when set), received
@@ -29,12 +31,18 @@ logger = logging.getLogger("django_workpump.maintenance")
 # Tombstones must outlive any zombie that could still wake up and beat (the pump passes
 # conf.tombstone_retention_seconds, which is never less).
 TOMBSTONE_RETENTION_SECONDS = MIN_TOMBSTONE_RETENTION_SECONDS
+# Passes skipped in a row because another session held the maintenance lock, after which
+# one pass runs without it. Safe: every purge deletes a batch it locked with SKIP LOCKED,
+# tombstones go by age, and the reap is the one every heartbeat runs concurrently. A
+# squatter on the lock delays purging by this many intervals; it never stops it.
+MAX_SKIPPED_PASSES = 3
 
 
 @dataclass
 class MaintenanceResult:
     ran: bool
     reaped: int = 0
+    locked: bool = True  # False: a pass run without the lock (another session kept it)
     purged: dict[str, int] = field(default_factory=dict)
     stuck: int = 0
     unhandled: int = 0  # topics with waiting rows that no live instance runs
@@ -63,6 +71,7 @@ class MaintenanceWorker(LoopService):
         inbox_dedup_retention_seconds: int | None = None,
         tombstone_retention_seconds: int = TOMBSTONE_RETENTION_SECONDS,
         batch: int = 1_000,
+        max_skipped_passes: int = MAX_SKIPPED_PASSES,
     ) -> None:
         super().__init__()
         self.alias = alias
@@ -77,7 +86,9 @@ class MaintenanceWorker(LoopService):
             tombstone_retention_seconds, TOMBSTONE_RETENTION_SECONDS
         )
         self.batch = batch
+        self.max_skipped_passes = max_skipped_passes
         self.passes = 0
+        self.skipped_in_a_row = 0
         # What was already logged, so a pass logs only what changed: the attempts of each
         # stuck row, and the topics no live instance runs.
         self._stuck_logged: dict[tuple[str, object], int] = {}
@@ -142,13 +153,26 @@ class MaintenanceWorker(LoopService):
         return totals
 
     def run_once(self) -> MaintenanceResult:
-        """One pass, if this instance gets the lock."""
+        """One pass, if this instance gets the lock or was kept from it too long."""
         using = self.alias
-        if not db.try_maintenance_lock(using=using):
-            return MaintenanceResult(ran=False)
+        locked = db.try_maintenance_lock(using=using)
+        if not locked:
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row <= self.max_skipped_passes:
+                return MaintenanceResult(ran=False, locked=False)
+            logger.warning(
+                "the maintenance lock was held by another session (pid %s) at %d passes in "
+                "a row: this pass runs without it. A pump's pass takes seconds; a session "
+                "that keeps the lock is not a pump (check pg_locks and the roles that may "
+                "connect, docs/reliability.md, Database roles).",
+                ", ".join(map(str, db.maintenance_lock_holders(using=using))) or "gone",
+                self.skipped_in_a_row - 1,
+                extra={"action": "maintenance_lock_held"},
+            )
+        self.skipped_in_a_row = 0
         try:
             self.passes += 1
-            result = MaintenanceResult(ran=True)
+            result = MaintenanceResult(ran=True, locked=locked)
             result.reaped = len(
                 db.reap_stale_instances(
                     stale_after_seconds=self.stale_after_seconds,
@@ -182,7 +206,8 @@ class MaintenanceWorker(LoopService):
             )
             return result
         finally:
-            db.release_maintenance_lock(using=using)
+            if locked:
+                db.release_maintenance_lock(using=using)
 
     def _log_stuck(self, stuck: list[db.StuckRow]) -> None:
         """Warn about a row using up its attempts when its attempt count changed."""

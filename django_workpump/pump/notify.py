@@ -326,8 +326,8 @@ class NotifyGate(LoopService):
         self._alive_lock_held = db.take_alive_lock(conn, instance_id=self.instance_id)
         if not self._alive_lock_held:
             logger.warning(
-                "alive-lock of instance %s not taken (not registered yet, or held by another "
-                "session): heartbeats stay on the fast cadence",
+                "alive-lock of instance %s not taken (not registered yet, evicted, or no "
+                "free key: other sessions hold them): heartbeats stay on the fast cadence",
                 self.instance_id,
                 extra={"action": "alive_lock_not_taken"},
             )

@@ -1,7 +1,7 @@
 """SQL sources.
 
 ``schema.sql`` is the current workpump schema, whole, and the migrations load it;
-``db.py`` loads the named queries of the other files.
+the ``db`` package loads the named queries of the other files.
 """
 
 from __future__ import annotations

@@ -265,6 +265,15 @@ SELECT workpump.try_maintenance_lock()
 -- name: release_maintenance_lock
 SELECT workpump.release_maintenance_lock()
 
+-- name: maintenance_lock_holders
+-- Backend pids of the sessions holding the maintenance lock (any role can take it).
+SELECT l.pid
+FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+  AND l.classid = workpump.lock_namespace('maintenance')::oid AND l.objid = 0
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ORDER BY l.pid
+
 -- name: purge_processed
 SELECT workpump.purge_processed(
     %(category)s, now() - make_interval(secs => %(retention_seconds)s), %(batch)s)

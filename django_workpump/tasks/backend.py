@@ -20,7 +20,7 @@ from typing import Any
 from django.core import checks
 from django.db import transaction
 
-from django_workpump import producer, tracing
+from django_workpump import producer, producer_validation, tracing
 from django_workpump.conf import setting
 from django_workpump.tasks.checks import check_backend
 from django_workpump.tasks.compat import (
@@ -90,7 +90,7 @@ class WorkPumpBackend(BaseTaskBackend):
                 f"with unique=True, not {unique_for!r}. Pass unique=True too, or leave "
                 "unique_for out."
             )
-        if on_conflict not in producer.ON_CONFLICT:
+        if on_conflict not in producer_validation.ON_CONFLICT:
             raise InvalidTask(
                 f"on_conflict of task '{task.module_path}' must be 'return' (the holder's "
                 f"result) or 'raise' (workpump.Duplicate), not {on_conflict!r}."

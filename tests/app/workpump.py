@@ -17,6 +17,7 @@ _pause = threading.Event()  # never set: wait() simulates work without time.slee
 
 
 def _record(work: Any) -> None:
+    _await_instances(work.payload.get("instances", 0))
     with connection.cursor() as cursor:
         cursor.execute(
             "INSERT INTO mp_execution (work_id, category, stream, n, pid, attempt, started_at) "
@@ -37,6 +38,20 @@ def _record(work: Any) -> None:
             "WHERE work_id = %s AND pid = %s AND attempt = %s",
             [work.id, os.getpid(), work.attempts],
         )
+
+
+def _await_instances(wanted: int, timeout: float = 30.0) -> None:
+    """Hold the row until ``wanted`` pump instances have registered (or ``timeout``).
+
+    A process that starts a moment after another (a busy machine) still finds a share of
+    the backlog: the first one's rows wait for it instead of draining everything.
+    """
+    for _ in range(int(timeout / 0.02)):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM workpump_service_instance")
+            if cursor.fetchone()[0] >= wanted:
+                return
+        _pause.wait(0.02)
 
 
 @workpump.outbox_handler("mp.outbox")
