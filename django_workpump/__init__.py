@@ -28,8 +28,8 @@ from django_workpump.producer import (
     send,
     send_many,
 )
-from django_workpump.pump.dispatch import Work
 from django_workpump.registry import inbox_handler, outbox_handler, perspective, receptor
+from django_workpump.work import Work
 
 __all__ = [
     "Cancelled",

@@ -21,7 +21,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django_workpump.storable import storable_text
 
 if TYPE_CHECKING:
-    from django_workpump.pump.dispatch import Work
+    from django_workpump.work import Work
 
 Backoff = Callable[[int, BaseException], float | None]
 

@@ -27,11 +27,12 @@ from django_workpump.clock import SystemClock
 from django_workpump.conf import setting
 from django_workpump.control import Discard, Release, Snooze, named_index
 from django_workpump.pump.claim import warn_unreadable_headers
-from django_workpump.pump.dispatch import Work, stream_run_key
+from django_workpump.pump.jobs import stream_run_key
 from django_workpump.pump.lease import LeaseHandle
 from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
 from django_workpump.states import FailureReason, OutcomeStatus
 from django_workpump.storable import error_text, storable_result
+from django_workpump.work import Work
 
 # The instance id run_pending claims as: registered in the test's transaction, like any
 # instance (a claim by an unregistered instance is refused).

@@ -35,7 +35,7 @@ except ImportError:  # the optional extra is not installed: tracing is off, at n
     _NO_PROVIDER = ()
 
 if TYPE_CHECKING:
-    from django_workpump.pump.dispatch import Work
+    from django_workpump.work import Work
 
 # The instrumentation scope of every span, and ``messaging.system``.
 TRACER_NAME = "django_workpump"

@@ -18,7 +18,8 @@ from typing import Any
 from django.db import OperationalError
 
 from django_workpump.db import ClaimedWork, Outcome
-from django_workpump.pump.coordinator import InstanceIdentity
+from django_workpump.pump.coordinator import InstanceIdentity, lease_arrays
+from django_workpump.work import Lease
 
 # How long a test waits for something a service thread should do promptly.
 WAIT = 5.0
@@ -142,9 +143,8 @@ class FakeCoordinator:
             self._cond.notify_all()
         return self._resolve(step)
 
-    def renew(
-        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
-    ) -> dict[uuid.UUID, Any]:
+    def renew(self, leases: Sequence[Lease]) -> dict[uuid.UUID, Any]:
+        category, ids, tokens = lease_arrays(leases)
         self._record("renew")
         if self.renew_errors > 0:
             self.renew_errors -= 1
@@ -159,13 +159,8 @@ class FakeCoordinator:
             if work_id not in self.refused
         }
 
-    def complete(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        results: Sequence[str | None],
-    ) -> list[Outcome]:
+    def complete(self, leases: Sequence[Lease], results: Sequence[str | None]) -> list[Outcome]:
+        _, ids, tokens = lease_arrays(leases)
         with self._cond:
             self.completed.extend(zip(ids, results, strict=True))
             self.tokens.extend(("complete", i, t) for i, t in zip(ids, tokens, strict=True))
@@ -174,13 +169,12 @@ class FakeCoordinator:
 
     def fail(
         self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
+        leases: Sequence[Lease],
         errors: Sequence[str],
         reasons: Sequence[str],
         delays: Sequence[float | None] | None = None,
     ) -> list[Outcome]:
+        _, ids, tokens = lease_arrays(leases)
         with self._cond:
             self.failed.extend(zip(ids, errors, reasons, strict=True))
             self.fail_delays.extend(delays or [None] * len(ids))
@@ -188,9 +182,8 @@ class FakeCoordinator:
         self._record("fail")
         return [Outcome(work_id, "retry") for work_id in ids]
 
-    def release(
-        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
-    ) -> list[Outcome]:
+    def release(self, leases: Sequence[Lease]) -> list[Outcome]:
+        _, ids, tokens = lease_arrays(leases)
         with self._cond:
             self.released.extend(ids)
             self.tokens.extend(("release", i, t) for i, t in zip(ids, tokens, strict=True))
@@ -198,13 +191,9 @@ class FakeCoordinator:
         return [Outcome(work_id, "released") for work_id in ids]
 
     def dead_letter(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        errors: Sequence[str],
-        reason: str,
+        self, leases: Sequence[Lease], errors: Sequence[str], reason: str
     ) -> list[Outcome]:
+        _, ids, tokens = lease_arrays(leases)
         with self._cond:
             self.dead_lettered.extend(zip(ids, errors, strict=True))
             self.dead_letter_reasons.extend([reason] * len(ids))
@@ -212,26 +201,16 @@ class FakeCoordinator:
         self._record("dead_letter")
         return [Outcome(work_id, "dead") for work_id in ids]
 
-    def snooze(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        seconds: Sequence[float],
-    ) -> list[Outcome]:
+    def snooze(self, leases: Sequence[Lease], seconds: Sequence[float]) -> list[Outcome]:
+        _, ids, tokens = lease_arrays(leases)
         with self._cond:
             self.snoozed.extend(zip(ids, seconds, strict=True))
             self.tokens.extend(("snooze", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("snooze")
         return [Outcome(work_id, "snoozed") for work_id in ids]
 
-    def discard(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        reasons: Sequence[str],
-    ) -> list[Outcome]:
+    def discard(self, leases: Sequence[Lease], reasons: Sequence[str]) -> list[Outcome]:
+        _, ids, tokens = lease_arrays(leases)
         with self._cond:
             self.discarded.extend(zip(ids, reasons, strict=True))
             self.tokens.extend(("discard", i, t) for i, t in zip(ids, tokens, strict=True))

@@ -35,9 +35,9 @@ from django.db import connection
 from django.test import TestCase, override_settings
 
 import django_workpump as workpump
-from django_workpump import models
+from django_workpump import Work, models
 from django_workpump.clock import FrozenClock
-from django_workpump.pump.dispatch import Dispatcher, Work
+from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.supervisor import EXIT_OK
 from django_workpump.registry import Handler, Registry, registry

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 import django_workpump as workpump
+from django_workpump import Work
 from django_workpump.clock import FrozenClock
-from django_workpump.pump.dispatch import Dispatcher, Work
+from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.registry import Handler, Registry
 from tests.fakes import WAIT, FakeCoordinator, make_row

@@ -19,9 +19,8 @@ from django.test import override_settings
 from django.utils import timezone
 
 import django_workpump as workpump
-from django_workpump import models
+from django_workpump import Work, models
 from django_workpump.control import MAX_DELAY_SECONDS
-from django_workpump.pump.dispatch import Work
 from django_workpump.registry import registry
 from django_workpump.testing import RunReport, run_pending
 from tests.conftest import FAST_PUMP, wait_until

@@ -20,11 +20,12 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 import django_workpump as workpump
+from django_workpump import Work
 from django_workpump.clock import FrozenClock
-from django_workpump.pump.dispatch import Dispatcher, Work
+from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.notify import CancelHint, NotifyGate
-from django_workpump.pump.renewal import LeaseRenewalWorker
+from django_workpump.pump.renewal import LeaseRenewalWorker, RenewalRequest
 from django_workpump.registry import Handler, Registry, registry
 from django_workpump.states import CancelReason, FailureReason
 from tests.fakes import WAIT, FakeCoordinator, make_row
@@ -384,7 +385,7 @@ def test_a_renewal_answered_cancelled_cancels_the_handle_and_tells_the_dispatche
     )
     leases.register(handle)
 
-    worker.flush([("outbox", row.work_id, row.lease_token)])
+    worker.flush([RenewalRequest("outbox", row.work_id, row.lease_token)])
 
     assert handle.cancel_reason == CancelReason.CANCELLED
     assert told == [("outbox", [(row.work_id, row.lease_token)])]

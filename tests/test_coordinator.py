@@ -3,11 +3,14 @@ and its claims commit as CLAIM_SYNCHRONOUS_COMMIT says."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from django.db import DatabaseError, connection, transaction
 
 from django_workpump import send
-from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
+from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity, lease_arrays
+from django_workpump.work import Lease
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -105,3 +108,13 @@ def test_a_claim_inside_the_callers_transaction_leaves_its_commit_setting_alone(
             cursor.execute("SHOW synchronous_commit")
             assert cursor.fetchone() == ("on",)
     assert commit_settings_seen() == ["on"]
+
+
+def test_a_fenced_write_turns_its_leases_into_one_category_and_parallel_arrays():
+    first, second = uuid.uuid4(), uuid.uuid4()
+    tokens = uuid.uuid4(), uuid.uuid4()
+    leases = [Lease("outbox", first, tokens[0]), Lease("outbox", second, tokens[1])]
+
+    assert lease_arrays(leases) == ("outbox", [first, second], list(tokens))
+    with pytest.raises(ValueError, match=r"of one category, not of \['inbox', 'outbox'\]"):
+        lease_arrays([*leases, Lease("inbox", uuid.uuid4(), uuid.uuid4())])

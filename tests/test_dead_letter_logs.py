@@ -23,14 +23,14 @@ from django.core.management import call_command
 from django.test import override_settings
 
 import django_workpump as workpump
-from django_workpump import models
+from django_workpump import Work, models
 from django_workpump.db import Outcome
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
-from django_workpump.pump.dispatch import Work
 from django_workpump.registry import registry
 from django_workpump.states import FailureReason
 from django_workpump.testing import run_pending
+from django_workpump.work import Lease
 from tests.conftest import FAST_PUMP, enroll, scalar, wait_until
 from tests.fakes import WAIT, FakeCoordinator, FakeSink, make_row
 from tests.test_control_flow import make_dispatcher
@@ -55,13 +55,13 @@ def assert_one_error(caplog: pytest.LogCaptureFixture, work_id: uuid.UUID, reaso
 class DeadCoordinator(FakeCoordinator):
     """Answers every failure and snooze ``dead``: each row is on its last attempt."""
 
-    def fail(self, category: str, ids: Sequence[uuid.UUID], *args: Any, **kwargs: Any) -> Any:
-        super().fail(category, ids, *args, **kwargs)
-        return [Outcome(work_id, "dead") for work_id in ids]
+    def fail(self, leases: Sequence[Lease], *args: Any, **kwargs: Any) -> Any:
+        super().fail(leases, *args, **kwargs)
+        return [Outcome(lease.id, "dead") for lease in leases]
 
-    def snooze(self, category: str, ids: Sequence[uuid.UUID], *args: Any) -> Any:
-        super().snooze(category, ids, *args)
-        return [Outcome(work_id, "dead") for work_id in ids]
+    def snooze(self, leases: Sequence[Lease], *args: Any) -> Any:
+        super().snooze(leases, *args)
+        return [Outcome(lease.id, "dead") for lease in leases]
 
 
 def run_to_its_end(func: Any, caplog: pytest.LogCaptureFixture, **options: Any) -> Any:

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from django_workpump import Work
 from django_workpump.clock import FrozenClock
-from django_workpump.pump.dispatch import Dispatcher, Work
+from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.registry import Handler, Registry
 from tests.fakes import WAIT, FakeCoordinator, make_row, watching

@@ -284,14 +284,14 @@ def test_the_rows_of_a_stream_run_say_when_each_was_created_and_became_claimable
 
 
 def test_the_queue_wait_adds_the_local_wait_to_the_database_wait():
-    from django_workpump.pump.dispatch import _Job, _queue_wait
+    from django_workpump.pump.jobs import Job, queue_wait
     from tests.fakes import make_row
 
     row = make_row()
     due = row.claimed_at - timedelta(seconds=2)
-    job = _Job(type(row)(**{**row.__dict__, "due_at": due}), handle=None, received_at=100.0)
-    assert _queue_wait(job, 100.25) == pytest.approx(2.25)
-    assert _queue_wait(_Job(row, handle=None, received_at=100.0), 101.0) is None
+    job = Job(type(row)(**{**row.__dict__, "due_at": due}), handle=None, received_at=100.0)
+    assert queue_wait(job, 100.25) == pytest.approx(2.25)
+    assert queue_wait(Job(row, handle=None, received_at=100.0), 101.0) is None
 
 
 # -- without prometheus_client -----------------------------------------------------------
@@ -437,9 +437,9 @@ def own_recorder() -> tuple[metrics.PrometheusRecorder, Callable[..., float | No
 class LosingCoordinator(FakeCoordinator):
     """Completions come back ``lost``: the lease went to someone else meanwhile."""
 
-    def complete(self, category, ids, tokens, results):
-        super().complete(category, ids, tokens, results)
-        return [Outcome(work_id, "lost") for work_id in ids]
+    def complete(self, leases, results):
+        super().complete(leases, results)
+        return [Outcome(lease.id, "lost") for lease in leases]
 
 
 def test_the_dispatcher_counts_runs_outcomes_and_rows_in_flight():
@@ -479,7 +479,7 @@ def test_the_dispatcher_counts_runs_outcomes_and_rows_in_flight():
     assert sample("workpump_handler_duration_seconds_count", **ok) == 2
     assert sample("workpump_handler_duration_seconds_count", **boom_) == 1
     assert sample("workpump_queue_wait_seconds_count", **ok) is None  # no due_at claimed
-    assert dispatcher._outcome_topics == {}  # nothing left behind
+    assert dispatcher.outcomes.topics == {}  # nothing left behind
 
 
 def stream_rows(topic: str, stream: str, payloads: list[dict[str, Any]]) -> list[Any]:
@@ -525,7 +525,7 @@ def test_a_stream_run_counts_each_row_it_ran_and_holds_none_after_it_ends():
     assert sample("workpump_done_total", **run) == 1
     assert sample("workpump_failed_total", **run, reason="handler_error") == 1
     assert sample("workpump_handler_duration_seconds_count", **run) == 2
-    assert dispatcher._outcome_topics == {}
+    assert dispatcher.outcomes.topics == {}
 
 
 def test_a_batch_handler_counts_every_row_of_its_batch():
@@ -554,7 +554,7 @@ def test_a_batch_handler_counts_every_row_of_its_batch():
     assert sample("workpump_in_flight", category="outbox") == 0
     assert sample("workpump_done_total", **batch) == 3
     assert sample("workpump_handler_duration_seconds_count", **batch) == 3
-    assert dispatcher._outcome_topics == {}
+    assert dispatcher.outcomes.topics == {}
 
 
 def test_an_outcome_fenced_out_counts_as_lost_not_done():
@@ -578,7 +578,7 @@ def test_an_outcome_fenced_out_counts_as_lost_not_done():
         dispatcher.stop()
     assert sample("workpump_lost_total", category="outbox") == 1
     assert sample("workpump_done_total", category="outbox", topic="ok") is None
-    assert dispatcher._outcome_topics == {}
+    assert dispatcher.outcomes.topics == {}
 
 
 def test_the_claim_worker_times_claims_and_counts_rows_and_undecodable_dead_letters():
@@ -678,7 +678,7 @@ def test_a_batch_snoozing_a_row_counts_the_rows_before_it_done_and_holds_none():
     assert sample("workpump_done_total", **BATCH) == 2
     assert sample("workpump_failed_total", **BATCH, reason="handler_error") is None
     assert sample("workpump_handler_duration_seconds_count", **BATCH) == 5
-    assert dispatcher._outcome_topics == {}
+    assert dispatcher.outcomes.topics == {}
 
 
 def test_a_batch_dead_lettered_by_its_retry_counts_one_failed_dead_row():
@@ -725,7 +725,7 @@ def test_an_abandoned_batch_counts_one_abandoned_handler_and_one_failed_row():
     assert sample("workpump_abandoned_total", **BATCH) == 1
     assert sample("workpump_failed_total", **BATCH, reason="lease_expired") == 1
     assert sample("workpump_in_flight", category="outbox") == 0
-    assert dispatcher._outcome_topics == {}
+    assert dispatcher.outcomes.topics == {}
 
 
 # -- a bounded label set ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import django_workpump as workpump
-from django_workpump.pump.dispatch import Work
+from django_workpump import Work
 from django_workpump.states import FailureReason, StopReason
 from tests.fakes import WAIT, make_row
 from tests.test_control_flow import make_dispatcher

@@ -206,11 +206,11 @@ def test_a_category_that_renewed_is_not_renewed_again_when_another_fails(clock, 
     worker.run_once()
     real_renew = coordinator.renew
 
-    def renew(category, ids, tokens):
-        if category == "inbox" and coordinator.renew_errors == 0:
+    def renew(leases):
+        if leases[0].category == "inbox" and coordinator.renew_errors == 0:
             coordinator.renew_errors = -1  # once
             raise OperationalError("server closed the connection unexpectedly")
-        return real_renew(category, ids, tokens)
+        return real_renew(leases)
 
     coordinator.renew = renew
     assert worker.flusher.flush_once() == 1  # outbox renewed, inbox put back

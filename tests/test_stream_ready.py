@@ -16,9 +16,10 @@ import pytest
 from django.test import override_settings
 
 import django_workpump as workpump
+from django_workpump import Work
 from django_workpump.clock import FrozenClock
 from django_workpump.pump import dispatch
-from django_workpump.pump.dispatch import Dispatcher, Work
+from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.registry import Handler, Registry, registry
 from tests.conftest import FAST_PUMP, wait_until

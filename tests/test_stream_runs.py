@@ -131,11 +131,11 @@ def test_a_release_cut_off_by_a_connection_error_is_retried_not_left_to_expire(
     real_release = DatabaseCoordinator.release
     calls: list[int] = []
 
-    def flaky_release(self: DatabaseCoordinator, category: str, ids: Any, tokens: Any) -> Any:
-        calls.append(len(ids))
+    def flaky_release(self: DatabaseCoordinator, leases: Any) -> Any:
+        calls.append(len(leases))
         if len(calls) == 1:
             raise OperationalError("server closed the connection unexpectedly")
-        return real_release(self, category, ids, tokens)
+        return real_release(self, leases)
 
     monkeypatch.setattr(DatabaseCoordinator, "release", flaky_release)
 
@@ -165,13 +165,11 @@ def test_a_discard_the_server_rolled_back_to_break_a_deadlock_is_written_again(
     real_discard = DatabaseCoordinator.discard
     calls: list[list[Any]] = []
 
-    def deadlocking_discard(
-        self: DatabaseCoordinator, category: str, ids: Any, tokens: Any, reasons: Any
-    ) -> Any:
-        calls.append(list(ids))
+    def deadlocking_discard(self: DatabaseCoordinator, leases: Any, reasons: Any) -> Any:
+        calls.append([lease.id for lease in leases])
         if len(calls) == 1:
             raise OperationalError("deadlock detected")
-        return real_discard(self, category, ids, tokens, reasons)
+        return real_discard(self, leases, reasons)
 
     monkeypatch.setattr(DatabaseCoordinator, "discard", deadlocking_discard)
     ran: list[int] = []

@@ -21,8 +21,9 @@ from django.test import override_settings
 import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
-from django_workpump.pump.dispatch import Dispatcher, FailedAttempt
+from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
+from django_workpump.pump.outcomes import Completion, FailedAttempt
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from django_workpump.pump.supervisor import EXIT_OK
 from django_workpump.registry import Registry, registry
@@ -35,6 +36,7 @@ from django_workpump.storable import (
     storable_result,
     storable_text,
 )
+from django_workpump.work import Lease
 from tests.conftest import FAST_PUMP, drain
 
 FAST = {**FAST_PUMP, "CONCURRENCY": 3}
@@ -214,7 +216,7 @@ def test_a_completion_the_database_refuses_is_completed_with_a_note_and_the_batc
     results[2] = '{"text": "a\\u0000b"}'  # jsonb refuses it: \u0000 cannot be text
     results[4] = '"lone \ud800"'  # psycopg cannot even encode it
     for work_id, result in zip(ids, results, strict=True):
-        dispatcher.completions.put(("outbox", work_id, tokens[work_id], result))
+        dispatcher.completions.put(Completion(Lease("outbox", work_id, tokens[work_id]), result))
 
     assert dispatcher.completions.flush_once() == 6
 
@@ -235,7 +237,7 @@ def test_a_failure_the_database_refuses_is_recorded_as_plain_ascii_and_the_batch
     errors = ["plain error 0", "nul \x00 error", "lone \udfff error", "plain error 3"]
     for work_id, error in zip(ids, errors, strict=True):
         dispatcher.failures.put(
-            FailedAttempt("outbox", work_id, tokens[work_id], error, "handler_error")
+            FailedAttempt(Lease("outbox", work_id, tokens[work_id]), error, "handler_error")
         )
 
     assert dispatcher.failures.flush_once() == 4
@@ -276,7 +278,7 @@ def test_a_completion_whose_connection_was_killed_is_retried_on_a_new_one(held, 
     coordinator, ids, tokens = held(2)
     dispatcher = make_dispatcher(coordinator)
     for work_id in ids:
-        dispatcher.completions.put(("outbox", work_id, tokens[work_id], None))
+        dispatcher.completions.put(Completion(Lease("outbox", work_id, tokens[work_id])))
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid()")
         pid = cursor.fetchone()[0]

@@ -24,6 +24,7 @@ from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.service import LoopService
 from django_workpump.states import FailureReason, OutcomeStatus
+from django_workpump.work import Lease
 
 logger = logging.getLogger("django_workpump.claim")
 
@@ -324,9 +325,7 @@ class ClaimWorker(LoopService):
             errors = [f"the payload cannot be decoded: {row.payload_error}" for row in group]
             try:
                 outcomes = self.coordinator.dead_letter(
-                    category,
-                    [row.work_id for row in group],
-                    [row.lease_token for row in group],
+                    [Lease(category, row.work_id, row.lease_token) for row in group],
                     errors,
                     UNDECODABLE_PAYLOAD,
                 )

@@ -21,8 +21,29 @@ from django_workpump.conf import get_settings, lock_loss_grace_seconds
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.registry import CATEGORIES
 from django_workpump.states import OutcomeStatus
+from django_workpump.work import Lease
 
 T = TypeVar("T")
+
+
+def lease_arrays(
+    leases: Sequence[Lease],
+) -> tuple[str, list[uuid.UUID], list[uuid.UUID]]:
+    """The category and the parallel id and token arrays the fenced SQL functions take.
+
+    One call writes about one category: leases of two are a caller's mistake.
+    """
+    categories = {lease.category for lease in leases}
+    if len(categories) != 1:
+        raise ValueError(
+            f"A fenced write names the leases of one category, not of {sorted(categories)}: "
+            "write each category apart."
+        )
+    return (
+        leases[0].category,
+        [lease.id for lease in leases],
+        [lease.token for lease in leases],
+    )
 
 
 @dataclass(frozen=True)
@@ -41,48 +62,21 @@ class Coordinator(Protocol):
     def schema_ready(self) -> bool: ...
     def claim(self, max_rows: int) -> list[ClaimedWork]: ...
     def renew(
-        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
+        self, leases: Sequence[Lease]
     ) -> dict[uuid.UUID, Any]: ...  # id -> new expiry, or None: the attempt was cancelled
-    def complete(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        results: Sequence[str | None],
-    ) -> list[Outcome]: ...
+    def complete(self, leases: Sequence[Lease], results: Sequence[str | None]) -> list[Outcome]: ...
     def fail(
         self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
+        leases: Sequence[Lease],
         errors: Sequence[str],
         reasons: Sequence[str],
         delays: Sequence[float | None] | None = None,
     ) -> list[Outcome]: ...
-    def snooze(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        seconds: Sequence[float],
-    ) -> list[Outcome]: ...
-    def discard(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        reasons: Sequence[str],
-    ) -> list[Outcome]: ...
-    def release(
-        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
-    ) -> list[Outcome]: ...
+    def snooze(self, leases: Sequence[Lease], seconds: Sequence[float]) -> list[Outcome]: ...
+    def discard(self, leases: Sequence[Lease], reasons: Sequence[str]) -> list[Outcome]: ...
+    def release(self, leases: Sequence[Lease]) -> list[Outcome]: ...
     def dead_letter(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        errors: Sequence[str],
-        reason: str,
+        self, leases: Sequence[Lease], errors: Sequence[str], reason: str
     ) -> list[Outcome]: ...
     def heartbeat(self, metadata: Mapping[str, Any]) -> bool: ...
     def next_eviction_in(self) -> float | None: ...
@@ -187,9 +181,8 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
-    def renew(
-        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
-    ) -> dict[uuid.UUID, Any]:
+    def renew(self, leases: Sequence[Lease]) -> dict[uuid.UUID, Any]:
+        category, ids, tokens = lease_arrays(leases)
         return self._call(
             db.renew_leases,
             category=category,
@@ -200,13 +193,8 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
-    def complete(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        results: Sequence[str | None],
-    ) -> list[Outcome]:
+    def complete(self, leases: Sequence[Lease], results: Sequence[str | None]) -> list[Outcome]:
+        category, ids, tokens = lease_arrays(leases)
         return self._call(
             db.complete_work,
             instance_id=self.identity.instance_id,
@@ -219,13 +207,12 @@ class DatabaseCoordinator:
 
     def fail(
         self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
+        leases: Sequence[Lease],
         errors: Sequence[str],
         reasons: Sequence[str],
         delays: Sequence[float | None] | None = None,
     ) -> list[Outcome]:
+        category, ids, tokens = lease_arrays(leases)
         return self._call(
             db.fail_work,
             instance_id=self.identity.instance_id,
@@ -240,13 +227,8 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
-    def snooze(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        seconds: Sequence[float],
-    ) -> list[Outcome]:
+    def snooze(self, leases: Sequence[Lease], seconds: Sequence[float]) -> list[Outcome]:
+        category, ids, tokens = lease_arrays(leases)
         return self._call(
             db.snooze_work,
             instance_id=self.identity.instance_id,
@@ -258,13 +240,8 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
-    def discard(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        reasons: Sequence[str],
-    ) -> list[Outcome]:
+    def discard(self, leases: Sequence[Lease], reasons: Sequence[str]) -> list[Outcome]:
+        category, ids, tokens = lease_arrays(leases)
         return self._call(
             db.discard_work,
             instance_id=self.identity.instance_id,
@@ -275,9 +252,8 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
-    def release(
-        self, category: str, ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]
-    ) -> list[Outcome]:
+    def release(self, leases: Sequence[Lease]) -> list[Outcome]:
+        category, ids, tokens = lease_arrays(leases)
         return self._call(
             db.release_work,
             instance_id=self.identity.instance_id,
@@ -288,12 +264,7 @@ class DatabaseCoordinator:
         )
 
     def dead_letter(
-        self,
-        category: str,
-        ids: Sequence[uuid.UUID],
-        tokens: Sequence[uuid.UUID],
-        errors: Sequence[str],
-        reason: str,
+        self, leases: Sequence[Lease], errors: Sequence[str], reason: str
     ) -> list[Outcome]:
         """Park rows this instance holds as dead with ``reason`` without running them.
 
@@ -302,6 +273,8 @@ class DatabaseCoordinator:
         by the failure itself (with ``reason`` when it is one ``fail_work`` keeps, such as
         ``not_retryable`` and ``undecodable_payload``; else ``max_attempts``).
         """
+
+        category, ids, tokens = lease_arrays(leases)
 
         def fail_and_park() -> list[Outcome]:
             with transaction.atomic(using=self.alias):

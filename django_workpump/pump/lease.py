@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from django_workpump.clock import Clock
 from django_workpump.states import CancelReason
+from django_workpump.work import Lease
 
 _REASONS: frozenset[str] = frozenset(CancelReason)
 
@@ -69,6 +70,13 @@ class LeaseHandle:
 
     def __repr__(self) -> str:
         return f"<LeaseHandle {self.category} {self.work_id} renewals={self._renewal_count}>"
+
+    @property
+    def lease(self) -> Lease | None:
+        """The claim this handle renews and fences by; None when it has no token."""
+        if self.lease_token is None:
+            return None
+        return Lease(self.category, self.work_id, self.lease_token)
 
     @property
     def key(self) -> LeaseKey:

@@ -20,7 +20,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import connections
 
@@ -33,12 +33,21 @@ from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.service import LoopService
 from django_workpump.states import CancelReason
+from django_workpump.work import Lease
 
 logger = logging.getLogger("django_workpump.renewal")
 
 
 # How long stop() waits for the final flush of renewals when not told.
 FINAL_FLUSH_SECONDS = 5.0
+
+
+class RenewalRequest(NamedTuple):
+    """A renewal asked for: ``token`` is the attempt's lease token, None for the handle's."""
+
+    category: str
+    work_id: uuid.UUID
+    token: uuid.UUID | None = None
 
 
 class LeaseRenewalWorker(LoopService):
@@ -84,8 +93,7 @@ class LeaseRenewalWorker(LoopService):
         self._requested: dict[tuple[str, uuid.UUID], float] = {}  # key -> asked at
         self.request_retry_seconds = max(coalesce_window * 10, 5.0)
         self._requested_lock = threading.Lock()
-        # (category, work id, the attempt's lease token or None for the handle's)
-        self.flusher: BatchFlusher[tuple[str, uuid.UUID, uuid.UUID | None]] = BatchFlusher(
+        self.flusher: BatchFlusher[RenewalRequest] = BatchFlusher(
             "workpump-renewals",
             self.flush,
             max_batch=max_batch,
@@ -97,7 +105,7 @@ class LeaseRenewalWorker(LoopService):
                 application_name(coordinator.identity.instance_id, "renewals")
             ),
             on_thread_exit=connections.close_all,
-            group_by=lambda item: item[0],
+            group_by=lambda item: item.category,
             on_rejected=self._rejected,
         )
 
@@ -108,24 +116,21 @@ class LeaseRenewalWorker(LoopService):
 
         ``lease_token`` is the attempt's; None means the one of the handle in flight.
         """
-        return self.flusher.put((category, work_id, lease_token))
+        return self.flusher.put(RenewalRequest(category, work_id, lease_token))
 
-    def flush(self, batch: list[tuple[str, uuid.UUID, uuid.UUID | None]]) -> None:
+    def flush(self, batch: list[RenewalRequest]) -> None:
         """Renew a batch of one category: one fenced call, for handles that may still renew."""
-        category = batch[0][0]
-        tokens: dict[uuid.UUID, uuid.UUID] = {}  # work id -> the token renewed
+        category = batch[0].category
+        leases: dict[uuid.UUID, Lease] = {}  # work id -> the lease renewed
         for _, work_id, token in dict.fromkeys(batch):  # de-duplicated, order kept
             if self.leases is None:
                 if token is not None:  # no registry: renew what was asked
-                    tokens[work_id] = token
+                    leases[work_id] = Lease(category, work_id, token)
                 self._answered(category, work_id)
                 continue
             handle = self.leases.get(category, work_id)
-            if (
-                handle is None
-                or handle.lease_token is None
-                or token not in (None, handle.lease_token)
-            ):
+            lease = None if handle is None else handle.lease
+            if handle is None or lease is None or token not in (None, lease.token):
                 self.skipped_gone += 1  # finished, or superseded by a newer claim
                 self._answered(category, work_id)
                 continue
@@ -141,15 +146,15 @@ class LeaseRenewalWorker(LoopService):
                     extra={"action": "renewal_cap"},
                 )
                 continue
-            tokens[work_id] = handle.lease_token
-        if not tokens or self.refused is not None:
+            leases[work_id] = lease
+        if not leases or self.refused is not None:
             return
-        ids = list(tokens)
+        ids = list(leases)
         sent_at = self.clock.monotonic()
         # A failure raises: the flusher retries a connection error (this category's ids
         # only, so others do not spend a second capped renewal) and splits a data error.
         try:
-            renewed = self.coordinator.renew(category, ids, list(tokens.values()))
+            renewed = self.coordinator.renew(list(leases.values()))
         except InstanceRefused as exc:
             self._refuse(str(exc))
             return
@@ -160,7 +165,7 @@ class LeaseRenewalWorker(LoopService):
         deadline = sent_at + self.lease_seconds - self.lease_grace_seconds
         cancelled = [work_id for work_id, expiry in renewed.items() if expiry is None]
         if cancelled:
-            self._cancelled(category, [(work_id, tokens[work_id]) for work_id in cancelled])
+            self._cancelled(category, [(work_id, leases[work_id].token) for work_id in cancelled])
         self.metrics.renewed(category, len(renewed) - len(cancelled))
         for work_id in renewed:
             if renewed[work_id] is None:
@@ -168,7 +173,7 @@ class LeaseRenewalWorker(LoopService):
             self.renewed += 1
             if self.leases is not None:
                 handle = self.leases.get(category, work_id)
-                if handle is not None and handle.lease_token == tokens[work_id]:
+                if handle is not None and handle.lease == leases[work_id]:
                     handle.confirm_renewal(deadline)
         lost = set(ids) - set(renewed)
         for work_id in lost:
@@ -180,7 +185,7 @@ class LeaseRenewalWorker(LoopService):
             )
             if self.leases is not None:
                 handle = self.leases.get(category, work_id)
-                if handle is not None and handle.lease_token == tokens[work_id]:
+                if handle is not None and handle.lease == leases[work_id]:
                     # work.cancelled tells the handler; no more renewals are asked.
                     handle.cancel(CancelReason.LOST)
 
@@ -218,9 +223,9 @@ class LeaseRenewalWorker(LoopService):
         if self.on_refused is not None:
             self.on_refused(reason)
 
-    def _rejected(self, item: tuple[str, uuid.UUID, uuid.UUID | None], error: Exception) -> None:
+    def _rejected(self, item: RenewalRequest, error: Exception) -> None:
         """Drop a renewal the database refuses for its data; the lease may run out."""
-        category, work_id, _ = item
+        category, work_id = item.category, item.work_id
         # Still marked as asked: a later tick asks again only after the retry window.
         logger.error(
             "renewal of %s %s refused by the database (%s); dropped, asked again in %.0f s "
@@ -243,7 +248,7 @@ class LeaseRenewalWorker(LoopService):
                 self.on_deadline(handle)
         # Every renewal due this tick goes to the flusher at once: one flush then sends
         # one renew_leases per category, however many rows are due.
-        due: list[tuple[str, uuid.UUID, uuid.UUID | None]] = []
+        due: list[RenewalRequest] = []
         now = self.clock.monotonic()
         with self._requested_lock:
             for handle in self.leases.handles():
@@ -256,7 +261,7 @@ class LeaseRenewalWorker(LoopService):
                 if asked_at is not None and now - asked_at < self.request_retry_seconds:
                     continue
                 self._requested[key] = now
-                due.append((*key, handle.lease_token))
+                due.append(RenewalRequest(*key, handle.lease_token))
         requested = self.flusher.put_many(due)
         if requested < len(due):
             with self._requested_lock:

@@ -11,18 +11,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Mapping
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.apps import apps
 from django.conf import settings
 from django.utils.module_loading import autodiscover_modules, import_string
 
 from django_workpump.registry import TASK_TOPIC_PREFIX
-from django_workpump.tasks.compat import InvalidTaskBackend, Task, task_backends
+from django_workpump.tasks.compat import BaseTaskBackend, InvalidTaskBackend, Task, task_backends
 from django_workpump.tasks.errors import TaskRefused
-
-if TYPE_CHECKING:
-    from django_workpump.tasks.backend import WorkPumpBackend
 
 TOPIC_PREFIX = TASK_TOPIC_PREFIX
 
@@ -32,7 +29,7 @@ def topic_of(alias: str, queue: str) -> str:
     return f"{TOPIC_PREFIX}:{alias}:{queue}"
 
 
-def backend_class() -> type[WorkPumpBackend]:
+def backend_class() -> type[BaseTaskBackend]:
     """Return ``WorkPumpBackend`` (imported here because ``backend.py`` imports this module)."""
     from django_workpump.tasks.backend import WorkPumpBackend
 
@@ -50,7 +47,7 @@ def is_workpump_backend(path: Any) -> bool:
     return isinstance(found, type) and issubclass(found, backend_class())
 
 
-def _may_import(module_name: str, backend: WorkPumpBackend) -> bool:
+def _may_import(module_name: str, backend: BaseTaskBackend) -> bool:
     """Whether tasks may live in ``module_name``: an installed app's, or TASK_MODULES'."""
     roots = [config.name for config in apps.get_app_configs()]
     roots += [m for m in backend.options.get("TASK_MODULES", ()) if isinstance(m, str)]
@@ -88,7 +85,7 @@ def load_task_code() -> list[str]:
     return aliases
 
 
-def resolve_task(module_path: Any, backend: WorkPumpBackend) -> Task:
+def resolve_task(module_path: Any, backend: BaseTaskBackend) -> Task:
     """Return the task ``module_path`` names, or raise ``TaskRefused`` (never run blindly).
 
     Nothing is imported: the module must already be loaded (each installed app's

@@ -12,13 +12,14 @@ import json
 import uuid
 from collections.abc import Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.utils import timezone
 
 from django_workpump import db
 from django_workpump.conf import setting
 from django_workpump.tasks.compat import (
+    BaseTaskBackend,
     InvalidTask,
     TaskError,
     TaskResult,
@@ -28,11 +29,8 @@ from django_workpump.tasks.compat import (
 from django_workpump.tasks.errors import AttemptLost, WorkCancelled, WorkFailed, class_path
 from django_workpump.tasks.resolution import resolve_task, topic_of
 
-if TYPE_CHECKING:
-    from django_workpump.tasks.backend import WorkPumpBackend
 
-
-def read_result(backend: WorkPumpBackend, result_id: Any) -> TaskResult:
+def read_result(backend: BaseTaskBackend, result_id: Any) -> TaskResult:
     """The ``TaskResult`` of one task row of ``backend``, from the database."""
     try:
         message_id = uuid.UUID(str(result_id))

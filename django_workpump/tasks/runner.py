@@ -16,7 +16,7 @@ import traceback as tracebacks
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
 from django.core.signals import setting_changed
@@ -27,7 +27,7 @@ from django.utils import timezone
 
 from django_workpump import db
 from django_workpump.conf import setting
-from django_workpump.pump.dispatch import FAILURE_SUBJECTS
+from django_workpump.pump.outcomes import FAILURE_SUBJECTS
 from django_workpump.registry import Handler, registry
 from django_workpump.storable import ascii_text, is_transient, storable_text
 from django_workpump.tasks.checks import valid_name
@@ -55,8 +55,8 @@ from django_workpump.tasks.resolution import (
 from django_workpump.tasks.results import parse_time, read_result
 
 if TYPE_CHECKING:
-    from django_workpump.pump.dispatch import Work
     from django_workpump.tasks.backend import WorkPumpBackend
+    from django_workpump.work import Work
 
 logger = logging.getLogger("django_workpump.tasks")
 
@@ -269,7 +269,7 @@ class AttemptRunner:
             raise TaskRefused(f"Task backend '{self.alias}' is not configured: {exc}") from None
         if not isinstance(backend, backend_class()):
             raise TaskRefused(f"Task backend '{self.alias}' is not a WorkPumpBackend.")
-        self.backend = backend
+        self.backend = cast("WorkPumpBackend", backend)
         payload = self.work.payload
         args, kwargs = payload.get("args", []), payload.get("kwargs", {})
         if not isinstance(args, list) or not isinstance(kwargs, dict):
