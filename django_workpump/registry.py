@@ -14,6 +14,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django_workpump import categories
 from django_workpump.control import Retry, check_timeout
 
+# Callables naming what a row runs when its topic is shared (the tasks backend's queue
+# topic runs every task): ``name(row)`` returns e.g. "task 'myapp.tasks.send'" or None.
+# Here, beside the handlers, so the code that owns such topics fills it without
+# reaching into the engine that reads it (failure log lines).
+FAILURE_SUBJECTS: list[Callable[[Any], str | None]] = []
+
 # Derived from django_workpump.categories, where the facts of each category live.
 CATEGORIES = categories.NAMES
 TOPIC_NOUNS = {category.name: category.topic_noun for category in categories.CATEGORIES}

@@ -25,6 +25,7 @@ from django_workpump.metrics import NullRecorder
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.flusher import BatchFlusher
 from django_workpump.pump.jobs import DispatchStats, Job
+from django_workpump.registry import FAILURE_SUBJECTS
 from django_workpump.states import FailureReason, HandlerOutcome, OutcomeStatus, StopReason
 from django_workpump.storable import ascii_text, error_headline, is_transient, result_note
 from django_workpump.work import Lease, stop_reason
@@ -152,11 +153,6 @@ class FailedAttempt(NamedTuple):
             delay,
             next(filter(None, (name(row) for name in FAILURE_SUBJECTS)), None),
         )
-
-
-# Callables naming what a row runs when its topic is shared (the tasks backend's queue
-# topic runs every task): ``name(row)`` returns e.g. "task 'myapp.tasks.send'" or None.
-FAILURE_SUBJECTS: list[Callable[[ClaimedWork], str | None]] = []
 
 
 def log_failed_attempt(item: FailedAttempt, outcome: Any) -> None:

@@ -27,8 +27,7 @@ from django.utils import timezone
 
 from django_workpump import db
 from django_workpump.conf import setting
-from django_workpump.pump.outcomes import FAILURE_SUBJECTS
-from django_workpump.registry import Handler, registry
+from django_workpump.registry import FAILURE_SUBJECTS, Handler, registry
 from django_workpump.storable import ascii_text, is_transient, storable_text
 from django_workpump.tasks.checks import valid_name
 from django_workpump.tasks.compat import (
