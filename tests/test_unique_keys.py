@@ -234,6 +234,7 @@ def test_racing_producers_leave_one_row_per_key_even_when_the_first_rolls_back(
     def all_waiting() -> bool:
         row = observer.execute(
             "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
         ).fetchone()
         return row["n"] == racers
 
