@@ -147,7 +147,7 @@ def test_record_heartbeat_needs_four_arguments_and_defaults_the_rest():
         "p_host_name",
         "p_process_id",
     ]
-    assert proc[0]["proargnames"][-2:] == ["p_now", "p_lock_loss_grace_seconds"]
+    assert proc[0]["proargnames"][-2:] == ["p_lock_loss_grace_seconds", "p_now"]
     assert proc[0]["pronargdefaults"] == proc[0]["pronargs"] - 4
     assert proc[0]["ret"] == "boolean"
     # An operator can call it by hand with the four required arguments.
