@@ -32,13 +32,13 @@ The functions live in the schema `workpump`, installed by `migrate` from
 release's change also ships as a delta with its own migration, and a test keeps the two
 equal: [design-decisions.md](design-decisions.md)). The tables are Django's,
 in the database's default schema (`workpump_outbox`, …). Every time-dependent function
-takes an optional `p_now` (tests only; production uses the database clock; pass it by
-name, since a few functions take parameters after it), and every parameter except the required
+takes an optional `p_now` (tests only; production uses the database clock), always its
+last parameter, and every parameter except the required
 ones has a default, so operators can call them by hand. Every function, with its
 signature, is listed below; the main ones:
 
-- `claim_work(p_instance_id, p_max_rows, p_lease_seconds, …, p_categories, p_now,
-  p_topics, p_stream_run_max)` leases claimable rows (stream heads only, `FOR UPDATE SKIP
+- `claim_work(p_instance_id, p_max_rows, p_lease_seconds, …, p_categories, p_topics,
+  …, p_stream_run_max, …, p_now)` leases claimable rows (stream heads only, `FOR UPDATE SKIP
   LOCKED`, partition share with stealing, dead-letter at the attempts cap, `has_more` for
   drain mode; with `p_stream_run_max` > 1 each head with a run of the rows after it), only
   of the topics `p_topics` names (`{"outbox": ["emails.welcome"], "inbox": [...]}`; NULL:

@@ -209,7 +209,7 @@ def test_produced_work_wakes_in_process_listeners_only_after_commit(
         "DROP SCHEMA workpump CASCADE",  # never migrated
         # not current
         "DROP FUNCTION workpump.receive(uuid, text, jsonb, text, integer, timestamptz, integer,"
-        " integer, bigint, integer, boolean, text, interval, text, timestamptz, jsonb)",
+        " integer, bigint, integer, boolean, text, interval, text, jsonb, timestamptz)",
     ],
     ids=["no-schema", "old-schema"],
 )

@@ -253,3 +253,34 @@ def test_migrate_installs_what_schema_sql_declares_and_nothing_else():
     assert scalar(relations + " AND relkind NOT IN ('S', 'c')") == 0
     for kind in DECLARED:
         assert installed[kind] == expected[kind], f"{kind}s: {DISAGREE}"
+
+
+# Each function of schema workpump that takes p_now, with its input parameters in order
+# (proargnames also lists OUT and TABLE columns, which proargmodes tells apart).
+P_NOW_FUNCTIONS = """
+SELECT p.oid::regprocedure::text AS signature, array_agg(a.name ORDER BY a.ord) AS inputs
+FROM pg_proc p
+CROSS JOIN LATERAL unnest(
+    p.proargnames,
+    coalesce(p.proargmodes, array_fill('i'::"char", ARRAY[cardinality(p.proargnames)]))
+) WITH ORDINALITY AS a(name, mode, ord)
+WHERE p.pronamespace = 'workpump'::regnamespace
+  AND 'p_now' = ANY (p.proargnames)
+  AND a.mode IN ('i', 'b', 'v')
+GROUP BY p.oid
+"""
+
+
+@pytest.mark.django_db
+def test_p_now_is_the_last_parameter_of_every_function():
+    with connection.cursor() as cursor:
+        cursor.execute(P_NOW_FUNCTIONS)
+        functions = dict(cursor.fetchall())
+    assert "workpump.claim_work" in {s.split("(")[0] for s in functions}, functions
+    misplaced = [
+        f"{signature} takes p_now before {', '.join(inputs[inputs.index('p_now') + 1 :])}:"
+        " move p_now to the end of its parameters."
+        for signature, inputs in sorted(functions.items())
+        if inputs[-1] != "p_now"
+    ]
+    assert misplaced == []

@@ -255,14 +255,13 @@ def test_claim_work_has_the_documented_parameters_all_defaulted_but_the_instance
     ]:
         assert name in names
     assert names[0] == "p_instance_id"
-    # the topic filters, the run size and the return of parked rows come after p_now, so
-    # a positional caller that stops at p_now keeps working
+    # p_now goes last, as in every function of the schema
     assert names[-5:] == [
-        "p_now",
         "p_topics",
         "p_topic_prefixes",
         "p_stream_run_max",
         "p_return_dead_lettered",
+        "p_now",
     ]
     assert args[0] == "p_instance_id uuid"
     assert all(" DEFAULT " in a for a in args[1:]), args

@@ -100,7 +100,7 @@ def state(category: str, work_id: uuid.UUID, now: datetime) -> str:
     table, key, done = TABLES[category]
     return scalar(  # type: ignore[no-any-return]
         f"SELECT workpump.state_of({done}, dead_lettered_at, instance_id, lease_expiry,"
-        f" claimed_at, scheduled_for, %s, end_state) FROM {table} WHERE {key} = %s",
+        f" claimed_at, scheduled_for, end_state, %s) FROM {table} WHERE {key} = %s",
         [now, work_id],
     )
 

@@ -81,13 +81,13 @@ def test_no_instance_is_evicted_while_the_server_has_just_restarted():
     # a cutoff before the restart: the server started within the stale window
     assert (
         run_sql(
-            "SELECT * FROM workpump.cleanup_stale_instances(%s, NULL, %s)",
+            "SELECT * FROM workpump.cleanup_stale_instances(%s, NULL, 0, %s)",
             [started - timedelta(seconds=5), started + timedelta(seconds=25)],
         )
         == []
     )
     # once the restart is older than the stale window, the silence counts
     assert run_sql(
-        "SELECT * FROM workpump.cleanup_stale_instances(%s, NULL, %s)",
+        "SELECT * FROM workpump.cleanup_stale_instances(%s, NULL, 0, %s)",
         [started + timedelta(seconds=1), started + timedelta(seconds=31)],
     ) == [{"instance_id": A}]

@@ -68,7 +68,7 @@ def cleanup(
     stale_cutoff: datetime | None, dead_cutoff: datetime | None = None, now: datetime = T0
 ) -> list[uuid.UUID]:
     rows = run_sql(
-        "SELECT instance_id FROM workpump.cleanup_stale_instances(%s, %s, %s)",
+        "SELECT instance_id FROM workpump.cleanup_stale_instances(%s, %s, 0, %s)",
         [stale_cutoff, dead_cutoff, now],
     )
     return [r["instance_id"] for r in rows]
@@ -111,7 +111,7 @@ def work_row(category: str, work_id: uuid.UUID, now: datetime = T0) -> dict[str,
     table, key, done = TABLES[category]
     rows = run_sql(
         f"SELECT t.*, workpump.state_of(t.{done}, t.dead_lettered_at, t.instance_id,"
-        f" t.lease_expiry, t.claimed_at, t.scheduled_for, %s) AS state"
+        f" t.lease_expiry, t.claimed_at, t.scheduled_for, NULL, %s) AS state"
         f" FROM {table} t WHERE t.{key} = %s",
         [now, work_id],
     )
@@ -147,7 +147,7 @@ def test_record_heartbeat_needs_four_arguments_and_defaults_the_rest():
         "p_host_name",
         "p_process_id",
     ]
-    assert proc[0]["proargnames"][-2:] == ["p_now", "p_lock_loss_grace_seconds"]
+    assert proc[0]["proargnames"][-2:] == ["p_lock_loss_grace_seconds", "p_now"]
     assert proc[0]["pronargdefaults"] == proc[0]["pronargs"] - 4
     assert proc[0]["ret"] == "boolean"
     # An operator can call it by hand with the four required arguments.
@@ -303,7 +303,7 @@ def test_heartbeat_racing_an_eviction_does_not_resurrect_the_instance(raw_connec
 
     with evictor.transaction():
         evicted = evictor.execute(
-            "SELECT instance_id FROM workpump.cleanup_stale_instances(%s, NULL, %s)",
+            "SELECT instance_id FROM workpump.cleanup_stale_instances(%s, NULL, 0, %s)",
             [at(30), at(60)],
         ).fetchall()
         assert [r["instance_id"] for r in evicted] == [A]
@@ -560,7 +560,7 @@ def test_eviction_notifies_the_orphan_channel_once_when_it_commits(raw_connect):
 
     with evictor.transaction():
         evictor.execute(
-            "SELECT * FROM workpump.cleanup_stale_instances(%s, NULL, %s)", [at(30), at(60)]
+            "SELECT * FROM workpump.cleanup_stale_instances(%s, NULL, 0, %s)", [at(30), at(60)]
         )
         assert drain(listener, 0.3) == []  # nothing before the commit
 

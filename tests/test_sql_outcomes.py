@@ -112,7 +112,7 @@ def state(category: str, work_id: uuid.UUID, now: datetime) -> str:
     table, key, done = TABLES[category]
     return scalar(
         f"SELECT workpump.state_of({done}, dead_lettered_at, instance_id, lease_expiry,"
-        f" claimed_at, scheduled_for, %s) FROM {table} WHERE {key} = %s",
+        f" claimed_at, scheduled_for, NULL, %s) FROM {table} WHERE {key} = %s",
         [now, work_id],
     )
 
@@ -194,7 +194,7 @@ def fail(
         tokens = current_tokens(category, ids)
     rows = run_sql(
         "SELECT * FROM workpump.fail_work(%s, %s, %s::uuid[], %s::uuid[], %s::text[],"
-        " %s::text[], %s, %s, %s)",
+        " %s::text[], %s, %s, NULL, %s)",
         [instance, category, ids, tokens, errors, reasons, base, cap, now],
     )
     return {r["work_id"]: r for r in rows}

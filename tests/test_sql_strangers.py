@@ -73,7 +73,7 @@ def next_eviction_in(now: datetime) -> float | None:
 def cleanup(now: datetime) -> list[uuid.UUID]:
     rows = run_sql(
         "SELECT instance_id FROM workpump.cleanup_stale_instances(%s, %s, %s, %s)",
-        [now - timedelta(seconds=STALE), now - timedelta(seconds=DEAD), now, GRACE],
+        [now - timedelta(seconds=STALE), now - timedelta(seconds=DEAD), GRACE, now],
     )
     return [r["instance_id"] for r in rows]
 

@@ -108,7 +108,7 @@ def test_each_branch_of_state_of_returns_a_work_state(inputs, expected):
     done_at, dead_at, held, lease_left, claimed, scheduled_in, end_state = inputs
     state = scalar(
         "SELECT workpump.state_of(%s::timestamptz, %s::timestamptz, %s::uuid, %s::timestamptz,"
-        " %s::timestamptz, %s::timestamptz, %s::timestamptz, %s::text)",
+        " %s::timestamptz, %s::timestamptz, %s::text, %s::timestamptz)",
         (
             done_at,
             dead_at,
@@ -116,8 +116,8 @@ def test_each_branch_of_state_of_returns_a_work_state(inputs, expected):
             None if lease_left is None else T0 + timedelta(seconds=lease_left),
             T0 - timedelta(seconds=1) if claimed else None,
             None if scheduled_in is None else T0 + timedelta(seconds=scheduled_in),
-            T0,
             end_state,
+            T0,
         ),
     )
 

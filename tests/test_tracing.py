@@ -254,10 +254,10 @@ def test_the_sql_producers_store_p_headers_and_old_calls_still_work():
             [json.dumps(headers)],
         )
         (with_headers,) = cursor.fetchone()
-        # a version-10 call: positional up to p_now
+        # a positional call that stops before p_headers
         cursor.execute(
             "SELECT workpump.send('tr.sync', '{}'::jsonb, NULL, 0, NULL, 10, NULL, 10000,"
-            " 1048576, 100, NULL, NULL, 'return', NULL)"
+            " 1048576, 100, NULL, NULL, 'return')"
         )
         (without,) = cursor.fetchone()
     assert stored_headers("workpump_outbox", "message_id = %s", [with_headers]) == [headers]

@@ -374,8 +374,8 @@ def state_of(spec: WorkSpec) -> Func:
         F("lease_expiry"),
         F("claimed_at"),
         F("scheduled_for"),
-        DbNow(),
         F("end_state"),
+        DbNow(),
         function="workpump.state_of",
         output_field=CharField(),
     )

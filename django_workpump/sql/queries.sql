@@ -444,25 +444,25 @@ WITH clock AS (
     -- the four tables reduced to the columns an operator selects by
     SELECT 'outbox' AS category, t.message_id AS id, t.destination AS topic, t.created_at,
            workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now, t.end_state) AS state
+                             t.claimed_at, t.scheduled_for, t.end_state, c.now) AS state
     FROM workpump_outbox t CROSS JOIN clock c
     WHERE %(ids)s::uuid[] IS NULL OR t.message_id = ANY (%(ids)s::uuid[])
     UNION ALL
     SELECT 'inbox', t.message_id, t.handler_name, t.created_at,
            workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now, t.end_state)
+                             t.claimed_at, t.scheduled_for, t.end_state, c.now)
     FROM workpump_inbox t CROSS JOIN clock c
     WHERE %(ids)s::uuid[] IS NULL OR t.message_id = ANY (%(ids)s::uuid[])
     UNION ALL
     SELECT 'perspective_event', t.event_work_id, t.perspective_name, t.created_at,
            workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now, t.end_state)
+                             t.claimed_at, t.scheduled_for, t.end_state, c.now)
     FROM workpump_perspective_event t CROSS JOIN clock c
     WHERE %(ids)s::uuid[] IS NULL OR t.event_work_id = ANY (%(ids)s::uuid[])
     UNION ALL
     SELECT 'receptor', t.id, t.receptor_name, t.created_at,
            workpump.state_of(t.completed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
-                             t.claimed_at, t.scheduled_for, c.now, t.end_state)
+                             t.claimed_at, t.scheduled_for, t.end_state, c.now)
     FROM workpump_receptor_processing t CROSS JOIN clock c
     WHERE %(ids)s::uuid[] IS NULL OR t.id = ANY (%(ids)s::uuid[])
 )
@@ -516,7 +516,7 @@ WITH clock AS (
     -- the state of each locked row as of this transaction's clock
     SELECT l.category, l.id, l.topic, l.created_at,
            workpump.state_of(l.done_at, l.dead_lettered_at, l.instance_id, l.lease_expiry,
-                             l.claimed_at, l.scheduled_for, c.now, l.end_state) AS state
+                             l.claimed_at, l.scheduled_for, l.end_state, c.now) AS state
     FROM locked l CROSS JOIN clock c
 )
 SELECT w.category, w.id, w.topic, w.state, w.created_at

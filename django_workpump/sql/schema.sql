@@ -178,8 +178,8 @@ CREATE FUNCTION workpump.state_of(
     p_lease_expiry timestamptz,
     p_claimed_at timestamptz,
     p_scheduled_for timestamptz,
-    p_now timestamptz DEFAULT NULL,
-    p_end_state text DEFAULT NULL
+    p_end_state text DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS text
 LANGUAGE sql STABLE PARALLEL SAFE
 RETURN CASE
@@ -527,8 +527,8 @@ CREATE FUNCTION workpump.send(
     p_unique_key text DEFAULT NULL,
     p_unique_for interval DEFAULT NULL,
     p_on_conflict text DEFAULT 'return',
-    p_now timestamptz DEFAULT NULL,
-    p_headers jsonb DEFAULT NULL
+    p_headers jsonb DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -605,8 +605,8 @@ CREATE FUNCTION workpump.receive(
     p_unique_key text DEFAULT NULL,
     p_unique_for interval DEFAULT NULL,
     p_on_conflict text DEFAULT 'return',
-    p_now timestamptz DEFAULT NULL,
-    p_headers jsonb DEFAULT NULL
+    p_headers jsonb DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS boolean
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -732,8 +732,8 @@ CREATE FUNCTION workpump.emit(
     p_unique_key text DEFAULT NULL,
     p_unique_for interval DEFAULT NULL,
     p_on_conflict text DEFAULT 'return',
-    p_now timestamptz DEFAULT NULL,
-    p_headers jsonb DEFAULT NULL
+    p_headers jsonb DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1416,8 +1416,8 @@ $$;
 CREATE FUNCTION workpump.cleanup_stale_instances(
     p_stale_cutoff timestamptz,
     p_definitive_dead_cutoff timestamptz DEFAULT NULL,
-    p_now timestamptz DEFAULT NULL,
-    p_lock_loss_grace_seconds double precision DEFAULT 0
+    p_lock_loss_grace_seconds double precision DEFAULT 0,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (instance_id uuid)
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1518,16 +1518,16 @@ $$;
 CREATE FUNCTION workpump.reap_without_waiting(
     p_stale_cutoff timestamptz,
     p_definitive_dead_cutoff timestamptz,
-    p_now timestamptz DEFAULT NULL,
-    p_lock_loss_grace_seconds double precision DEFAULT 0
+    p_lock_loss_grace_seconds double precision DEFAULT 0,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS SETOF uuid
 LANGUAGE sql
 SET search_path FROM CURRENT
 SET lock_timeout = '100ms'
 AS $$
     SELECT instance_id
-    FROM workpump.cleanup_stale_instances(p_stale_cutoff, p_definitive_dead_cutoff, p_now,
-                                          p_lock_loss_grace_seconds);
+    FROM workpump.cleanup_stale_instances(p_stale_cutoff, p_definitive_dead_cutoff,
+                                          p_lock_loss_grace_seconds, p_now);
 $$;
 
 -- Record a heartbeat: upsert the instance row with last_heartbeat_at = now, and stamp
@@ -1544,8 +1544,8 @@ CREATE FUNCTION workpump.record_heartbeat(
     p_metadata jsonb DEFAULT '{}',
     p_stale_after_seconds integer DEFAULT 30,
     p_definitively_dead_after_seconds integer DEFAULT 300,
-    p_now timestamptz DEFAULT NULL,
-    p_lock_loss_grace_seconds double precision DEFAULT 0
+    p_lock_loss_grace_seconds double precision DEFAULT 0,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS boolean
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1614,8 +1614,8 @@ BEGIN
         BEGIN
             -- a heartbeat never waits on a claim's row locks: give up and let the next
             -- beat or maintenance reap
-            PERFORM workpump.reap_without_waiting(v_stale_cutoff, v_dead_cutoff, v_now,
-                                                  p_lock_loss_grace_seconds);
+            PERFORM workpump.reap_without_waiting(v_stale_cutoff, v_dead_cutoff,
+                                                  p_lock_loss_grace_seconds, v_now);
         EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
             NULL;
         END;
@@ -1689,9 +1689,9 @@ CREATE FUNCTION workpump.claim_outbox(
     p_rank integer DEFAULT 0,
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
-    p_now timestamptz DEFAULT NULL,
     p_topic_prefixes text[] DEFAULT NULL,
-    p_run_max integer DEFAULT 1
+    p_run_max integer DEFAULT 1,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1990,9 +1990,9 @@ CREATE FUNCTION workpump.claim_inbox(
     p_rank integer DEFAULT 0,
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
-    p_now timestamptz DEFAULT NULL,
     p_topic_prefixes text[] DEFAULT NULL,
-    p_run_max integer DEFAULT 1
+    p_run_max integer DEFAULT 1,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -2292,9 +2292,9 @@ CREATE FUNCTION workpump.claim_perspective_event(
     p_rank integer DEFAULT 0,
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
-    p_now timestamptz DEFAULT NULL,
     p_topic_prefixes text[] DEFAULT NULL,
-    p_run_max integer DEFAULT 1
+    p_run_max integer DEFAULT 1,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -2597,9 +2597,9 @@ CREATE FUNCTION workpump.claim_receptor(
     p_rank integer DEFAULT 0,
     p_live_count integer DEFAULT 1,
     p_topics text[] DEFAULT NULL,
-    p_now timestamptz DEFAULT NULL,
     p_topic_prefixes text[] DEFAULT NULL,
-    p_run_max integer DEFAULT 1
+    p_run_max integer DEFAULT 1,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -2937,11 +2937,11 @@ CREATE FUNCTION workpump.claim_work(
     p_categories text[] DEFAULT NULL,
     p_stale_after_seconds integer DEFAULT 30,
     p_definitively_dead_after_seconds integer DEFAULT 300,
-    p_now timestamptz DEFAULT NULL,
     p_topics jsonb DEFAULT NULL,
     p_topic_prefixes jsonb DEFAULT NULL,
     p_stream_run_max integer DEFAULT 1,
-    p_return_dead_lettered boolean DEFAULT false
+    p_return_dead_lettered boolean DEFAULT false,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (
     category text,
     work_id uuid,
@@ -3240,25 +3240,25 @@ BEGIN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_outbox(
                     p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_outbox_topics, v_now, v_outbox_prefixes, p_stream_run_max) w
+                    v_outbox_topics, v_outbox_prefixes, p_stream_run_max, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_category = 'inbox' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_inbox(
                     p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_inbox_topics, v_now, v_inbox_prefixes, p_stream_run_max) w
+                    v_inbox_topics, v_inbox_prefixes, p_stream_run_max, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_category = 'perspective_event' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_perspective_event(
                     p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_perspective_topics, v_now, v_perspective_prefixes, p_stream_run_max) w
+                    v_perspective_topics, v_perspective_prefixes, p_stream_run_max, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSE
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_receptor(
                     p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_receptor_topics, v_now, v_receptor_prefixes, p_stream_run_max) w
+                    v_receptor_topics, v_receptor_prefixes, p_stream_run_max, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             END IF;
             GET DIAGNOSTICS v_count = ROW_COUNT;
@@ -3544,8 +3544,8 @@ CREATE FUNCTION workpump.fail_work(
     p_reasons text[] DEFAULT NULL,
     p_retry_base_seconds integer DEFAULT 30,
     p_retry_max_seconds integer DEFAULT 300,
-    p_now timestamptz DEFAULT NULL,
-    p_retry_delays double precision[] DEFAULT NULL
+    p_retry_delays double precision[] DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (work_id uuid, status text, scheduled_for timestamptz)
 LANGUAGE plpgsql
 SET search_path FROM CURRENT

@@ -482,7 +482,7 @@ WITH clock AS (
     SELECT 'outbox' AS category, '' AS scope, h.stream, h.message_id AS head_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
            workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, c.now, h.end_state) AS head_state,
+                             h.claimed_at, h.scheduled_for, h.end_state, c.now) AS head_state,
            (SELECT count(*) FROM workpump_outbox n
             WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq) AS waiting
     FROM workpump_outbox h CROSS JOIN clock c
@@ -493,7 +493,7 @@ WITH clock AS (
     SELECT 'inbox', '', h.stream, h.message_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
            workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, c.now, h.end_state),
+                             h.claimed_at, h.scheduled_for, h.end_state, c.now),
            (SELECT count(*) FROM workpump_inbox n
             WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq)
     FROM workpump_inbox h CROSS JOIN clock c
@@ -504,7 +504,7 @@ WITH clock AS (
     SELECT 'perspective_event', h.perspective_name, h.stream, h.event_work_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
            workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, c.now, h.end_state),
+                             h.claimed_at, h.scheduled_for, h.end_state, c.now),
            (SELECT count(*) FROM workpump_perspective_event n
             WHERE n.perspective_name = h.perspective_name AND n.stream = h.stream
               AND n.processed_at IS NULL AND n.seq > h.seq)
@@ -516,7 +516,7 @@ WITH clock AS (
     SELECT 'receptor', h.receptor_name, h.stream, h.id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
            workpump.state_of(h.completed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, c.now, h.end_state),
+                             h.claimed_at, h.scheduled_for, h.end_state, c.now),
            (SELECT count(*) FROM workpump_receptor_processing n
             WHERE n.receptor_name = h.receptor_name AND n.stream = h.stream
               AND n.completed_at IS NULL AND n.seq > h.seq)
