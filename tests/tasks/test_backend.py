@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from django_workpump.tasks import TASKS_AVAILABLE
-from tests.helpers import ROOT
 
 if not TASKS_AVAILABLE:
     pytest.skip(
@@ -58,7 +57,7 @@ from django_workpump.tasks.compat import (
 from django_workpump.tasks.resolution import load_task_code
 from django_workpump.tasks.runner import register_backends, unregister_backends
 from django_workpump.testing import run_pending
-from tests.helpers import FAST_PUMP, drain, wait_until
+from tests.helpers import FAST_PUMP, ROOT, drain, wait_until
 from tests.settings_tasks import TASKS
 
 with override_settings(TASKS=TASKS):  # @task builds WorkPumpTask objects of these backends
