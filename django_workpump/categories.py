@@ -2,7 +2,7 @@
 
 ``registry`` (names, topic nouns), the admin (``WorkSpec``) and the status report read
 them from here; SQL keeps the same facts in ``workpump.work_table`` and
-tests/test_categories.py checks that both say the same.
+tests/sql/test_categories.py checks that both say the same.
 """
 
 from __future__ import annotations

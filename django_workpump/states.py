@@ -2,7 +2,7 @@
 
 Each is a ``StrEnum``: a member is the very string the SQL functions return or store,
 so rows read from the database compare equal to the members, and a member can be
-passed wherever the SQL expects text. ``tests/test_states.py`` checks that the SQL
+passed wherever the SQL expects text. ``tests/sql/test_states.py`` checks that the SQL
 produces exactly these words.
 """
 

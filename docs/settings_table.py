@@ -4,7 +4,7 @@
 
 rewrites the table between the settings-table markers of docs/settings.md. Each row is
 one key: its name, its default and its meaning as the table in ``conf.py`` declares them.
-tests/test_docs.py fails when the committed page differs from what this renders.
+tests/api/test_docs.py fails when the committed page differs from what this renders.
 """
 
 from __future__ import annotations

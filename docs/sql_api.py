@@ -6,7 +6,7 @@
 
 Signatures come from pg_proc; each function's description is the comment block right
 above its CREATE FUNCTION in sql/schema.sql.
-tests/test_docs.py fails when the committed page differs from what this renders.
+tests/api/test_docs.py fails when the committed page differs from what this renders.
 """
 
 from __future__ import annotations

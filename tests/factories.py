@@ -12,7 +12,7 @@ import factory
 from factory.django import DjangoModelFactory
 
 from django_workpump import models
-from tests.conftest import T0
+from tests.helpers import T0
 
 
 class OutboxFactory(DjangoModelFactory):

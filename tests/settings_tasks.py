@@ -1,7 +1,7 @@
 """Settings of the django.tasks tests: tests.settings plus TASKS.
 
 The test modules import ``TASKS`` from here for ``override_settings``; the runworkpump
-subprocesses of tests/test_tasks_multiprocess.py run with ``--settings=tests.settings_tasks``.
+subprocesses of tests/tasks/test_multiprocess.py run with ``--settings=tests.settings_tasks``.
 """
 
 from importlib.util import find_spec

@@ -1,6 +1,6 @@
 """tests.settings plus an OpenTelemetry SDK exporting every span to a file, one per line.
 
-The runworkpump child of tests/test_tracing.py runs with ``--settings=tests.settings_tracing``
+The runworkpump child of tests/api/test_tracing.py runs with ``--settings=tests.settings_tracing``
 and ``WORKPUMP_TEST_SPANS`` naming the file; the test reads the spans back.
 """
 

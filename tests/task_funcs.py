@@ -1,4 +1,4 @@
-"""Tasks of the django.tasks backend tests (tests/test_tasks*.py).
+"""Tasks of the django.tasks backend tests (tests/tasks/).
 
 Import it only while ``TASKS`` is ``tests.settings_tasks.TASKS``: ``@task`` builds each
 task with its backend's task class. In-process tests read ``calls`` to see what ran.
@@ -129,7 +129,7 @@ unbound_task = task(_unbound)
 
 @task
 def on_slot(slot: str, label: str = "") -> str:
-    """Run by a periodic schedule (tests/test_periodic_tasks.py): each slot once."""
+    """Run by a periodic schedule (tests/tasks/test_periodic.py): each slot once."""
     calls.append((label, slot))
     return slot
 

@@ -1,6 +1,7 @@
 """Guard tests: the SQL sources, the migrations
 that load them, the function signatures in the database, the lease-pair CHECK, the named
-queries of the db package, the Python twin of the partition hash, and no SQL in runtime modules.
+queries of the db package, the Python twin of the partition hash, no SQL in runtime modules,
+and the layout of the tests themselves.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import django_workpump.migrations
 from django_workpump import models
 from django_workpump.sql import PIN_SEARCH_PATH, named_queries, read
 from tests import factories
-from tests.conftest import T0, at, run_sql, scalar
+from tests.helpers import T0, TESTS, at, run_sql, scalar
 
 PACKAGE = Path(django_workpump.__file__).parent
 SQL_DIR = PACKAGE / "sql"
@@ -410,3 +411,43 @@ def test_the_sql_finder_would_notice_sql():
     ):
         assert SQL_START.match(text) or SQL_SHAPE.match(text), text
     assert not SQL_START.match("delete") and not SQL_SHAPE.match("With no data_dir the server")
+
+
+def _test_modules() -> list[Path]:
+    return sorted(path for path in TESTS.rglob("*.py") if "async_sample" not in path.parts)
+
+
+def test_no_test_module_imports_a_conftest():
+    # Fixtures come from conftest.py by pytest's own lookup and names a module imports
+    # from tests/helpers.py, so a conftest holds fixtures and hooks alone.
+    offenders = []
+    for path in _test_modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            if any("conftest" in name.split(".") for name in names):
+                offenders.append(f"{path.relative_to(TESTS.parent)}:{node.lineno}")
+    assert offenders == [], (
+        f"These lines import a conftest: {offenders}; import the name from tests/helpers.py "
+        "(or tests/faults/harness.py) instead, and leave fixtures to pytest."
+    )
+
+
+def test_test_modules_live_in_a_directory_named_for_what_they_check():
+    # tests/sql, tests/pump, tests/admin, ...: a new test file goes where its behaviour
+    # is, and each directory is a package, so equal file names in two of them can coexist.
+    loose = [p.name for p in TESTS.glob("test_*.py") if p.name != Path(__file__).name]
+    assert loose == [], (
+        f"Test modules {loose} sit at the top of tests/; move each into the directory of "
+        "what it checks (tests/sql, tests/pump, tests/admin, tests/tasks, tests/produce, "
+        "tests/api, tests/faults)."
+    )
+    homes = {p.parent for p in TESTS.rglob("test_*.py") if "async_sample" not in p.parts}
+    no_package = sorted(
+        str(d.relative_to(TESTS.parent)) for d in homes if not (d / "__init__.py").exists()
+    )
+    assert no_package == [], f"Test directories {no_package} need an __init__.py."

@@ -419,7 +419,7 @@ def stuck_condition(spec: WorkSpec) -> Q:
 def state_condition(spec: WorkSpec, state: str) -> Q:
     """Rows in ``state``: ``workpump.state_of`` spelled as column conditions.
 
-    The same rows as ``wp_state = state`` (tests/test_admin.py compares them), written so
+    The same rows as ``wp_state = state`` (tests/admin/test_admin.py compares them), written so
     each arm of the condition implies the predicate of a partial index of the table
     (models.py): the planner reads the rows of a state through its indexes instead of
     evaluating ``state_of`` over every row.

@@ -4,7 +4,7 @@
 -- statement, on a database whose tables the model migration created. Until 0.1.0 is
 -- released a change to the schema is made here alone; after that, here AND in a delta,
 -- sql/deltas/<version>.sql, with a migration that loads it (docs/design-decisions.md).
--- tests/test_schema.py builds one database with the migrations and one with the model
+-- tests/sql/test_schema.py builds one database with the migrations and one with the model
 -- migration and this file, and fails when their catalogs differ.
 --
 -- Not here: the tables, their indexes and their constraints. Django's model migrations

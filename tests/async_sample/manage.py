@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A small project whose TestCase runs an async receptor through ``run_pending``.
 
-tests/test_async_handlers.py runs its ``manage.py test`` twice in a row: the first run
+tests/pump/test_async_handlers.py runs its ``manage.py test`` twice in a row: the first run
 must leave no test database (nor any session on it) behind.
 """
 

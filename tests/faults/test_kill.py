@@ -176,7 +176,7 @@ def test_kill_9_fails_over_within_15_s_at_the_default_timing(db, make_fleet):
 @pytest.mark.timeout(900)
 def test_kill_9_in_the_first_seconds_fails_over_within_15_s_at_the_default_timing(db, make_fleet):
     # A newcomer killed in its first 3 s, before any peer's probe saw it holding its
-    # alive-lock: schema v22 kept its registration stamp and waited for the 30 s stale
+    # alive-lock: its registration stamp alone would hold its eviction to the 30 s stale
     # cutoff; taking the lock clears the stamp, so the bound is probe + grace + a claim.
     fleet = make_fleet(db, harness.DEFAULT_TIMING)
     figures = kill_rounds(

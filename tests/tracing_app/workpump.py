@@ -1,4 +1,4 @@
-"""Handlers run by the runworkpump child of tests/test_tracing.py.
+"""Handlers run by the runworkpump child of tests/api/test_tracing.py.
 
 Each returns the ids of the span current while it runs, so the test can check that the
 consumer span is current inside sync and async handlers alike.
