@@ -24,7 +24,6 @@ from django_workpump import producer, producer_validation, tracing
 from django_workpump.conf import setting
 from django_workpump.tasks.checks import check_backend
 from django_workpump.tasks.compat import (
-    BaseTaskBackend,
     InvalidTask,
     Task,
     TaskResult,
@@ -34,7 +33,7 @@ from django_workpump.tasks.compat import (
     task_enqueued,
 )
 from django_workpump.tasks.errors import TaskRefused
-from django_workpump.tasks.resolution import resolve_task, topic_of
+from django_workpump.tasks.resolution import PumpBackend, resolve_task, topic_of
 from django_workpump.tasks.results import read_result
 
 
@@ -50,7 +49,7 @@ class WorkPumpTask(Task):
     on_conflict: str = "return"
 
 
-class WorkPumpBackend(BaseTaskBackend):
+class WorkPumpBackend(PumpBackend):
     """Run ``django.tasks`` tasks under ``runworkpump``: leased, retried, dead-lettered."""
 
     task_class = WorkPumpTask

@@ -29,11 +29,17 @@ def topic_of(alias: str, queue: str) -> str:
     return f"{TOPIC_PREFIX}:{alias}:{queue}"
 
 
-def backend_class() -> type[BaseTaskBackend]:
-    """Return ``WorkPumpBackend`` (imported here because ``backend.py`` imports this module)."""
-    from django_workpump.tasks.backend import WorkPumpBackend
+class PumpBackend(BaseTaskBackend):
+    """The base of ``WorkPumpBackend``: what a row's task must be declared for.
 
-    return WorkPumpBackend
+    Defined here, below ``backend.py`` (which imports this module), so the checks of this
+    module and the runner need not import the backend.
+    """
+
+
+def backend_class() -> type[BaseTaskBackend]:
+    """Return the class every work-pump backend is an instance of."""
+    return PumpBackend
 
 
 def is_workpump_backend(path: Any) -> bool:
