@@ -14,6 +14,7 @@ from django.db import connection
 import django_workpump as workpump
 
 _pause = threading.Event()  # never set: wait() simulates work without time.sleep
+_instances_met = threading.Event()  # _await_instances' condition held once
 
 
 def _record(work: Any) -> None:
@@ -44,12 +45,21 @@ def _await_instances(wanted: int, timeout: float = 30.0) -> None:
     """Hold the row until ``wanted`` pump instances have registered (or ``timeout``).
 
     A process that starts a moment after another (a busy machine) still finds a share of
-    the backlog: the first one's rows wait for it instead of draining everything.
+    the backlog: the first one's rows wait for it instead of draining everything. Once
+    met (or once another process has run a row, so it was there), never again: a peer
+    that drained its share and deregistered must not hold up every later row.
     """
+    if not wanted or _instances_met.is_set():
+        return
     for _ in range(int(timeout / 0.02)):
         with connection.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM workpump_service_instance")
-            if cursor.fetchone()[0] >= wanted:
+            cursor.execute(
+                "SELECT (SELECT count(*) FROM workpump_service_instance) >= %s"
+                " OR EXISTS (SELECT 1 FROM mp_execution WHERE pid <> %s)",
+                [wanted, os.getpid()],
+            )
+            if cursor.fetchone()[0]:
+                _instances_met.set()
                 return
         _pause.wait(0.02)
 
