@@ -87,7 +87,7 @@ def test_counters_equal_what_the_claims_and_outcomes_did_per_instance():
     # claims and completions count at the row's own time (p_now here), failures at now()
     assert counts(minute=T0) == {"claimed": 5, "done": 2}
     assert counts(minute=T0 + timedelta(minutes=1))["claimed"] == 3
-    # the first claims waited 10 s from creation: bucket [10, 30) of the bounds
+    # the first claims waited 10 s from creation; bucket i holds [bounds[i-1], bounds[i])
     bounds = scalar("SELECT workpump.console_latency_bounds()")
     (histogram,) = [
         r["latency"]
@@ -98,7 +98,7 @@ def test_counters_equal_what_the_claims_and_outcomes_did_per_instance():
         )
     ]
     assert len(histogram) == len(bounds) + 1
-    assert histogram[bounds.index(10)] == 5 and sum(histogram) == 5
+    assert histogram[bounds.index(10) + 1] == 5 and sum(histogram) == 5  # [10, 30)
 
 
 def test_counts_add_up_across_statements_of_the_same_minute():
