@@ -91,6 +91,6 @@ SELECT f.failure_reason, f.n, f.dead, f.last_error, f.last_seen
 FROM workpump.console_failures(%(category)s, %(topic)s, %(scan)s) f
 
 -- name: console_in_flight
-SELECT r.category, r.work_id, r.topic, r.stream, r.attempts, r.max_attempts, r.claimed_at,
+SELECT r.category, r.seq, r.work_id, r.topic, r.stream, r.attempts, r.max_attempts, r.claimed_at,
        r.lease_expiry, r.expired
 FROM workpump.console_in_flight(%(instance_id)s, %(limit)s, %(now)s) r

@@ -4855,9 +4855,9 @@ $$;
 -- The rows p_instance_id holds, every category, newest claim first (at most p_limit).
 CREATE FUNCTION workpump.console_in_flight(
     p_instance_id uuid, p_limit integer DEFAULT 100, p_now timestamptz DEFAULT NULL
-) RETURNS TABLE (category text, work_id uuid, topic text, stream text, attempts integer,
-                 max_attempts integer, claimed_at timestamptz, lease_expiry timestamptz,
-                 expired boolean)
+) RETURNS TABLE (category text, seq bigint, work_id uuid, topic text, stream text,
+                 attempts integer, max_attempts integer, claimed_at timestamptz,
+                 lease_expiry timestamptz, expired boolean)
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 AS $$
@@ -4868,7 +4868,7 @@ BEGIN
     FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
         v_meta := workpump.work_table(v_category);
         RETURN QUERY EXECUTE format($q$
-            SELECT $1, t.%2$I, t.%3$I::text, t.stream, t.attempts, t.max_attempts,
+            SELECT $1, t.seq, t.%2$I, t.%3$I::text, t.stream, t.attempts, t.max_attempts,
                    t.claimed_at, t.lease_expiry, t.lease_expiry <= $4
             FROM %1$I t WHERE t.instance_id = $2
             ORDER BY t.claimed_at DESC NULLS LAST LIMIT $3$q$,

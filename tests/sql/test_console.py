@@ -107,10 +107,13 @@ def test_counts_add_up_across_statements_of_the_same_minute():
     for one in claimed:
         complete(A, [one], T0 + timedelta(seconds=2))
     assert counts(instance_id=A) == {"claimed": 4, "done": 4}
-    assert scalar(
-        "SELECT count(*) FROM workpump_console_count WHERE topic = %s AND outcome = 'done'",
-        [TOPIC],
-    ) == 1
+    assert (
+        scalar(
+            "SELECT count(*) FROM workpump_console_count WHERE topic = %s AND outcome = 'done'",
+            [TOPIC],
+        )
+        == 1
+    )
     assert len(ids) == 4
 
 
