@@ -111,7 +111,10 @@ def test_the_overview_draws_its_charts_for_a_viewer_and_refuses_others() -> None
         "heartbeats",
     ):
         assert f'data-chart="{chart}"' in html, chart
-    assert "<svg" in html and "<polyline" in html or "<circle" in html
+    # the hour's throughput: a line per outcome over 60 points (zeros where nothing ran)
+    hour = re.search(r'<figure[^>]*data-chart="throughput-hour".*?</figure>', html, re.S)
+    assert hour and 'data-points="60"' in hour.group(0)
+    assert '<polyline class="wp-line" data-series="done"' in hour.group(0)
     assert topic_cell(html, "done") == 2
     assert topic_cell(html, "failed") == 1
     assert topic_cell(html, "claimed") == 3
