@@ -14,7 +14,6 @@ and on instances, ``can_view_summary``).
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
@@ -136,14 +135,14 @@ def _outcome_chart(
 def _latency_chart(chart_id: str, g: data.Grid, **filters: Any) -> Any:
     using = pump_database()
     bounds = series.console_clock(using=using)["bounds"]
-    rows = series.console_latency(g.since, g.end, using=using, **filters)
+    rows = series.console_latency(g.since, g.until, using=using, **filters)
     quantiles = data.latency_quantiles(rows, g, bounds)
     lines = [Line("p50", quantiles[0.5]), Line("p95", quantiles[0.95], colour="#c23030")]
     return line_chart(chart_id, "Pickup latency (seconds, from due to claimed)", g.points, lines)
 
 
 def _backlog_charts(g: data.Grid, **filters: Any) -> list[Any]:
-    rows = series.console_backlog(g.since, g.end, using=pump_database(), **filters)
+    rows = series.console_backlog(g.since, g.until, using=pump_database(), **filters)
     waiting = data.backlog(rows, g)
     return [
         line_chart(
@@ -168,30 +167,30 @@ def _backlog_charts(g: data.Grid, **filters: Any) -> list[Any]:
 def overview(request: HttpRequest) -> dict[str, Any]:
     window, g = _window(request)
     using = pump_database()
-    hour, day = data.grid("hour", g.end), data.grid("day", g.end)
+    hour, day = data.grid("hour", g.until), data.grid("day", g.until)
     charts = [
         _outcome_chart(
             "throughput-hour",
             "Throughput, last hour (per minute)",
             hour,
-            series.console_outcomes(hour.since, hour.end, using=using),
+            series.console_outcomes(hour.since, hour.until, using=using),
             data.OUTCOMES,
         ),
         _outcome_chart(
             "throughput-day",
             "Throughput, last day (per minute, 10-minute means)",
             day,
-            series.console_outcomes(day.since, day.end, using=using),
+            series.console_outcomes(day.since, day.until, using=using),
             data.OUTCOMES,
         ),
     ]
-    topics = series.console_topics(g.since, g.end, limit=MAX_TOPICS, using=using)
+    topics = series.console_topics(g.since, g.until, limit=MAX_TOPICS, using=using)
     for t in topics:
         t["url"] = topic_url(t["category"], t["topic"], window)
         t["rows_url"] = rows_url(t["category"], topic=t["topic"])
     busiest = topics[:MAX_LINES]
     per_topic = series.console_topic_outcomes(
-        g.since, g.end, [(t["category"], t["topic"]) for t in busiest], using=using
+        g.since, g.until, [(t["category"], t["topic"]) for t in busiest], using=using
     )
     for outcome, title in (("done", "Done per topic"), ("failed", "Failed (to retry) per topic")):
         lines = []
@@ -207,7 +206,7 @@ def overview(request: HttpRequest) -> dict[str, Any]:
     charts.append(_latency_chart("latency", g))
     charts.extend(_backlog_charts(g))
     totals, instances = data.instances(
-        series.console_instances(g.since, g.end, using=using), g, setting("STALE_AFTER_SECONDS")
+        series.console_instances(g.since, g.until, using=using), g, setting("STALE_AFTER_SECONDS")
     )
     charts.append(
         line_chart(
@@ -238,7 +237,7 @@ def overview(request: HttpRequest) -> dict[str, Any]:
         "topics": topics,
         "instances": instances,
         "live_template": "admin/workpump/console_overview.html",
-        "taken_at": g.end,
+        "taken_at": g.until,
     }
 
 
@@ -248,7 +247,7 @@ def topic_page(request: HttpRequest) -> dict[str, Any]:
         raise Http404("The console's topic page needs ?category= (one of the four) and ?topic=.")
     window, g = _window(request)
     using = pump_database()
-    rows = series.console_outcomes(g.since, g.end, category=category, topic=topic, using=using)
+    rows = series.console_outcomes(g.since, g.until, category=category, topic=topic, using=using)
     outcomes = ("claimed", *data.OUTCOMES)
     charts = [
         _outcome_chart("outcomes", "Claimed, done, failed, dead (per minute)", g, rows, outcomes),
@@ -276,16 +275,16 @@ def topic_page(request: HttpRequest) -> dict[str, Any]:
         "waiting_url": rows_url(category, topic=topic, state="pending"),
         "dead_url": rows_url(category, topic=topic, state="dead"),
         "live_template": "admin/workpump/console_topic.html",
-        "taken_at": g.end,
+        "taken_at": g.until,
     }
 
 
 def instance_page(request: HttpRequest, instance_id: UUID) -> dict[str, Any]:
     window, g = _window(request)
     using = pump_database()
-    rows = series.console_outcomes(g.since, g.end, instance_id=instance_id, using=using)
+    rows = series.console_outcomes(g.since, g.until, instance_id=instance_id, using=using)
     outcomes = ("claimed", "done", "failed", "renewed")
-    samples = series.console_instances(g.since, g.end, instance_id=instance_id, using=using)
+    samples = series.console_instances(g.since, g.until, instance_id=instance_id, using=using)
     charts = [
         _outcome_chart("outcomes", "Claims, completions, failures, renewals", g, rows, outcomes),
         _latency_chart("latency", g, instance_id=instance_id),
@@ -328,6 +327,5 @@ def instance_page(request: HttpRequest, instance_id: UUID) -> dict[str, Any]:
         ],
         "owner_url": {c: rows_url(c, owner=str(instance_id)) for c in categories.NAMES},
         "live_template": "admin/workpump/console_instance.html",
-        "taken_at": g.end,
-        "since": g.end - timedelta(minutes=g.minutes - 1),
+        "taken_at": g.until,
     }

@@ -20,11 +20,14 @@ OUTCOMES = ("done", "failed", "dead")
 @dataclass(frozen=True)
 class Grid:
     """The points of a chart: ``len(points)`` bins of ``step`` minutes, the last bin
-    ending with minute ``end`` (inclusive)."""
+    ending with minute ``end`` (inclusive), the last complete minute; ``until`` is the
+    current minute, which tables count but charts leave out (a rate of a minute still
+    running would read as a drop)."""
 
     end: datetime
     minutes: int
     step: int
+    until: datetime
     points: list[datetime] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -50,9 +53,10 @@ def window_name(requested: str | None) -> str:
     return requested if requested in WINDOWS else DEFAULT_WINDOW
 
 
-def grid(window: str, end: datetime) -> Grid:
+def grid(window: str, now: datetime) -> Grid:
+    """The grid of ``window`` up to the minute before ``now`` (a minute's start)."""
     minutes, step = WINDOWS[window_name(window)]
-    return Grid(end=end, minutes=minutes, step=step)
+    return Grid(end=now - timedelta(minutes=1), minutes=minutes, step=step, until=now)
 
 
 def rates(
@@ -148,19 +152,18 @@ def instances(
     }
     each: dict[Any, InstanceSeries] = {}
     for minute in sorted(by_minute):
-        i = g.index(minute)
-        if i is None:
-            continue
+        i = g.index(minute)  # None: the minute still running (its sample is the latest)
         sampled = by_minute[minute]
-        totals["alive"][i] = float(
-            sum(
-                1
-                for r in sampled
-                if r["heartbeat_age_seconds"] is not None
-                and r["heartbeat_age_seconds"] <= stale_after_seconds
+        if i is not None:
+            totals["alive"][i] = float(
+                sum(
+                    1
+                    for r in sampled
+                    if r["heartbeat_age_seconds"] is not None
+                    and r["heartbeat_age_seconds"] <= stale_after_seconds
+                )
             )
-        )
-        totals["in flight"][i] = float(sum(r["in_flight"] for r in sampled))
+            totals["in flight"][i] = float(sum(r["in_flight"] for r in sampled))
         for r in sampled:
             series = each.get(r["instance_id"])
             if series is None:
@@ -170,8 +173,9 @@ def instances(
                     in_flight=[None] * len(g.points),
                     heartbeat_age=[None] * len(g.points),
                 )
-            series.in_flight[i] = float(r["in_flight"])
-            series.heartbeat_age[i] = r["heartbeat_age_seconds"]
+            if i is not None:
+                series.in_flight[i] = float(r["in_flight"])
+                series.heartbeat_age[i] = r["heartbeat_age_seconds"]
             series.latest_age = r["heartbeat_age_seconds"]
             series.latest_in_flight = int(r["in_flight"])
     return totals, list(each.values())

@@ -206,10 +206,12 @@ def test_quantiles_interpolate_inside_their_bucket() -> None:
 
 
 def test_a_grid_places_minutes_and_rates_are_per_minute() -> None:
-    end = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-    day = console_data.grid("day", end)
-    assert len(day.points) == 144
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    day = console_data.grid("day", now)
+    end = now - timedelta(minutes=1)  # the last complete minute
+    assert len(day.points) == 144 and day.end == end and day.until == now
     assert day.index(end) == 143 and day.index(end - timedelta(minutes=1440)) is None
+    assert day.index(now) is None  # the minute still running is left out of the charts
     rows = [{"minute": end, "outcome": "done", "n": 50}]
     assert console_data.rates(rows, day)["done"][143] == 5.0  # 50 in 10 minutes
 
