@@ -4600,108 +4600,118 @@ CREATE FUNCTION workpump.console_finite(p_at timestamptz) RETURNS timestamptz
 LANGUAGE sql STABLE PARALLEL SAFE
 AS $$ SELECT CASE WHEN isfinite(p_at) THEN p_at ELSE now() END $$;
 
--- The statement trigger of each work table (TG_ARGV[0]: its category): count what the
--- statement did, from the rows before (console_old) and after (console_new) it. A claim
--- is a new lease token; its latency runs from the row's due time (lease expiry,
--- scheduled time or creation, as claim_work's due_at) to claimed_at. Claims, done,
--- dead, cancelled and discarded count at the row's own timestamp; the rest at now().
--- Which outcome a change is follows from the columns the outcome functions set: a
--- failed attempt (fail_work) clears claimed_at, an evicted or operator-released one
+-- The statement trigger of each work table, workpump.console_count_<category>(): count
+-- what the statement did, from the rows before (console_old) and after (console_new)
+-- it. A claim is a new lease token; its latency runs from the row's due time (lease
+-- expiry, scheduled time or creation, as claim_work's due_at) to claimed_at. Claims,
+-- done, dead, cancelled and discarded count at the row's own timestamp; the rest at
+-- now(). Which outcome a change is follows from the columns the outcome functions set:
+-- a failed attempt (fail_work) clears claimed_at, an evicted or operator-released one
 -- keeps it open, a released or snoozed one gives its attempt back.
-CREATE FUNCTION workpump.console_count_changes() RETURNS trigger
+--
+-- The four functions are made here from one text, with each table's own column names
+-- (workpump.work_table): their SQL is static, so each session plans it once, where a
+-- query built per call (EXECUTE) would be planned on every statement of the hot path.
+-- generated: CREATE FUNCTION workpump.console_count_outbox()
+-- generated: CREATE FUNCTION workpump.console_count_inbox()
+-- generated: CREATE FUNCTION workpump.console_count_perspective_event()
+-- generated: CREATE FUNCTION workpump.console_count_receptor()
+DO $make$
+DECLARE
+    v_category text;
+    v_meta record;
+BEGIN
+    FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
+        v_meta := workpump.work_table(v_category);
+        EXECUTE format($f$
+CREATE FUNCTION workpump.console_count_%3$s() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
-AS $$
-DECLARE
-    v_meta record;
+AS $body$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM console_new) THEN
         RETURN NULL;
     END IF;
-    v_meta := workpump.work_table(TG_ARGV[0]);
-    EXECUTE format($q$
-        WITH pairs AS (
-            SELECT coalesce(n.%1$I, '') AS topic,
-                   o.instance_id AS old_holder, n.instance_id AS new_holder,
-                   o.lease_token AS old_token, n.lease_token AS new_token,
-                   o.attempts AS old_attempts, n.attempts AS new_attempts,
-                   o.lease_renewals AS old_renewals, n.lease_renewals AS new_renewals,
-                   o.%2$I AS old_done, n.%2$I AS new_done, n.end_state,
-                   o.dead_lettered_at AS old_dead, n.dead_lettered_at AS new_dead,
-                   n.claimed_at, coalesce(o.lease_expiry, o.scheduled_for, o.created_at) AS due_at
-            FROM console_old o JOIN console_new n ON n.seq = o.seq
-        ), events AS (
-            SELECT p.topic, coalesce(p.old_holder, '00000000-0000-0000-0000-000000000000') AS instance_id,
-                   e.outcome,
-                   workpump.console_finite(CASE
-                       WHEN e.outcome = 'dead' THEN p.new_dead
-                       WHEN e.outcome IN ('done', 'cancelled', 'discarded') THEN p.new_done
-                       END) AS at,
-                   NULL::double precision AS latency
-            FROM pairs p CROSS JOIN LATERAL (SELECT CASE
-                WHEN p.old_done IS NULL AND p.new_done IS NOT NULL THEN coalesce(p.end_state, 'done')
-                WHEN p.old_dead IS NULL AND p.new_dead IS NOT NULL THEN 'dead'
-                WHEN p.old_holder IS NOT NULL AND p.new_holder IS NULL THEN
-                    CASE WHEN p.new_attempts < p.old_attempts THEN 'released'
-                         WHEN p.claimed_at IS NULL THEN 'failed'  -- fail_work ends the attempt
-                         ELSE 'orphaned' END                      -- the attempt stays open
-                WHEN p.old_holder IS NOT NULL AND p.new_token IS DISTINCT FROM p.old_token THEN 'expired'
-                WHEN p.new_token = p.old_token AND p.new_renewals > p.old_renewals THEN 'renewed'
-                END AS outcome) e
-            WHERE e.outcome IS NOT NULL
-            UNION ALL
-            SELECT p.topic, p.new_holder, 'claimed', workpump.console_finite(p.claimed_at),
-                   CASE WHEN isfinite(p.due_at) THEN greatest(extract(epoch FROM
-                       workpump.console_finite(p.claimed_at) - p.due_at), 0) END
-            FROM pairs p
-            WHERE p.new_holder IS NOT NULL AND p.new_token IS NOT NULL
-              AND p.new_token IS DISTINCT FROM p.old_token
-        ), buckets AS (
-            SELECT date_trunc('minute', e.at) AS minute, e.topic, e.outcome, e.instance_id,
-                   width_bucket(e.latency, workpump.console_latency_bounds()) + 1 AS bucket,
-                   count(*) AS n
-            FROM events e
-            GROUP BY 1, 2, 3, 4, 5
-        ), grouped AS (
-            SELECT b.minute, b.topic, b.outcome, b.instance_id, sum(b.n)::bigint AS n,
-                   jsonb_object_agg(b.bucket, b.n) FILTER (WHERE b.bucket IS NOT NULL) AS hist
-            FROM buckets b
-            GROUP BY 1, 2, 3, 4
-        )
-        INSERT INTO workpump_console_count AS c
-            (minute, category, topic, outcome, instance_id, n, latency)
-        SELECT g.minute, %3$L, g.topic, g.outcome, g.instance_id, g.n,
-               CASE WHEN g.hist IS NOT NULL THEN ARRAY(
-                   SELECT coalesce((g.hist ->> i::text)::integer, 0)
-                   FROM generate_series(1, cardinality(workpump.console_latency_bounds()) + 1) i
-                   ORDER BY i) END
-        FROM grouped g
-        ORDER BY 1, 3, 4, 5  -- one lock order for every writer of the same rows
-        ON CONFLICT (minute, category, topic, outcome, instance_id) DO UPDATE
-        SET n = c.n + excluded.n,
-            latency = CASE
-                WHEN excluded.latency IS NULL THEN c.latency
-                WHEN c.latency IS NULL THEN excluded.latency
-                ELSE ARRAY(SELECT coalesce(u.a, 0) + coalesce(u.b, 0)
-                           FROM unnest(c.latency, excluded.latency) WITH ORDINALITY u(a, b, i)
-                           ORDER BY u.i) END$q$,
-        v_meta.topic_col, v_meta.done_col, TG_ARGV[0]);
+    WITH pairs AS (
+        SELECT coalesce(n.%1$I, '') AS topic,
+               o.instance_id AS old_holder, n.instance_id AS new_holder,
+               o.lease_token AS old_token, n.lease_token AS new_token,
+               o.attempts AS old_attempts, n.attempts AS new_attempts,
+               o.lease_renewals AS old_renewals, n.lease_renewals AS new_renewals,
+               o.%2$I AS old_done, n.%2$I AS new_done, n.end_state,
+               o.dead_lettered_at AS old_dead, n.dead_lettered_at AS new_dead,
+               n.claimed_at, coalesce(o.lease_expiry, o.scheduled_for, o.created_at) AS due_at
+        FROM console_old o JOIN console_new n ON n.seq = o.seq
+    ), events AS (
+        SELECT p.topic, coalesce(p.old_holder, '00000000-0000-0000-0000-000000000000') AS instance_id,
+               e.outcome,
+               workpump.console_finite(CASE
+                   WHEN e.outcome = 'dead' THEN p.new_dead
+                   WHEN e.outcome IN ('done', 'cancelled', 'discarded') THEN p.new_done
+                   END) AS at,
+               NULL::double precision AS latency
+        FROM pairs p CROSS JOIN LATERAL (SELECT CASE
+            WHEN p.old_done IS NULL AND p.new_done IS NOT NULL THEN coalesce(p.end_state, 'done')
+            WHEN p.old_dead IS NULL AND p.new_dead IS NOT NULL THEN 'dead'
+            WHEN p.old_holder IS NOT NULL AND p.new_holder IS NULL THEN
+                CASE WHEN p.new_attempts < p.old_attempts THEN 'released'
+                     WHEN p.claimed_at IS NULL THEN 'failed'  -- fail_work ends the attempt
+                     ELSE 'orphaned' END                      -- the attempt stays open
+            WHEN p.old_holder IS NOT NULL AND p.new_token IS DISTINCT FROM p.old_token THEN 'expired'
+            WHEN p.new_token = p.old_token AND p.new_renewals > p.old_renewals THEN 'renewed'
+            END AS outcome) e
+        WHERE e.outcome IS NOT NULL
+        UNION ALL
+        SELECT p.topic, p.new_holder, 'claimed', workpump.console_finite(p.claimed_at),
+               CASE WHEN isfinite(p.due_at) THEN greatest(extract(epoch FROM
+                   workpump.console_finite(p.claimed_at) - p.due_at), 0) END
+        FROM pairs p
+        WHERE p.new_holder IS NOT NULL AND p.new_token IS NOT NULL
+          AND p.new_token IS DISTINCT FROM p.old_token
+    ), bucketed AS (
+        -- bucket b holds [bounds[b - 1], bounds[b]): 1 to 10 for the 9 bounds
+        SELECT e.*, width_bucket(e.latency, workpump.console_latency_bounds()) + 1 AS b
+        FROM events e
+    )
+    INSERT INTO workpump_console_count AS c
+        (minute, category, topic, outcome, instance_id, n, latency)
+    SELECT date_trunc('minute', e.at), %3$L, e.topic, e.outcome, e.instance_id, count(*),
+           CASE WHEN e.outcome = 'claimed' THEN ARRAY[
+               count(*) FILTER (WHERE e.b = 1), count(*) FILTER (WHERE e.b = 2),
+               count(*) FILTER (WHERE e.b = 3), count(*) FILTER (WHERE e.b = 4),
+               count(*) FILTER (WHERE e.b = 5), count(*) FILTER (WHERE e.b = 6),
+               count(*) FILTER (WHERE e.b = 7), count(*) FILTER (WHERE e.b = 8),
+               count(*) FILTER (WHERE e.b = 9), count(*) FILTER (WHERE e.b = 10)]::integer[] END
+    FROM bucketed e
+    GROUP BY 1, 3, 4, 5
+    ORDER BY 1, 3, 4, 5  -- one lock order for every writer of the same rows
+    ON CONFLICT (minute, category, topic, outcome, instance_id) DO UPDATE
+    SET n = c.n + excluded.n,
+        latency = CASE
+            WHEN excluded.latency IS NULL THEN c.latency
+            WHEN c.latency IS NULL THEN excluded.latency
+            ELSE ARRAY(SELECT coalesce(u.a, 0) + coalesce(u.b, 0)
+                       FROM unnest(c.latency, excluded.latency) WITH ORDINALITY u(a, b, i)
+                       ORDER BY u.i) END;
     RETURN NULL;
 END
-$$;
+$body$$f$, v_meta.topic_col, v_meta.done_col, v_category);
+    END LOOP;
+END
+$make$;
 
 CREATE TRIGGER workpump_outbox_console_count AFTER UPDATE ON workpump_outbox
     REFERENCING OLD TABLE AS console_old NEW TABLE AS console_new
-    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_changes('outbox');
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_outbox();
 CREATE TRIGGER workpump_inbox_console_count AFTER UPDATE ON workpump_inbox
     REFERENCING OLD TABLE AS console_old NEW TABLE AS console_new
-    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_changes('inbox');
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_inbox();
 CREATE TRIGGER workpump_perspective_event_console_count AFTER UPDATE ON workpump_perspective_event
     REFERENCING OLD TABLE AS console_old NEW TABLE AS console_new
-    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_changes('perspective_event');
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_perspective_event();
 CREATE TRIGGER workpump_receptor_processing_console_count AFTER UPDATE ON workpump_receptor_processing
     REFERENCING OLD TABLE AS console_old NEW TABLE AS console_new
-    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_changes('receptor');
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_receptor();
 
 -- Switch the console's counting on (p_on true) or off: the four triggers above, enabled
 -- or disabled (ALTER TABLE, so only the tables' owner may). Returns p_on.
