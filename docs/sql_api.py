@@ -83,7 +83,12 @@ signature, is listed below; the main ones:
 
 ## Every function
 """
-_CREATE = re.compile(r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.MULTILINE)
+# "-- generated: CREATE FUNCTION ...": one a DO block makes (the comment above the
+# generated lines describes them all).
+_GENERATED = "-- generated: "
+_CREATE = re.compile(
+    rf"^(?:{_GENERATED})?CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.MULTILINE
+)
 
 
 def descriptions() -> dict[str, str]:
@@ -96,6 +101,8 @@ def descriptions() -> dict[str, str]:
             continue
         comment: list[str] = []
         for above in reversed(lines[:number]):
+            if above.startswith(_GENERATED):
+                continue
             if not above.startswith("--"):
                 break
             comment.insert(0, above.removeprefix("--").strip())
