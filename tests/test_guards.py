@@ -192,7 +192,7 @@ def test_migrating_back_drops_the_schema_and_forward_restores_it():
     assert schema_exists()
     assert function_names() == before
     message_id = django_workpump.send("emails.welcome", {"user_id": 1}, stream="user-1")
-    row = models.Outbox.objects.get(message_id=message_id)
+    row = models.Outbox.objects.get(work_id=message_id)
     assert row.stream_head is True
     assert row.partition_number == partition_of("user-1")
 

@@ -75,7 +75,8 @@ END
 $$;
 
 -- The table behind a category and the names of its key, done-marker, topic and
--- ordering-scope columns (scope_col is NULL where the stream alone orders rows).
+-- ordering-scope columns (scope_col is NULL where the stream alone orders rows). Every
+-- work table names the first three alike: work_id, done_at, topic.
 CREATE FUNCTION workpump.work_table(
     p_category text,
     OUT tbl text, OUT key_col text, OUT done_col text, OUT topic_col text, OUT scope_col text
@@ -84,20 +85,16 @@ LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
 BEGIN
+    key_col := 'work_id'; done_col := 'done_at'; topic_col := 'topic';
     CASE workpump.check_category(p_category)
         WHEN 'outbox' THEN
-            tbl := 'workpump_outbox'; key_col := 'message_id'; done_col := 'processed_at';
-            topic_col := 'destination'; scope_col := NULL;
+            tbl := 'workpump_outbox'; scope_col := NULL;
         WHEN 'inbox' THEN
-            tbl := 'workpump_inbox'; key_col := 'message_id'; done_col := 'processed_at';
-            topic_col := 'handler_name'; scope_col := NULL;
+            tbl := 'workpump_inbox'; scope_col := NULL;
         WHEN 'perspective_event' THEN
-            tbl := 'workpump_perspective_event'; key_col := 'event_work_id';
-            done_col := 'processed_at'; topic_col := 'perspective_name';
-            scope_col := 'perspective_name';
+            tbl := 'workpump_perspective_event'; scope_col := 'topic';
         ELSE
-            tbl := 'workpump_receptor_processing'; key_col := 'id'; done_col := 'completed_at';
-            topic_col := 'receptor_name'; scope_col := 'receptor_name';
+            tbl := 'workpump_receptor_processing'; scope_col := 'topic';
     END CASE;
 END
 $$;
@@ -478,25 +475,25 @@ DECLARE
     v_holder uuid;
 BEGIN
     IF p_kind = 'outbox' THEN
-        SELECT o.message_id INTO v_holder FROM workpump_outbox o
-        WHERE o.destination = p_topic AND o.unique_key = p_unique_key
-          AND (o.processed_at IS NULL OR o.created_at >= v_since)
-        ORDER BY o.processed_at IS NULL DESC, o.seq DESC
+        SELECT o.work_id INTO v_holder FROM workpump_outbox o
+        WHERE o.topic = p_topic AND o.unique_key = p_unique_key
+          AND (o.done_at IS NULL OR o.created_at >= v_since)
+        ORDER BY o.done_at IS NULL DESC, o.seq DESC
         LIMIT 1;
     ELSIF p_kind = 'inbox' THEN
-        SELECT i.message_id INTO v_holder FROM workpump_inbox i
-        WHERE i.handler_name = p_topic AND i.unique_key = p_unique_key
-          AND (i.processed_at IS NULL OR i.created_at >= v_since)
-        ORDER BY i.processed_at IS NULL DESC, i.seq DESC
+        SELECT i.work_id INTO v_holder FROM workpump_inbox i
+        WHERE i.topic = p_topic AND i.unique_key = p_unique_key
+          AND (i.done_at IS NULL OR i.created_at >= v_since)
+        ORDER BY i.done_at IS NULL DESC, i.seq DESC
         LIMIT 1;
     ELSIF p_kind = 'event' THEN
         SELECT e.event_id INTO v_holder FROM workpump_event e
         WHERE e.event_type = p_topic AND e.unique_key = p_unique_key
           AND (e.created_at >= v_since
                OR EXISTS (SELECT 1 FROM workpump_perspective_event p
-                          WHERE p.event_id = e.event_id AND p.processed_at IS NULL)
+                          WHERE p.event_id = e.event_id AND p.done_at IS NULL)
                OR EXISTS (SELECT 1 FROM workpump_receptor_processing r
-                          WHERE r.event_id = e.event_id AND r.completed_at IS NULL))
+                          WHERE r.event_id = e.event_id AND r.done_at IS NULL))
         ORDER BY e.seq DESC
         LIMIT 1;
     ELSE
@@ -551,21 +548,21 @@ BEGIN
         v_holder := workpump.unique_key_holder('outbox', p_destination, p_unique_key,
                                                p_unique_for, p_now);
         IF v_holder IS NULL THEN
-            INSERT INTO workpump_outbox (message_id, destination, payload, stream,
+            INSERT INTO workpump_outbox (work_id, topic, payload, stream,
                                          partition_number, priority, scheduled_for,
                                          max_attempts, unique_key, headers)
             VALUES (v_id, p_destination, p_payload, p_stream,
                     workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
                     p_priority, p_scheduled_for, p_max_attempts, p_unique_key, p_headers)
-            ON CONFLICT (destination, unique_key)
-                WHERE processed_at IS NULL AND unique_key IS NOT NULL DO NOTHING;
+            ON CONFLICT (topic, unique_key)
+                WHERE done_at IS NULL AND unique_key IS NOT NULL DO NOTHING;
             IF FOUND THEN
                 RETURN v_id;
             END IF;
             -- a holder written past the lock (a plain INSERT): the index found it
-            SELECT o.message_id INTO v_holder FROM workpump_outbox o
-            WHERE o.destination = p_destination AND o.unique_key = p_unique_key
-              AND o.processed_at IS NULL;
+            SELECT o.work_id INTO v_holder FROM workpump_outbox o
+            WHERE o.topic = p_destination AND o.unique_key = p_unique_key
+              AND o.done_at IS NULL;
         END IF;
         IF p_on_conflict = 'raise' THEN
             RAISE EXCEPTION 'Outbox destination % already holds unique key % in message %.',
@@ -575,7 +572,7 @@ BEGIN
         END IF;
         RETURN v_holder;
     END IF;
-    INSERT INTO workpump_outbox (message_id, destination, payload, stream, partition_number,
+    INSERT INTO workpump_outbox (work_id, topic, payload, stream, partition_number,
                                  priority, scheduled_for, max_attempts, headers)
     VALUES (v_id, p_destination, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
@@ -588,7 +585,7 @@ $$;
 -- was received before (within the de-duplication window), or when p_unique_key is held
 -- (unique_key_holder; p_on_conflict => 'raise' raises unique_violation instead).
 -- p_deduplicate => false skips the de-duplication row, for producers whose ids are fresh
--- UUIDs (task enqueues): a repeated id then fails on the inbox's unique message_id.
+-- UUIDs (task enqueues): a repeated id then fails on the inbox's unique work_id.
 -- p_scheduled_for must fall within years 1 to 9999 in UTC (check_scheduled_for).
 CREATE FUNCTION workpump.receive(
     p_message_id uuid,
@@ -651,7 +648,7 @@ BEGIN
     END IF;
     -- a holder of the key this snapshot could not see (REPEATABLE READ) fails the
     -- partial unique index workpump_inbox_unique_key here
-    INSERT INTO workpump_inbox (message_id, handler_name, payload, stream, partition_number,
+    INSERT INTO workpump_inbox (work_id, topic, payload, stream, partition_number,
                                 priority, scheduled_for, max_attempts, unique_key, headers)
     VALUES (p_message_id, p_handler_name, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, p_message_id::text), p_partition_count),
@@ -796,14 +793,14 @@ BEGIN
     VALUES (v_id, p_event_type, p_payload, p_stream, p_unique_key);
 
     -- every subscriber's row carries the event's headers (its trace context)
-    INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id, stream,
+    INSERT INTO workpump_perspective_event (work_id, topic, event_id, stream,
                                             partition_number, priority, max_attempts, headers)
     SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
            coalesce((s->>'max_attempts')::integer, 10), p_headers
     FROM jsonb_array_elements(v_subscribers) s
     WHERE s->>'category' = 'perspective_event';
 
-    INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, stream,
+    INSERT INTO workpump_receptor_processing (work_id, topic, event_id, stream,
                                               partition_number, priority, max_attempts, headers)
     SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
            coalesce((s->>'max_attempts')::integer, 10), p_headers
@@ -953,7 +950,7 @@ BEGIN
         SELECT u.i, coalesce(u.id, gen_random_uuid()) AS id, u.payload, u.stream
         FROM unnest(p_payloads, p_streams, p_message_ids) WITH ORDINALITY u(payload, stream, id, i)
     ), inserted AS (
-        INSERT INTO workpump_outbox (message_id, destination, payload, stream,
+        INSERT INTO workpump_outbox (work_id, topic, payload, stream,
                                      partition_number, priority, scheduled_for, max_attempts)
         SELECT r.id, p_destination, r.payload, r.stream,
                workpump.partition_of(coalesce(r.stream, r.id::text), p_partition_count),
@@ -1048,7 +1045,7 @@ BEGIN
     FROM unnest(v_ids, p_payloads, p_streams) WITH ORDINALITY u(id, payload, stream, i)
     ORDER BY u.i;
 
-    INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id, stream,
+    INSERT INTO workpump_perspective_event (work_id, topic, event_id, stream,
                                             partition_number, priority, max_attempts)
     SELECT gen_random_uuid(), s.value->>'name', u.id, u.stream,
            workpump.partition_of(coalesce(u.stream, u.id::text), p_partition_count),
@@ -1058,7 +1055,7 @@ BEGIN
     WHERE s.value->>'category' = 'perspective_event'
     ORDER BY u.i, s.n;
 
-    INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, stream,
+    INSERT INTO workpump_receptor_processing (work_id, topic, event_id, stream,
                                               partition_number, priority, max_attempts)
     SELECT gen_random_uuid(), s.value->>'name', u.id, u.stream,
            workpump.partition_of(coalesce(u.stream, u.id::text), p_partition_count),
@@ -1105,24 +1102,24 @@ BEGIN
         PERFORM workpump.lock_stream(v_category, '', NEW.stream);
         NEW.stream_head := NOT EXISTS (
             SELECT 1 FROM workpump_outbox
-            WHERE stream = NEW.stream AND processed_at IS NULL);
+            WHERE stream = NEW.stream AND done_at IS NULL);
     ELSIF v_category = 'inbox' THEN
         PERFORM workpump.lock_stream(v_category, '', NEW.stream);
         NEW.stream_head := NOT EXISTS (
             SELECT 1 FROM workpump_inbox
-            WHERE stream = NEW.stream AND processed_at IS NULL);
+            WHERE stream = NEW.stream AND done_at IS NULL);
     ELSIF v_category = 'perspective_event' THEN
-        PERFORM workpump.lock_stream(v_category, NEW.perspective_name, NEW.stream);
+        PERFORM workpump.lock_stream(v_category, NEW.topic, NEW.stream);
         NEW.stream_head := NOT EXISTS (
             SELECT 1 FROM workpump_perspective_event
-            WHERE perspective_name = NEW.perspective_name AND stream = NEW.stream
-              AND processed_at IS NULL);
+            WHERE topic = NEW.topic AND stream = NEW.stream
+              AND done_at IS NULL);
     ELSE
-        PERFORM workpump.lock_stream(v_category, NEW.receptor_name, NEW.stream);
+        PERFORM workpump.lock_stream(v_category, NEW.topic, NEW.stream);
         NEW.stream_head := NOT EXISTS (
             SELECT 1 FROM workpump_receptor_processing
-            WHERE receptor_name = NEW.receptor_name AND stream = NEW.stream
-              AND completed_at IS NULL);
+            WHERE topic = NEW.topic AND stream = NEW.stream
+              AND done_at IS NULL);
     END IF;
     RETURN NEW;
 END
@@ -3145,67 +3142,67 @@ BEGIN
         -- partial index (an EXISTS may be planned as a scan of the whole table).
         IF 'outbox' = ANY (v_chosen) AND (
             (SELECT 1 FROM workpump_outbox t
-                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                    WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                       AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics)
-                           OR t.destination ^@ ANY (v_outbox_prefixes))
+                      AND (v_outbox_topics IS NULL OR t.topic = ANY (v_outbox_topics)
+                           OR t.topic ^@ ANY (v_outbox_prefixes))
                     ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
             OR (SELECT 1 FROM workpump_outbox t
-                       WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                       WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
                          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics)
-                           OR t.destination ^@ ANY (v_outbox_prefixes))
+                         AND (v_outbox_topics IS NULL OR t.topic = ANY (v_outbox_topics)
+                           OR t.topic ^@ ANY (v_outbox_prefixes))
                        ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
             v_with_work := v_with_work || 'outbox'::text;
         END IF;
         IF 'inbox' = ANY (v_chosen) AND (
             (SELECT 1 FROM workpump_inbox t
-                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                    WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                       AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics)
-                           OR t.handler_name ^@ ANY (v_inbox_prefixes))
+                      AND (v_inbox_topics IS NULL OR t.topic = ANY (v_inbox_topics)
+                           OR t.topic ^@ ANY (v_inbox_prefixes))
                     ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
             OR (SELECT 1 FROM workpump_inbox t
-                       WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                       WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
                          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics)
-                           OR t.handler_name ^@ ANY (v_inbox_prefixes))
+                         AND (v_inbox_topics IS NULL OR t.topic = ANY (v_inbox_topics)
+                           OR t.topic ^@ ANY (v_inbox_prefixes))
                        ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
             v_with_work := v_with_work || 'inbox'::text;
         END IF;
         IF 'perspective_event' = ANY (v_chosen) AND (
             (SELECT 1 FROM workpump_perspective_event t
-                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                    WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                       AND t.instance_id IS NULL AND t.scheduled_for IS NULL
                       AND (v_perspective_topics IS NULL
-                           OR t.perspective_name = ANY (v_perspective_topics)
-                           OR t.perspective_name ^@ ANY (v_perspective_prefixes))
+                           OR t.topic = ANY (v_perspective_topics)
+                           OR t.topic ^@ ANY (v_perspective_prefixes))
                     ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
             OR (SELECT 1 FROM workpump_perspective_event t
-                       WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                       WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
                          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
                          AND (v_perspective_topics IS NULL
-                              OR t.perspective_name = ANY (v_perspective_topics)
-                           OR t.perspective_name ^@ ANY (v_perspective_prefixes))
+                              OR t.topic = ANY (v_perspective_topics)
+                           OR t.topic ^@ ANY (v_perspective_prefixes))
                        ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
             v_with_work := v_with_work || 'perspective_event'::text;
         END IF;
         IF 'receptor' = ANY (v_chosen) AND (
             (SELECT 1 FROM workpump_receptor_processing t
-                    WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                    WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                       AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics)
-                           OR t.receptor_name ^@ ANY (v_receptor_prefixes))
+                      AND (v_receptor_topics IS NULL OR t.topic = ANY (v_receptor_topics)
+                           OR t.topic ^@ ANY (v_receptor_prefixes))
                     ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
             OR (SELECT 1 FROM workpump_receptor_processing t
-                       WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                       WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
                          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
                          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics)
-                           OR t.receptor_name ^@ ANY (v_receptor_prefixes))
+                         AND (v_receptor_topics IS NULL OR t.topic = ANY (v_receptor_topics)
+                           OR t.topic ^@ ANY (v_receptor_prefixes))
                        ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
             v_with_work := v_with_work || 'receptor'::text;
         END IF;
@@ -4016,15 +4013,15 @@ BEGIN
         WHERE a.owner_instance_id IS NULL
           AND NOT CASE a.category
               WHEN 'outbox' THEN EXISTS (SELECT 1 FROM workpump_outbox t
-                  WHERE t.stream = a.stream AND t.processed_at IS NULL)
+                  WHERE t.stream = a.stream AND t.done_at IS NULL)
               WHEN 'inbox' THEN EXISTS (SELECT 1 FROM workpump_inbox t
-                  WHERE t.stream = a.stream AND t.processed_at IS NULL)
+                  WHERE t.stream = a.stream AND t.done_at IS NULL)
               WHEN 'perspective_event' THEN EXISTS (SELECT 1 FROM workpump_perspective_event t
-                  WHERE t.perspective_name = a.scope AND t.stream = a.stream
-                    AND t.processed_at IS NULL)
+                  WHERE t.topic = a.scope AND t.stream = a.stream
+                    AND t.done_at IS NULL)
               ELSE EXISTS (SELECT 1 FROM workpump_receptor_processing t
-                  WHERE t.receptor_name = a.scope AND t.stream = a.stream
-                    AND t.completed_at IS NULL)
+                  WHERE t.topic = a.scope AND t.stream = a.stream
+                    AND t.done_at IS NULL)
           END
         LIMIT p_batch
         FOR UPDATE SKIP LOCKED));
@@ -4103,7 +4100,7 @@ BEGIN
         -- oldest first, through wp_inbox_dedup_seen; never the id of a row still stored
         SELECT o.message_id FROM workpump_inbox_dedup o
         WHERE o.first_seen_at < p_seen_before
-          AND NOT EXISTS (SELECT 1 FROM workpump_inbox i WHERE i.message_id = o.message_id)
+          AND NOT EXISTS (SELECT 1 FROM workpump_inbox i WHERE i.work_id = o.message_id)
         ORDER BY o.first_seen_at LIMIT p_batch
         FOR UPDATE SKIP LOCKED));
     GET DIAGNOSTICS v_count = ROW_COUNT;

@@ -40,10 +40,10 @@ B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 CATEGORIES = ["outbox", "inbox", "perspective_event", "receptor"]
 # category: (table, key column, ordering-scope column or "")
 TABLES = {
-    "outbox": ("workpump_outbox", "message_id", ""),
-    "inbox": ("workpump_inbox", "message_id", ""),
-    "perspective_event": ("workpump_perspective_event", "event_work_id", "perspective_name"),
-    "receptor": ("workpump_receptor_processing", "id", "receptor_name"),
+    "outbox": ("workpump_outbox", "work_id", ""),
+    "inbox": ("workpump_inbox", "work_id", ""),
+    "perspective_event": ("workpump_perspective_event", "work_id", "topic"),
+    "receptor": ("workpump_receptor_processing", "work_id", "topic"),
 }
 TOPICS = {
     "outbox": "emails.welcome",
@@ -1174,7 +1174,7 @@ def test_claim_work_leases_heads_and_runs_in_order_across_calls(scratch_database
                 )
             conn.execute("SELECT workpump.send('emails.once', '{}', p_max_attempts => 1)")
             conn.execute(
-                "UPDATE workpump_outbox SET attempts = 1 WHERE destination = 'emails.once'"
+                "UPDATE workpump_outbox SET attempts = 1 WHERE topic = 'emails.once'"
             )
             conn.execute(
                 "SELECT workpump.send('emails.later', '{}', p_scheduled_for => now() - interval"
@@ -1204,7 +1204,7 @@ def test_claim_work_leases_heads_and_runs_in_order_across_calls(scratch_database
                 seen.append(rows)
             seen.append(
                 conn.execute(
-                    "SELECT destination, payload, stream, attempts, instance_id,"
+                    "SELECT topic, payload, stream, attempts, instance_id,"
                     " dead_lettered_at IS NOT NULL, failure_reason FROM workpump_outbox"
                     " ORDER BY seq"
                 ).fetchall()
