@@ -25,6 +25,10 @@ CREATE SCHEMA workpump;
 CREATE SEQUENCE workpump.alive_lock_key_seq AS integer MINVALUE 1 CYCLE;
 
 -- Round-robin start of claim_work's category loop, so a small budget starves none.
+-- One category a claim takes rows of, with the topics and topic prefixes chosen of it
+-- (claim_work).
+CREATE TYPE workpump.topic_choice AS (category text, topics text[], prefixes text[]);
+
 CREATE SEQUENCE workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 CYCLE;
 
 -- --------------------------------------------------------------------------------------
@@ -1723,6 +1727,36 @@ DECLARE
                   {t.event_id} AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
                   t.created_at, c.due_at$columns$;
+    -- whether claim_<category> would find anything: a ready row or a due timer of the
+    -- topics chosen. The ORDER BY of each probe is its index's order: it keeps the planner
+    -- on the partial index (an EXISTS may be planned as a scan of the whole table).
+    v_probe text := $template$
+CREATE OR REPLACE FUNCTION workpump.claimable_{category}(
+    p_topics text[],
+    p_topic_prefixes text[],
+    p_now timestamptz
+) RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    RETURN (SELECT 1 FROM {table} t
+            WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND (p_topics IS NULL OR t.{topic} = ANY (p_topics)
+                   OR t.{topic} ^@ ANY (p_topic_prefixes))
+            ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM {table} t
+            WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+              AND coalesce(t.lease_expiry, t.scheduled_for) <= p_now
+              AND (p_topics IS NULL OR t.{topic} = ANY (p_topics)
+                   OR t.{topic} ^@ ANY (p_topic_prefixes))
+            ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL;
+END
+$$;
+$template$;
     v_claim text := $template$
 CREATE OR REPLACE FUNCTION workpump.claim_{category}(
     p_instance_id uuid,
@@ -1999,6 +2033,7 @@ BEGIN
         THEN 'n.' || quote_ident(v_meta.scope_col) || ' = c.run_scope AND ' ELSE '' END);
     v_claim := replace(v_claim, '{n.scope_order}', CASE WHEN v_from_event
         THEN 'n.' || quote_ident(v_meta.scope_col) || ', ' ELSE '' END);
+    v_claim := v_claim || v_probe;
     v_claim := replace(v_claim, '{table}', quote_ident(v_meta.tbl));
     v_claim := replace(v_claim, '{key}', quote_ident(v_meta.key_col));
     v_claim := replace(v_claim, '{topic}', quote_ident(v_meta.topic_col));
@@ -2017,12 +2052,16 @@ FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']) category;
 
 -- The topics of p_category that p_topics names (NULL: every topic). p_topics maps each
 -- category to the topics the claimer has handlers for; a category it leaves out, or maps
--- to an empty list, has none.
+-- to an empty list, has none. What is not a string is skipped, so that reading a
+-- malformed object cannot fail before claim_work reports it. No search_path of its own:
+-- PostgreSQL inlines it.
 CREATE FUNCTION workpump.claim_topics(p_topics jsonb, p_category text) RETURNS text[]
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
-SET search_path FROM CURRENT
 RETURN CASE WHEN p_topics IS NULL THEN NULL
-            ELSE ARRAY(SELECT jsonb_array_elements_text(coalesce(p_topics -> p_category, '[]')))
+            WHEN jsonb_typeof(p_topics -> p_category) = 'array'
+            THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> p_category) v
+                       WHERE jsonb_typeof(v) = 'string')
+            ELSE '{}'::text[]
        END;
 
 -- Whether a claim of these topics (NULL: every topic) and topic prefixes (NULL: none) can
@@ -2100,21 +2139,14 @@ DECLARE
     v_categories text[] := coalesce(p_categories,
                                     ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']);
     v_category text;
-    v_outbox_topics text[];
-    v_outbox_prefixes text[];
-    v_inbox_topics text[];
-    v_inbox_prefixes text[];
-    v_perspective_topics text[];
-    v_perspective_prefixes text[];
-    v_receptor_topics text[];
-    v_receptor_prefixes text[];
+    v_choice workpump.topic_choice;
     v_topics_valid boolean;
     v_prefixes_valid boolean;
     v_evicted boolean;
     v_registered boolean;
-    v_chosen text[] := '{}';
-    v_with_work text[] := '{}';
-    v_rounds text[];
+    v_chosen workpump.topic_choice[];
+    v_with_work workpump.topic_choice[] := '{}';
+    v_rounds workpump.topic_choice[];
     v_step integer := 1;
     v_first_round integer;
     v_rank integer;
@@ -2153,10 +2185,11 @@ BEGIN
     END IF;
 
     -- One statement for all the claim must know first: whether the topic and prefix
-    -- objects are well-formed, each category's topics and prefixes (the strings of its
-    -- array, read so that a malformed object cannot fail the read before it is reported), whether this instance may claim, and its
-    -- rank among live instances by live_instances's rule (pg_locks is read only when an
-    -- instance's heartbeat is stale but short of the definitive-dead cutoff).
+    -- objects are well-formed; the categories with something to claim (each asked for
+    -- with a topic chosen, in one fixed order, with the topics and prefixes chosen of
+    -- it); whether this instance may claim, and its rank among live instances by
+    -- live_instances's rule (pg_locks is read only when an instance's heartbeat is stale
+    -- but short of the definitive-dead cutoff).
     SELECT
         p_topics IS NULL OR (
             jsonb_typeof(p_topics) = 'object'
@@ -2172,44 +2205,19 @@ BEGIN
                                OR jsonb_typeof(e.value) <> 'array'
                                OR EXISTS (SELECT 1 FROM jsonb_array_elements(e.value) v
                                           WHERE jsonb_typeof(v) <> 'string' OR v #>> '{}' = ''))),
-        CASE WHEN jsonb_typeof(p_topics -> 'outbox') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> 'outbox') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topic_prefixes -> 'outbox') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topic_prefixes -> 'outbox') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topics -> 'inbox') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> 'inbox') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topic_prefixes -> 'inbox') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topic_prefixes -> 'inbox') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topics -> 'perspective_event') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> 'perspective_event') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topic_prefixes -> 'perspective_event') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topic_prefixes -> 'perspective_event') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topics -> 'receptor') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> 'receptor') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topic_prefixes -> 'receptor') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topic_prefixes -> 'receptor') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
+        (SELECT coalesce(array_agg(ROW(c.category, c.topics, c.prefixes)::workpump.topic_choice
+                                   ORDER BY c.position), '{}')
+         FROM (SELECT u.category, u.position,
+                      workpump.claim_topics(p_topics, u.category) AS topics,
+                      workpump.claim_topics(p_topic_prefixes, u.category) AS prefixes
+               FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'])
+                    WITH ORDINALITY u(category, position)
+               WHERE u.category = ANY (v_categories)) c
+         WHERE workpump.any_topic_chosen(c.topics, c.prefixes)),
         EXISTS (SELECT 1 FROM workpump_eviction e WHERE e.instance_id = p_instance_id),
         live.registered, live.live_count, live.rank
-    INTO v_topics_valid, v_prefixes_valid,
-         v_outbox_topics, v_outbox_prefixes, v_inbox_topics, v_inbox_prefixes,
-         v_perspective_topics, v_perspective_prefixes, v_receptor_topics, v_receptor_prefixes,
-         v_evicted, v_registered, v_live_count, v_rank
+    INTO v_topics_valid, v_prefixes_valid, v_chosen, v_evicted, v_registered, v_live_count,
+         v_rank
     FROM (
         SELECT count(*) FILTER (WHERE si.instance_id = p_instance_id) > 0 AS registered,
                count(*)::integer AS live_count,
@@ -2233,111 +2241,29 @@ BEGIN
     IF v_evicted OR NOT v_registered THEN
         PERFORM workpump.check_instance('claim_work', p_instance_id);  -- raises WP001
     END IF;
-    IF p_topics IS NULL THEN  -- every topic
-        v_outbox_topics := NULL;
-        v_inbox_topics := NULL;
-        v_perspective_topics := NULL;
-        v_receptor_topics := NULL;
-    END IF;
-    IF p_topic_prefixes IS NULL THEN  -- none
-        v_outbox_prefixes := NULL;
-        v_inbox_prefixes := NULL;
-        v_perspective_prefixes := NULL;
-        v_receptor_prefixes := NULL;
-    END IF;
 
-    -- The categories with something to claim: each asked for with a topic chosen.
-    IF 'outbox' = ANY (v_categories)
-       AND workpump.any_topic_chosen(v_outbox_topics, v_outbox_prefixes) THEN
-        v_chosen := v_chosen || 'outbox'::text;
-    END IF;
-    IF 'inbox' = ANY (v_categories)
-       AND workpump.any_topic_chosen(v_inbox_topics, v_inbox_prefixes) THEN
-        v_chosen := v_chosen || 'inbox'::text;
-    END IF;
-    IF 'perspective_event' = ANY (v_categories)
-       AND workpump.any_topic_chosen(v_perspective_topics, v_perspective_prefixes) THEN
-        v_chosen := v_chosen || 'perspective_event'::text;
-    END IF;
-    IF 'receptor' = ANY (v_categories)
-       AND workpump.any_topic_chosen(v_receptor_topics, v_receptor_prefixes) THEN
-        v_chosen := v_chosen || 'receptor'::text;
-    END IF;
     IF cardinality(v_chosen) = 1 THEN
         -- Its claim statement finds what the probes would: they would only add a
         -- statement to every claim that has work.
         v_with_work := v_chosen;
     ELSIF cardinality(v_chosen) > 1 THEN
-        -- Per-category guards: two index probes each (ready rows, due timers), of the
-        -- topics the claimer can run, so the budget goes to the categories with work.
-        -- The ORDER BY of each probe is its index's order: it keeps the planner on the
-        -- partial index (an EXISTS may be planned as a scan of the whole table).
-        IF 'outbox' = ANY (v_chosen) AND (
-            (SELECT 1 FROM workpump_outbox t
-                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                      AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics)
-                           OR t.destination ^@ ANY (v_outbox_prefixes))
-                    ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
-            OR (SELECT 1 FROM workpump_outbox t
-                       WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                         AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                         AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics)
-                           OR t.destination ^@ ANY (v_outbox_prefixes))
-                       ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
-            v_with_work := v_with_work || 'outbox'::text;
-        END IF;
-        IF 'inbox' = ANY (v_chosen) AND (
-            (SELECT 1 FROM workpump_inbox t
-                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                      AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics)
-                           OR t.handler_name ^@ ANY (v_inbox_prefixes))
-                    ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
-            OR (SELECT 1 FROM workpump_inbox t
-                       WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                         AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                         AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics)
-                           OR t.handler_name ^@ ANY (v_inbox_prefixes))
-                       ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
-            v_with_work := v_with_work || 'inbox'::text;
-        END IF;
-        IF 'perspective_event' = ANY (v_chosen) AND (
-            (SELECT 1 FROM workpump_perspective_event t
-                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                      AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_perspective_topics IS NULL
-                           OR t.perspective_name = ANY (v_perspective_topics)
-                           OR t.perspective_name ^@ ANY (v_perspective_prefixes))
-                    ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
-            OR (SELECT 1 FROM workpump_perspective_event t
-                       WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                         AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                         AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_perspective_topics IS NULL
-                              OR t.perspective_name = ANY (v_perspective_topics)
-                           OR t.perspective_name ^@ ANY (v_perspective_prefixes))
-                       ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
-            v_with_work := v_with_work || 'perspective_event'::text;
-        END IF;
-        IF 'receptor' = ANY (v_chosen) AND (
-            (SELECT 1 FROM workpump_receptor_processing t
-                    WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                      AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics)
-                           OR t.receptor_name ^@ ANY (v_receptor_prefixes))
-                    ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
-            OR (SELECT 1 FROM workpump_receptor_processing t
-                       WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                         AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                         AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics)
-                           OR t.receptor_name ^@ ANY (v_receptor_prefixes))
-                       ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
-            v_with_work := v_with_work || 'receptor'::text;
-        END IF;
+        -- Per-category guards (claimable_<category>: two index probes, ready rows and due
+        -- timers, of the topics the claimer can run), so the budget goes to the
+        -- categories with work.
+        FOREACH v_choice IN ARRAY v_chosen LOOP
+            IF (CASE v_choice.category
+                    WHEN 'outbox' THEN
+                        workpump.claimable_outbox(v_choice.topics, v_choice.prefixes, v_now)
+                    WHEN 'inbox' THEN
+                        workpump.claimable_inbox(v_choice.topics, v_choice.prefixes, v_now)
+                    WHEN 'perspective_event' THEN workpump.claimable_perspective_event(
+                        v_choice.topics, v_choice.prefixes, v_now)
+                    ELSE
+                        workpump.claimable_receptor(v_choice.topics, v_choice.prefixes, v_now)
+                END) THEN
+                v_with_work := v_with_work || v_choice;
+            END IF;
+        END LOOP;
     END IF;
     IF cardinality(v_with_work) = 0 THEN
         RETURN;
@@ -2355,7 +2281,7 @@ BEGIN
     END IF;
     v_rounds := v_with_work;
     WHILE v_step <= cardinality(v_rounds) LOOP
-        v_category := v_rounds[v_step];
+        v_choice := v_rounds[v_step];
         IF v_step <= v_first_round THEN
             v_quota := ceil(v_remaining::numeric / (v_first_round - v_step + 1))::integer;
         ELSIF v_remaining <= 0 THEN
@@ -2365,36 +2291,33 @@ BEGIN
             v_quota := v_remaining;
         END IF;
         IF v_quota > 0 THEN
-            IF v_category = 'outbox' THEN
+            IF v_choice.category = 'outbox' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
-                FROM workpump.claim_outbox(
-                    p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_outbox_topics, v_outbox_prefixes, p_stream_run_max, v_now) w
+                FROM workpump.claim_outbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
+                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
-            ELSIF v_category = 'inbox' THEN
+            ELSIF v_choice.category = 'inbox' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
-                FROM workpump.claim_inbox(
-                    p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_inbox_topics, v_inbox_prefixes, p_stream_run_max, v_now) w
+                FROM workpump.claim_inbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
+                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
-            ELSIF v_category = 'perspective_event' THEN
+            ELSIF v_choice.category = 'perspective_event' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
-                FROM workpump.claim_perspective_event(
-                    p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_perspective_topics, v_perspective_prefixes, p_stream_run_max, v_now) w
+                FROM workpump.claim_perspective_event(p_instance_id, v_quota, p_lease_seconds,
+                    v_rank, v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
+                    v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSE
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
-                FROM workpump.claim_receptor(
-                    p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_receptor_topics, v_receptor_prefixes, p_stream_run_max, v_now) w
+                FROM workpump.claim_receptor(p_instance_id, v_quota, p_lease_seconds, v_rank,
+                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             END IF;
             GET DIAGNOSTICS v_count = ROW_COUNT;
             v_remaining := v_remaining - v_count;
             IF v_count >= v_quota THEN
                 IF v_step <= v_first_round THEN
-                    v_rounds := v_rounds || v_category;  -- it gets a share of the leftovers
+                    v_rounds := v_rounds || v_choice;  -- it gets a share of the leftovers
                 ELSE
                     v_any_more := true;
                 END IF;
