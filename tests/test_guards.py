@@ -35,6 +35,7 @@ SQL_DIR = PACKAGE / "sql"
 # no search_path (which would also stop the planner from inlining them).
 NO_SEARCH_PATH = {
     "any_topic_chosen",  # inlined into claim_work
+    "claim_topics",  # likewise
     "partition_of",
     "lock_namespace",
     "lock_stream",
