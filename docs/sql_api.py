@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from django_workpump.categories import NAMES
+
 SCHEMA_SQL = Path(__file__).resolve().parent.parent / "django_workpump" / "sql" / "schema.sql"
 HEADER = """# The SQL API (schema `workpump`)
 
@@ -83,12 +85,7 @@ signature, is listed below; the main ones:
 
 ## Every function
 """
-# "-- generated: CREATE FUNCTION ...": one a DO block makes (the comment above the
-# generated lines describes them all).
-_GENERATED = "-- generated: "
-_CREATE = re.compile(
-    rf"^(?:{_GENERATED})?CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.MULTILINE
-)
+_CREATE = re.compile(r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.MULTILINE)
 
 
 def descriptions() -> dict[str, str]:
@@ -101,8 +98,6 @@ def descriptions() -> dict[str, str]:
             continue
         comment: list[str] = []
         for above in reversed(lines[:number]):
-            if above.startswith(_GENERATED):
-                continue
             if not above.startswith("--"):
                 break
             comment.insert(0, above.removeprefix("--").strip())
@@ -120,6 +115,11 @@ def render(cursor: Any) -> str:
     parts = [HEADER]
     for name, arguments, result in cursor.fetchall():
         comment = known.get(name, "")
+        if not comment and name.startswith("claim_") and name.removeprefix("claim_") in NAMES:
+            comment = (
+                f"The claim of category `{name.removeprefix('claim_')}`, built from the one claim"
+                " template by `define_claim` (see there)."
+            )
         entry = f"### `{name}`\n\n```sql\nworkpump.{name}({arguments})\n  RETURNS {result}\n```\n"
         if comment:
             entry += f"\n{comment}\n"

@@ -92,10 +92,8 @@ def instance_url(instance_id: Any, window: str) -> str:
 
 
 def rows_url(category: str, **filters: str) -> str:
-    """The changelist of a category, filtered (``topic`` is the category's topic column)."""
+    """The changelist of a category, filtered (``topic=``, ``state=``, ``owner=``)."""
     spec = categories.category(category)
-    if "topic" in filters:
-        filters = {spec.topic_column: filters.pop("topic"), **filters}
     url = reverse(f"admin:workpump_{spec.model.lower()}_changelist")
     return f"{url}?{urlencode(filters)}" if filters else url
 

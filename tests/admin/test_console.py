@@ -54,7 +54,7 @@ def viewer(username: str = "viewer", models_: list[Any] = VIEWABLE) -> Client:
 
 def make(n: int) -> list[uuid.UUID]:
     return [
-        factories.OutboxFactory(destination=TOPIC, created_at=scalar("SELECT now()")).message_id
+        factories.OutboxFactory(topic=TOPIC, created_at=scalar("SELECT now()")).work_id
         for _ in range(n)
     ]
 
@@ -167,8 +167,8 @@ def test_the_topic_page_shows_rates_failure_reasons_and_links_its_rows() -> None
     assert "<td>3</td>" in reason[1]
     # the newest error of the reason, its headline first
     assert "TimeoutError: warehouse did not answer" in reason[1]
-    assert f'href="/admin/workpump/outbox/?destination={TOPIC}"' in html
-    assert f'href="/admin/workpump/outbox/?destination={TOPIC}&amp;state=dead"' in html
+    assert f'href="/admin/workpump/outbox/?topic={TOPIC}"' in html
+    assert f'href="/admin/workpump/outbox/?topic={TOPIC}&amp;state=dead"' in html
 
 
 def test_the_topic_page_needs_a_category_and_a_topic() -> None:

@@ -91,10 +91,7 @@ def seeded_series() -> Iterator[None]:
 def complete_new_work(count: int) -> None:
     """Make, claim and complete ``count`` outbox rows of LIVE_TOPIC (committed at once)."""
     now = scalar("SELECT now()")
-    ids = [
-        factories.OutboxFactory(destination=LIVE_TOPIC, created_at=now).message_id
-        for _ in range(count)
-    ]
+    ids = [factories.OutboxFactory(topic=LIVE_TOPIC, created_at=now).work_id for _ in range(count)]
     enroll(INSTANCES[0], now)
     run_sql(
         "SELECT * FROM workpump.claim_work(p_instance_id => %s, p_max_rows => %s)",
@@ -136,14 +133,14 @@ def test_the_overview_draws_its_charts_and_its_refresh_shows_new_completions(
             [f"web-{n + 1}", 4001 + n, instance],
         )
     factories.OutboxFactory(
-        destination="emails.welcome",
+        topic="emails.welcome",
         attempts=3,
         scheduled_for=scalar("SELECT now() + interval '5 minutes'"),
         failure_reason="handler_error",
         last_error="SMTPServerDisconnected: Connection unexpectedly closed\nTraceback ...",
     )
     factories.OutboxFactory(
-        destination="emails.welcome",
+        topic="emails.welcome",
         attempts=10,
         dead_lettered_at=scalar("SELECT now() - interval '3 minutes'"),
         failure_reason="max_attempts",

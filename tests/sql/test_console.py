@@ -61,8 +61,8 @@ def counts(**where: Any) -> dict[str, int]:
 
 
 def make(n: int, **fields: Any) -> list[uuid.UUID]:
-    fields = {"destination": TOPIC, "created_at": T0 - timedelta(seconds=10), **fields}
-    return [OutboxFactory(**fields).message_id for _ in range(n)]
+    fields = {"topic": TOPIC, "created_at": T0 - timedelta(seconds=10), **fields}
+    return [OutboxFactory(**fields).work_id for _ in range(n)]
 
 
 def test_counters_equal_what_the_claims_and_outcomes_did_per_instance():
