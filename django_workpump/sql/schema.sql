@@ -9,8 +9,7 @@
 --
 -- Not here: the tables, their indexes and their constraints. Django's model migrations
 -- create them (django_workpump/models.py), and this file expects them to exist; what it
--- adds to them is the insert triggers of the four work tables. (The exception: the
--- console's own tables, at the end, that no model reads.)
+-- adds to them is the insert triggers of the four work tables.
 --
 -- Functions say SET search_path FROM CURRENT, and the statement at the end pins each of
 -- them to pg_catalog, <the schema of the tables>, pg_temp. (The few pure expressions
@@ -3578,9 +3577,9 @@ $$;
 -- --------------------------------------------------------------------------------------
 -- The console's time series
 -- --------------------------------------------------------------------------------------
--- Per-minute numbers that the admin's console charts (docs/console.md). Unlike the
--- tables above, these four are created here: they are the console's own, written and
--- purged only by the functions below, and no model reads them.
+-- Per-minute numbers that the admin's console charts (docs/console.md), in the tables of
+-- the models ConsoleCount, ConsoleBacklog, ConsoleInstance and ConsoleSample, written and
+-- purged only by the functions below.
 --
 -- Counters (workpump_console_count) are written by a statement-level trigger on each
 -- work table: one upsert per UPDATE statement (a claim, a flush of outcomes, a renewal,
@@ -3591,60 +3590,16 @@ $$;
 -- their heartbeat age and in-flight rows) are sampled once a minute by the maintenance
 -- worker (console_sample).
 
-CREATE TABLE workpump_console_count (
-    minute timestamptz NOT NULL,
-    category text NOT NULL,
-    topic text NOT NULL,
-    -- claimed, renewed; how an attempt ended: done, failed (to retry), dead, released
-    -- (given back: unstarted or snoozed), orphaned (evicted holder or an operator's
-    -- release), expired (lease ran out, claimed again); cancelled, discarded
-    outcome text NOT NULL,
-    -- the attempt's holder (the claimer for 'claimed'); the nil uuid for none
-    instance_id uuid NOT NULL,
-    n bigint NOT NULL,
-    -- 'claimed' only: pickup latency, rows per bucket of console_latency_bounds()
-    latency integer[],
-    PRIMARY KEY (minute, category, topic, outcome, instance_id)
-);
-
-CREATE TABLE workpump_console_backlog (
-    minute timestamptz NOT NULL,
-    category text NOT NULL,
-    topic text NOT NULL,
-    pending bigint NOT NULL,    -- waiting and due (orphaned rows included)
-    scheduled bigint NOT NULL,  -- waiting for a retry, deferral or snooze to come due
-    leased bigint NOT NULL,
-    oldest_pending_seconds double precision,
-    PRIMARY KEY (minute, category, topic)
-);
-
-CREATE TABLE workpump_console_instance (
-    minute timestamptz NOT NULL,
-    instance_id uuid NOT NULL,
-    service_name text,
-    host_name text,
-    process_id integer,
-    heartbeat_age_seconds double precision,
-    in_flight bigint NOT NULL,
-    PRIMARY KEY (minute, instance_id)
-);
-
--- One row per sampled minute: the sampler's high-water mark.
-CREATE TABLE workpump_console_sample (
-    minute timestamptz PRIMARY KEY,
-    taken_at timestamptz NOT NULL
-);
-
 -- Upper bounds, in seconds, of the pickup-latency buckets (a last bucket has none).
 CREATE FUNCTION workpump.console_latency_bounds() RETURNS double precision[]
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
-AS $$ SELECT '{0.1,0.5,1,2,5,10,30,60,300}'::double precision[] $$;
+RETURN '{0.1,0.5,1,2,5,10,30,60,300}'::double precision[];
 
 -- p_at, or now() where it is NULL or not finite: a stored time anyone with table access
 -- may have written ('infinity') counts at the minute of the change.
 CREATE FUNCTION workpump.console_finite(p_at timestamptz) RETURNS timestamptz
 LANGUAGE sql STABLE PARALLEL SAFE
-AS $$ SELECT CASE WHEN isfinite(p_at) THEN p_at ELSE now() END $$;
+RETURN CASE WHEN isfinite(p_at) THEN p_at ELSE now() END;
 
 -- The statement trigger of each work table (TG_ARGV[0]: its category): count what the
 -- statement did, from the rows before (console_old) and after (console_new) it. A claim

@@ -31,12 +31,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 LIVE_TOPIC = "reports.nightly"
 INSTANCES = [uuid.UUID(f"00000000-0000-0000-0000-0000000000e{i}") for i in range(3)]
-CONSOLE_TABLES = (
-    "workpump_console_count",
-    "workpump_console_backlog",
-    "workpump_console_instance",
-    "workpump_console_sample",
-)
 
 # A day of minutes for three topics: a rate that swells and ebbs, failures, a few dead.
 SEED_COUNTS = """
@@ -84,8 +78,6 @@ def seeded_series() -> Iterator[None]:
     run_sql(SEED_BACKLOG)
     run_sql(SEED_INSTANCES, {"instances": INSTANCES})
     yield
-    for table in CONSOLE_TABLES:  # no model: the test database's flush does not empty them
-        run_sql(f"DELETE FROM {table}")
 
 
 def complete_new_work(count: int) -> None:
