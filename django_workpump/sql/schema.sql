@@ -714,6 +714,44 @@ BEGIN
 END
 $$;
 
+-- The subscribers an event of p_event_type fans out to: p_subscribers as given (a JSON
+-- array of {"category", "name", "max_attempts"}), or when NULL those of
+-- workpump_subscription. Raises on a malformed list, naming the bad subscriber.
+CREATE FUNCTION workpump.event_subscribers(p_event_type text, p_subscribers jsonb)
+RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_subscribers jsonb := p_subscribers;
+    v_bad jsonb;
+BEGIN
+    IF v_subscribers IS NULL THEN
+        SELECT coalesce(jsonb_agg(jsonb_build_object(
+                   'category', s.category, 'name', s.name, 'max_attempts', s.max_attempts)
+                   ORDER BY s.category, s.name), '[]')
+        INTO v_subscribers
+        FROM workpump_subscription s WHERE s.event_type = p_event_type;
+    END IF;
+    IF jsonb_typeof(v_subscribers) <> 'array' THEN
+        RAISE EXCEPTION 'p_subscribers must be NULL or a JSON array of {"category", "name", "max_attempts"}.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT s INTO v_bad FROM jsonb_array_elements(v_subscribers) s
+    WHERE s->>'category' IS DISTINCT FROM 'perspective_event'
+      AND s->>'category' IS DISTINCT FROM 'receptor'
+       OR coalesce(btrim(s->>'name'), '') = ''
+       OR coalesce((s->>'max_attempts')::integer, 10) < 1
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'Bad subscriber % of event %: it needs a category (perspective_event or receptor), a name and max_attempts >= 1.',
+            v_bad, quote_literal(p_event_type)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN v_subscribers;
+END
+$$;
+
 -- Store an event and one work row per subscriber; return its event id. p_subscribers is
 -- a JSON array of {"category": "perspective_event"|"receptor", "name": ...,
 -- "max_attempts": n}; NULL (the default) means the subscribers workpump_subscription
@@ -743,7 +781,6 @@ DECLARE
     v_id uuid := coalesce(p_event_id, gen_random_uuid());
     v_partition integer;
     v_subscribers jsonb := p_subscribers;
-    v_bad jsonb;
     v_holder uuid;
 BEGIN
     PERFORM workpump.check_new_work('event type', p_event_type, p_payload, p_priority, 1,
@@ -754,28 +791,7 @@ BEGIN
     PERFORM workpump.check_unique_key('event type', p_event_type, p_unique_key,
                                       p_unique_for, p_on_conflict);
     v_partition := workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count);
-    IF v_subscribers IS NULL THEN
-        SELECT coalesce(jsonb_agg(jsonb_build_object(
-                   'category', s.category, 'name', s.name, 'max_attempts', s.max_attempts)
-                   ORDER BY s.category, s.name), '[]')
-        INTO v_subscribers
-        FROM workpump_subscription s WHERE s.event_type = p_event_type;
-    END IF;
-    IF jsonb_typeof(v_subscribers) <> 'array' THEN
-        RAISE EXCEPTION 'p_subscribers must be NULL or a JSON array of {"category", "name", "max_attempts"}.'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    SELECT s INTO v_bad FROM jsonb_array_elements(v_subscribers) s
-    WHERE s->>'category' IS DISTINCT FROM 'perspective_event'
-      AND s->>'category' IS DISTINCT FROM 'receptor'
-       OR coalesce(btrim(s->>'name'), '') = ''
-       OR coalesce((s->>'max_attempts')::integer, 10) < 1
-    LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION 'Bad subscriber % of event %: it needs a category (perspective_event or receptor), a name and max_attempts >= 1.',
-            v_bad, quote_literal(p_event_type)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
+    v_subscribers := workpump.event_subscribers(p_event_type, p_subscribers);
 
     IF p_unique_key IS NOT NULL THEN
         -- a racer of the same key waits here until this transaction ends
@@ -987,7 +1003,6 @@ AS $$
 DECLARE
     v_ids uuid[];
     v_subscribers jsonb := p_subscribers;
-    v_bad jsonb;
 BEGIN
     PERFORM workpump.check_new_work('event type', p_event_type, '{}'::jsonb, p_priority, 1,
                                     p_partition_count);
@@ -1007,28 +1022,7 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Pass NULL for fresh ids.';
     END IF;
-    IF v_subscribers IS NULL THEN
-        SELECT coalesce(jsonb_agg(jsonb_build_object(
-                   'category', s.category, 'name', s.name, 'max_attempts', s.max_attempts)
-                   ORDER BY s.category, s.name), '[]')
-        INTO v_subscribers
-        FROM workpump_subscription s WHERE s.event_type = p_event_type;
-    END IF;
-    IF jsonb_typeof(v_subscribers) <> 'array' THEN
-        RAISE EXCEPTION 'p_subscribers must be NULL or a JSON array of {"category", "name", "max_attempts"}.'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    SELECT s INTO v_bad FROM jsonb_array_elements(v_subscribers) s
-    WHERE s->>'category' IS DISTINCT FROM 'perspective_event'
-      AND s->>'category' IS DISTINCT FROM 'receptor'
-       OR coalesce(btrim(s->>'name'), '') = ''
-       OR coalesce((s->>'max_attempts')::integer, 10) < 1
-    LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION 'Bad subscriber % of event %: it needs a category (perspective_event or receptor), a name and max_attempts >= 1.',
-            v_bad, quote_literal(p_event_type)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
+    v_subscribers := workpump.event_subscribers(p_event_type, p_subscribers);
     IF coalesce(cardinality(p_payloads), 0) = 0 THEN
         RETURN '{}'::uuid[];
     END IF;
