@@ -24,6 +24,7 @@ class Category:
     topic_scopes_streams: bool  # True: (topic, stream) orders rows; False: the stream alone
     topic_noun: str  # how messages name a topic of this category
     payload_on_row: bool  # False: the payload lives in the workpump_event row
+    index_prefix: str  # of its partial indexes: <prefix>_ready, <prefix>_done, ...
 
 
 CATEGORIES = (
@@ -34,6 +35,7 @@ CATEGORIES = (
         topic_scopes_streams=False,
         topic_noun="outbox destination",
         payload_on_row=True,
+        index_prefix="wp_outbox",
     ),
     Category(
         name="inbox",
@@ -42,6 +44,7 @@ CATEGORIES = (
         topic_scopes_streams=False,
         topic_noun="inbox handler",
         payload_on_row=True,
+        index_prefix="wp_inbox",
     ),
     Category(
         name="perspective_event",
@@ -50,6 +53,7 @@ CATEGORIES = (
         topic_scopes_streams=True,
         topic_noun="perspective",
         payload_on_row=False,
+        index_prefix="wp_persp",
     ),
     Category(
         name="receptor",
@@ -58,6 +62,7 @@ CATEGORIES = (
         topic_scopes_streams=True,
         topic_noun="receptor",
         payload_on_row=False,
+        index_prefix="wp_receptor",
     ),
 )
 

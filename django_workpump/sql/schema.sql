@@ -714,6 +714,44 @@ BEGIN
 END
 $$;
 
+-- The subscribers an event of p_event_type fans out to: p_subscribers as given (a JSON
+-- array of {"category", "name", "max_attempts"}), or when NULL those of
+-- workpump_subscription. Raises on a malformed list, naming the bad subscriber.
+CREATE FUNCTION workpump.event_subscribers(p_event_type text, p_subscribers jsonb)
+RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_subscribers jsonb := p_subscribers;
+    v_bad jsonb;
+BEGIN
+    IF v_subscribers IS NULL THEN
+        SELECT coalesce(jsonb_agg(jsonb_build_object(
+                   'category', s.category, 'name', s.name, 'max_attempts', s.max_attempts)
+                   ORDER BY s.category, s.name), '[]')
+        INTO v_subscribers
+        FROM workpump_subscription s WHERE s.event_type = p_event_type;
+    END IF;
+    IF jsonb_typeof(v_subscribers) <> 'array' THEN
+        RAISE EXCEPTION 'p_subscribers must be NULL or a JSON array of {"category", "name", "max_attempts"}.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT s INTO v_bad FROM jsonb_array_elements(v_subscribers) s
+    WHERE s->>'category' IS DISTINCT FROM 'perspective_event'
+      AND s->>'category' IS DISTINCT FROM 'receptor'
+       OR coalesce(btrim(s->>'name'), '') = ''
+       OR coalesce((s->>'max_attempts')::integer, 10) < 1
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'Bad subscriber % of event %: it needs a category (perspective_event or receptor), a name and max_attempts >= 1.',
+            v_bad, quote_literal(p_event_type)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN v_subscribers;
+END
+$$;
+
 -- Store an event and one work row per subscriber; return its event id. p_subscribers is
 -- a JSON array of {"category": "perspective_event"|"receptor", "name": ...,
 -- "max_attempts": n}; NULL (the default) means the subscribers workpump_subscription
@@ -743,7 +781,6 @@ DECLARE
     v_id uuid := coalesce(p_event_id, gen_random_uuid());
     v_partition integer;
     v_subscribers jsonb := p_subscribers;
-    v_bad jsonb;
     v_holder uuid;
 BEGIN
     PERFORM workpump.check_new_work('event type', p_event_type, p_payload, p_priority, 1,
@@ -754,28 +791,7 @@ BEGIN
     PERFORM workpump.check_unique_key('event type', p_event_type, p_unique_key,
                                       p_unique_for, p_on_conflict);
     v_partition := workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count);
-    IF v_subscribers IS NULL THEN
-        SELECT coalesce(jsonb_agg(jsonb_build_object(
-                   'category', s.category, 'name', s.name, 'max_attempts', s.max_attempts)
-                   ORDER BY s.category, s.name), '[]')
-        INTO v_subscribers
-        FROM workpump_subscription s WHERE s.event_type = p_event_type;
-    END IF;
-    IF jsonb_typeof(v_subscribers) <> 'array' THEN
-        RAISE EXCEPTION 'p_subscribers must be NULL or a JSON array of {"category", "name", "max_attempts"}.'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    SELECT s INTO v_bad FROM jsonb_array_elements(v_subscribers) s
-    WHERE s->>'category' IS DISTINCT FROM 'perspective_event'
-      AND s->>'category' IS DISTINCT FROM 'receptor'
-       OR coalesce(btrim(s->>'name'), '') = ''
-       OR coalesce((s->>'max_attempts')::integer, 10) < 1
-    LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION 'Bad subscriber % of event %: it needs a category (perspective_event or receptor), a name and max_attempts >= 1.',
-            v_bad, quote_literal(p_event_type)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
+    v_subscribers := workpump.event_subscribers(p_event_type, p_subscribers);
 
     IF p_unique_key IS NOT NULL THEN
         -- a racer of the same key waits here until this transaction ends
@@ -987,7 +1003,6 @@ AS $$
 DECLARE
     v_ids uuid[];
     v_subscribers jsonb := p_subscribers;
-    v_bad jsonb;
 BEGIN
     PERFORM workpump.check_new_work('event type', p_event_type, '{}'::jsonb, p_priority, 1,
                                     p_partition_count);
@@ -1007,28 +1022,7 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Pass NULL for fresh ids.';
     END IF;
-    IF v_subscribers IS NULL THEN
-        SELECT coalesce(jsonb_agg(jsonb_build_object(
-                   'category', s.category, 'name', s.name, 'max_attempts', s.max_attempts)
-                   ORDER BY s.category, s.name), '[]')
-        INTO v_subscribers
-        FROM workpump_subscription s WHERE s.event_type = p_event_type;
-    END IF;
-    IF jsonb_typeof(v_subscribers) <> 'array' THEN
-        RAISE EXCEPTION 'p_subscribers must be NULL or a JSON array of {"category", "name", "max_attempts"}.'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    SELECT s INTO v_bad FROM jsonb_array_elements(v_subscribers) s
-    WHERE s->>'category' IS DISTINCT FROM 'perspective_event'
-      AND s->>'category' IS DISTINCT FROM 'receptor'
-       OR coalesce(btrim(s->>'name'), '') = ''
-       OR coalesce((s->>'max_attempts')::integer, 10) < 1
-    LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION 'Bad subscriber % of event %: it needs a category (perspective_event or receptor), a name and max_attempts >= 1.',
-            v_bad, quote_literal(p_event_type)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
+    v_subscribers := workpump.event_subscribers(p_event_type, p_subscribers);
     IF coalesce(cardinality(p_payloads), 0) = 0 THEN
         RETURN '{}'::uuid[];
     END IF;
@@ -2513,14 +2507,6 @@ CREATE FUNCTION workpump.complete_work(
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
-#variable_conflict use_column
-DECLARE
-    v_meta record := workpump.work_table(p_category);
-    v_now timestamptz := coalesce(p_now, now());
-    v_done_ids uuid[];
-    v_done_tokens uuid[];
-    v_scopes text[];
-    v_streams text[];
 BEGIN
     IF p_instance_id IS NULL THEN
         RAISE EXCEPTION 'complete_work needs p_instance_id: completion is fenced by the holder.'
@@ -2535,28 +2521,67 @@ BEGIN
     IF coalesce(cardinality(p_ids), 0) = 0 THEN
         RETURN;
     END IF;
+    RETURN QUERY SELECT * FROM workpump.end_held_work(
+        'done'::text, p_instance_id, p_category, p_ids, p_lease_tokens, p_results, p_now);
+END
+$$;
 
+-- The body of complete_work (p_outcome 'done': each row's value is its result) and of
+-- discard_work ('discarded': each value is the reason, a JSON string, kept as its
+-- last_error): end the undone rows p_instance_id holds under p_lease_tokens[i], release
+-- their leases, and hand their streams on to the next row. The caller checks the input.
+-- Returns every id with p_outcome or 'lost'.
+CREATE FUNCTION workpump.end_held_work(
+    p_outcome text,
+    p_instance_id uuid,
+    p_category text,
+    p_ids uuid[],
+    p_lease_tokens uuid[],
+    p_values jsonb[],
+    p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (work_id uuid, status text)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_now timestamptz := coalesce(p_now, now());
+    v_ended_ids uuid[];
+    v_ended_tokens uuid[];
+    v_scopes text[];
+    v_streams text[];
+BEGIN
+    IF p_outcome IS NULL OR p_outcome NOT IN ('done', 'discarded') THEN
+        RAISE EXCEPTION 'end_held_work ends rows as done or discarded, not %.',
+            coalesce(p_outcome, 'NULL') USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     EXECUTE format($q$
-        WITH done AS (
+        WITH ended AS (
             -- fenced: only undone rows the caller holds under the attempt's token
             UPDATE %1$I t
-            SET %3$I = $3, instance_id = NULL, lease_expiry = NULL, lease_token = NULL,
-                result = i.result
+            SET done_at = $3, instance_id = NULL, lease_expiry = NULL, lease_token = NULL,
+                %3$s
             FROM unnest($1::uuid[], $5::uuid[],
                         coalesce($4::jsonb[], array_fill(NULL::jsonb, ARRAY[cardinality($1)])))
-                 AS i(id, token, result)
-            WHERE t.%2$I = i.id AND t.lease_token = i.token AND t.instance_id = $2
-              AND t.%3$I IS NULL
-            RETURNING t.%2$I AS id, i.token, t.stream, %4$s AS scope
+                 AS i(id, token, value)
+            WHERE t.work_id = i.id AND t.lease_token = i.token AND t.instance_id = $2
+              AND t.done_at IS NULL
+            RETURNING t.work_id AS id, i.token, t.stream, %2$s AS scope
         )
-        SELECT coalesce(array_agg(d.id), '{}'), coalesce(array_agg(d.token), '{}'),
-               coalesce(array_agg(d.scope), '{}'), coalesce(array_agg(d.stream), '{}')
-        FROM done d$q$,
-        v_meta.tbl, v_meta.key_col, v_meta.done_col,
-        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
-             ELSE 't.' || quote_ident(v_meta.scope_col) END)
-    INTO v_done_ids, v_done_tokens, v_scopes, v_streams
-    USING p_ids, p_instance_id, v_now, p_results, p_lease_tokens;
+        SELECT coalesce(array_agg(e.id), '{}'), coalesce(array_agg(e.token), '{}'),
+               coalesce(array_agg(e.scope), '{}'), coalesce(array_agg(e.stream), '{}')
+        FROM ended e$q$,
+        v_meta.tbl,
+        CASE WHEN v_meta.scope_col IS NULL THEN $s$''$s$
+             ELSE 't.' || quote_ident(v_meta.scope_col) END,
+        CASE p_outcome
+            WHEN 'done' THEN 'result = i.value'
+            WHEN 'discarded' THEN $s$end_state = 'discarded', failure_reason = 'discarded',
+                last_error = i.value #>> '{}', scheduled_for = NULL$s$
+        END)
+    INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams
+    USING p_ids, p_instance_id, v_now, p_values, p_lease_tokens;
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
         PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
@@ -2566,9 +2591,9 @@ BEGIN
 
     RETURN QUERY
     SELECT i.id,
-           CASE WHEN EXISTS (SELECT 1 FROM unnest(v_done_ids, v_done_tokens) d(id, token)
+           CASE WHEN EXISTS (SELECT 1 FROM unnest(v_ended_ids, v_ended_tokens) d(id, token)
                              WHERE d.id = i.id AND d.token = i.token)
-                THEN 'done' ELSE 'lost' END
+                THEN p_outcome ELSE 'lost' END
     FROM unnest(p_ids, p_lease_tokens) i(id, token);
 END
 $$;
@@ -2899,14 +2924,6 @@ CREATE FUNCTION workpump.discard_work(
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
-#variable_conflict use_column
-DECLARE
-    v_meta record := workpump.work_table(p_category);
-    v_now timestamptz := coalesce(p_now, now());
-    v_ids uuid[];
-    v_tokens uuid[];
-    v_scopes text[];
-    v_streams text[];
 BEGIN
     IF p_instance_id IS NULL THEN
         RAISE EXCEPTION 'discard_work needs p_instance_id: a discard is fenced by the holder.'
@@ -2926,39 +2943,11 @@ BEGIN
     -- the streams' locks before the rows' (lock_streams_of)
     PERFORM workpump.lock_streams_of(p_category, p_ids);
 
-    EXECUTE format($q$
-        WITH ended AS (
-            -- fenced: only undone rows the caller holds under the attempt's token
-            UPDATE %1$I t
-            SET %3$I = $3, end_state = 'discarded', failure_reason = 'discarded',
-                last_error = i.reason, instance_id = NULL, lease_expiry = NULL,
-                lease_token = NULL, scheduled_for = NULL
-            FROM unnest($1::uuid[], $5::uuid[], $4::text[]) AS i(id, token, reason)
-            WHERE t.%2$I = i.id AND t.lease_token = i.token AND t.instance_id = $2
-              AND t.%3$I IS NULL
-            RETURNING t.%2$I AS id, i.token, t.stream, %4$s AS scope
-        )
-        SELECT coalesce(array_agg(e.id), '{}'), coalesce(array_agg(e.token), '{}'),
-               coalesce(array_agg(e.scope), '{}'), coalesce(array_agg(e.stream), '{}')
-        FROM ended e$q$,
-        v_meta.tbl, v_meta.key_col, v_meta.done_col,
-        CASE WHEN v_meta.scope_col IS NULL THEN ''''''
-             ELSE 't.' || quote_ident(v_meta.scope_col) END)
-    INTO v_ids, v_tokens, v_scopes, v_streams
-    USING p_ids, p_instance_id, v_now, p_reasons, p_lease_tokens;
-
-    IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
-        PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
-        -- the caller keeps the streams whose new head it holds (its run goes on)
-        PERFORM workpump.hand_over_streams(p_category, p_instance_id, v_scopes, v_streams);
-    END IF;
-
-    RETURN QUERY
-    SELECT i.id,
-           CASE WHEN EXISTS (SELECT 1 FROM unnest(v_ids, v_tokens) d(id, token)
-                             WHERE d.id = i.id AND d.token = i.token)
-                THEN 'discarded' ELSE 'lost' END
-    FROM unnest(p_ids, p_lease_tokens) i(id, token);
+    RETURN QUERY SELECT * FROM workpump.end_held_work(
+        'discarded'::text, p_instance_id, p_category, p_ids, p_lease_tokens,
+        ARRAY(SELECT to_jsonb(r.reason) FROM unnest(p_reasons) WITH ORDINALITY r(reason, n)
+              ORDER BY r.n),
+        p_now);
 END
 $$;
 

@@ -15,49 +15,30 @@
 WITH RECURSIVE clock AS (
     -- the one "now" of this report
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
-), holders_outbox AS (
+),
+-- each category, joined by ,
+holders_{category} AS (
     -- the holders of rows (loose index scan of _held)
-    (SELECT t.instance_id FROM workpump_outbox t
+    (SELECT t.instance_id FROM {table} t
      WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
     UNION ALL
-    SELECT (SELECT t.instance_id FROM workpump_outbox t
+    SELECT (SELECT t.instance_id FROM {table} t
             WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
-    FROM holders_outbox h WHERE h.instance_id IS NOT NULL
-), holders_inbox AS (
-    -- the holders of rows (loose index scan of _held)
-    (SELECT t.instance_id FROM workpump_inbox t
-     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
-    UNION ALL
-    SELECT (SELECT t.instance_id FROM workpump_inbox t
-            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
-    FROM holders_inbox h WHERE h.instance_id IS NOT NULL
-), holders_perspective_event AS (
-    -- the holders of rows (loose index scan of _held)
-    (SELECT t.instance_id FROM workpump_perspective_event t
-     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
-    UNION ALL
-    SELECT (SELECT t.instance_id FROM workpump_perspective_event t
-            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
-    FROM holders_perspective_event h WHERE h.instance_id IS NOT NULL
-), holders_receptor AS (
-    -- the holders of rows (loose index scan of _held)
-    (SELECT t.instance_id FROM workpump_receptor_processing t
-     WHERE t.instance_id IS NOT NULL ORDER BY t.instance_id LIMIT 1)
-    UNION ALL
-    SELECT (SELECT t.instance_id FROM workpump_receptor_processing t
-            WHERE t.instance_id > h.instance_id ORDER BY t.instance_id LIMIT 1)
-    FROM holders_receptor h WHERE h.instance_id IS NOT NULL
-), arms AS (
+    FROM holders_{category} h WHERE h.instance_id IS NOT NULL
+)
+-- end each
+, arms AS (
     -- the rows of each undone state, as disjoint arms that each read one partial index:
     -- pending = claimable heads (_ready) + unleased rows whose time has come (_waiting)
     -- + unscheduled rows behind a head (_stream); scheduled = _waiting not yet due;
     -- leased = held (_held) with an unexpired lease; orphaned = held with an expired
     -- lease (_held, each holder's rows) + rows of an evicted holder not re-claimed
     -- (_orphan); dead = _dead
-    SELECT 'outbox' AS category, a.state, a.capped, a.oldest_created_at
+    -- each category, joined by UNION ALL
+    SELECT '{category}' AS category, a.state, a.capped, a.oldest_created_at
     FROM clock c CROSS JOIN LATERAL (
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_outbox t
+        FROM (SELECT t.created_at FROM {table} t
               WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.stream_head
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
@@ -65,7 +46,7 @@ WITH RECURSIVE clock AS (
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_outbox t
+        FROM (SELECT t.created_at FROM {table} t
               WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
@@ -73,29 +54,29 @@ WITH RECURSIVE clock AS (
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_outbox t
+        FROM (SELECT t.created_at FROM {table} t
               WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND NOT t.stream_head AND t.stream IS NOT NULL
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_outbox t
+        FROM (SELECT t.created_at FROM {table} t
               WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for > c.now AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_outbox t
+        FROM (SELECT t.created_at FROM {table} t
               WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NOT NULL
                 AND t.lease_expiry > c.now
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT e.created_at FROM holders_outbox h CROSS JOIN LATERAL (
-                  SELECT t.created_at FROM workpump_outbox t
+        FROM (SELECT e.created_at FROM holders_{category} h CROSS JOIN LATERAL (
+                  SELECT t.created_at FROM {table} t
                   WHERE t.instance_id = h.instance_id
                     AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
                     AND t.lease_expiry <= c.now
@@ -104,7 +85,7 @@ WITH RECURSIVE clock AS (
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_outbox t
+        FROM (SELECT t.created_at FROM {table} t
               WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.claimed_at IS NOT NULL
@@ -112,199 +93,11 @@ WITH RECURSIVE clock AS (
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_outbox t
+        FROM (SELECT t.created_at FROM {table} t
               WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
               LIMIT %(exact_limit)s + 1) x
     ) a
-    UNION ALL
-    SELECT 'inbox' AS category, a.state, a.capped, a.oldest_created_at
-    FROM clock c CROSS JOIN LATERAL (
-        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.stream_head
-                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
-              ORDER BY t.priority DESC, t.seq
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NULL
-                AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
-              ORDER BY t.scheduled_for
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND NOT t.stream_head AND t.stream IS NOT NULL
-                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NULL
-                AND t.scheduled_for > c.now AND t.claimed_at IS NULL
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NOT NULL
-                AND t.lease_expiry > c.now
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT e.created_at FROM holders_inbox h CROSS JOIN LATERAL (
-                  SELECT t.created_at FROM workpump_inbox t
-                  WHERE t.instance_id = h.instance_id
-                    AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                    AND t.lease_expiry <= c.now
-                  LIMIT %(exact_limit)s + 1) e
-              WHERE h.instance_id IS NOT NULL
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NULL
-                AND t.claimed_at IS NOT NULL
-              ORDER BY t.seq
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
-              LIMIT %(exact_limit)s + 1) x
-    ) a
-    UNION ALL
-    SELECT 'perspective_event' AS category, a.state, a.capped, a.oldest_created_at
-    FROM clock c CROSS JOIN LATERAL (
-        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.stream_head
-                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
-              ORDER BY t.priority DESC, t.seq
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NULL
-                AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
-              ORDER BY t.scheduled_for
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND NOT t.stream_head AND t.stream IS NOT NULL
-                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NULL
-                AND t.scheduled_for > c.now AND t.claimed_at IS NULL
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NOT NULL
-                AND t.lease_expiry > c.now
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT e.created_at FROM holders_perspective_event h CROSS JOIN LATERAL (
-                  SELECT t.created_at FROM workpump_perspective_event t
-                  WHERE t.instance_id = h.instance_id
-                    AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                    AND t.lease_expiry <= c.now
-                  LIMIT %(exact_limit)s + 1) e
-              WHERE h.instance_id IS NOT NULL
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NULL
-                AND t.claimed_at IS NOT NULL
-              ORDER BY t.seq
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
-              LIMIT %(exact_limit)s + 1) x
-    ) a
-    UNION ALL
-    SELECT 'receptor' AS category, a.state, a.capped, a.oldest_created_at
-    FROM clock c CROSS JOIN LATERAL (
-        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.stream_head
-                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
-              ORDER BY t.priority DESC, t.seq
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NULL
-                AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
-              ORDER BY t.scheduled_for
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND NOT t.stream_head AND t.stream IS NOT NULL
-                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NULL
-                AND t.scheduled_for > c.now AND t.claimed_at IS NULL
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NOT NULL
-                AND t.lease_expiry > c.now
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT e.created_at FROM holders_receptor h CROSS JOIN LATERAL (
-                  SELECT t.created_at FROM workpump_receptor_processing t
-                  WHERE t.instance_id = h.instance_id
-                    AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                    AND t.lease_expiry <= c.now
-                  LIMIT %(exact_limit)s + 1) e
-              WHERE h.instance_id IS NOT NULL
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.instance_id IS NULL
-                AND t.claimed_at IS NOT NULL
-              ORDER BY t.seq
-              LIMIT %(exact_limit)s + 1) x
-        UNION ALL
-        SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
-        FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
-              LIMIT %(exact_limit)s + 1) x
-    ) a
+    -- end each
 ), counted AS (
     SELECT a.category, a.state, sum(a.capped)::bigint AS count,
            min(a.oldest_created_at) AS oldest_created_at,
@@ -315,43 +108,19 @@ WITH RECURSIVE clock AS (
     -- done rows per table, counted no further than one past the exact limit, in the
     -- order of the _done index (a bounded read of it, whatever the table holds), and
     -- that index's row count at the last VACUUM or ANALYZE (pg_class.reltuples)
-    SELECT 'outbox' AS category, 'wp_outbox_done'::regclass AS index,
-           (SELECT count(*) FROM (SELECT FROM workpump_outbox t WHERE t.done_at IS NOT NULL
+    -- each category, joined by UNION ALL
+    SELECT '{category}' AS category, '{index_prefix}_done'::regclass AS index,
+           (SELECT count(*) FROM (SELECT FROM {table} t WHERE t.done_at IS NOT NULL
                                   ORDER BY t.done_at LIMIT %(exact_limit)s + 1) d) AS capped
-    UNION ALL
-    SELECT 'inbox', 'wp_inbox_done'::regclass,
-           (SELECT count(*) FROM (SELECT FROM workpump_inbox t WHERE t.done_at IS NOT NULL
-                                  ORDER BY t.done_at LIMIT %(exact_limit)s + 1) d)
-    UNION ALL
-    SELECT 'perspective_event', 'wp_persp_done'::regclass,
-           (SELECT count(*) FROM (SELECT FROM workpump_perspective_event t
-                                  WHERE t.done_at IS NOT NULL
-                                  ORDER BY t.done_at LIMIT %(exact_limit)s + 1) d)
-    UNION ALL
-    SELECT 'receptor', 'wp_receptor_done'::regclass,
-           (SELECT count(*) FROM (SELECT FROM workpump_receptor_processing t
-                                  WHERE t.done_at IS NOT NULL
-                                  ORDER BY t.done_at LIMIT %(exact_limit)s + 1) d)
+    -- end each
 ), ended AS (
     -- rows that ended cancelled or discarded, counted exactly through the _ended indexes
-    SELECT 'outbox' AS category, t.end_state AS state, count(*) AS count,
+    -- each category, joined by UNION ALL
+    SELECT '{category}' AS category, t.end_state AS state, count(*) AS count,
            NULL::timestamptz AS oldest_created_at, false AS estimated
-    FROM workpump_outbox t WHERE t.done_at IS NOT NULL AND t.end_state IS NOT NULL
+    FROM {table} t WHERE t.done_at IS NOT NULL AND t.end_state IS NOT NULL
     GROUP BY t.end_state
-    UNION ALL
-    SELECT 'inbox', t.end_state, count(*), NULL::timestamptz, false
-    FROM workpump_inbox t WHERE t.done_at IS NOT NULL AND t.end_state IS NOT NULL
-    GROUP BY t.end_state
-    UNION ALL
-    SELECT 'perspective_event', t.end_state, count(*), NULL::timestamptz, false
-    FROM workpump_perspective_event t
-    WHERE t.done_at IS NOT NULL AND t.end_state IS NOT NULL
-    GROUP BY t.end_state
-    UNION ALL
-    SELECT 'receptor', t.end_state, count(*), NULL::timestamptz, false
-    FROM workpump_receptor_processing t
-    WHERE t.done_at IS NOT NULL AND t.end_state IS NOT NULL
-    GROUP BY t.end_state
+    -- end each
 ), done AS (
     -- completed rows: exact up to the limit; past it the _done index's estimated rows;
     -- the ended ones (cancelled, discarded) are counted apart
@@ -384,93 +153,29 @@ ORDER BY k.k_order, s.s_order
 -- The rows of each undone state of each category, for EXPLAIN only (never run): the
 -- planner's estimate of each arm (the children of its Append, in this order) is the count
 -- of a state that state_counts found past its exact limit.
-SELECT 'outbox' AS category, 'pending' AS state FROM workpump_outbox t
+-- each category, joined by UNION ALL
+SELECT '{category}' AS category, 'pending' AS state FROM {table} t
 WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
 UNION ALL
-SELECT 'outbox' AS category, 'scheduled' AS state FROM workpump_outbox t
+SELECT '{category}' AS category, 'scheduled' AS state FROM {table} t
 WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
 UNION ALL
-SELECT 'outbox' AS category, 'leased' AS state FROM workpump_outbox t
+SELECT '{category}' AS category, 'leased' AS state FROM {table} t
 WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
 UNION ALL
-SELECT 'outbox' AS category, 'orphaned' AS state FROM workpump_outbox t
+SELECT '{category}' AS category, 'orphaned' AS state FROM {table} t
 WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
        OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
 UNION ALL
-SELECT 'outbox' AS category, 'dead' AS state FROM workpump_outbox t
+SELECT '{category}' AS category, 'dead' AS state FROM {table} t
 WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
-UNION ALL
-SELECT 'inbox' AS category, 'pending' AS state FROM workpump_inbox t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND t.instance_id IS NULL AND t.claimed_at IS NULL
-  AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
-UNION ALL
-SELECT 'inbox' AS category, 'scheduled' AS state FROM workpump_inbox t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND t.instance_id IS NULL AND t.claimed_at IS NULL
-  AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
-UNION ALL
-SELECT 'inbox' AS category, 'leased' AS state FROM workpump_inbox t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
-UNION ALL
-SELECT 'inbox' AS category, 'orphaned' AS state FROM workpump_inbox t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
-       OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
-UNION ALL
-SELECT 'inbox' AS category, 'dead' AS state FROM workpump_inbox t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
-UNION ALL
-SELECT 'perspective_event' AS category, 'pending' AS state FROM workpump_perspective_event t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND t.instance_id IS NULL AND t.claimed_at IS NULL
-  AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
-UNION ALL
-SELECT 'perspective_event' AS category, 'scheduled' AS state FROM workpump_perspective_event t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND t.instance_id IS NULL AND t.claimed_at IS NULL
-  AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
-UNION ALL
-SELECT 'perspective_event' AS category, 'leased' AS state FROM workpump_perspective_event t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
-UNION ALL
-SELECT 'perspective_event' AS category, 'orphaned' AS state FROM workpump_perspective_event t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
-       OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
-UNION ALL
-SELECT 'perspective_event' AS category, 'dead' AS state FROM workpump_perspective_event t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
-UNION ALL
-SELECT 'receptor' AS category, 'pending' AS state FROM workpump_receptor_processing t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND t.instance_id IS NULL AND t.claimed_at IS NULL
-  AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
-UNION ALL
-SELECT 'receptor' AS category, 'scheduled' AS state FROM workpump_receptor_processing t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND t.instance_id IS NULL AND t.claimed_at IS NULL
-  AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
-UNION ALL
-SELECT 'receptor' AS category, 'leased' AS state FROM workpump_receptor_processing t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
-UNION ALL
-SELECT 'receptor' AS category, 'orphaned' AS state FROM workpump_receptor_processing t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-  AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
-       OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
-UNION ALL
-SELECT 'receptor' AS category, 'dead' AS state FROM workpump_receptor_processing t
-WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
+-- end each
 
 -- name: blocked_streams
 -- Ordered streams whose head is dead or waiting for a retry (scheduled after a failed
@@ -479,51 +184,21 @@ WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), heads AS (
     -- undone heads of ordered streams that are parked or not due yet
-    SELECT 'outbox' AS category, '' AS scope, h.stream, h.work_id AS head_id, h.attempts,
+    -- each category, joined by UNION ALL
+    SELECT '{category}' AS category,
+           CASE WHEN {topic_scopes_streams} THEN h.topic ELSE '' END AS scope, h.stream,
+           h.work_id AS head_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
            workpump.state_of(h.done_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
                              h.claimed_at, h.scheduled_for, h.end_state, c.now) AS head_state,
-           (SELECT count(*) FROM workpump_outbox n
-            WHERE n.stream = h.stream AND n.done_at IS NULL AND n.seq > h.seq) AS waiting
-    FROM workpump_outbox h CROSS JOIN clock c
+           (SELECT count(*) FROM {table} n
+            WHERE (NOT {topic_scopes_streams} OR n.topic = h.topic) AND n.stream = h.stream
+              AND n.done_at IS NULL AND n.seq > h.seq) AS waiting
+    FROM {table} h CROSS JOIN clock c
     WHERE h.stream_head AND h.stream IS NOT NULL AND h.done_at IS NULL
       AND (h.dead_lettered_at IS NOT NULL
            OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
-    UNION ALL
-    SELECT 'inbox', '', h.stream, h.work_id, h.attempts,
-           h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
-           workpump.state_of(h.done_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, h.end_state, c.now),
-           (SELECT count(*) FROM workpump_inbox n
-            WHERE n.stream = h.stream AND n.done_at IS NULL AND n.seq > h.seq)
-    FROM workpump_inbox h CROSS JOIN clock c
-    WHERE h.stream_head AND h.stream IS NOT NULL AND h.done_at IS NULL
-      AND (h.dead_lettered_at IS NOT NULL
-           OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
-    UNION ALL
-    SELECT 'perspective_event', h.topic, h.stream, h.work_id, h.attempts,
-           h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
-           workpump.state_of(h.done_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, h.end_state, c.now),
-           (SELECT count(*) FROM workpump_perspective_event n
-            WHERE n.topic = h.topic AND n.stream = h.stream
-              AND n.done_at IS NULL AND n.seq > h.seq)
-    FROM workpump_perspective_event h CROSS JOIN clock c
-    WHERE h.stream_head AND h.stream IS NOT NULL AND h.done_at IS NULL
-      AND (h.dead_lettered_at IS NOT NULL
-           OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
-    UNION ALL
-    SELECT 'receptor', h.topic, h.stream, h.work_id, h.attempts,
-           h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
-           workpump.state_of(h.done_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
-                             h.claimed_at, h.scheduled_for, h.end_state, c.now),
-           (SELECT count(*) FROM workpump_receptor_processing n
-            WHERE n.topic = h.topic AND n.stream = h.stream
-              AND n.done_at IS NULL AND n.seq > h.seq)
-    FROM workpump_receptor_processing h CROSS JOIN clock c
-    WHERE h.stream_head AND h.stream IS NOT NULL AND h.done_at IS NULL
-      AND (h.dead_lettered_at IS NOT NULL
-           OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
+    -- end each
 ), blocked AS (
     -- dead, or scheduled after an attempt (a retry wait); a deferred first attempt is the
     -- producer's choice, not a blockage
@@ -541,30 +216,14 @@ LIMIT %(limit)s
 -- name: dead_rows
 -- The most recently parked rows of all four tables, newest first.
 SELECT d.* FROM (
-    (SELECT 'outbox' AS category, work_id, topic, stream,
+    -- each category, joined by UNION ALL
+    (SELECT '{category}' AS category, work_id, topic, stream,
             attempts, max_attempts, failure_reason, dead_lettered_at,
             split_part(last_error, E'\n', 1) AS last_error
-     FROM workpump_outbox
+     FROM {table}
      WHERE done_at IS NULL AND dead_lettered_at IS NOT NULL
      ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
-    UNION ALL
-    (SELECT 'inbox', work_id, topic, stream, attempts, max_attempts, failure_reason,
-            dead_lettered_at, split_part(last_error, E'\n', 1)
-     FROM workpump_inbox
-     WHERE done_at IS NULL AND dead_lettered_at IS NOT NULL
-     ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
-    UNION ALL
-    (SELECT 'perspective_event', work_id, topic, stream, attempts,
-            max_attempts, failure_reason, dead_lettered_at, split_part(last_error, E'\n', 1)
-     FROM workpump_perspective_event
-     WHERE done_at IS NULL AND dead_lettered_at IS NOT NULL
-     ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
-    UNION ALL
-    (SELECT 'receptor', work_id, topic, stream, attempts, max_attempts, failure_reason,
-            dead_lettered_at, split_part(last_error, E'\n', 1)
-     FROM workpump_receptor_processing
-     WHERE done_at IS NULL AND dead_lettered_at IS NOT NULL
-     ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
+    -- end each
 ) d
 ORDER BY d.dead_lettered_at DESC, d.category, d.work_id
 LIMIT %(limit)s
@@ -685,17 +344,18 @@ WITH clock AS (
     -- of each partial index (_ready, _timer, _stream), in claim order. Rows no instance
     -- runs are never claimed, so they stay first; past the limit the counts are of the
     -- rows read (estimated)
-    (SELECT 'outbox' AS category, 'ready' AS arm, t.topic, t.created_at
-     FROM workpump_outbox t, clock c
-     WHERE 'outbox' NOT IN (SELECT e.category FROM everything e)
+    -- each category, joined by UNION ALL
+    (SELECT '{category}' AS category, 'ready' AS arm, t.topic, t.created_at
+     FROM {table} t, clock c
+     WHERE '{category}' NOT IN (SELECT e.category FROM everything e)
        AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
        ORDER BY t.priority DESC, t.seq
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'outbox' AS category, 'timer' AS arm, t.topic, t.created_at
-     FROM workpump_outbox t, clock c
-     WHERE 'outbox' NOT IN (SELECT e.category FROM everything e)
+    (SELECT '{category}' AS category, 'timer' AS arm, t.topic, t.created_at
+     FROM {table} t, clock c
+     WHERE '{category}' NOT IN (SELECT e.category FROM everything e)
        AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head
        AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
@@ -703,87 +363,13 @@ WITH clock AS (
        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'outbox' AS category, 'behind' AS arm, t.topic, t.created_at
-     FROM workpump_outbox t, clock c
-     WHERE 'outbox' NOT IN (SELECT e.category FROM everything e)
+    (SELECT '{category}' AS category, 'behind' AS arm, t.topic, t.created_at
+     FROM {table} t, clock c
+     WHERE '{category}' NOT IN (SELECT e.category FROM everything e)
        AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
      LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT 'inbox' AS category, 'ready' AS arm, t.topic, t.created_at
-     FROM workpump_inbox t, clock c
-     WHERE 'inbox' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-       ORDER BY t.priority DESC, t.seq
-     LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT 'inbox' AS category, 'timer' AS arm, t.topic, t.created_at
-     FROM workpump_inbox t, clock c
-     WHERE 'inbox' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND t.stream_head
-       AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
-            OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
-       ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
-     LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT 'inbox' AS category, 'behind' AS arm, t.topic, t.created_at
-     FROM workpump_inbox t, clock c
-     WHERE 'inbox' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
-     LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT 'perspective_event' AS category, 'ready' AS arm, t.topic, t.created_at
-     FROM workpump_perspective_event t, clock c
-     WHERE 'perspective_event' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-       ORDER BY t.priority DESC, t.seq
-     LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT 'perspective_event' AS category, 'timer' AS arm, t.topic, t.created_at
-     FROM workpump_perspective_event t, clock c
-     WHERE 'perspective_event' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND t.stream_head
-       AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
-            OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
-       ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
-     LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT 'perspective_event' AS category, 'behind' AS arm, t.topic, t.created_at
-     FROM workpump_perspective_event t, clock c
-     WHERE 'perspective_event' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
-     LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT 'receptor' AS category, 'ready' AS arm, t.topic, t.created_at
-     FROM workpump_receptor_processing t, clock c
-     WHERE 'receptor' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-       ORDER BY t.priority DESC, t.seq
-     LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT 'receptor' AS category, 'timer' AS arm, t.topic, t.created_at
-     FROM workpump_receptor_processing t, clock c
-     WHERE 'receptor' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND t.stream_head
-       AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
-            OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
-       ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
-     LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT 'receptor' AS category, 'behind' AS arm, t.topic, t.created_at
-     FROM workpump_receptor_processing t, clock c
-     WHERE 'receptor' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
-     LIMIT %(exact_limit)s + 1)
+    -- end each
 ), capped AS (
     SELECT w.category, w.arm, count(*) > %(exact_limit)s AS capped
     FROM waiting w GROUP BY w.category, w.arm

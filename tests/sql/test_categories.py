@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from django.apps import apps
 
+import django_workpump.sql as sql_package
 from django_workpump import registry
 from django_workpump.admin import work
 from django_workpump.categories import BY_NAME, CATEGORIES, NAMES, Category, category
@@ -75,3 +76,40 @@ def test_the_public_names_keep_their_values():
 def test_an_unknown_category_is_refused_by_name():
     with pytest.raises(ValueError, match="Unknown workpump category 'bogus'; valid categories"):
         category("bogus")
+
+
+@pytest.mark.parametrize("facts", CATEGORIES, ids=NAMES)
+def test_the_index_prefix_names_the_models_partial_indexes(facts: Category):
+    model = apps.get_model("workpump", facts.model)
+    names = {index.name for index in model._meta.indexes}
+    assert {f"{facts.index_prefix}_ready", f"{facts.index_prefix}_done"} <= names
+
+
+def test_a_query_part_written_once_is_repeated_for_each_category_in_order():
+    body = (
+        "SELECT 1\n-- each category, joined by UNION ALL\n"
+        "SELECT '{category}', '{table}', '{index_prefix}_done', {topic_scopes_streams}\n"
+        "-- end each"
+    )
+    lines = sql_package._each_category(body).splitlines()
+    assert lines[0] == "SELECT 1"
+    copies = [line for line in lines[1:] if line != "UNION ALL"]
+    assert copies == [
+        f"SELECT '{c.name}', '{c.table}', '{c.index_prefix}_done',"
+        f" {str(c.topic_scopes_streams).lower()}"
+        for c in CATEGORIES
+    ]
+    assert lines.count("UNION ALL") == len(CATEGORIES) - 1
+
+
+def test_an_unclosed_category_part_is_refused():
+    with pytest.raises(ValueError, match="end each"):
+        sql_package._each_category("SELECT 1\n-- each category, joined by ,\nSELECT 2")
+
+
+def test_the_status_report_reads_every_table():
+    text = sql_package.named_queries("status.sql")["state_counts"]
+    assert "{" + "table}" not in text
+    for facts in CATEGORIES:
+        assert f"FROM {facts.table} t" in text
+        assert f"holders_{facts.name} AS (" in text
