@@ -32,9 +32,10 @@ HEADINGS = {
     "admin_pages": "Admin pages and workpump_status at scale",
     "index_cost": "The admin's indexes on the hot path",
     "cancel_latency": "Cancel latency",
+    "console": "The console's counting on the hot path",
 }
 # The order of the headline keys and of the targets table.
-SUMMARY_ORDER = ("throughput", "latency", "writes", "claim", "scale", "ordered")
+SUMMARY_ORDER = ("throughput", "latency", "writes", "claim", "scale", "ordered", "console")
 
 
 def page_path(mode: str) -> Any:
@@ -140,6 +141,8 @@ def section_headline(name: str, data: dict[str, Any]) -> dict[str, Any]:
             ),
         }
         return {key: _round(values[key]) for key in SCALE_KEYS}
+    if name == "console":
+        return {"console_overhead_ratio": _round(data.get("console_overhead_ratio"))}
     if name == "ordered":
         summary = data.get("summary", {})
         return {
@@ -160,6 +163,16 @@ def section_targets(name: str, data: dict[str, Any]) -> list[Row]:
     """The rows of the targets table section ``name`` measures."""
     rows: list[Row] = []
     add = rows.append
+    if name == "console":
+        ratio = data.get("console_overhead_ratio")
+        add(
+            _target(
+                "Throughput with the console's counting on / off (same run)",
+                ">= 0.95",
+                _f(ratio, 2),
+                None if ratio is None else ratio >= 0.95,
+            )
+        )
     if name == "throughput":
         ratios = data.get("ratios", {})
         for key, label, goal, floor in (
@@ -917,7 +930,24 @@ def body_scale(sc: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     return out
 
 
+def body_console(section: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    return [
+        "| Counting | Median rate | Drains |\n|---|---|---|",
+        f"| on | {_f(section.get('rate_on_median'), 0, ' jobs/s')} "
+        f"| {sum(1 for r in section.get('runs', []) if r.get('counting'))} |",
+        f"| off | {_f(section.get('rate_off_median'), 0, ' jobs/s')} "
+        f"| {sum(1 for r in section.get('runs', []) if not r.get('counting'))} |",
+        "",
+        f"Ratio on / off per repetition: {', '.join(_f(r, 3) for r in section.get('by_rep', []))}"
+        f"; median {_f(section.get('console_overhead_ratio'), 3)} "
+        f"(`console_overhead_ratio`). {section.get('jobs', 0):,} no-op jobs per drain, one "
+        "process at the defaults; the counting triggers switched by "
+        "`workpump.console_counting` between drains.\n",
+    ]
+
+
 BODIES.update(
+    console=body_console,
     throughput=body_throughput,
     latency=body_latency,
     writes=body_writes,

@@ -360,6 +360,12 @@ def section_ordered(cfg: Config, server: h.Server, workdir: Path) -> dict[str, A
     )
 
 
+def section_console(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
+    from bench import console_overhead
+
+    return console_overhead.run(cfg, server, DATABASES["workpump"], workdir)
+
+
 RUNNERS = {
     "latency": section_latency,
     "throughput": section_throughput,
@@ -368,6 +374,7 @@ RUNNERS = {
     "profile": section_profile,
     "scale": section_scale,
     "ordered": section_ordered,
+    "console": section_console,
 }
 
 
@@ -450,7 +457,7 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
             h.log(f"section {name} done in {time.monotonic() - t0:.0f} s")
     finally:
         # only the databases this run used (the scale section keeps to its own server)
-        if set(chosen) & {"latency", "throughput", "profile"}:
+        if set(chosen) & {"latency", "throughput", "profile", "console"}:
             for database in DATABASES.values():
                 with contextlib.suppress(Exception):
                     server.drop(database)

@@ -316,6 +316,16 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "CONSOLE_RETENTION_SECONDS",
+        7 * 24 * 3600,
+        "int",
+        minimum=3600,
+        meaning=(
+            "the admin console's per-minute series (counters, backlog, instances) are kept "
+            "this long, then purged by the maintenance pass (docs/console.md)"
+        ),
+    ),
+    Setting(
         "MAINTENANCE_INTERVAL_SECONDS",
         300,
         "int",

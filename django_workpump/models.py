@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
@@ -539,3 +540,79 @@ class Subscription(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event_type} -> {self.category} {self.name}"
+
+
+# -- the admin console's per-minute series (docs/console.md) ------------------------------
+# Written only by SQL: the work tables' counting trigger (ConsoleCount) and the
+# maintenance worker's sample (the rest); read by the console's pages through db.console.
+
+
+class ConsoleCount(models.Model):
+    """Rows that ended one way (or were claimed, renewed) in a minute, per topic and
+    instance; for claims, a pickup-latency histogram (``workpump.console_latency_bounds``)."""
+
+    pk = models.CompositePrimaryKey("minute", "category", "topic", "outcome", "instance_id")
+    minute = models.DateTimeField()
+    category = models.TextField()
+    topic = models.TextField()
+    outcome = models.TextField()  # claimed, renewed, done, failed, dead, released, ...
+    instance_id = models.UUIDField()  # the nil uuid: no holder (an operator's action)
+    n = models.BigIntegerField()
+    latency = ArrayField(models.IntegerField(), null=True)
+
+    class Meta:
+        db_table = "workpump_console_count"
+
+    def __str__(self) -> str:
+        return f"{self.minute} {self.category} {self.topic} {self.outcome}: {self.n}"
+
+
+class ConsoleBacklog(models.Model):
+    """A topic's waiting rows and oldest pending age, sampled once in a minute."""
+
+    pk = models.CompositePrimaryKey("minute", "category", "topic")
+    minute = models.DateTimeField()
+    category = models.TextField()
+    topic = models.TextField()
+    pending = models.BigIntegerField()  # waiting and due (orphaned rows included)
+    scheduled = models.BigIntegerField()  # waiting for a retry, deferral or snooze
+    leased = models.BigIntegerField()
+    oldest_pending_seconds = models.FloatField(null=True)
+
+    class Meta:
+        db_table = "workpump_console_backlog"
+
+    def __str__(self) -> str:
+        return f"{self.minute} {self.category} {self.topic}: {self.pending} pending"
+
+
+class ConsoleInstance(models.Model):
+    """A registered instance's heartbeat age and rows in flight, sampled once in a minute."""
+
+    pk = models.CompositePrimaryKey("minute", "instance_id")
+    minute = models.DateTimeField()
+    instance_id = models.UUIDField()
+    service_name = models.TextField(null=True)
+    host_name = models.TextField(null=True)
+    process_id = models.IntegerField(null=True)
+    heartbeat_age_seconds = models.FloatField(null=True)
+    in_flight = models.BigIntegerField()
+
+    class Meta:
+        db_table = "workpump_console_instance"
+
+    def __str__(self) -> str:
+        return f"{self.minute} {self.instance_id}: {self.in_flight} in flight"
+
+
+class ConsoleSample(models.Model):
+    """A minute the sampler took (its high-water mark: one sample per minute)."""
+
+    minute = models.DateTimeField(primary_key=True)
+    taken_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "workpump_console_sample"
+
+    def __str__(self) -> str:
+        return f"{self.minute}"

@@ -151,7 +151,9 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
         summary = path(
             "summary/", self.admin_site.admin_view(self.summary_view), name="workpump_summary"
         )
-        return [summary, *super().get_urls()]
+        from django_workpump.admin.console import console_urls
+
+        return [summary, *console_urls(self), *super().get_urls()]
 
     def has_evict_instance_permission(self, request: HttpRequest) -> bool:
         return has_model_permission(request, ServiceInstance, "evict_instance")

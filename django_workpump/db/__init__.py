@@ -23,6 +23,7 @@ callers write ``db.claim_work`` or ``from django_workpump.db import Outcome``:
 from __future__ import annotations
 
 from django_workpump.db.claim import ClaimedWork, claim_work
+from django_workpump.db.console import console_counting, console_sample, purge_console
 from django_workpump.db.errors import INSTANCE_REFUSED_SQLSTATE, InstanceRefused
 from django_workpump.db.gate import cancelled_attempts, keepalive, notify_probe, take_alive_lock
 from django_workpump.db.instances import (
@@ -122,6 +123,8 @@ __all__ = [
     "claim_work",
     "cleanup_stale_instances",
     "complete_work",
+    "console_counting",
+    "console_sample",
     "dead_letter",
     "deregister_instance",
     "discard_work",
@@ -140,6 +143,7 @@ __all__ = [
     "notify_probe",
     "pause_periodic",
     "periodic_states",
+    "purge_console",
     "purge_dead",
     "purge_events",
     "purge_evictions",

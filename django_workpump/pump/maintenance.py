@@ -7,8 +7,13 @@ reaps stale instances (a backstop for the heartbeat's reap); purges, in small ba
 taken in turn until every purge has caught up, processed rows and unreferenced events
 past RETENTION_SECONDS, dead rows past DEAD_RETENTION_SECONDS (when set), received
 message ids past INBOX_DEDUP_RETENTION_SECONDS, the attempts of purged tasks and idle
-stream-ownership rows; purges old tombstones; and logs rows that are using up their
-attempts. Handler threads never purge.
+stream-ownership rows, and the console's series past CONSOLE_RETENTION_SECONDS; purges
+old tombstones; and logs rows that are using up their attempts. Handler threads never
+purge.
+
+Between passes, every CONSOLE_SAMPLE_SECONDS, it samples the console's gauges of the
+current minute (backlog, instances: ``db.console_sample``); the first sample of a minute,
+from any instance, is the one kept, so peers and restarts sample no minute twice.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from time import monotonic
 
 from django.db import close_old_connections
 
@@ -36,6 +42,10 @@ TOMBSTONE_RETENTION_SECONDS = MIN_TOMBSTONE_RETENTION_SECONDS
 # tombstones go by age, and the reap is the one every heartbeat runs concurrently. A
 # squatter on the lock delays purging by this many intervals; it never stops it.
 MAX_SKIPPED_PASSES = 3
+# How often an instance tries to sample the console's gauges: twice a minute, so a late
+# wake-up skips no minute.
+CONSOLE_SAMPLE_SECONDS = 30.0
+CONSOLE_RETENTION_SECONDS = 7 * 24 * 3600
 
 
 @dataclass
@@ -46,6 +56,7 @@ class MaintenanceResult:
     purged: dict[str, int] = field(default_factory=dict)
     stuck: int = 0
     unhandled: int = 0  # topics with waiting rows that no live instance runs
+    sampled: bool = False  # this pass took the minute's console sample
 
     @property
     def quiet(self) -> bool:
@@ -72,6 +83,8 @@ class MaintenanceWorker(LoopService):
         tombstone_retention_seconds: int = TOMBSTONE_RETENTION_SECONDS,
         batch: int = 1_000,
         max_skipped_passes: int = MAX_SKIPPED_PASSES,
+        console_retention_seconds: int = CONSOLE_RETENTION_SECONDS,
+        console_sample_seconds: float = CONSOLE_SAMPLE_SECONDS,
     ) -> None:
         super().__init__()
         self.alias = alias
@@ -87,6 +100,8 @@ class MaintenanceWorker(LoopService):
         )
         self.batch = batch
         self.max_skipped_passes = max_skipped_passes
+        self.console_retention_seconds = console_retention_seconds
+        self.console_sample_seconds = console_sample_seconds
         self.passes = 0
         self.skipped_in_a_row = 0
         # What was already logged, so a pass logs only what changed: the attempts of each
@@ -132,6 +147,12 @@ class MaintenanceWorker(LoopService):
                 using=using,
             )
         purges["active_stream"] = partial(db.purge_idle_streams, batch=batch, using=using)
+        purges["console"] = partial(
+            db.purge_console,
+            retention_seconds=self.console_retention_seconds,
+            batch=batch,
+            using=using,
+        )
         return purges
 
     def _purge_until_caught_up(self) -> dict[str, int]:
@@ -173,6 +194,7 @@ class MaintenanceWorker(LoopService):
         try:
             self.passes += 1
             result = MaintenanceResult(ran=True, locked=locked)
+            result.sampled = self.sample_once()
             result.reaped = len(
                 db.reap_stale_instances(
                     stale_after_seconds=self.stale_after_seconds,
@@ -272,10 +294,20 @@ class MaintenanceWorker(LoopService):
         self._unhandled_logged = current
         return len(waiting)
 
+    def sample_once(self) -> bool:
+        """Sample the console's gauges of this minute, unless a peer already did."""
+        return db.console_sample(using=self.alias)
+
     def run(self) -> None:
-        while not self._stop.wait(self.interval_seconds):
+        next_pass = monotonic() + self.interval_seconds
+        wait = min(self.interval_seconds, self.console_sample_seconds)
+        while not self._stop.wait(max(0.0, min(wait, next_pass - monotonic()))):
             try:
-                self.run_once()
+                if monotonic() >= next_pass:
+                    next_pass = monotonic() + self.interval_seconds
+                    self.run_once()
+                else:
+                    self.sample_once()
             except Exception:
                 logger.exception("maintenance pass failed", extra={"action": "maintenance_failed"})
             finally:

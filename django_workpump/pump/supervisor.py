@@ -259,6 +259,7 @@ class Supervisor:
             dead_retention_seconds=s["DEAD_RETENTION_SECONDS"],
             inbox_dedup_retention_seconds=s["INBOX_DEDUP_RETENTION_SECONDS"],
             tombstone_retention_seconds=tombstone_retention_seconds(s),
+            console_retention_seconds=s["CONSOLE_RETENTION_SECONDS"],
         )
         # Started only where there is something to fire (and it is not switched off).
         self.periodic: PeriodicWorker | None = None

@@ -3564,6 +3564,304 @@ END
 $$;
 
 -- --------------------------------------------------------------------------------------
+-- The console's time series
+-- --------------------------------------------------------------------------------------
+-- Per-minute numbers that the admin's console charts (docs/console.md), in the tables of
+-- the models ConsoleCount, ConsoleBacklog, ConsoleInstance and ConsoleSample, written and
+-- purged only by the functions below.
+--
+-- Counters (workpump_console_count) are written by a statement-level trigger on each
+-- work table: one upsert per UPDATE statement (a claim, a flush of outcomes, a renewal,
+-- an operator's action), never a statement per row, in the transaction of the change
+-- itself, so a rolled-back flush counts nothing and a restart cannot count twice. Each
+-- instance writes counter rows of its own (instance_id is in the key), so peers never
+-- wait on each other's. Gauges (backlog and oldest pending age per topic, instances with
+-- their heartbeat age and in-flight rows) are sampled once a minute by the maintenance
+-- worker (console_sample).
+
+-- Upper bounds, in seconds, of the pickup-latency buckets (a last bucket has none).
+CREATE FUNCTION workpump.console_latency_bounds() RETURNS double precision[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN '{0.1,0.5,1,2,5,10,30,60,300}'::double precision[];
+
+-- p_at, or now() where it is NULL or not finite: a stored time anyone with table access
+-- may have written ('infinity') counts at the minute of the change.
+CREATE FUNCTION workpump.console_finite(p_at timestamptz) RETURNS timestamptz
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN CASE WHEN isfinite(p_at) THEN p_at ELSE now() END;
+
+-- The statement trigger of each work table (TG_ARGV[0]: its category): count what the
+-- statement did, from the rows before (console_old) and after (console_new) it. A claim
+-- is a new lease token; its latency runs from the row's due time (lease expiry,
+-- scheduled time or creation, as claim_work's due_at) to claimed_at. Claims, done,
+-- dead, cancelled and discarded count at the row's own timestamp; the rest at now().
+-- Which outcome a change is follows from the columns the outcome functions set: a
+-- failed attempt (fail_work) clears claimed_at, an evicted or operator-released one
+-- keeps it open, a released or snoozed one gives its attempt back. Static SQL (the four
+-- tables name their columns alike): each session plans it once per table.
+CREATE FUNCTION workpump.console_count_changes() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM console_new) THEN
+        RETURN NULL;
+    END IF;
+    WITH pairs AS (
+        SELECT coalesce(n.topic, '') AS topic,
+               o.instance_id AS old_holder, n.instance_id AS new_holder,
+               o.lease_token AS old_token, n.lease_token AS new_token,
+               o.attempts AS old_attempts, n.attempts AS new_attempts,
+               o.lease_renewals AS old_renewals, n.lease_renewals AS new_renewals,
+               o.done_at AS old_done, n.done_at AS new_done, n.end_state,
+               o.dead_lettered_at AS old_dead, n.dead_lettered_at AS new_dead,
+               n.claimed_at, coalesce(o.lease_expiry, o.scheduled_for, o.created_at) AS due_at
+        FROM console_old o JOIN console_new n ON n.seq = o.seq
+    ), events AS (
+        SELECT p.topic, coalesce(p.old_holder, '00000000-0000-0000-0000-000000000000') AS instance_id,
+               e.outcome,
+               workpump.console_finite(CASE
+                   WHEN e.outcome = 'dead' THEN p.new_dead
+                   WHEN e.outcome IN ('done', 'cancelled', 'discarded') THEN p.new_done
+                   END) AS at,
+               NULL::double precision AS latency
+        FROM pairs p CROSS JOIN LATERAL (SELECT CASE
+            WHEN p.old_done IS NULL AND p.new_done IS NOT NULL THEN coalesce(p.end_state, 'done')
+            WHEN p.old_dead IS NULL AND p.new_dead IS NOT NULL THEN 'dead'
+            WHEN p.old_holder IS NOT NULL AND p.new_holder IS NULL THEN
+                CASE WHEN p.new_attempts < p.old_attempts THEN 'released'
+                     WHEN p.claimed_at IS NULL THEN 'failed'  -- fail_work ends the attempt
+                     ELSE 'orphaned' END                      -- the attempt stays open
+            WHEN p.old_holder IS NOT NULL AND p.new_token IS DISTINCT FROM p.old_token THEN 'expired'
+            WHEN p.new_token = p.old_token AND p.new_renewals > p.old_renewals THEN 'renewed'
+            END AS outcome) e
+        WHERE e.outcome IS NOT NULL
+        UNION ALL
+        SELECT p.topic, p.new_holder, 'claimed', workpump.console_finite(p.claimed_at),
+               CASE WHEN isfinite(p.due_at) THEN greatest(extract(epoch FROM
+                   workpump.console_finite(p.claimed_at) - p.due_at), 0) END
+        FROM pairs p
+        WHERE p.new_holder IS NOT NULL AND p.new_token IS NOT NULL
+          AND p.new_token IS DISTINCT FROM p.old_token
+    ), bucketed AS (
+        -- bucket b holds [bounds[b - 1], bounds[b]): 1 to 10 for the 9 bounds
+        SELECT e.*, width_bucket(e.latency, workpump.console_latency_bounds()) + 1 AS b
+        FROM events e
+    )
+    INSERT INTO workpump_console_count AS c
+        (minute, category, topic, outcome, instance_id, n, latency)
+    SELECT date_trunc('minute', e.at), TG_ARGV[0], e.topic, e.outcome, e.instance_id, count(*),
+           CASE WHEN e.outcome = 'claimed' THEN ARRAY[
+               count(*) FILTER (WHERE e.b = 1), count(*) FILTER (WHERE e.b = 2),
+               count(*) FILTER (WHERE e.b = 3), count(*) FILTER (WHERE e.b = 4),
+               count(*) FILTER (WHERE e.b = 5), count(*) FILTER (WHERE e.b = 6),
+               count(*) FILTER (WHERE e.b = 7), count(*) FILTER (WHERE e.b = 8),
+               count(*) FILTER (WHERE e.b = 9), count(*) FILTER (WHERE e.b = 10)]::integer[] END
+    FROM bucketed e
+    GROUP BY 1, 3, 4, 5
+    ORDER BY 1, 3, 4, 5  -- one lock order for every writer of the same rows
+    ON CONFLICT (minute, category, topic, outcome, instance_id) DO UPDATE
+    SET n = c.n + excluded.n,
+        latency = CASE
+            WHEN excluded.latency IS NULL THEN c.latency
+            WHEN c.latency IS NULL THEN excluded.latency
+            ELSE ARRAY(SELECT coalesce(u.a, 0) + coalesce(u.b, 0)
+                       FROM unnest(c.latency, excluded.latency) WITH ORDINALITY u(a, b, i)
+                       ORDER BY u.i) END;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER workpump_outbox_console_count AFTER UPDATE ON workpump_outbox
+    REFERENCING OLD TABLE AS console_old NEW TABLE AS console_new
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_changes('outbox');
+CREATE TRIGGER workpump_inbox_console_count AFTER UPDATE ON workpump_inbox
+    REFERENCING OLD TABLE AS console_old NEW TABLE AS console_new
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_changes('inbox');
+CREATE TRIGGER workpump_perspective_event_console_count AFTER UPDATE ON workpump_perspective_event
+    REFERENCING OLD TABLE AS console_old NEW TABLE AS console_new
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_changes('perspective_event');
+CREATE TRIGGER workpump_receptor_processing_console_count AFTER UPDATE ON workpump_receptor_processing
+    REFERENCING OLD TABLE AS console_old NEW TABLE AS console_new
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.console_count_changes('receptor');
+
+-- Switch the console's counting on (p_on true) or off: the four triggers above, enabled
+-- or disabled (ALTER TABLE, so only the tables' owner may). Returns p_on.
+CREATE FUNCTION workpump.console_counting(p_on boolean) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_category text;
+    v_meta record;
+BEGIN
+    IF p_on IS NULL THEN
+        RAISE EXCEPTION 'console_counting needs p_on true (count) or false (stop counting).'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
+        v_meta := workpump.work_table(v_category);
+        EXECUTE format('ALTER TABLE %I %s TRIGGER %I', v_meta.tbl,
+                       CASE WHEN p_on THEN 'ENABLE' ELSE 'DISABLE' END,
+                       v_meta.tbl || '_console_count');
+    END LOOP;
+    RETURN p_on;
+END
+$$;
+
+-- Sample the gauges of the minute of p_now, once: per topic the rows waiting (pending,
+-- scheduled), leased, and the age of the oldest pending row; per registered instance
+-- its heartbeat age and the rows it holds under an unexpired lease. The first call of a
+-- minute takes it (its workpump_console_sample row is the high-water mark: a peer's
+-- call waits for it to commit, then finds it), so no minute is sampled twice. Returns
+-- whether this call sampled. Reads every undone row once: a minute's cost grows with
+-- the backlog.
+CREATE FUNCTION workpump.console_sample(p_now timestamptz DEFAULT NULL) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_minute timestamptz := date_trunc('minute', coalesce(p_now, now()));
+    v_category text;
+    v_meta record;
+BEGIN
+    INSERT INTO workpump_console_sample (minute, taken_at) VALUES (v_minute, v_now)
+    ON CONFLICT (minute) DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
+        v_meta := workpump.work_table(v_category);
+        EXECUTE format($q$
+            INSERT INTO workpump_console_backlog
+                (minute, category, topic, pending, scheduled, leased, oldest_pending_seconds)
+            SELECT $1, $2, w.topic,
+                   count(*) FILTER (WHERE w.state = 'pending'),
+                   count(*) FILTER (WHERE w.state = 'scheduled'),
+                   count(*) FILTER (WHERE w.state = 'leased'),
+                   greatest(extract(epoch FROM $3 - min(w.due)
+                       FILTER (WHERE w.state = 'pending' AND isfinite(w.due))), 0)
+            FROM (SELECT coalesce(t.%2$I, '') AS topic,
+                         CASE WHEN t.instance_id IS NOT NULL AND t.lease_expiry > $3 THEN 'leased'
+                              WHEN t.scheduled_for > $3 THEN 'scheduled'
+                              ELSE 'pending' END AS state,
+                         coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due
+                  FROM %1$I t
+                  WHERE t.%3$I IS NULL AND t.dead_lettered_at IS NULL) w
+            GROUP BY w.topic$q$,
+            v_meta.tbl, v_meta.topic_col, v_meta.done_col)
+        USING v_minute, v_category, v_now;
+    END LOOP;
+    INSERT INTO workpump_console_instance
+        (minute, instance_id, service_name, host_name, process_id, heartbeat_age_seconds,
+         in_flight)
+    SELECT v_minute, i.instance_id, i.service_name, i.host_name, i.process_id,
+           CASE WHEN isfinite(i.last_heartbeat_at)
+                THEN greatest(extract(epoch FROM v_now - i.last_heartbeat_at), 0) END,
+           (SELECT count(*) FROM (
+                SELECT 1 FROM workpump_outbox t
+                WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now
+                UNION ALL
+                SELECT 1 FROM workpump_inbox t
+                WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now
+                UNION ALL
+                SELECT 1 FROM workpump_perspective_event t
+                WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now
+                UNION ALL
+                SELECT 1 FROM workpump_receptor_processing t
+                WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now) held)
+    FROM workpump_service_instance i;
+    RETURN true;
+END
+$$;
+
+-- Delete up to p_batch rows of each console table from minutes before p_before; returns
+-- how many rows it deleted in all.
+CREATE FUNCTION workpump.purge_console(p_before timestamptz, p_batch integer DEFAULT 1000)
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_table text;
+    v_count integer;
+    v_total integer := 0;
+BEGIN
+    IF p_before IS NULL OR p_batch IS NULL OR p_batch < 1 THEN
+        RAISE EXCEPTION 'purge_console needs p_before and p_batch >= 1.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    FOREACH v_table IN ARRAY ARRAY['workpump_console_count', 'workpump_console_backlog',
+                                   'workpump_console_instance', 'workpump_console_sample'] LOOP
+        EXECUTE format($q$
+            DELETE FROM %1$I t WHERE t.ctid = ANY (ARRAY(
+                SELECT d.ctid FROM %1$I d WHERE d.minute < $1
+                ORDER BY d.minute LIMIT $2 FOR UPDATE SKIP LOCKED))$q$, v_table)
+        USING p_before, p_batch;
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        v_total := v_total + v_count;
+    END LOOP;
+    RETURN v_total;
+END
+$$;
+
+-- Why a topic's rows failed: per failure_reason of its undone and dead rows with an
+-- error (at most the p_scan newest of them), how many, and the newest error text.
+CREATE FUNCTION workpump.console_failures(
+    p_category text, p_topic text, p_scan integer DEFAULT 10000
+) RETURNS TABLE (failure_reason text, n bigint, dead bigint, last_error text,
+                 last_seen timestamptz)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+BEGIN
+    RETURN QUERY EXECUTE format($q$
+        SELECT coalesce(f.failure_reason, 'unknown')::text, count(*),
+               count(*) FILTER (WHERE f.dead_lettered_at IS NOT NULL),
+               (array_agg(f.last_error ORDER BY f.seq DESC))[1],
+               max(coalesce(f.dead_lettered_at, f.claimed_at, f.created_at))
+        FROM (SELECT t.seq, t.failure_reason, t.last_error, t.dead_lettered_at,
+                     t.claimed_at, t.created_at
+              FROM %1$I t
+              WHERE t.%2$I = $1 AND t.%3$I IS NULL AND t.last_error IS NOT NULL
+              ORDER BY t.seq DESC LIMIT $2) f
+        GROUP BY 1
+        ORDER BY 2 DESC$q$, v_meta.tbl, v_meta.topic_col, v_meta.done_col)
+    USING p_topic, greatest(coalesce(p_scan, 10000), 1);
+END
+$$;
+
+-- The rows p_instance_id holds, every category, newest claim first (at most p_limit).
+CREATE FUNCTION workpump.console_in_flight(
+    p_instance_id uuid, p_limit integer DEFAULT 100, p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (category text, seq bigint, work_id uuid, topic text, stream text,
+                 attempts integer, max_attempts integer, claimed_at timestamptz,
+                 lease_expiry timestamptz, expired boolean)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_category text;
+    v_meta record;
+BEGIN
+    FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
+        v_meta := workpump.work_table(v_category);
+        RETURN QUERY EXECUTE format($q$
+            SELECT $1, t.seq, t.%2$I, t.%3$I::text, t.stream, t.attempts, t.max_attempts,
+                   t.claimed_at, t.lease_expiry, t.lease_expiry <= $4
+            FROM %1$I t WHERE t.instance_id = $2
+            ORDER BY t.claimed_at DESC NULLS LAST LIMIT $3$q$,
+            v_meta.tbl, v_meta.key_col, v_meta.topic_col)
+        USING v_category, p_instance_id, greatest(coalesce(p_limit, 100), 1),
+              coalesce(p_now, now());
+    END LOOP;
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
 -- search_path
 -- --------------------------------------------------------------------------------------
 -- A function that captured the loading session's search_path ("$user", public by

@@ -186,22 +186,26 @@ def notices() -> Iterator[list[str]]:
 
 
 def table_writes() -> dict[str, int]:
-    """Tuples written to each workpump table, as counted by this backend so far."""
+    """Tuples written to each workpump table, as counted by this backend so far; not the
+    console's counters, which its trigger writes on every change (tests/sql/test_console.py)."""
     return {
         r["relname"]: r["n"]
         for r in run_sql(
             "SELECT relname, n_tup_ins + n_tup_upd + n_tup_del AS n"
             " FROM pg_stat_xact_user_tables WHERE relname LIKE 'workpump\\_%%'"
+            " AND relname NOT LIKE 'workpump\\_console\\_%%'"
         )
     }
 
 
 def function_calls() -> dict[str, int]:
-    """Calls of each workpump function, as counted by this backend so far."""
+    """Calls of each workpump function, as counted by this backend so far (not the
+    console's counting trigger)."""
     return {
         r["funcname"]: r["calls"]
         for r in run_sql(
             "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE schemaname = 'workpump'"
+            " AND funcname NOT LIKE 'console\\_%%'"
         )
     }
 

@@ -1,0 +1,96 @@
+-- Named queries of the admin's console (django_workpump/db/console.py): the per-minute
+-- series that the console tables hold (sql/schema.sql, "The console's time series"), and
+-- the sampler's and the purge's calls. %(now)s is NULL in production (tests pin it).
+-- Every filter parameter may be NULL: that filter is off.
+
+-- name: console_sample
+SELECT workpump.console_sample(%(now)s) AS sampled
+
+-- name: purge_console
+SELECT workpump.purge_console(
+    now() - make_interval(secs => %(retention_seconds)s), %(batch)s) AS purged
+
+-- name: console_counting
+SELECT workpump.console_counting(%(on)s) AS counting
+
+-- name: console_clock
+-- The minute the console's window ends at, and the latency bucket bounds.
+SELECT date_trunc('minute', coalesce(%(now)s::timestamptz, now())) AS minute,
+       workpump.console_latency_bounds() AS bounds
+
+-- name: console_outcomes
+-- Counts per minute and outcome in [since, until].
+SELECT c.minute, c.outcome, sum(c.n)::bigint AS n
+FROM workpump_console_count c
+WHERE c.minute >= %(since)s AND c.minute <= %(until)s
+  AND (%(category)s::text IS NULL OR c.category = %(category)s)
+  AND (%(topic)s::text IS NULL OR c.topic = %(topic)s)
+  AND (%(instance_id)s::uuid IS NULL OR c.instance_id = %(instance_id)s)
+GROUP BY 1, 2
+ORDER BY 1, 2
+
+-- name: console_topic_outcomes
+-- Counts per minute, topic and outcome in [since, until], for the topics asked for.
+SELECT c.minute, c.category, c.topic, c.outcome, sum(c.n)::bigint AS n
+FROM workpump_console_count c
+WHERE c.minute >= %(since)s AND c.minute <= %(until)s
+  AND (c.category, c.topic) IN (SELECT * FROM unnest(%(categories)s::text[], %(topics)s::text[]))
+  AND c.outcome IN ('done', 'failed', 'dead')
+GROUP BY 1, 2, 3, 4
+ORDER BY 1
+
+-- name: console_topics
+-- Topics with counts in [since, until], busiest first: totals per outcome.
+SELECT c.category, c.topic,
+       coalesce(sum(c.n) FILTER (WHERE c.outcome = 'done'), 0)::bigint AS done,
+       coalesce(sum(c.n) FILTER (WHERE c.outcome = 'failed'), 0)::bigint AS failed,
+       coalesce(sum(c.n) FILTER (WHERE c.outcome = 'dead'), 0)::bigint AS dead,
+       coalesce(sum(c.n) FILTER (WHERE c.outcome = 'claimed'), 0)::bigint AS claimed
+FROM workpump_console_count c
+WHERE c.minute >= %(since)s AND c.minute <= %(until)s
+  AND c.outcome IN ('done', 'failed', 'dead', 'claimed')
+GROUP BY 1, 2
+ORDER BY sum(c.n) FILTER (WHERE c.outcome IN ('done', 'failed', 'dead')) DESC NULLS LAST,
+         1, 2
+LIMIT %(limit)s
+
+-- name: console_latency
+-- Claims per minute and pickup-latency bucket (1-based) in [since, until].
+SELECT c.minute, u.bucket::integer AS bucket, sum(u.rows)::bigint AS n
+FROM workpump_console_count c
+CROSS JOIN LATERAL unnest(c.latency) WITH ORDINALITY AS u(rows, bucket)
+WHERE c.minute >= %(since)s AND c.minute <= %(until)s AND c.outcome = 'claimed'
+  AND (%(category)s::text IS NULL OR c.category = %(category)s)
+  AND (%(topic)s::text IS NULL OR c.topic = %(topic)s)
+  AND (%(instance_id)s::uuid IS NULL OR c.instance_id = %(instance_id)s)
+GROUP BY 1, 2
+ORDER BY 1, 2
+
+-- name: console_backlog
+-- Sampled backlog per minute in [since, until]: rows waiting, and the oldest pending age.
+SELECT b.minute, sum(b.pending)::bigint AS pending, sum(b.scheduled)::bigint AS scheduled,
+       sum(b.leased)::bigint AS leased, max(b.oldest_pending_seconds) AS oldest_pending_seconds
+FROM workpump_console_backlog b
+WHERE b.minute >= %(since)s AND b.minute <= %(until)s
+  AND (%(category)s::text IS NULL OR b.category = %(category)s)
+  AND (%(topic)s::text IS NULL OR b.topic = %(topic)s)
+GROUP BY 1
+ORDER BY 1
+
+-- name: console_instances
+-- Sampled instances per minute in [since, until]: heartbeat age and rows in flight.
+SELECT i.minute, i.instance_id, i.service_name, i.host_name, i.process_id,
+       i.heartbeat_age_seconds, i.in_flight
+FROM workpump_console_instance i
+WHERE i.minute >= %(since)s AND i.minute <= %(until)s
+  AND (%(instance_id)s::uuid IS NULL OR i.instance_id = %(instance_id)s)
+ORDER BY 1, 2
+
+-- name: console_failures
+SELECT f.failure_reason, f.n, f.dead, f.last_error, f.last_seen
+FROM workpump.console_failures(%(category)s, %(topic)s, %(scan)s) f
+
+-- name: console_in_flight
+SELECT r.category, r.seq, r.work_id, r.topic, r.stream, r.attempts, r.max_attempts, r.claimed_at,
+       r.lease_expiry, r.expired
+FROM workpump.console_in_flight(%(instance_id)s, %(limit)s, %(now)s) r

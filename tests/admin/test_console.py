@@ -1,0 +1,229 @@
+"""The admin console on real PostgreSQL: the overview, its live fragment, the topic and
+instance pages, who may see them, and the chart and quantile helpers they use.
+
+The rows are claimed and completed through the SQL functions in the test's transaction,
+so the counters the pages read are the ones the counting trigger wrote for them.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.contrib.contenttypes.models import ContentType
+from django.test import Client
+
+from django_workpump import models
+from django_workpump.admin import console_data
+from django_workpump.admin.console_charts import Line, line_chart, nice_ceiling
+from tests import factories
+from tests.helpers import current_tokens, enroll, run_sql, scalar
+
+pytestmark = pytest.mark.django_db
+
+CONSOLE_URL = "/admin/workpump/serviceinstance/console/"
+TOPIC_URL = "/admin/workpump/serviceinstance/console/topic/"
+VIEWABLE = [
+    models.Outbox,
+    models.Inbox,
+    models.PerspectiveEvent,
+    models.ReceptorProcessing,
+    models.ServiceInstance,
+]
+TOPIC = "console.reports"
+A = uuid.UUID("00000000-0000-0000-0000-0000000000c1")
+
+
+def viewer(username: str = "viewer", models_: list[Any] = VIEWABLE) -> Client:
+    user = User.objects.create_user(username, password="pw", is_staff=True)
+    for model in models_:
+        content_type = ContentType.objects.get_for_model(model)
+        user.user_permissions.add(
+            Permission.objects.get(
+                content_type=content_type, codename=f"view_{model._meta.model_name}"
+            )
+        )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def make(n: int) -> list[uuid.UUID]:
+    return [
+        factories.OutboxFactory(topic=TOPIC, created_at=scalar("SELECT now()")).work_id
+        for _ in range(n)
+    ]
+
+
+def claim(limit: int = 100) -> list[uuid.UUID]:
+    enroll(A, scalar("SELECT now()"))
+    rows = run_sql(
+        "SELECT * FROM workpump.claim_work(p_instance_id => %s, p_max_rows => %s)", [A, limit]
+    )
+    return [r["work_id"] for r in rows if r["lease_token"] is not None]
+
+
+def complete(ids: list[uuid.UUID]) -> None:
+    run_sql(
+        "SELECT * FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[])",
+        [A, ids, current_tokens("outbox", ids)],
+    )
+
+
+def fail(ids: list[uuid.UUID], error: str) -> None:
+    run_sql(
+        "SELECT * FROM workpump.fail_work(%s, 'outbox', %s::uuid[], %s::uuid[], %s::text[])",
+        [A, ids, current_tokens("outbox", ids), [error] * len(ids)],
+    )
+
+
+def topic_cell(html: str, outcome: str) -> int:
+    row = re.search(rf'<tr class="wp-topic" data-topic="{TOPIC}".*?</tr>', html, re.S)
+    assert row, "the topic is not in the overview's table"
+    cell = re.search(rf'data-outcome="{outcome}">(\d+)<', row.group(0))
+    assert cell
+    return int(cell.group(1))
+
+
+def test_the_overview_draws_its_charts_for_a_viewer_and_refuses_others() -> None:
+    make(3)
+    claimed = claim()
+    complete(claimed[:2])
+    fail(claimed[2:], "ValueError: no such report")
+    scalar("SELECT workpump.console_sample()")
+
+    response = viewer().get(CONSOLE_URL)
+    assert response.status_code == 200
+    html = response.content.decode()
+    for chart in (
+        "throughput-hour",
+        "throughput-day",
+        "topics-done",
+        "topics-failed",
+        "latency",
+        "backlog",
+        "oldest",
+        "instances",
+        "heartbeats",
+    ):
+        assert f'data-chart="{chart}"' in html, chart
+    # the hour's throughput: a line per outcome over 60 points (zeros where nothing ran)
+    hour = re.search(r'<figure[^>]*data-chart="throughput-hour".*?</figure>', html, re.S)
+    assert hour and 'data-points="60"' in hour.group(0)
+    assert '<polyline class="wp-line" data-series="done"' in hour.group(0)
+    assert topic_cell(html, "done") == 2
+    assert topic_cell(html, "failed") == 1
+    assert topic_cell(html, "claimed") == 3
+    assert 'id="wp-console-live"' in html and "fetch(" in html  # the live refresh
+    # nothing is loaded from elsewhere: no script, style or image of another origin
+    assert not re.search(r'(src|href)="(https?:)?//', html)
+
+    partial = viewer("partial", VIEWABLE[:3])
+    assert partial.get(CONSOLE_URL).status_code == 403
+    assert partial.get(f"{TOPIC_URL}?category=outbox&topic={TOPIC}").status_code == 403
+    anonymous = Client().get(CONSOLE_URL)
+    assert anonymous.status_code == 302 and anonymous["Location"].startswith("/admin/login/")
+
+
+def test_the_live_fragment_reflects_newly_completed_work() -> None:
+    client = viewer()
+    make(5)
+    claimed = claim()
+    complete(claimed[:1])
+    first = client.get(f"{CONSOLE_URL}?fragment=1")
+    assert first.status_code == 200 and "no-store" in first["Cache-Control"]
+    html = first.content.decode()
+    assert "<html" not in html and "<script" not in html
+    assert topic_cell(html, "done") == 1
+
+    complete(claimed[1:])
+    assert topic_cell(client.get(f"{CONSOLE_URL}?fragment=1").content.decode(), "done") == 5
+
+
+def test_the_app_index_links_to_the_console() -> None:
+    html = viewer().get("/admin/workpump/").content.decode()
+    assert f'href="{CONSOLE_URL}"' in html
+
+
+def test_the_topic_page_shows_rates_failure_reasons_and_links_its_rows() -> None:
+    make(4)
+    claimed = claim()
+    complete(claimed[:1])
+    fail(claimed[1:3], "KeyError: 'customer'\nTraceback (most recent call last): ...")
+    fail(claimed[3:], "TimeoutError: warehouse did not answer")
+    html = viewer().get(f"{TOPIC_URL}?category=outbox&topic={TOPIC}").content.decode()
+
+    assert 'data-chart="outcomes"' in html and 'data-chart="latency"' in html
+    done = re.search(r'<tr data-outcome="done"><th scope="row">done</th><td>(\d+)<', html)
+    failed = re.search(r'<tr data-outcome="failed"><th scope="row">failed</th><td>(\d+)<', html)
+    assert done and int(done.group(1)) == 1
+    assert failed and int(failed.group(1)) == 3
+    (reason,) = re.findall(r'<tr class="wp-failure" data-reason="([^"]+)">(.*?)</tr>', html, re.S)
+    assert reason[0] == "handler_error"
+    assert "<td>3</td>" in reason[1]
+    # the newest error of the reason, its headline first
+    assert "TimeoutError: warehouse did not answer" in reason[1]
+    assert f'href="/admin/workpump/outbox/?topic={TOPIC}"' in html
+    assert f'href="/admin/workpump/outbox/?topic={TOPIC}&amp;state=dead"' in html
+
+
+def test_the_topic_page_needs_a_category_and_a_topic() -> None:
+    client = viewer()
+    assert client.get(f"{TOPIC_URL}?category=nope&topic=x").status_code == 404
+    assert client.get(f"{TOPIC_URL}?category=outbox").status_code == 404
+
+
+def test_the_instance_page_shows_its_counts_rows_in_flight_and_heartbeats() -> None:
+    make(3)
+    claimed = claim()
+    complete(claimed[:1])
+    scalar("SELECT workpump.console_sample()")
+    html = viewer().get(f"{CONSOLE_URL}instance/{A}/").content.decode()
+
+    claims = re.search(r'<tr data-outcome="claimed"><th scope="row">claimed</th><td>(\d+)<', html)
+    assert claims and int(claims.group(1)) == 3
+    held = re.findall(r'<tr class="wp-held">(.*?)</tr>', html, re.S)
+    assert len(held) == 2
+    assert all(any(str(i) in row for i in claimed[1:]) for row in held)
+    assert len(re.findall(r'class="wp-heartbeat-sample"', html)) == 1
+    assert 'data-chart="heartbeat"' in html
+    assert f'href="/admin/workpump/outbox/?owner={A}"' in html
+
+
+# -- the helpers ---------------------------------------------------------------------------
+
+
+def test_quantiles_interpolate_inside_their_bucket() -> None:
+    bounds = [1.0, 10.0]
+    assert console_data.quantile([0, 0, 0], bounds, 0.5) is None
+    assert console_data.quantile([10, 0, 0], bounds, 0.5) == pytest.approx(0.5)
+    assert console_data.quantile([0, 10, 0], bounds, 0.5) == pytest.approx(5.5)
+    assert console_data.quantile([5, 4, 1], bounds, 0.95) == 10.0  # the open bucket: its bound
+
+
+def test_a_grid_places_minutes_and_rates_are_per_minute() -> None:
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    day = console_data.grid("day", now)
+    end = now - timedelta(minutes=1)  # the last complete minute
+    assert len(day.points) == 144 and day.end == end and day.until == now
+    assert day.index(end) == 143 and day.index(end - timedelta(minutes=1440)) is None
+    assert day.index(now) is None  # the minute still running is left out of the charts
+    rows = [{"minute": end, "outcome": "done", "n": 50}]
+    assert console_data.rates(rows, day)["done"][143] == 5.0  # 50 in 10 minutes
+
+
+def test_a_chart_breaks_its_line_at_gaps_and_escapes_names() -> None:
+    minutes = [datetime(2026, 1, 1, 12, i, tzinfo=UTC) for i in range(5)]
+    svg = str(
+        line_chart(
+            "t", "T", minutes, [Line("<b>x</b>", [1.0, 2.0, None, 4.0, 5.0], href="/x?a=1&b=2")]
+        )
+    )
+    assert svg.count("<polyline") == 2
+    assert "<b>x</b>" not in svg and "&lt;b&gt;x&lt;/b&gt;" in svg
+    assert 'href="/x?a=1&amp;b=2"' in svg
+    assert nice_ceiling(7) == 10 and nice_ceiling(0) == 1 and nice_ceiling(230) == 250

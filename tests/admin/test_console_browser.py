@@ -1,0 +1,193 @@
+"""The console in a real browser: Debian's headless Chromium, driven by Selenium, against
+pytest-django's live server (the fixtures of test_admin_browser.py).
+
+Seeds a day of series for a few topics and instances (the counters, backlog and instance
+samples the console reads), logs in, opens the overview and sees its SVG charts drawn,
+then completes new work through the SQL functions and sees the page's own refresh (no
+reload) show it; opens a topic page from the chart legend. Screenshots go under the
+test's temp dir, and into docs/images when WORKPUMP_DOCS_SCREENSHOTS=1.
+
+Skips without /usr/bin/chromium, /usr/bin/chromedriver or selenium, unless
+WORKPUMP_REQUIRE_BROWSER=1 (CI), which fails instead.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from pytest_django.live_server_helper import LiveServer
+
+from tests import factories
+from tests.admin.test_admin_browser import _require_browser, admin_server, browser  # noqa: F401
+from tests.helpers import ROOT, current_tokens, enroll, run_sql, scalar
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+LIVE_TOPIC = "reports.nightly"
+INSTANCES = [uuid.UUID(f"00000000-0000-0000-0000-0000000000e{i}") for i in range(3)]
+
+# A day of minutes for three topics: a rate that swells and ebbs, failures, a few dead.
+SEED_COUNTS = """
+INSERT INTO workpump_console_count (minute, category, topic, outcome, instance_id, n, latency)
+SELECT m.minute, t.category, t.topic, o.outcome, i.id,
+       greatest(0, round(t.rate * o.share * (1.2 + sin(m.k / 45.0 + t.phase))
+                         * (0.8 + random() * 0.4) / 3))::bigint,
+       CASE WHEN o.outcome = 'claimed' THEN ARRAY[
+           round(t.rate * 4)::int, round(t.rate * 2 * (1.5 + sin(m.k / 30.0)))::int,
+           round(t.rate)::int, round(t.rate / 2)::int,
+           round(t.rate / 4 * (1 + sin(m.k / 20.0)))::int,
+           1, 0, 0, 0, 0] END
+FROM (SELECT date_trunc('minute', now()) - make_interval(mins => k) AS minute, k
+      FROM generate_series(1, 1439) k) m
+CROSS JOIN (VALUES ('outbox', 'emails.welcome', 40.0, 0.0),
+                   ('inbox', 'billing.stripe_webhook', 25.0, 2.0),
+                   ('perspective_event', 'orders.summary', 12.0, 4.0))
+    AS t(category, topic, rate, phase)
+CROSS JOIN (VALUES ('claimed', 1.06), ('done', 1.0), ('failed', 0.05), ('dead', 0.004),
+                   ('renewed', 0.3)) o(outcome, share)
+CROSS JOIN unnest(%(instances)s::uuid[]) i(id)
+"""
+SEED_BACKLOG = """
+INSERT INTO workpump_console_backlog
+    (minute, category, topic, pending, scheduled, leased, oldest_pending_seconds)
+SELECT date_trunc('minute', now()) - make_interval(mins => k), 'outbox', 'emails.welcome',
+       round(200 + 150 * sin(k / 40.0) + 80 * random()), round(30 + 20 * sin(k / 25.0)), 9,
+       round(4 + 3 * sin(k / 35.0) + random() * 2)
+FROM generate_series(1, 1439) k
+"""
+SEED_INSTANCES = """
+INSERT INTO workpump_console_instance
+    (minute, instance_id, service_name, host_name, process_id, heartbeat_age_seconds, in_flight)
+SELECT date_trunc('minute', now()) - make_interval(mins => k), i.id, 'shop', 'web-' || i.n,
+       4000 + i.n, CASE WHEN i.n = 2 AND k < 20 THEN 4 + (20 - k) ELSE random() * 5 END,
+       round(6 + 3 * sin(k / 15.0 + i.n) + random() * 2)
+FROM generate_series(1, 1439) k
+CROSS JOIN unnest(%(instances)s::uuid[]) WITH ORDINALITY i(id, n)
+"""
+
+
+@pytest.fixture
+def seeded_series() -> Iterator[None]:
+    run_sql(SEED_COUNTS, {"instances": INSTANCES})
+    run_sql(SEED_BACKLOG)
+    run_sql(SEED_INSTANCES, {"instances": INSTANCES})
+    yield
+
+
+def complete_new_work(count: int) -> None:
+    """Make, claim and complete ``count`` outbox rows of LIVE_TOPIC (committed at once)."""
+    now = scalar("SELECT now()")
+    ids = [factories.OutboxFactory(topic=LIVE_TOPIC, created_at=now).work_id for _ in range(count)]
+    enroll(INSTANCES[0], now)
+    run_sql(
+        "SELECT * FROM workpump.claim_work(p_instance_id => %s, p_max_rows => %s)",
+        [INSTANCES[0], count],
+    )
+    run_sql(
+        "SELECT * FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[])",
+        [INSTANCES[0], ids, current_tokens("outbox", ids)],
+    )
+
+
+def save(driver: Any, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    assert driver.save_screenshot(str(path))
+    assert path.stat().st_size > 10_000
+    if os.environ.get("WORKPUMP_DOCS_SCREENSHOTS") == "1":
+        (ROOT / "docs" / "images").mkdir(exist_ok=True)
+        (ROOT / "docs" / "images" / name).write_bytes(path.read_bytes())
+    return path
+
+
+def test_the_overview_draws_its_charts_and_its_refresh_shows_new_completions(
+    browser: Any,  # noqa: F811
+    admin_server: LiveServer,  # noqa: F811
+    seeded_series: None,
+    tmp_path: Path,
+) -> None:
+    _require_browser()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    User.objects.create_superuser("admin", "admin@example.com", "admin-pw")
+    for n, instance in enumerate(INSTANCES):
+        enroll(instance, scalar("SELECT now()"))
+        run_sql(
+            "UPDATE workpump_service_instance SET service_name = 'shop', host_name = %s,"
+            " process_id = %s WHERE instance_id = %s",
+            [f"web-{n + 1}", 4001 + n, instance],
+        )
+    factories.OutboxFactory(
+        topic="emails.welcome",
+        attempts=3,
+        scheduled_for=scalar("SELECT now() + interval '5 minutes'"),
+        failure_reason="handler_error",
+        last_error="SMTPServerDisconnected: Connection unexpectedly closed\nTraceback ...",
+    )
+    factories.OutboxFactory(
+        topic="emails.welcome",
+        attempts=10,
+        dead_lettered_at=scalar("SELECT now() - interval '3 minutes'"),
+        failure_reason="max_attempts",
+        last_error="KeyError: 'first_name'\nTraceback (most recent call last): ...",
+    )
+    complete_new_work(2)
+
+    browser.set_window_size(1500, 2300)
+    wait = WebDriverWait(browser, 30)
+    browser.get(f"{admin_server.url}/admin/login/?next=/admin/workpump/serviceinstance/console/")
+    browser.find_element(By.NAME, "username").send_keys("admin")
+    browser.find_element(By.NAME, "password").send_keys("admin-pw")
+    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    wait.until(expected_conditions.presence_of_element_located((By.ID, "wp-console-live")))
+
+    charts = {
+        f.get_attribute("data-chart"): f for f in browser.find_elements(By.CSS_SELECTOR, "figure")
+    }
+    assert {"throughput-hour", "throughput-day", "topics-done", "latency", "backlog",
+            "oldest", "instances", "heartbeats"} <= set(charts)  # fmt: skip
+    for name in ("throughput-hour", "topics-done", "latency", "backlog", "heartbeats"):
+        lines = charts[name].find_elements(By.CSS_SELECTOR, "svg polyline")
+        assert lines, f"{name} drew no line"
+        assert charts[name].find_element(By.TAG_NAME, "svg").size["height"] > 100
+
+    def done_of(topic: str) -> int | None:
+        cells = browser.find_elements(
+            By.CSS_SELECTOR, f'tr.wp-topic[data-topic="{topic}"] td[data-outcome="done"]'
+        )
+        return int(cells[0].text) if cells else None
+
+    assert done_of(LIVE_TOPIC) == 2
+    save(browser, tmp_path, "console-overview.png")
+
+    # New work completes: the page's refresh shows it, with no reload.
+    marker = browser.execute_script("window.wpNotReloaded = true; return window.wpNotReloaded")
+    assert marker is True
+    complete_new_work(5)
+    wait.until(lambda b: done_of(LIVE_TOPIC) == 7)
+    assert browser.execute_script("return window.wpNotReloaded") is True
+    live = browser.find_element(By.ID, "wp-console-live")
+    assert int(live.get_attribute("data-refreshed")) >= 1
+    assert live.get_attribute("data-refresh-error") is None
+
+    # The topic page, from the legend of the per-topic chart.
+    legend = browser.find_element(
+        By.CSS_SELECTOR, '#wp-chart-topics-done .wp-legend a[href*="emails.welcome"]'
+    )
+    legend.click()
+    wait.until(expected_conditions.presence_of_element_located((By.ID, "wp-failures")))
+    reasons = {
+        r.get_attribute("data-reason"): r.text
+        for r in browser.find_elements(By.CSS_SELECTOR, "tr.wp-failure")
+    }
+    assert set(reasons) == {"handler_error", "max_attempts"}
+    assert "KeyError: 'first_name'" in reasons["max_attempts"]
+    assert browser.find_elements(By.CSS_SELECTOR, "#wp-chart-outcomes svg polyline")
+    save(browser, tmp_path, "console-topic.png")

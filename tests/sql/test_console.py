@@ -1,0 +1,199 @@
+"""The console's time series on real PostgreSQL: the counting trigger counts what the
+claim and outcome functions did, per instance, once; the sampler takes a minute once;
+the purge removes old minutes.
+
+Each test runs in its own transaction (rolled back), so the counters it reads are its own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import transaction
+
+from tests.factories import OutboxFactory
+from tests.helpers import T0, current_tokens, enroll, run_sql, scalar
+
+pytestmark = pytest.mark.django_db
+
+TOPIC = "console.mail"
+A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
+B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
+
+
+def claim(instance: uuid.UUID, now, limit: int = 50) -> list[uuid.UUID]:
+    enroll(instance, now)
+    rows = run_sql(
+        "SELECT * FROM workpump.claim_work(p_instance_id => %s, p_max_rows => %s, p_now => %s)",
+        [instance, limit, now],
+    )
+    return [r["work_id"] for r in rows if r["lease_token"] is not None]
+
+
+def complete(instance: uuid.UUID, ids: list[uuid.UUID], now) -> None:
+    run_sql(
+        "SELECT * FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[], NULL, %s)",
+        [instance, ids, current_tokens("outbox", ids), now],
+    )
+
+
+def fail(instance: uuid.UUID, ids: list[uuid.UUID], now) -> list[str]:
+    rows = run_sql(
+        "SELECT * FROM workpump.fail_work(%s, 'outbox', %s::uuid[], %s::uuid[], %s::text[],"
+        " NULL, 0, 0, NULL, %s)",
+        [instance, ids, current_tokens("outbox", ids), ["boom"] * len(ids), now],
+    )
+    return [r["status"] for r in rows]
+
+
+def counts(**where: Any) -> dict[str, int]:
+    """Counter totals per outcome for TOPIC (optionally one instance or minute)."""
+    clauses = ["topic = %(topic)s"] + [f"{k} = %({k})s" for k in where]
+    rows = run_sql(
+        "SELECT outcome, sum(n)::bigint AS n FROM workpump_console_count"
+        f" WHERE {' AND '.join(clauses)} GROUP BY outcome",
+        {"topic": TOPIC, **where},
+    )
+    return {r["outcome"]: r["n"] for r in rows}
+
+
+def make(n: int, **fields: Any) -> list[uuid.UUID]:
+    fields = {"topic": TOPIC, "created_at": T0 - timedelta(seconds=10), **fields}
+    return [OutboxFactory(**fields).work_id for _ in range(n)]
+
+
+def test_counters_equal_what_the_claims_and_outcomes_did_per_instance():
+    ids = make(5, max_attempts=2)
+    first = claim(A, T0)
+    assert sorted(first) == sorted(ids)
+    complete(A, first[:2], T0 + timedelta(seconds=1))
+    assert fail(A, first[2:], T0 + timedelta(seconds=1)) == ["retry"] * 3
+
+    again = claim(B, T0 + timedelta(seconds=61))
+    assert sorted(again) == sorted(first[2:])
+    assert fail(B, again[:1], T0 + timedelta(seconds=62)) == ["dead"]
+    complete(B, again[1:2], T0 + timedelta(seconds=62))
+    run_sql(
+        "SELECT * FROM workpump.release_work(%s, 'outbox', %s::uuid[], %s::uuid[], %s)",
+        [B, again[2:], current_tokens("outbox", again[2:]), T0 + timedelta(seconds=62)],
+    )
+
+    assert counts() == {"claimed": 8, "done": 3, "failed": 3, "dead": 1, "released": 1}
+    assert counts(instance_id=A) == {"claimed": 5, "done": 2, "failed": 3}
+    assert counts(instance_id=B) == {"claimed": 3, "done": 1, "dead": 1, "released": 1}
+    # claims and completions count at the row's own time (p_now here), failures at now()
+    assert counts(minute=T0) == {"claimed": 5, "done": 2}
+    assert counts(minute=T0 + timedelta(minutes=1))["claimed"] == 3
+    # the first claims waited 10 s from creation; bucket i holds [bounds[i-1], bounds[i])
+    bounds = scalar("SELECT workpump.console_latency_bounds()")
+    (histogram,) = [
+        r["latency"]
+        for r in run_sql(
+            "SELECT latency FROM workpump_console_count"
+            " WHERE topic = %s AND outcome = 'claimed' AND minute = %s",
+            [TOPIC, T0],
+        )
+    ]
+    assert len(histogram) == len(bounds) + 1
+    assert histogram[bounds.index(10) + 1] == 5 and sum(histogram) == 5  # [10, 30)
+
+
+def test_counts_add_up_across_statements_of_the_same_minute():
+    ids = make(4)
+    claimed = claim(A, T0)
+    for one in claimed:
+        complete(A, [one], T0 + timedelta(seconds=2))
+    assert counts(instance_id=A) == {"claimed": 4, "done": 4}
+    assert (
+        scalar(
+            "SELECT count(*) FROM workpump_console_count WHERE topic = %s AND outcome = 'done'",
+            [TOPIC],
+        )
+        == 1
+    )
+    assert len(ids) == 4
+
+
+def test_a_rolled_back_outcome_counts_nothing_and_a_lost_one_is_not_counted():
+    ids = make(2)
+    claimed = claim(A, T0)
+    tokens = current_tokens("outbox", claimed)
+    with pytest.raises(RuntimeError), transaction.atomic():
+        complete(A, claimed, T0 + timedelta(seconds=1))
+        assert counts()["done"] == 2
+        raise RuntimeError("roll back")
+    assert "done" not in counts()
+    complete(A, claimed, T0 + timedelta(seconds=1))
+    # a late second outcome of the same attempt is lost: it changes no row, counts nothing
+    run_sql(
+        "SELECT * FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[], NULL, %s)",
+        [A, claimed, tokens, T0 + timedelta(seconds=2)],
+    )
+    assert counts()["done"] == 2 == len(ids)
+
+
+def test_an_evicted_holders_attempts_count_as_orphaned_and_renewals_count():
+    make(3)
+    claimed = claim(A, T0)
+    run_sql(
+        "SELECT * FROM workpump.renew_leases('outbox', %s::uuid[], %s::uuid[], 300, %s, %s)",
+        [claimed, current_tokens("outbox", claimed), A, T0 + timedelta(seconds=5)],
+    )
+    run_sql("SELECT workpump.evict_instance(%s, 'test', %s)", [A, T0 + timedelta(seconds=6)])
+    assert counts(instance_id=A) == {"claimed": 3, "renewed": 3, "orphaned": 3}
+
+
+def test_counting_can_be_switched_off_and_on():
+    make(2)
+    claimed = claim(A, T0)
+    assert scalar("SELECT workpump.console_counting(false)") is False
+    complete(A, claimed[:1], T0)
+    assert "done" not in counts()
+    assert scalar("SELECT workpump.console_counting(true)") is True
+    complete(A, claimed[1:], T0)
+    assert counts()["done"] == 1
+
+
+def test_the_sampler_takes_each_minute_once_with_backlog_and_instances():
+    make(3)  # pending since T0 - 10 s
+    make(2, scheduled_for=T0 + timedelta(hours=1))
+    enroll(A, T0 - timedelta(seconds=4))
+    leased = claim(A, T0 - timedelta(seconds=4), limit=1)
+    assert len(leased) == 1
+    now = T0 + timedelta(seconds=20)
+    assert scalar("SELECT workpump.console_sample(%s)", [now]) is True
+    assert scalar("SELECT workpump.console_sample(%s)", [now + timedelta(seconds=30)]) is False
+    (backlog,) = run_sql(
+        "SELECT * FROM workpump_console_backlog WHERE topic = %s AND minute = %s", [TOPIC, T0]
+    )
+    assert (backlog["pending"], backlog["scheduled"], backlog["leased"]) == (2, 2, 1)
+    assert backlog["oldest_pending_seconds"] == pytest.approx(30)
+    (instance,) = run_sql(
+        "SELECT * FROM workpump_console_instance WHERE instance_id = %s AND minute = %s",
+        [A, T0],
+    )
+    assert instance["in_flight"] == 1
+    assert instance["heartbeat_age_seconds"] == pytest.approx(24)
+    assert scalar("SELECT workpump.console_sample(%s)", [now + timedelta(seconds=60)]) is True
+
+
+def test_the_purge_removes_minutes_before_the_cutoff_in_batches():
+    old, kept = T0 - timedelta(days=8), T0 - timedelta(days=6)
+    for minute in (old, old + timedelta(minutes=1), kept):
+        run_sql(
+            "INSERT INTO workpump_console_count VALUES (%s, 'outbox', %s, 'done', %s, 1, NULL)",
+            [minute, TOPIC, A],
+        )
+        run_sql("SELECT workpump.console_sample(%s)", [minute])
+    cutoff = T0 - timedelta(days=7)
+    assert scalar("SELECT workpump.purge_console(%s, 1)", [cutoff]) >= 2
+    while scalar("SELECT workpump.purge_console(%s, 1)", [cutoff]):
+        pass
+    assert [
+        r["minute"] for r in run_sql("SELECT minute FROM workpump_console_count ORDER BY 1")
+    ] == [kept]
+    assert scalar("SELECT count(*) FROM workpump_console_sample WHERE minute < %s", [cutoff]) == 0
+    assert scalar("SELECT count(*) FROM workpump_console_sample WHERE minute = %s", [kept]) == 1
