@@ -2928,7 +2928,8 @@ RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_
 -- rows, without a lease token and with the last_error they were parked with, so the
 -- caller can log them; in the call that parks them they take budget from the categories
 -- claimed after theirs (never more than p_max_rows rows are leased). last_error is NULL
--- on every leased row.
+-- on every leased row. state is the checkpoint the row's last attempt stored
+-- (checkpoint_work; NULL when none): the new attempt resumes from it.
 CREATE FUNCTION workpump.claim_work(
     p_instance_id uuid,
     p_max_rows integer DEFAULT 100,
@@ -2960,7 +2961,8 @@ CREATE FUNCTION workpump.claim_work(
     created_at timestamptz,
     due_at timestamptz,
     last_error text,
-    has_more boolean
+    has_more boolean,
+    state jsonb
 )
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -3237,29 +3239,33 @@ BEGIN
         END IF;
         IF v_quota > 0 THEN
             IF v_category = 'outbox' THEN
-                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
-                FROM workpump.claim_outbox(
-                    p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_outbox_topics, v_outbox_prefixes, p_stream_run_max, v_now) w
-                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
+                RETURN QUERY SELECT (c.claimed).*, c.has_more, c.state
+                FROM workpump.with_checkpoints('outbox', ARRAY(
+                    SELECT w FROM workpump.claim_outbox(
+                        p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                        v_outbox_topics, v_outbox_prefixes, p_stream_run_max, v_now) w),
+                    v_quota, p_return_dead_lettered) c;
             ELSIF v_category = 'inbox' THEN
-                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
-                FROM workpump.claim_inbox(
-                    p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_inbox_topics, v_inbox_prefixes, p_stream_run_max, v_now) w
-                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
+                RETURN QUERY SELECT (c.claimed).*, c.has_more, c.state
+                FROM workpump.with_checkpoints('inbox', ARRAY(
+                    SELECT w FROM workpump.claim_inbox(
+                        p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                        v_inbox_topics, v_inbox_prefixes, p_stream_run_max, v_now) w),
+                    v_quota, p_return_dead_lettered) c;
             ELSIF v_category = 'perspective_event' THEN
-                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
-                FROM workpump.claim_perspective_event(
-                    p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_perspective_topics, v_perspective_prefixes, p_stream_run_max, v_now) w
-                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
+                RETURN QUERY SELECT (c.claimed).*, c.has_more, c.state
+                FROM workpump.with_checkpoints('perspective_event', ARRAY(
+                    SELECT w FROM workpump.claim_perspective_event(
+                        p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                        v_perspective_topics, v_perspective_prefixes, p_stream_run_max, v_now) w),
+                    v_quota, p_return_dead_lettered) c;
             ELSE
-                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
-                FROM workpump.claim_receptor(
-                    p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                    v_receptor_topics, v_receptor_prefixes, p_stream_run_max, v_now) w
-                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
+                RETURN QUERY SELECT (c.claimed).*, c.has_more, c.state
+                FROM workpump.with_checkpoints('receptor', ARRAY(
+                    SELECT w FROM workpump.claim_receptor(
+                        p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
+                        v_receptor_topics, v_receptor_prefixes, p_stream_run_max, v_now) w),
+                    v_quota, p_return_dead_lettered) c;
             END IF;
             GET DIAGNOSTICS v_count = ROW_COUNT;
             v_remaining := v_remaining - v_count;
@@ -3511,6 +3517,7 @@ BEGIN
              ELSE 't.' || quote_ident(v_meta.scope_col) END)
     INTO v_done_ids, v_done_tokens, v_scopes, v_streams
     USING p_ids, p_instance_id, v_now, p_results, p_lease_tokens;
+    PERFORM workpump.notify_ended(v_done_ids);
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
         PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
@@ -3628,12 +3635,15 @@ BEGIN
             -- a retry due at once is claimable now: wake the claimers
             SELECT pg_notify('workpump_' || $8, $8)
             WHERE EXISTS (SELECT 1 FROM failed f WHERE NOT f.dead AND f.scheduled_for IS NULL)
+        ), ended AS (
+            -- rows dead now: wake their waiters (one row, always)
+            SELECT workpump.notify_ended(array_agg(f.id)) FROM failed f WHERE f.dead
         )
         SELECT i.id,
                CASE WHEN f.id IS NULL THEN 'lost' WHEN f.dead THEN 'dead' ELSE 'retry' END,
                f.scheduled_for
         FROM input i LEFT JOIN failed f ON f.id = i.id AND f.token = i.token
-        LEFT JOIN ready_now ON true
+        LEFT JOIN ready_now ON true LEFT JOIN ended ON true
         ORDER BY i.n$q$,
         v_meta.tbl, v_meta.key_col, v_meta.done_col,
         CASE WHEN v_meta.scope_col IS NULL THEN ''''''
@@ -3799,13 +3809,16 @@ BEGIN
         ), ready_now AS (
             SELECT pg_notify('workpump_' || $7, $7)
             WHERE EXISTS (SELECT 1 FROM snoozed z WHERE NOT z.dead AND z.scheduled_for IS NULL)
+        ), ended AS (
+            -- rows dead now: wake their waiters (one row, always)
+            SELECT workpump.notify_ended(array_agg(z.id)) FROM snoozed z WHERE z.dead
         )
         SELECT i.id,
                CASE WHEN z.id IS NULL THEN 'lost' WHEN z.dead THEN 'dead'
                     WHEN z.over THEN 'retry' ELSE 'snoozed' END,
                z.scheduled_for
         FROM input i LEFT JOIN snoozed z ON z.id = i.id AND z.token = i.token
-        LEFT JOIN ready_now ON true
+        LEFT JOIN ready_now ON true LEFT JOIN ended ON true
         ORDER BY i.n$q$,
         v_meta.tbl, v_meta.key_col, v_meta.done_col,
         CASE WHEN v_meta.scope_col IS NULL THEN ''''''
@@ -3900,6 +3913,7 @@ BEGIN
              ELSE 't.' || quote_ident(v_meta.scope_col) END)
     INTO v_ids, v_tokens, v_scopes, v_streams
     USING p_ids, p_instance_id, v_now, p_reasons, p_lease_tokens;
+    PERFORM workpump.notify_ended(v_ids);
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
         PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
@@ -3913,6 +3927,141 @@ BEGIN
                              WHERE d.id = i.id AND d.token = i.token)
                 THEN 'discarded' ELSE 'lost' END
     FROM unnest(p_ids, p_lease_tokens) i(id, token);
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Workflows: checkpoints and waiting
+-- --------------------------------------------------------------------------------------
+-- A handler's checkpoint is a small JSON state stored on its row, fenced like an
+-- outcome, which the row's next attempt receives from its claim. A row that ends (done,
+-- discarded, cancelled, or dead) is announced on the channel workpump_done, so a
+-- waiter (workpump.wait) wakes without polling; it confirms by reading the rows.
+
+-- Store p_state (jsonb, NULL clears it) as the checkpoint of p_id, if p_instance_id
+-- still holds the row, undone, under p_lease_token: 'saved'; otherwise nothing is written
+-- and 'lost' (another attempt has the row now, or it ended). Raises when the state's
+-- JSON text is over p_max_bytes bytes. The write joins the caller's transaction: an
+-- atomic handler's checkpoint commits (or rolls back) with the handler's own writes.
+CREATE FUNCTION workpump.checkpoint_work(
+    p_instance_id uuid,
+    p_category text,
+    p_id uuid,
+    p_lease_token uuid,
+    p_state jsonb,
+    p_max_bytes integer DEFAULT 65536
+) RETURNS text
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_bytes integer := octet_length(p_state::text);
+    v_count integer;
+BEGIN
+    IF p_instance_id IS NULL OR p_id IS NULL OR p_lease_token IS NULL THEN
+        RAISE EXCEPTION 'checkpoint_work needs p_instance_id, p_id and p_lease_token: a checkpoint is fenced by the attempt.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_max_bytes IS NULL OR p_max_bytes < 1 THEN
+        RAISE EXCEPTION 'checkpoint_work needs p_max_bytes >= 1, not %.', coalesce(p_max_bytes::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF v_bytes > p_max_bytes THEN
+        RAISE EXCEPTION 'The checkpoint of % % is % bytes of JSON, over the limit of % bytes.',
+            p_category, p_id, v_bytes, p_max_bytes
+            USING ERRCODE = 'program_limit_exceeded',
+                  HINT = 'Checkpoint a small state (a cursor, an offset, the ids done); keep bulk data in your own tables.';
+    END IF;
+    EXECUTE format($q$
+        UPDATE %1$I t SET state = $1
+        WHERE t.%2$I = $2 AND t.lease_token = $3 AND t.instance_id = $4 AND t.%3$I IS NULL$q$,
+        v_meta.tbl, v_meta.key_col, v_meta.done_col)
+    USING p_state, p_id, p_lease_token, p_instance_id;
+    GET DIAGNOSTICS v_count = ROW_COUNT;  -- EXECUTE leaves FOUND as it was
+    RETURN CASE WHEN v_count > 0 THEN 'saved' ELSE 'lost' END;
+END
+$$;
+
+-- One category's claimed rows (p_rows, as its claim function returned them, in that
+-- order) with each leased row's checkpoint (NULL: none) and has_more (the category
+-- filled p_quota). Rows the claim parked as dead (no lease token) are announced on
+-- workpump_done, and returned only with p_with_parked.
+CREATE FUNCTION workpump.with_checkpoints(
+    p_category text, p_rows workpump.leased_work[], p_quota integer, p_with_parked boolean
+) RETURNS TABLE (claimed workpump.leased_work, has_more boolean, state jsonb)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record;
+BEGIN
+    IF coalesce(cardinality(p_rows), 0) = 0 THEN
+        RETURN;
+    END IF;
+    v_meta := workpump.work_table(p_category);
+    PERFORM workpump.notify_ended(array_agg(r.work_id))
+    FROM unnest(p_rows) r WHERE r.lease_token IS NULL;
+    RETURN QUERY EXECUTE format($q$
+        SELECT $1[i.n], count(($1[i.n]).lease_token) OVER () >= $2, t.state
+        FROM generate_subscripts($1, 1) i(n)
+        LEFT JOIN %1$I t ON t.%2$I = ($1[i.n]).work_id AND ($1[i.n]).lease_token IS NOT NULL
+        WHERE ($1[i.n]).lease_token IS NOT NULL OR $3
+        ORDER BY i.n$q$, v_meta.tbl, v_meta.key_col)
+    USING p_rows, p_quota, p_with_parked;
+END
+$$;
+
+-- NOTIFY workpump_done that the rows p_ids ended: once per call, delivered at commit;
+-- the payload is their ids, comma-separated, or '*' for more than 200 (under the
+-- 8000-byte limit of a payload). A hint: the listener reads the rows to know.
+CREATE FUNCTION workpump.notify_ended(p_ids uuid[]) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+    PERFORM pg_notify('workpump_done',
+                      CASE WHEN cardinality(p_ids) <= 200 THEN array_to_string(p_ids, ',')
+                           ELSE '*' END);
+END
+$$;
+
+-- The state of each row p_ids names, in any of the categories p_categories names (all
+-- when NULL), with its result, last error and failure reason, and when it ended (done,
+-- cancelled, discarded or dead; NULL while it has not). Ids of no row are not returned;
+-- an id that names rows of two categories comes once per category.
+CREATE FUNCTION workpump.work_outcomes(
+    p_ids uuid[], p_categories text[] DEFAULT NULL, p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (
+    work_id uuid, category text, state text, result jsonb, last_error text,
+    failure_reason text, ended_at timestamptz
+)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_category text;
+    v_meta record;
+BEGIN
+    PERFORM workpump.check_ids('work_outcomes', p_ids);
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+    FOREACH v_category IN ARRAY coalesce(
+            p_categories, ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']) LOOP
+        v_meta := workpump.work_table(v_category);
+        RETURN QUERY EXECUTE format($q$
+            SELECT t.%2$I, $2, workpump.state_of(t.%3$I, t.dead_lettered_at, t.instance_id,
+                       t.lease_expiry, t.claimed_at, t.scheduled_for, t.end_state, $3),
+                   t.result, t.last_error, t.failure_reason::text,
+                   coalesce(t.%3$I, t.dead_lettered_at)
+            FROM %1$I t WHERE t.%2$I = ANY ($1)$q$,
+            v_meta.tbl, v_meta.key_col, v_meta.done_col)
+        USING p_ids, v_category, coalesce(p_now, now());
+    END LOOP;
 END
 $$;
 
@@ -4214,8 +4363,11 @@ BEGIN
             FROM parked p
             WHERE s.category = $4 AND s.scope = p.scope AND s.stream = p.stream
               AND s.owner_instance_id = p.holder
+        ), ended AS (
+            -- wake the parked rows' waiters (one row, always)
+            SELECT workpump.notify_ended(array_agg(p.id)) FROM parked p
         )
-        SELECT p.id FROM parked p$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        SELECT p.id FROM parked p LEFT JOIN ended ON true$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col,
         CASE WHEN v_meta.scope_col IS NULL THEN ''''''
              ELSE 't.' || quote_ident(v_meta.scope_col) END)
     USING p_ids, coalesce(p_now, now()), coalesce(p_reason, 'operator'), p_category;
@@ -4296,6 +4448,7 @@ BEGIN
              ELSE 't.' || quote_ident(v_meta.scope_col) END)
     INTO v_ids, v_holders, v_tokens, v_scopes, v_streams
     USING p_ids, v_now;
+    PERFORM workpump.notify_ended(v_ids);
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
         PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
