@@ -345,7 +345,7 @@ def _complete(rows: list[Any], alias: str) -> None:
     )
 
 
-def _work_of(row: Any, alias: str) -> Work:
+def _work_of(row: Any, alias: str | None = None) -> Work:
     handle = LeaseHandle(
         row.category,
         row.work_id,
@@ -371,7 +371,7 @@ def _work_of(row: Any, alias: str) -> Work:
         lease_token=row.lease_token,
         headers=row.headers,
         state=row.state,
-        checkpointer=partial(store_checkpoint, alias),
+        checkpointer=partial(store_checkpoint, alias or setting("DATABASE_ALIAS")),
     )
 
 
