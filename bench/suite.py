@@ -360,6 +360,14 @@ def section_ordered(cfg: Config, server: h.Server, workdir: Path) -> dict[str, A
     )
 
 
+def section_workflow(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
+    from bench import workflow_wait
+
+    return workflow_wait.run(
+        server, DATABASES["workpump"], cfg.latency_n, cfg.latency_gap_ms, workdir
+    )
+
+
 RUNNERS = {
     "latency": section_latency,
     "throughput": section_throughput,
@@ -368,6 +376,7 @@ RUNNERS = {
     "profile": section_profile,
     "scale": section_scale,
     "ordered": section_ordered,
+    "workflow": section_workflow,
 }
 
 
@@ -450,7 +459,7 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
             h.log(f"section {name} done in {time.monotonic() - t0:.0f} s")
     finally:
         # only the databases this run used (the scale section keeps to its own server)
-        if set(chosen) & {"latency", "throughput", "profile"}:
+        if set(chosen) & {"latency", "throughput", "profile", "workflow"}:
             for database in DATABASES.values():
                 with contextlib.suppress(Exception):
                     server.drop(database)
