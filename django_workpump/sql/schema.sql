@@ -3995,20 +3995,31 @@ SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_meta record;
+    v_parked uuid[];
+    v_leased uuid[];
 BEGIN
     IF coalesce(cardinality(p_rows), 0) = 0 THEN
         RETURN;
     END IF;
     v_meta := workpump.work_table(p_category);
-    PERFORM workpump.notify_ended(array_agg(r.work_id))
-    FROM unnest(p_rows) r WHERE r.lease_token IS NULL;
+    SELECT array_agg(r.work_id) FILTER (WHERE r.lease_token IS NULL),
+           array_agg(r.work_id) FILTER (WHERE r.lease_token IS NOT NULL)
+    INTO v_parked, v_leased
+    FROM unnest(p_rows) r;
+    PERFORM workpump.notify_ended(v_parked);
+    -- The rows in their order (a scan of the array, and a window over it, keep it); the
+    -- states from one keyed read, usually of no row.
     RETURN QUERY EXECUTE format($q$
-        SELECT $1[i.n], count(($1[i.n]).lease_token) OVER () >= $2, t.state
-        FROM generate_subscripts($1, 1) i(n)
-        LEFT JOIN %1$I t ON t.%2$I = ($1[i.n]).work_id AND ($1[i.n]).lease_token IS NOT NULL
-        WHERE ($1[i.n]).lease_token IS NOT NULL OR $3
-        ORDER BY i.n$q$, v_meta.tbl, v_meta.key_col)
-    USING p_rows, p_quota, p_with_parked;
+        WITH s AS MATERIALIZED (
+            SELECT t.%2$I AS id, t.state FROM %1$I t
+            WHERE t.%2$I = ANY ($4) AND t.state IS NOT NULL
+        )
+        SELECT r, count(r.lease_token) OVER () >= $2,
+               CASE WHEN r.lease_token IS NOT NULL
+                    THEN (SELECT s.state FROM s WHERE s.id = r.work_id) END
+        FROM unnest($1) r
+        WHERE r.lease_token IS NOT NULL OR $3$q$, v_meta.tbl, v_meta.key_col)
+    USING p_rows, p_quota, p_with_parked, v_leased;
 END
 $$;
 

@@ -228,3 +228,29 @@ def test_a_hostile_notification_only_makes_the_waiter_read_again(holder):
     outcomes = workpump.wait([work_id], timeout=30, poll_seconds=NEVER)
     thread.join()
     assert outcomes[work_id].result == "ok"
+
+
+def test_a_row_the_claim_parks_as_dead_wakes_its_waiter(holder):
+    work_id = workpump.send("wait.parked", {}, max_attempts=1)
+    # its only attempt's lease ran out an hour ago, without an outcome
+    holder.execute(
+        "SELECT * FROM workpump.claim_work(p_instance_id => %s, p_lease_seconds => 60,"
+        " p_topics => %s::jsonb, p_now => now() - interval '1 hour')",
+        [HOLDER, json.dumps({"outbox": ["wait.parked"]})],
+    )
+
+    def claim_parks_it() -> None:
+        try:
+            assert wait_until(waiter_listening, 20)
+            assert claim(holder, "wait.parked") == {}  # parked, not leased
+        finally:
+            connection.close()  # this thread's own
+
+    thread = threading.Thread(target=claim_parks_it)
+    thread.start()
+    outcomes = workpump.wait([work_id], timeout=30, poll_seconds=NEVER)
+    thread.join()
+    assert (outcomes[work_id].state, outcomes[work_id].failure_reason) == (
+        WorkState.DEAD,
+        "max_attempts",
+    )
