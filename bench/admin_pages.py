@@ -44,11 +44,11 @@ MIX = [
     ("pending", 0.075),
 ]
 INSERT_SQL = """
-INSERT INTO workpump_outbox (message_id, destination, payload, attempts, max_attempts,
-                             processed_at, dead_lettered_at, instance_id, lease_expiry,
+INSERT INTO workpump_outbox (work_id, topic, payload, attempts, max_attempts,
+                             done_at, dead_lettered_at, instance_id, lease_expiry,
                              claimed_at, scheduled_for, created_at, last_error)
 SELECT gen_random_uuid(), 'bench.topic.' || (g %% 20), jsonb_build_object('i', g),
-       %(attempts)s, 10, %(processed_at)s::timestamptz - s.batch,
+       %(attempts)s, 10, %(done_at)s::timestamptz - s.batch,
        %(dead_lettered_at)s::timestamptz - s.batch, %(instance_id)s::uuid,
        %(lease_expiry)s, %(claimed_at)s, %(scheduled_for)s::timestamptz - s.batch,
        now() - make_interval(secs => %(n)s - g), %(last_error)s
@@ -58,7 +58,7 @@ FROM generate_series(1, %(n)s) g
 CROSS JOIN LATERAL (SELECT make_interval(secs => (%(n)s - g) / 100 * 0.01) AS batch) s
 """
 HOUR = "1 hour"
-TOPIC = {"destination": "bench.topic.3"}
+TOPIC = {"topic": "bench.topic.3"}
 DETAIL = "detail"  # the change page of the newest pending row, found after each build
 PAGES = [
     ("outbox changelist", "/admin/workpump/outbox/", {}),
@@ -84,7 +84,7 @@ def kinds(live: uuid.UUID) -> dict[str, dict[str, Any]]:
     """Column values of each kind of row (times relative to the database clock)."""
     base: dict[str, Any] = {
         "attempts": 0,
-        "processed_at": None,
+        "done_at": None,
         "dead_lettered_at": None,
         "instance_id": None,
         "lease_expiry": None,
@@ -93,7 +93,7 @@ def kinds(live: uuid.UUID) -> dict[str, dict[str, Any]]:
         "last_error": None,
     }
     return {
-        "processed": {**base, "attempts": 1, "processed_at": "-1 hour"},
+        "processed": {**base, "attempts": 1, "done_at": "-1 hour"},
         "dead": {**base, "attempts": 10, "dead_lettered_at": "-1 hour", "last_error": "boom"},
         "retry_wait": {**base, "attempts": 2, "scheduled_for": "+1 hour", "last_error": "x"},
         "attempts_high": {**base, "attempts": 6, "scheduled_for": "+1 hour"},
@@ -142,7 +142,7 @@ def build(total: int) -> dict[str, int]:
                 if (
                     key
                     in (
-                        "processed_at",
+                        "done_at",
                         "dead_lettered_at",
                         "lease_expiry",
                         "claimed_at",

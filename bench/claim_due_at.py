@@ -56,14 +56,14 @@ SELECT c.category, c.work_id, c.topic, c.payload, c.stream, c.attempts, c.max_at
        c.headers, c.has_more,
        CASE c.category
            WHEN 'outbox' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
-                               FROM workpump_outbox t WHERE t.message_id = c.work_id)
+                               FROM workpump_outbox t WHERE t.work_id = c.work_id)
            WHEN 'inbox' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
-                              FROM workpump_inbox t WHERE t.message_id = c.work_id)
+                              FROM workpump_inbox t WHERE t.work_id = c.work_id)
            WHEN 'perspective_event' THEN (
                SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
-               FROM workpump_perspective_event t WHERE t.event_work_id = c.work_id)
+               FROM workpump_perspective_event t WHERE t.work_id = c.work_id)
            WHEN 'receptor' THEN (SELECT coalesce(t.lease_expiry, t.scheduled_for, t.created_at)
-                                 FROM workpump_receptor_processing t WHERE t.id = c.work_id)
+                                 FROM workpump_receptor_processing t WHERE t.work_id = c.work_id)
        END AS due_at
 FROM workpump.claim_work({ARGUMENTS}) WITH ORDINALITY AS c
 ORDER BY c.ordinality""",
@@ -113,7 +113,7 @@ def main() -> None:
                     conn.execute("ROLLBACK")
                     assert len(rows) == args.batch, len(rows)
         finally:
-            conn.execute("DELETE FROM workpump_outbox WHERE destination = %s", [TOPIC])
+            conn.execute("DELETE FROM workpump_outbox WHERE topic = %s", [TOPIC])
             conn.execute("SELECT workpump.deregister_instance(%s)", [instance])
     medians = {}
     for name, samples in timings.items():

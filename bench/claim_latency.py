@@ -37,7 +37,7 @@ RESET_SQL = (
     " workpump_receptor_processing, workpump_active_stream"
 )
 BACKLOG_SQL = """
-INSERT INTO workpump_outbox (message_id, destination, payload, partition_number,
+INSERT INTO workpump_outbox (work_id, topic, payload, partition_number,
                              max_attempts, attempts, created_at)
 SELECT gen_random_uuid(), 'bench.noop', jsonb_build_object('i', g), g %% 10000, 10, 0, now()
 FROM generate_series(1, %s) g

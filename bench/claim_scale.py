@@ -19,10 +19,10 @@ from bench import harness as h
 from django_workpump.sql import named_queries
 
 INSERT_SQL = """
-INSERT INTO workpump_outbox (message_id, destination, payload, partition_number,
-                             max_attempts, attempts, processed_at, claimed_at, created_at)
+INSERT INTO workpump_outbox (work_id, topic, payload, partition_number,
+                             max_attempts, attempts, done_at, claimed_at, created_at)
 SELECT gen_random_uuid(), 'bench.noop', jsonb_build_object('i', g), g %% 10000, 10,
-       %(attempts)s::integer, %(processed_at)s::timestamptz, %(processed_at)s::timestamptz, now()
+       %(attempts)s::integer, %(done_at)s::timestamptz, %(done_at)s::timestamptz, now()
 FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) g
 """
 COMPLETE_SQL = "SELECT count(*) FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[])"
@@ -49,7 +49,7 @@ def _insert(conn: Any, count: int, processed: bool) -> None:
                 "lo": lo,
                 "hi": hi,
                 "attempts": 1 if processed else 0,
-                "processed_at": "2000-01-01T00:00:00Z" if processed else None,
+                "done_at": "2000-01-01T00:00:00Z" if processed else None,
             },
         )
         lo = hi + 1
@@ -120,12 +120,12 @@ def measure(server: h.Server, database: str, calls: int, batch: int = 100) -> di
                     "lo": 10**9 + i * batch,
                     "hi": 10**9 + (i + 1) * batch - 1,
                     "attempts": 0,
-                    "processed_at": None,
+                    "done_at": None,
                 },
             )
         sizes = conn.execute(
-            "SELECT count(*) FILTER (WHERE processed_at IS NULL),"
-            " count(*) FILTER (WHERE processed_at IS NOT NULL) FROM workpump_outbox"
+            "SELECT count(*) FILTER (WHERE done_at IS NULL),"
+            " count(*) FILTER (WHERE done_at IS NOT NULL) FROM workpump_outbox"
         ).fetchone()
     return {
         "calls": calls,

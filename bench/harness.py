@@ -133,7 +133,7 @@ ANALYZE_SQL = {
 }
 # True while any job is not finished (cheap: answered from indexes or small scans).
 LEFT_SQL = {  # each probe ordered by its partial index's key, so no probe is a seq scan
-    "workpump": "SELECT EXISTS (SELECT 1 FROM workpump_outbox WHERE processed_at IS NULL"
+    "workpump": "SELECT EXISTS (SELECT 1 FROM workpump_outbox WHERE done_at IS NULL"
     " AND dead_lettered_at IS NULL AND stream_head AND instance_id IS NULL"
     " AND scheduled_for IS NULL ORDER BY priority DESC, seq LIMIT 1)"
     " OR EXISTS (SELECT 1 FROM workpump_outbox WHERE instance_id IS NOT NULL"
@@ -145,7 +145,7 @@ LEFT_SQL = {  # each probe ordered by its partial index's key, so no probe is a 
     " WHERE status IN ('todo', 'doing') ORDER BY id LIMIT 1)",
 }
 DONE_COUNT_SQL = {
-    "workpump": "SELECT count(*) FROM workpump_outbox WHERE processed_at IS NOT NULL",
+    "workpump": "SELECT count(*) FROM workpump_outbox WHERE done_at IS NOT NULL",
     "pgqueuer": "SELECT count(*) FROM pgqueuer_log WHERE status = 'successful'",
     "procrastinate": "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'",
 }

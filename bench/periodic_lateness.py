@@ -6,7 +6,7 @@
 The database is dropped and created, migrated, and N ``runworkpump`` processes run the
 schedule of bench/periodic_app for the given time; then every slot in the window is
 checked for exactly one outbox row, and the delay from slot time to the row's
-created_at (firing) and to its processed_at (handled) is summarised.
+created_at (firing) and to its done_at (handled) is summarised.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def main() -> None:
         rows = conn.execute(
             "SELECT (payload->>'slot')::timestamptz AS slot, count(*),"
             " extract(epoch FROM min(created_at) - (payload->>'slot')::timestamptz),"
-            " extract(epoch FROM min(processed_at) - (payload->>'slot')::timestamptz)"
-            " FROM workpump_outbox WHERE destination = 'bench.periodic'"
+            " extract(epoch FROM min(done_at) - (payload->>'slot')::timestamptz)"
+            " FROM workpump_outbox WHERE topic = 'bench.periodic'"
             " AND (payload->>'slot')::timestamptz BETWEEN %s AND %s"
             " GROUP BY 1 ORDER BY 1",
             (start, end),
@@ -98,7 +98,7 @@ def main() -> None:
     )
     for label, values in (
         ("fired (created_at - slot)", fired),
-        ("handled (processed_at - slot)", handled),
+        ("handled (done_at - slot)", handled),
     ):
         print(
             f"{label}: p50 {statistics.median(values):.1f} ms, p95 "

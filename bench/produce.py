@@ -67,7 +67,7 @@ def ours_bulk(
             else:  # "set": what a bulk producer (send_many) would run: one INSERT per batch
                 with connection.cursor() as cursor:
                     cursor.execute(
-                        "INSERT INTO workpump_outbox (message_id, destination, payload,"
+                        "INSERT INTO workpump_outbox (work_id, topic, payload,"
                         " partition_number, max_attempts)"
                         " SELECT u, %s, jsonb_build_object('i', g),"
                         " workpump.partition_of(u::text, 10000), 10"

@@ -12,17 +12,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Category:
-    """One kind of work row: its table, model and the columns that differ between tables."""
+    """One kind of work row: its table, model and what really differs between them.
+
+    Every work table names its columns alike: ``work_id``, ``topic`` (what a handler is
+    registered under), ``done_at`` (set when the work is done).
+    """
 
     name: str  # as SQL and the API spell it: claim_work's category column, p_categories
     table: str
     model: str  # model class name in the workpump app
-    key_field: str  # model field of the work id
-    key_column: str  # its column (differs for receptor: the field "work_id" is column "id")
-    topic_column: str  # what a handler is registered under
-    done_column: str  # set when the work completed
-    scope_column: str | None  # orders streams together with the stream; None: the stream alone
+    topic_scopes_streams: bool  # True: (topic, stream) orders rows; False: the stream alone
     topic_noun: str  # how messages name a topic of this category
+    payload_on_row: bool  # False: the payload lives in the workpump_event row
 
 
 CATEGORIES = (
@@ -30,45 +31,33 @@ CATEGORIES = (
         name="outbox",
         table="workpump_outbox",
         model="Outbox",
-        key_field="message_id",
-        key_column="message_id",
-        topic_column="destination",
-        done_column="processed_at",
-        scope_column=None,
+        topic_scopes_streams=False,
         topic_noun="outbox destination",
+        payload_on_row=True,
     ),
     Category(
         name="inbox",
         table="workpump_inbox",
         model="Inbox",
-        key_field="message_id",
-        key_column="message_id",
-        topic_column="handler_name",
-        done_column="processed_at",
-        scope_column=None,
+        topic_scopes_streams=False,
         topic_noun="inbox handler",
+        payload_on_row=True,
     ),
     Category(
         name="perspective_event",
         table="workpump_perspective_event",
         model="PerspectiveEvent",
-        key_field="event_work_id",
-        key_column="event_work_id",
-        topic_column="perspective_name",
-        done_column="processed_at",
-        scope_column="perspective_name",
+        topic_scopes_streams=True,
         topic_noun="perspective",
+        payload_on_row=False,
     ),
     Category(
         name="receptor",
         table="workpump_receptor_processing",
         model="ReceptorProcessing",
-        key_field="work_id",
-        key_column="id",
-        topic_column="receptor_name",
-        done_column="completed_at",
-        scope_column="receptor_name",
+        topic_scopes_streams=True,
         topic_noun="receptor",
+        payload_on_row=False,
     ),
 )
 

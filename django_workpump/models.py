@@ -47,6 +47,8 @@ class WorkRow(models.Model):
     """Columns shared by the four work tables."""
 
     seq = models.BigAutoField(primary_key=True)  # monotonic order key
+    work_id = models.UUIDField(unique=True)  # the work's id (Work.id), stable across attempts
+    topic = models.TextField()  # what the handler is registered under
     stream = models.TextField(null=True, blank=True)  # NULL: a stream of its own
     partition_number = models.IntegerField()
     priority = models.SmallIntegerField(db_default=0)  # higher runs first
@@ -76,6 +78,18 @@ class WorkRow(models.Model):
     snoozes = models.IntegerField(db_default=0, editable=False)
     # The last checkpoint of a handler (work.checkpoint): the next attempt starts from it.
     state = StoredJSONField(null=True, blank=True, editable=False)
+    done_at = models.DateTimeField(null=True, blank=True)  # set when the work is done
+
+    class Meta:
+        abstract = True
+
+
+class MessageRow(WorkRow):
+    """Columns shared by outbox and inbox rows, which carry their payload themselves."""
+
+    payload = StoredJSONField()
+    # send/receive(unique_key=...), unique tasks: at most one undone row per (topic, key).
+    unique_key = models.TextField(null=True, blank=True)
 
     class Meta:
         abstract = True
@@ -98,65 +112,64 @@ def _lease_pair_check(table: str) -> models.CheckConstraint:
     return models.CheckConstraint(condition=both_null | both_set, name=f"{table}_lease_pair")
 
 
-def ready_condition(done: str) -> Q:
+def ready_condition() -> Q:
     """Rows claimable right now: undone, live stream heads, unleased and unscheduled."""
-    return _live_head(done) & Q(instance_id__isnull=True, scheduled_for__isnull=True)
+    return _live_head() & Q(instance_id__isnull=True, scheduled_for__isnull=True)
 
 
-def timer_condition(done: str) -> Q:
+def timer_condition() -> Q:
     """Live stream heads waiting for a time: a lease to expire or a retry/deferral."""
-    return _live_head(done) & (Q(instance_id__isnull=False) | Q(scheduled_for__isnull=False))
+    return _live_head() & (Q(instance_id__isnull=False) | Q(scheduled_for__isnull=False))
 
 
-def dead_condition(done: str) -> Q:
+def dead_condition() -> Q:
     """Undone rows parked as dead."""
-    return Q(**{f"{done}__isnull": True}) & Q(dead_lettered_at__isnull=False)
+    return Q(done_at__isnull=True) & Q(dead_lettered_at__isnull=False)
 
 
-def _live_head(done: str) -> Q:
-    return Q(**{f"{done}__isnull": True}) & Q(dead_lettered_at__isnull=True, stream_head=True)
+def _live_head() -> Q:
+    return Q(done_at__isnull=True) & Q(dead_lettered_at__isnull=True, stream_head=True)
 
 
-def _live(done: str) -> Q:
-    return Q(**{f"{done}__isnull": True}, dead_lettered_at__isnull=True)
+def _live() -> Q:
+    return Q(done_at__isnull=True, dead_lettered_at__isnull=True)
 
 
-def orphan_condition(done: str) -> Q:
+def orphan_condition() -> Q:
     """Rows whose holder was evicted mid-attempt and that no one has re-claimed yet."""
-    return _live(done) & Q(instance_id__isnull=True, claimed_at__isnull=False)
+    return _live() & Q(instance_id__isnull=True, claimed_at__isnull=False)
 
 
-def waiting_condition(done: str) -> Q:
+def waiting_condition() -> Q:
     """Unleased live rows with a time set: a retry wait or a deferral (due or not)."""
-    return _live(done) & Q(instance_id__isnull=True, scheduled_for__isnull=False)
+    return _live() & Q(instance_id__isnull=True, scheduled_for__isnull=False)
 
 
-def ended_condition(done: str) -> Q:
+def ended_condition() -> Q:
     """Rows that ended cancelled or discarded rather than completed."""
-    return Q(**{f"{done}__isnull": False}) & Q(end_state__isnull=False)
+    return Q(done_at__isnull=False) & Q(end_state__isnull=False)
 
 
-def attempts_high_condition(done: str) -> Q:
+def attempts_high_condition() -> Q:
     """Live rows that used half their attempts, and more than one (the stuck rule)."""
-    return _live(done) & Q(attempts__gt=1, max_attempts__lte=F("attempts") * 2)
+    return _live() & Q(attempts__gt=1, max_attempts__lte=F("attempts") * 2)
 
 
-def _work_indexes(prefix: str, done: str, scope: tuple[str, ...] = ()) -> list[models.Index]:
+def _work_indexes(prefix: str, scope: tuple[str, ...] = ()) -> list[models.Index]:
     """The partial indexes every work table needs; ``claim.sql`` repeats their predicates.
 
     Names are ``<prefix>_ready`` etc. (Django caps index names at 30 characters).
     """
-    undone = Q(**{f"{done}__isnull": True})
     return [
         # Rows claimable right now: a scan of this index is the claim (priority, then FIFO).
         models.Index(
-            fields=["-priority", "seq"], name=f"{prefix}_ready", condition=ready_condition(done)
+            fields=["-priority", "seq"], name=f"{prefix}_ready", condition=ready_condition()
         ),
         # Rows waiting for a time: a lease to expire or a retry/deferral to fall due.
         models.Index(
             Coalesce("lease_expiry", "scheduled_for"),
             name=f"{prefix}_timer",
-            condition=timer_condition(done),
+            condition=timer_condition(),
         ),
         # Rows held by an instance (eviction, deregistration, admin), newest first per
         # holder: the admin's stuck and owner = not-live pages read a page of each.
@@ -169,105 +182,80 @@ def _work_indexes(prefix: str, done: str, scope: tuple[str, ...] = ()) -> list[m
         models.Index(
             fields=[*scope, "stream", "seq"],
             name=f"{prefix}_stream",
-            condition=undone & Q(stream__isnull=False),
+            condition=Q(done_at__isnull=True, stream__isnull=False),
         ),
         # Processed rows by age (retention purge).
-        models.Index(
-            fields=[done], name=f"{prefix}_done", condition=Q(**{f"{done}__isnull": False})
-        ),
+        models.Index(fields=["done_at"], name=f"{prefix}_done", condition=Q(done_at__isnull=False)),
         # Dead rows (admin, status), in the order the admin's dead page shows them.
         models.Index(
             fields=["dead_lettered_at", "seq"],
             name=f"{prefix}_dead",
-            condition=dead_condition(done),
+            condition=dead_condition(),
         ),
         # The admin's state and stuck filters and the status counts (docs/admin.md). Each
         # holds rows in a rare state only, which a claim or renewal never writes, so the
         # hot path does not maintain them: orphaned by an eviction, waiting unleased for
         # a retry or deferral, and past half their attempts.
-        models.Index(fields=["seq"], name=f"{prefix}_orphan", condition=orphan_condition(done)),
+        models.Index(fields=["seq"], name=f"{prefix}_orphan", condition=orphan_condition()),
         # Keyed by time, then seq: the admin's scheduled page reads a page in this order.
         models.Index(
             fields=["scheduled_for", "seq"],
             name=f"{prefix}_waiting",
-            condition=waiting_condition(done),
+            condition=waiting_condition(),
         ),
-        models.Index(
-            fields=["seq"], name=f"{prefix}_retried", condition=attempts_high_condition(done)
-        ),
+        models.Index(fields=["seq"], name=f"{prefix}_retried", condition=attempts_high_condition()),
         # Rows that ended cancelled or discarded (admin state filter, status counts).
-        models.Index(fields=[done], name=f"{prefix}_ended", condition=ended_condition(done)),
+        models.Index(fields=["done_at"], name=f"{prefix}_ended", condition=ended_condition()),
     ]
 
 
-class Outbox(WorkRow):
-    message_id = models.UUIDField(unique=True)
-    destination = models.TextField()
-    payload = StoredJSONField()
-    processed_at = models.DateTimeField(null=True, blank=True)
-    # send(unique_key=...): at most one unprocessed row per (destination, unique_key).
-    unique_key = models.TextField(null=True, blank=True)
+def _message_meta(table: str, prefix: str) -> tuple[list[Any], list[models.Index]]:
+    """Constraints and indexes of the outbox or inbox table."""
+    constraints = [
+        _lease_pair_check(table),
+        # Dead rows are not done: they hold their key (a requeue never conflicts).
+        models.UniqueConstraint(
+            fields=["topic", "unique_key"],
+            name=f"{table}_unique_key",
+            condition=Q(done_at__isnull=True, unique_key__isnull=False),
+        ),
+    ]
+    indexes = [
+        *_work_indexes(prefix),
+        # the producer's holder lookup, done rows included (the unique_for window)
+        models.Index(
+            fields=["topic", "unique_key", "created_at"],
+            name=f"{prefix}_unique_key",
+            condition=Q(unique_key__isnull=False),
+        ),
+    ]
+    return constraints, indexes
+
+
+class Outbox(MessageRow):
+    """A message sent to an outbox destination (the topic)."""
 
     class Meta:
         db_table = "workpump_outbox"
         permissions = WORK_PERMISSIONS
         verbose_name = "outbox message"
-        constraints = [
-            _lease_pair_check("workpump_outbox"),
-            # Dead rows are not processed: they hold their key (a requeue never conflicts).
-            models.UniqueConstraint(
-                fields=["destination", "unique_key"],
-                name="workpump_outbox_unique_key",
-                condition=Q(processed_at__isnull=True, unique_key__isnull=False),
-            ),
-        ]
-        indexes = [
-            *_work_indexes("wp_outbox", "processed_at"),
-            # send's holder lookup, processed rows included (the unique_for window)
-            models.Index(
-                fields=["destination", "unique_key", "created_at"],
-                name="wp_outbox_unique_key",
-                condition=Q(unique_key__isnull=False),
-            ),
-        ]
+        constraints, indexes = _message_meta("workpump_outbox", "wp_outbox")
 
     def __str__(self) -> str:
-        return f"outbox {self.destination} {self.message_id}"
+        return f"outbox {self.topic} {self.work_id}"
 
 
-class Inbox(WorkRow):
-    message_id = models.UUIDField(unique=True)
-    handler_name = models.TextField()
-    payload = StoredJSONField()
-    processed_at = models.DateTimeField(null=True, blank=True)
-    # receive(unique_key=...), unique tasks: at most one unprocessed row per key.
-    unique_key = models.TextField(null=True, blank=True)
+class Inbox(MessageRow):
+    """A message received for an inbox handler (the topic)."""
 
     class Meta:
         db_table = "workpump_inbox"
         permissions = WORK_PERMISSIONS
         verbose_name = "inbox message"
-        constraints = [
-            _lease_pair_check("workpump_inbox"),
-            # Dead rows are not processed: they hold their key (a requeue never conflicts).
-            models.UniqueConstraint(
-                fields=["handler_name", "unique_key"],
-                name="workpump_inbox_unique_key",
-                condition=Q(processed_at__isnull=True, unique_key__isnull=False),
-            ),
-        ]
-        indexes = [
-            *_work_indexes("wp_inbox", "processed_at"),
-            # receive's holder lookup, processed rows included (the unique_for window)
-            models.Index(
-                fields=["handler_name", "unique_key", "created_at"],
-                name="wp_inbox_unique_key",
-                condition=Q(unique_key__isnull=False),
-            ),
-        ]
+        constraints, indexes = _message_meta("workpump_inbox", "wp_inbox")
 
     def __str__(self) -> str:
-        return f"inbox {self.handler_name} {self.message_id}"
+        return f"inbox {self.topic} {self.work_id}"
 
 
 class InboxDedup(models.Model):
@@ -316,12 +304,11 @@ class Event(models.Model):
 
 
 class PerspectiveEvent(WorkRow):
-    event_work_id = models.UUIDField(unique=True)
-    perspective_name = models.TextField()
+    """An event's work for one perspective (the topic), ordered per (topic, stream)."""
+
     event = models.ForeignKey(
         Event, to_field="event_id", db_column="event_id", on_delete=models.PROTECT
     )
-    processed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "workpump_perspective_event"
@@ -330,25 +317,23 @@ class PerspectiveEvent(WorkRow):
         constraints = [
             _lease_pair_check("workpump_perspective_event"),
             models.UniqueConstraint(
-                fields=["stream", "perspective_name", "event"],
+                fields=["stream", "topic", "event"],
                 name="workpump_perspective_event_unique",
                 nulls_distinct=False,
             ),
         ]
-        indexes = _work_indexes("wp_persp", "processed_at", ("perspective_name",))
+        indexes = _work_indexes("wp_persp", ("topic",))
 
     def __str__(self) -> str:
-        return f"perspective {self.perspective_name} {self.event_work_id}"
+        return f"perspective {self.topic} {self.work_id}"
 
 
 class ReceptorProcessing(WorkRow):
-    # The column is "id"; Django reserves that field name for primary keys.
-    work_id = models.UUIDField(unique=True, db_column="id")
-    receptor_name = models.TextField()
+    """An event's work for one receptor (the topic), ordered per (topic, stream)."""
+
     event = models.ForeignKey(
         Event, to_field="event_id", db_column="event_id", on_delete=models.PROTECT
     )
-    completed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "workpump_receptor_processing"
@@ -358,13 +343,13 @@ class ReceptorProcessing(WorkRow):
         constraints = [
             _lease_pair_check("workpump_receptor_processing"),
             models.UniqueConstraint(
-                fields=["event", "receptor_name"], name="workpump_receptor_processing_unique"
+                fields=["event", "topic"], name="workpump_receptor_processing_unique"
             ),
         ]
-        indexes = _work_indexes("wp_receptor", "completed_at", ("receptor_name",))
+        indexes = _work_indexes("wp_receptor", ("topic",))
 
     def __str__(self) -> str:
-        return f"receptor {self.receptor_name} {self.work_id}"
+        return f"receptor {self.topic} {self.work_id}"
 
 
 class ServiceInstance(models.Model):
@@ -449,7 +434,7 @@ class TaskAttempt(models.Model):
     worker died stays visible as started and never finished.
     """
 
-    message_id = models.UUIDField()  # the inbox row's message_id, which is TaskResult.id
+    work_id = models.UUIDField()  # the inbox row's work_id, which is TaskResult.id
     attempt = models.IntegerField()  # the row's claim count when this run started
     instance_id = models.UUIDField()  # the runworkpump instance that ran it
     lease_token = models.UUIDField(null=True, blank=True)  # the claim this run belongs to
@@ -462,14 +447,14 @@ class TaskAttempt(models.Model):
         db_table = "workpump_task_attempt"
         constraints = [
             models.UniqueConstraint(
-                fields=["message_id", "attempt"], name="workpump_task_attempt_unique"
+                fields=["work_id", "attempt"], name="workpump_task_attempt_unique"
             )
         ]
         # Purge of attempts whose task row is gone (retention), oldest first.
         indexes = [models.Index(fields=["started_at"], name="wp_task_attempt_started")]
 
     def __str__(self) -> str:
-        return f"task {self.message_id} attempt {self.attempt}"
+        return f"task {self.work_id} attempt {self.attempt}"
 
 
 CATCH_UP_CHOICES = [

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from django_workpump.categories import NAMES
+
 SCHEMA_SQL = Path(__file__).resolve().parent.parent / "django_workpump" / "sql" / "schema.sql"
 HEADER = """# The SQL API (schema `workpump`)
 
@@ -113,6 +115,11 @@ def render(cursor: Any) -> str:
     parts = [HEADER]
     for name, arguments, result in cursor.fetchall():
         comment = known.get(name, "")
+        if not comment and name.startswith("claim_") and name.removeprefix("claim_") in NAMES:
+            comment = (
+                f"The claim of category `{name.removeprefix('claim_')}`, built from the one claim"
+                " template by `define_claim` (see there)."
+            )
         entry = f"### `{name}`\n\n```sql\nworkpump.{name}({arguments})\n  RETURNS {result}\n```\n"
         if comment:
             entry += f"\n{comment}\n"

@@ -19,8 +19,8 @@ class OutboxFactory(DjangoModelFactory):
     class Meta:
         model = models.Outbox
 
-    message_id = factory.LazyFunction(uuid.uuid4)
-    destination = "emails.welcome"
+    work_id = factory.LazyFunction(uuid.uuid4)
+    topic = "emails.welcome"
     payload = factory.Sequence(lambda n: {"n": n})
     partition_number = None  # filled by the insert trigger
     created_at = T0
@@ -30,8 +30,8 @@ class InboxFactory(DjangoModelFactory):
     class Meta:
         model = models.Inbox
 
-    message_id = factory.LazyFunction(uuid.uuid4)
-    handler_name = "stripe.webhook"
+    work_id = factory.LazyFunction(uuid.uuid4)
+    topic = "stripe.webhook"
     payload = factory.Sequence(lambda n: {"n": n})
     partition_number = None
     created_at = T0
@@ -60,8 +60,8 @@ class PerspectiveEventFactory(DjangoModelFactory):
     class Meta:
         model = models.PerspectiveEvent
 
-    event_work_id = factory.LazyFunction(uuid.uuid4)
-    perspective_name = "order_totals"
+    work_id = factory.LazyFunction(uuid.uuid4)
+    topic = "order_totals"
     event = factory.SubFactory(EventFactory)
     stream = factory.SelfAttribute("event.stream")
     partition_number = None
@@ -73,7 +73,7 @@ class ReceptorProcessingFactory(DjangoModelFactory):
         model = models.ReceptorProcessing
 
     work_id = factory.LazyFunction(uuid.uuid4)
-    receptor_name = "warehouse"
+    topic = "warehouse"
     event = factory.SubFactory(EventFactory)
     stream = factory.SelfAttribute("event.stream")
     partition_number = None

@@ -85,17 +85,17 @@ PLAN_STATISTICS_ROWS = 5_000
 
 
 PLAN_STATISTICS_SQL = [
-    "INSERT INTO workpump_outbox (message_id, destination, payload, attempts, processed_at)"
+    "INSERT INTO workpump_outbox (work_id, topic, payload, attempts, done_at)"
     " SELECT gen_random_uuid(), 'plan.done', '{}'::jsonb, 1, now() FROM generate_series(1, %(n)s)",
-    "INSERT INTO workpump_inbox (message_id, handler_name, payload, attempts, processed_at)"
+    "INSERT INTO workpump_inbox (work_id, topic, payload, attempts, done_at)"
     " SELECT gen_random_uuid(), 'plan.done', '{}'::jsonb, 1, now() FROM generate_series(1, %(n)s)",
     "INSERT INTO workpump_event (event_id, event_type, payload)"
     " SELECT gen_random_uuid(), 'plan.done', '{}'::jsonb FROM generate_series(1, %(n)s)",
-    "INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id,"
-    " attempts, processed_at) SELECT gen_random_uuid(), 'plan.done', e.event_id, 1, now()"
+    "INSERT INTO workpump_perspective_event (work_id, topic, event_id,"
+    " attempts, done_at) SELECT gen_random_uuid(), 'plan.done', e.event_id, 1, now()"
     " FROM workpump_event e WHERE e.event_type = 'plan.done'",
-    "INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, attempts,"
-    " completed_at) SELECT gen_random_uuid(), 'plan.done', e.event_id, 1, now()"
+    "INSERT INTO workpump_receptor_processing (work_id, topic, event_id, attempts,"
+    " done_at) SELECT gen_random_uuid(), 'plan.done', e.event_id, 1, now()"
     " FROM workpump_event e WHERE e.event_type = 'plan.done'",
     "ANALYZE workpump_outbox, workpump_inbox, workpump_event, workpump_perspective_event,"
     " workpump_receptor_processing",
@@ -123,10 +123,10 @@ def scalar(query: str, params: dict[str, Any] | tuple[Any, ...] | None = None) -
 
 # category -> (table, key column) of the four work tables
 WORK_TABLES = {
-    "outbox": ("workpump_outbox", "message_id"),
-    "inbox": ("workpump_inbox", "message_id"),
-    "perspective_event": ("workpump_perspective_event", "event_work_id"),
-    "receptor": ("workpump_receptor_processing", "id"),
+    "outbox": ("workpump_outbox", "work_id"),
+    "inbox": ("workpump_inbox", "work_id"),
+    "perspective_event": ("workpump_perspective_event", "work_id"),
+    "receptor": ("workpump_receptor_processing", "work_id"),
 }
 
 

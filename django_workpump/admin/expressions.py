@@ -61,22 +61,19 @@ NOT_LIVE_HOLDERS = (HOLDER_STALE, HOLDER_EVICTED, HOLDER_GONE)
 
 @dataclass(frozen=True)
 class WorkSpec:
-    """The model fields that differ between the four work tables."""
+    """What differs between the four work tables for the admin.
+
+    Every table names its fields alike: ``work_id``, ``topic``, ``done_at``.
+    """
 
     category: str
-    key_field: str
-    topic_field: str
-    done_field: str
-    scope_field: str | None  # perspective or receptor name; None: the stream alone orders
+    scoped: bool  # the topic orders streams together with the stream (perspective, receptor)
 
     @classmethod
     def of(cls, name: str) -> WorkSpec:
         """The spec of category ``name``, from ``django_workpump.categories``."""
         found = category(name)
-        # Apart from the key, every field is named as its column.
-        return cls(
-            found.name, found.key_field, found.topic_column, found.done_column, found.scope_column
-        )
+        return cls(found.name, found.topic_scopes_streams)
 
 
 class DbNow(Func):
@@ -163,7 +160,7 @@ class FilteredSeqs(RawSQL):
         self.cutoffs, self.order, self.topic, self.parts = cutoffs, order, topic, parts
         # The topic filter's topic, if any, is applied by each arm as it reads.
         if topic is not None:
-            self.covered = ((spec.topic_field, "exact", topic),)
+            self.covered = (("topic", "exact", topic),)
         super().__init__("", (), output_field=models.BigIntegerField())
 
     def as_sql(self, compiler: Any, connection: Any) -> Any:
@@ -173,14 +170,11 @@ class FilteredSeqs(RawSQL):
     def select(self, connection: Any, bound: int | None, ordered: bool) -> tuple[str, list[Any]]:
         """The fragment's SELECT reading at most ``bound`` rows (None: all), in its order
         when ``ordered``, and its parameters."""
-        scope = self.spec.scope_field
-        topic = connection.ops.quote_name(self.spec.topic_field)
         names = {
             "table": connection.ops.quote_name(category(self.spec.category).table),
-            "done": connection.ops.quote_name(self.spec.done_field),
-            "same_scope": f"AND h.{scope} = r.{scope}" if scope else "",
-            "same_topic": f"AND t.{topic} = %s" if self.topic is not None else "",
-            "same_topic_r": f"AND r.{topic} = %s" if self.topic is not None else "",
+            "same_scope": "AND h.topic = r.topic" if self.spec.scoped else "",
+            "same_topic": "AND t.topic = %s" if self.topic is not None else "",
+            "same_topic_r": "AND r.topic = %s" if self.topic is not None else "",
             "in_order": f"ORDER BY {self.order.rows}" if ordered else "",
             # Arms read in order for a count too: unordered, a LIMIT lets the planner
             # read the table from its start, past every older row of other states.
@@ -368,7 +362,7 @@ def holder_kind(instance_ref: str) -> Case:
 def state_of(spec: WorkSpec) -> Func:
     """The row's state by ``workpump.state_of`` at the database clock."""
     return Func(
-        F(spec.done_field),
+        F("done_at"),
         F("dead_lettered_at"),
         F("instance_id"),
         F("lease_expiry"),
@@ -388,13 +382,13 @@ def blocked_by_head(model: type[models.Model], spec: WorkSpec) -> Exists:
     after an attempt; a deferred first attempt is the producer's choice, not a blockage.
     """
     same_stream = {"stream": OuterRef("stream")}
-    if spec.scope_field:
-        same_stream[spec.scope_field] = OuterRef(spec.scope_field)
+    if spec.scoped:
+        same_stream["topic"] = OuterRef("topic")
     heads = model._default_manager.filter(
         **same_stream,
         stream_head=True,
         seq__lt=OuterRef("seq"),
-        **{f"{spec.done_field}__isnull": True},
+        done_at__isnull=True,
     ).filter(Q(dead_lettered_at__isnull=False) | Q(scheduled_for__gt=DbNow(), attempts__gt=0))
     return Exists(heads)
 
@@ -407,7 +401,7 @@ def stuck_condition(spec: WorkSpec) -> Q:
     was not re-claimed), or has used at least half its attempts (and more than one, as
     the maintenance log counts), or waits behind a dead or retrying stream head.
     """
-    undone = Q(**{f"{spec.done_field}__isnull": True}, dead_lettered_at__isnull=True)
+    undone = Q(done_at__isnull=True, dead_lettered_at__isnull=True)
     return undone & (
         Q(wp_holder__in=NOT_LIVE_HOLDERS)
         | Q(wp_state=WorkState.ORPHANED)
@@ -424,32 +418,29 @@ def state_condition(spec: WorkSpec, state: str) -> Q:
     (models.py): the planner reads the rows of a state through its indexes instead of
     evaluating ``state_of`` over every row.
     """
-    done = spec.done_field
-    live = Q(**{f"{done}__isnull": True}, dead_lettered_at__isnull=True)
+    live = Q(done_at__isnull=True, dead_lettered_at__isnull=True)
     unheld = live & Q(instance_id__isnull=True, claimed_at__isnull=True)
     now = DbNow()
     if state == WorkState.DONE:
-        return Q(**{f"{done}__isnull": False}, end_state__isnull=True)  # the _done index
+        return Q(done_at__isnull=False, end_state__isnull=True)  # the _done index
     if state in (WorkState.CANCELLED, WorkState.DISCARDED):
-        return ended_condition(done) & Q(end_state=state)  # the _ended index
+        return ended_condition() & Q(end_state=state)  # the _ended index
     if state == WorkState.DEAD:
-        return dead_condition(done)
+        return dead_condition()
     if state == WorkState.LEASED:
         return live & Q(instance_id__isnull=False, lease_expiry__gt=now)  # _held
     if state == WorkState.ORPHANED:
         expired = live & Q(instance_id__isnull=False, lease_expiry__lte=now)  # _held
-        return expired | orphan_condition(done)
+        return expired | orphan_condition()
     if state == WorkState.SCHEDULED:
-        return waiting_condition(done) & unheld & Q(scheduled_for__gt=now)
+        return waiting_condition() & unheld & Q(scheduled_for__gt=now)
     if state == WorkState.PENDING:
         due = Q(scheduled_for__isnull=True) | Q(scheduled_for__lte=now)
         # Every live row is a stream head (the _ready and _timer indexes) or waits behind
         # one in an ordered stream (the _stream index).
         behind_head = live & Q(stream_head=False, stream__isnull=False) & due
         return unheld & (
-            ready_condition(done)
-            | (timer_condition(done) & Q(scheduled_for__lte=now))
-            | behind_head
+            ready_condition() | (timer_condition() & Q(scheduled_for__lte=now)) | behind_head
         )
     raise ValueError(f"Unknown work state {state!r}; states are {', '.join(WorkState)}.")
 
@@ -460,12 +451,11 @@ def stuck_candidates(spec: WorkSpec) -> Q:
     Held (_held), orphaned by an eviction (_orphan), past half their attempts (_retried),
     or behind a stream head (_stream): ``stuck_condition`` then decides among these only.
     """
-    done = spec.done_field
-    live = Q(**{f"{done}__isnull": True}, dead_lettered_at__isnull=True)
+    live = Q(done_at__isnull=True, dead_lettered_at__isnull=True)
     return live & (
         Q(instance_id__isnull=False)
-        | orphan_condition(done)
-        | attempts_high_condition(done)
+        | orphan_condition()
+        | attempts_high_condition()
         | Q(stream_head=False, stream__isnull=False)
     )
 
@@ -505,10 +495,10 @@ def held_count(model: type[models.Model]) -> Coalesce:
 def undone_in_stream(model: type[models.Model], spec: WorkSpec) -> Coalesce:
     """Undone rows of the outer ActiveStream's stream (and scope) in ``model``'s table."""
     same_stream: dict[str, Any] = {"stream": OuterRef("stream")}
-    if spec.scope_field:
-        same_stream[spec.scope_field] = OuterRef("scope")
+    if spec.scoped:
+        same_stream["topic"] = OuterRef("scope")
     counts = (
-        model._default_manager.filter(**same_stream, **{f"{spec.done_field}__isnull": True})
+        model._default_manager.filter(**same_stream, done_at__isnull=True)
         .order_by()
         .values("stream")
         .annotate(n=Count("*"))

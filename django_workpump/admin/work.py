@@ -11,7 +11,7 @@ from typing import Any, Literal, cast
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import F, Q, QuerySet, TextField
+from django.db.models import Q, QuerySet, TextField
 from django.db.models.expressions import Combinable
 from django.db.models.functions import Cast
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -38,6 +38,7 @@ from django_workpump.admin.work_filters import (
     TopicFilter,
     page_order,
 )
+from django_workpump.categories import category
 from django_workpump.conf import get_settings
 from django_workpump.states import ENDED_STATES, WorkState
 
@@ -85,7 +86,7 @@ class WorkAdmin(WorkActionsAdmin):
     show_full_result_count = False  # a filtered page runs no extra count of the whole table
     paginator = EstimatingPaginator  # no exact count past EXACT_COUNT_LIMIT rows
     empty_value_display = display.DASH
-    list_display_links = ["work_id"]
+    list_display_links = ["work_id_cell"]
     ordering = list(NEWEST_FIRST.ordering)  # a state's page: page_order
 
     # -- permissions: rows are produced by send/receive/emit and removed by retention only
@@ -107,21 +108,17 @@ class WorkAdmin(WorkActionsAdmin):
 
     @property
     def has_own_payload(self) -> bool:
-        return any(f.name == "payload" for f in self.model._meta.concrete_fields)
+        return category(self.spec.category).payload_on_row
 
     def get_ordering(self, request: HttpRequest) -> list[str | Combinable]:
         # The state filter's value, as the changelist reads it from the URL.
         return list(page_order(request.GET.get(StateFilter.parameter_name)).ordering)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        # Not ModelAdmin.get_queryset: it orders before the annotations a state's default
-        # order may name (wp_done). The pump's database, as PumpDatabaseAdmin.
+        # Not ModelAdmin.get_queryset: it orders before the annotations a sorted column
+        # may name (wp_state). The pump's database, as PumpDatabaseAdmin.
         rows = self.model._default_manager.using(pump_database())
         queryset = annotate_work(rows, self.spec)
-        # Aliases, so the topic and done columns sort whatever each table calls them.
-        queryset = queryset.annotate(
-            wp_topic=F(self.spec.topic_field), wp_done=F(self.spec.done_field)
-        )
         return queryset.order_by(*self.get_ordering(request))
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
@@ -142,7 +139,7 @@ class WorkAdmin(WorkActionsAdmin):
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
         rows = self.model._default_manager.using(pump_database())
-        seq = rows.filter(**{self.spec.key_field: work_id}).values_list("seq", flat=True).first()
+        seq = rows.filter(work_id=work_id).values_list("seq", flat=True).first()
         name = f"admin:{self.opts.app_label}_{self.opts.model_name}"
         if seq is None:
             messages.warning(
@@ -179,29 +176,28 @@ class WorkAdmin(WorkActionsAdmin):
             return None
 
     def get_list_filter(self, request: HttpRequest) -> list[Any]:
-        return [StateFilter, TopicFilter.for_spec(self.spec), OwnerFilter]
+        return [StateFilter, TopicFilter, OwnerFilter]
 
     def get_search_fields(self, request: HttpRequest) -> list[str]:
-        return [f"={self.spec.key_field}", self.spec.topic_field, "stream"]
+        return ["=work_id", "topic", "stream"]
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
         # An exact id lookup with a term that is no uuid would raise: search the rest only.
-        key = self.spec.key_field
         try:
-            self.model._meta.get_field(key).to_python(search_term.strip())
+            self.model._meta.get_field("work_id").to_python(search_term.strip())
         except ValidationError:
             term = search_term.strip()
             if not term:
                 return queryset, False
-            lookup = Q(**{f"{self.spec.topic_field}__icontains": term}) | Q(stream__icontains=term)
+            lookup = Q(topic__icontains=term) | Q(stream__icontains=term)
             return queryset.filter(lookup), False
         return super().get_search_results(request, queryset, search_term)
 
     def get_list_display(self, request: HttpRequest) -> list[Any]:
         return [
-            "work_id",
+            "work_id_cell",
             "state",
             "topic",
             "stream",
@@ -247,10 +243,11 @@ class WorkAdmin(WorkActionsAdmin):
 
     # -- columns
 
+    # Not "work_id": a model field of that name would shadow the method in list_display.
     @admin.display(description="id", ordering="seq")
-    def work_id(self, obj: Any) -> SafeString:
+    def work_id_cell(self, obj: Any) -> SafeString:
         # In full: it is the id logs, workpump_status and cancel() print.
-        key = str(getattr(obj, self.spec.key_field))
+        key = str(obj.work_id)
         return format_html('<span title="{}" class="wp-id">{}</span>', key, key)
 
     @admin.display(description="id")
@@ -258,7 +255,7 @@ class WorkAdmin(WorkActionsAdmin):
         # One click selects the whole id, ready to copy.
         return format_html(
             '<code class="wp-id" style="user-select:all">{}</code>',
-            getattr(obj, self.spec.key_field),
+            obj.work_id,
         )
 
     @admin.display(description="state", ordering="wp_state")
@@ -270,10 +267,6 @@ class WorkAdmin(WorkActionsAdmin):
         reasons = stuck_reasons(obj) if obj.wp_stuck else []
         note = f"stuck: {', '.join(reasons)}" if reasons else ""
         return display.badge(obj.wp_state, note)
-
-    @admin.display(description="topic", ordering="wp_topic")
-    def topic(self, obj: Any) -> str:
-        return str(getattr(obj, self.spec.topic_field))
 
     @admin.display(description="event")
     def event_detail(self, obj: Any) -> str:
@@ -356,9 +349,9 @@ class WorkAdmin(WorkActionsAdmin):
     def scheduled(self, obj: Any) -> str:
         return display.when(obj.scheduled_for)
 
-    @admin.display(description="done", ordering="wp_done")
+    @admin.display(description="done", ordering="done_at")
     def done(self, obj: Any) -> str:
-        return display.when(getattr(obj, self.spec.done_field))
+        return display.when(obj.done_at)
 
     @admin.display(description="claimed")
     def claimed(self, obj: Any) -> str:
@@ -381,19 +374,17 @@ class WorkAdmin(WorkActionsAdmin):
         if obj.stream is None:
             return "— (a stream of its own)"
         same = {"stream": obj.stream}
-        if self.spec.scope_field:
-            same[self.spec.scope_field] = getattr(obj, self.spec.scope_field)
+        if self.spec.scoped:
+            same["topic"] = obj.topic
         rows = self.model._default_manager.using(pump_database()).filter(**same)
         rows = rows.annotate(wp_state=state_of(self.spec))
-        rows = rows.only(
-            "seq", self.spec.key_field, "stream_head", "attempts", "max_attempts", "created_at"
-        )
+        rows = rows.only("seq", "work_id", "stream_head", "attempts", "max_attempts", "created_at")
         before = list(rows.filter(seq__lt=obj.seq).order_by("-seq")[:NEIGHBOURS])[::-1]
         after = list(rows.filter(seq__gt=obj.seq).order_by("seq")[:NEIGHBOURS])
         info = self.model._meta.app_label, self.model._meta.model_name
 
         def cells(row: Any) -> tuple[Any, ...]:
-            key = str(getattr(row, self.spec.key_field))
+            key = str(row.work_id)
             this = row.seq == obj.seq
             link = (
                 format_html("<strong>{} (this row)</strong>", key[:8])

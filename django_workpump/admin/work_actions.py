@@ -71,7 +71,7 @@ class WorkActionsAdmin(WorkpumpModelAdmin):
     # -- actions
 
     def _ids(self, queryset: QuerySet[Any]) -> list[Any]:
-        return list(queryset.values_list(self.spec.key_field, flat=True))
+        return list(queryset.values_list("work_id", flat=True))
 
     def _too_many(self, request: HttpRequest, queryset: QuerySet[Any]) -> bool:
         """Refuse (with a message) a selection over MAX_ACTION_ROWS, e.g. "select all"."""
@@ -160,11 +160,11 @@ class WorkActionsAdmin(WorkpumpModelAdmin):
                 messages.SUCCESS,
             )
         # What is still held after the call was refused: its holder is live.
-        key = self.spec.key_field
         refused = (
             self.model._default_manager.using(pump_database())
             .filter(
-                **{f"{key}__in": ids, f"{self.spec.done_field}__isnull": True},
+                work_id__in=ids,
+                done_at__isnull=True,
                 instance_id__isnull=False,
             )
             .count()

@@ -49,9 +49,9 @@ NEWEST_FIRST = PageOrder(("-seq",), "newest first")
 # shows instead of scanning the table newest first past rows of other states
 # (docs/admin.md). The leased, orphaned and stuck pages read their indexes newest first.
 STATE_ORDERS: dict[str | None, PageOrder] = {
-    WorkState.DONE: PageOrder(("-wp_done", "-seq"), "most recently done first"),  # _done
-    WorkState.CANCELLED: PageOrder(("-wp_done", "-seq"), "most recently ended first"),  # _ended
-    WorkState.DISCARDED: PageOrder(("-wp_done", "-seq"), "most recently ended first"),
+    WorkState.DONE: PageOrder(("-done_at", "-seq"), "most recently done first"),  # _done
+    WorkState.CANCELLED: PageOrder(("-done_at", "-seq"), "most recently ended first"),  # _ended
+    WorkState.DISCARDED: PageOrder(("-done_at", "-seq"), "most recently ended first"),
     WorkState.DEAD: PageOrder(("-dead_lettered_at", "-seq"), "most recently dead-lettered first"),
     WorkState.SCHEDULED: PageOrder(("scheduled_for", "seq"), "soonest due first"),  # _waiting
     # _ready's order (pending_seqs): the order the pump claims them in.
@@ -90,7 +90,7 @@ class StateFilter(WorkFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
         # The topic filter's topic, if any: each bounded filter applies it as it reads.
-        topic = request.GET.get(self.spec.topic_field)
+        topic = request.GET.get("topic")
         if value == STUCK:
             return queryset.filter(seq__in=stuck_seqs(self.spec, topic))
         if value in (WorkState.LEASED, WorkState.ORPHANED):
@@ -105,21 +105,16 @@ class StateFilter(WorkFilter):
 
 
 class TopicFilter(WorkFilter):
-    """The topic (destination, handler, perspective or receptor name) of a row.
+    """The topic of a row (its outbox destination, inbox handler, perspective or receptor).
 
     Its choices are the topics of the registered handlers and of a bounded sample of the
     rows that need attention (claimable, waiting for a time, dead), each read through its
     partial index: never a DISTINCT over the whole table, which holds mostly done rows.
-    The parameter is the topic column's name (``?destination=...``), as before.
+    The parameter is ``?topic=...`` for every table.
     """
 
     title = "topic"
-    parameter_name = "topic"  # replaced by the column's name in ``for_spec``
-
-    @classmethod
-    def for_spec(cls, spec: WorkSpec) -> type[TopicFilter]:
-        """This filter with the parameter named after ``spec``'s topic column."""
-        return type(f"TopicFilter_{spec.category}", (cls,), {"parameter_name": spec.topic_field})
+    parameter_name = "topic"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         topics = set(topic_choices(model_admin.model, self.spec))
@@ -131,7 +126,7 @@ class TopicFilter(WorkFilter):
         value = self.value()
         if value is None:
             return queryset
-        return queryset.filter(**{self.spec.topic_field: value})
+        return queryset.filter(topic=value)
 
 
 # Rows read from each index of rows that need attention for the topic filter's choices.
@@ -144,12 +139,13 @@ def topic_choices(model: Any, spec: WorkSpec) -> list[str]:
     One query: the first rows of the _ready, _timer and _dead indexes, in index order.
     """
     registered = {handler.topic for handler in registry.handlers(spec.category)}
-    done, topic = spec.done_field, spec.topic_field
     rows = model._default_manager.using(pump_database()).order_by()
-    ready = rows.filter(ready_condition(done)).order_by("-priority", "seq")
-    timer = rows.filter(timer_condition(done)).order_by(Coalesce("lease_expiry", "scheduled_for"))
-    dead = rows.filter(dead_condition(done)).order_by("dead_lettered_at")
-    samples = [qs.values_list(topic, flat=True)[:TOPIC_SAMPLE_ROWS] for qs in (ready, timer, dead)]
+    ready = rows.filter(ready_condition()).order_by("-priority", "seq")
+    timer = rows.filter(timer_condition()).order_by(Coalesce("lease_expiry", "scheduled_for"))
+    dead = rows.filter(dead_condition()).order_by("dead_lettered_at")
+    samples = [
+        qs.values_list("topic", flat=True)[:TOPIC_SAMPLE_ROWS] for qs in (ready, timer, dead)
+    ]
     found = samples[0].union(*samples[1:], all=True)
     return sorted(registered | set(found))
 
@@ -180,7 +176,7 @@ class OwnerFilter(WorkFilter):
             return queryset.filter(instance_id__isnull=True)
         if value == self.NOT_LIVE:
             # The rows of each holder that is not live, through the _held index.
-            topic = request.GET.get(self.spec.topic_field)
+            topic = request.GET.get("topic")
             return queryset.filter(seq__in=not_live_seqs(self.spec, topic))
         try:
             return queryset.filter(instance_id=value)

@@ -19,8 +19,6 @@ from django_workpump.states import WorkState
 class SelectedWork(FromRow):
     """A work row as an operator selects it."""
 
-    COLUMNS = {"id": "work_id"}
-
     category: str
     work_id: uuid.UUID
     topic: str
@@ -34,8 +32,6 @@ class SelectedWork(FromRow):
 @dataclass(frozen=True)
 class CancelledWork(FromRow):
     """A row ``cancel_work`` ended, and the instance that held it (None: not leased)."""
-
-    COLUMNS = {"id": "work_id"}
 
     work_id: uuid.UUID
     holder: uuid.UUID | None
@@ -149,8 +145,6 @@ def instance_standing(
 @dataclass(frozen=True)
 class RunningWork(FromRow):
     """A row an instance leases under a lease not yet expired."""
-
-    COLUMNS = {"id": "work_id"}
 
     instance_id: uuid.UUID
     category: str

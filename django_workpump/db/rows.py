@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from functools import cache
-from typing import Any, ClassVar, Self
+from typing import Any, Self
 
 Row = Mapping[str, Any]  # one result row, by column name
 
@@ -13,26 +13,17 @@ Row = Mapping[str, Any]  # one result row, by column name
 class FromRow:
     """Build a dataclass from a result row by column name, never by position."""
 
-    # The query's column name -> the field's, where they differ.
-    COLUMNS: ClassVar[Mapping[str, str]] = {}
-
     @classmethod
     def from_row(cls, row: Row) -> Self:
         """The instance of ``row``; raise ValueError naming any field no column fills."""
-        columns = cls.COLUMNS
-        values = (
-            {columns.get(column, column): value for column, value in row.items()}
-            if columns
-            else row
-        )
         names, required = _field_names(cls)
-        missing = [name for name in required if name not in values]
+        missing = [name for name in required if name not in row]
         if missing:
             raise ValueError(
                 f"A {cls.__name__} row has no column for {', '.join(missing)} (columns: "
                 f"{', '.join(row)}); the query and the dataclass must name the same fields."
             )
-        return cls(**{name: values[name] for name in names if name in values})
+        return cls(**{name: row[name] for name in names if name in row})
 
 
 @cache

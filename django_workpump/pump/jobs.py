@@ -62,7 +62,7 @@ def stream_run_key(row: ClaimedWork) -> tuple[str, str, str] | uuid.UUID:
     """The ordered stream a row belongs to (scope included), or its own id when unordered."""
     if row.stream is None:
         return row.work_id
-    scoped = category_meta(row.category).scope_column is not None
+    scoped = category_meta(row.category).topic_scopes_streams
     return (row.category, row.topic if scoped else "", row.stream)
 
 

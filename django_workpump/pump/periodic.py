@@ -193,7 +193,7 @@ class PeriodicWorker(LoopService):
         result: PeriodicResult,
         now: datetime | None,
     ) -> None:
-        message_id = db.fire_periodic(
+        work_id = db.fire_periodic(
             name=schedule.name,
             slot=slot,
             next_fire_at=next_fire_at,
@@ -202,7 +202,7 @@ class PeriodicWorker(LoopService):
             now=now,
             using=self.alias,
         )
-        if message_id is None:
+        if work_id is None:
             result.lost.setdefault(schedule.name, []).append(slot)
             return
         result.fired.setdefault(schedule.name, []).append(slot)
@@ -210,7 +210,7 @@ class PeriodicWorker(LoopService):
             "periodic schedule %s: fired slot %s as outbox message %s",
             schedule.name,
             slot_text(slot),
-            message_id,
+            work_id,
             extra={"action": "periodic_fired"},
         )
 

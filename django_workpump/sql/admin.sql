@@ -62,12 +62,12 @@ WHERE a.datname = current_database()
 
 -- name: stuck_seqs
 -- Seqs of the rows of one work table that a filter selects (for a "seq IN (...)" test).
--- The names in braces are filled in by admin/expressions.py (FilteredSeqs): table, its
--- done column, for perspective and receptor rows the condition that a head h orders the
+-- The names in braces are filled in by admin/expressions.py (FilteredSeqs): table; for
+-- perspective and receptor rows the condition that a head h orders the
 -- same rows as r (same_scope); in_order, the fragment's order over its rows s ("ORDER BY
 -- s.seq DESC", newest first) for a page, empty for a count; arm_order, that order over an
 -- arm's rows t (for a count too, so that an arm reads its index, not the table); and
--- same_topic (same_topic_r over r): empty, or the condition that the row's topic column
+-- same_topic (same_topic_r over r): empty, or the condition that the row's topic
 -- equals the topic filter's, a parameter before each arm's bound. Each arm reads one
 -- partial index in that order, at most the given number of rows (NULL: all): the rows a
 -- page shows, or the count's limit, not every row of the table.
@@ -96,19 +96,19 @@ WITH RECURSIVE holders AS (
     SELECT s.seq FROM judged j CROSS JOIN LATERAL (
         SELECT t.seq FROM {table} t
         WHERE t.instance_id = j.instance_id
-          AND t.{done} IS NULL AND t.dead_lettered_at IS NULL
+          AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
           AND (NOT j.live OR t.lease_expiry <= now())
         {same_topic}
         ORDER BY t.seq DESC LIMIT %s) s
     UNION ALL
     (SELECT t.seq FROM {table} t
-     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
+     WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.instance_id IS NULL AND t.claimed_at IS NOT NULL
      {same_topic}
      ORDER BY t.seq DESC LIMIT %s)
     UNION ALL
     (SELECT t.seq FROM {table} t
-     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
+     WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.attempts > 1 AND t.max_attempts <= t.attempts * 2
        AND ((t.instance_id IS NULL AND t.claimed_at IS NULL)
             OR (t.lease_expiry > now()
@@ -117,7 +117,7 @@ WITH RECURSIVE holders AS (
      ORDER BY t.seq DESC LIMIT %s)
     UNION ALL
     (SELECT r.seq FROM {table} r
-     WHERE r.{done} IS NULL AND r.dead_lettered_at IS NULL
+     WHERE r.done_at IS NULL AND r.dead_lettered_at IS NULL
        AND NOT r.stream_head AND r.stream IS NOT NULL
        AND NOT (r.attempts > 1 AND r.max_attempts <= r.attempts * 2)
        AND ((r.instance_id IS NULL AND r.claimed_at IS NULL)
@@ -125,7 +125,7 @@ WITH RECURSIVE holders AS (
                 AND r.instance_id IN (SELECT j.instance_id FROM judged j WHERE j.live)))
        AND EXISTS (SELECT 1 FROM {table} h
                    WHERE h.stream = r.stream {same_scope} AND h.seq < r.seq
-                     AND h.stream_head AND h.{done} IS NULL
+                     AND h.stream_head AND h.done_at IS NULL
                      AND (h.dead_lettered_at IS NOT NULL
                           OR (h.scheduled_for > now() AND h.attempts > 0)))
      {same_topic_r}
@@ -175,7 +175,7 @@ WITH RECURSIVE holders AS (
     SELECT s.seq FROM holders h CROSS JOIN LATERAL (
         SELECT t.seq FROM {table} t
         WHERE t.instance_id = h.instance_id
-          AND t.{done} IS NULL AND t.dead_lettered_at IS NULL AND {lease}
+          AND t.done_at IS NULL AND t.dead_lettered_at IS NULL AND {lease}
         {same_topic}
         ORDER BY t.seq DESC LIMIT %s) s
     WHERE h.instance_id IS NOT NULL
@@ -188,7 +188,7 @@ SELECT s.seq FROM held s {in_order} LIMIT %s
 -- re-claimed (_orphan), newest first. One parameter: the bound.
 UNION ALL
     (SELECT t.seq FROM {table} t
-     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
+     WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.instance_id IS NULL AND t.claimed_at IS NOT NULL
      {same_topic}
      ORDER BY t.seq DESC LIMIT %s)
@@ -203,19 +203,19 @@ UNION ALL
 -- for each arm the topic (only with same_topic) and the bound, then the bound.
 WITH pending AS (
     (SELECT t.seq, t.priority FROM {table} t
-     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+     WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
        AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
        {same_topic}
      {arm_order} LIMIT %s)
     UNION ALL
     (SELECT t.seq, t.priority FROM {table} t
-     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL
+     WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.instance_id IS NULL AND t.scheduled_for <= now() AND t.claimed_at IS NULL
        {same_topic}
      {arm_order} LIMIT %s)
     UNION ALL
     (SELECT t.seq, t.priority FROM {table} t
-     WHERE t.{done} IS NULL AND t.dead_lettered_at IS NULL AND t.stream IS NOT NULL
+     WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream IS NOT NULL
        AND NOT t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
        AND t.claimed_at IS NULL {same_topic}
      {arm_order} LIMIT %s)

@@ -313,7 +313,7 @@ WITH orphaned AS (
     FROM workpump_task_attempt a
     WHERE a.started_at < now() - make_interval(secs => %(retention_seconds)s)
       AND NOT EXISTS (
-          SELECT 1 FROM workpump_inbox i WHERE i.message_id = a.message_id)
+          SELECT 1 FROM workpump_inbox i WHERE i.work_id = a.work_id)
     ORDER BY a.started_at
     LIMIT %(batch)s
 ), purged AS (
@@ -335,21 +335,21 @@ SELECT workpump.purge_idle_streams(%(batch)s)
 
 -- name: stuck_rows
 SELECT * FROM (
-    SELECT 'outbox' AS category, message_id AS work_id, destination AS topic, attempts, max_attempts, last_error
+    SELECT 'outbox' AS category, work_id, topic, attempts, max_attempts, last_error
     FROM workpump_outbox
-    WHERE processed_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
+    WHERE done_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
     UNION ALL
-    SELECT 'inbox', message_id, handler_name, attempts, max_attempts, last_error
+    SELECT 'inbox', work_id, topic, attempts, max_attempts, last_error
     FROM workpump_inbox
-    WHERE processed_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
+    WHERE done_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
     UNION ALL
-    SELECT 'perspective_event', event_work_id, perspective_name, attempts, max_attempts, last_error
+    SELECT 'perspective_event', work_id, topic, attempts, max_attempts, last_error
     FROM workpump_perspective_event
-    WHERE processed_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
+    WHERE done_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
     UNION ALL
-    SELECT 'receptor', id, receptor_name, attempts, max_attempts, last_error
+    SELECT 'receptor', work_id, topic, attempts, max_attempts, last_error
     FROM workpump_receptor_processing
-    WHERE completed_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
+    WHERE done_at IS NULL AND dead_lettered_at IS NULL AND attempts * 2 >= max_attempts AND attempts > 1
 ) stuck
 LIMIT %(limit)s
 
@@ -423,7 +423,7 @@ FROM workpump.release_leases(
     p_now => %(now)s) AS r(id)
 
 -- name: cancel_work
-SELECT r.work_id AS id, r.holder
+SELECT r.work_id, r.holder
 FROM workpump.cancel_work(
     p_category => %(category)s, p_ids => %(ids)s::uuid[], p_now => %(now)s) AS r
 
@@ -433,21 +433,21 @@ FROM workpump.cancel_work(
 -- branch reads its table only for its own category (a one-time filter on the constant).
 SELECT t.work_id
 FROM (
-    SELECT message_id AS work_id, lease_token, end_state
+    SELECT work_id, lease_token, end_state
     FROM workpump_outbox
-    WHERE %(category)s::text = 'outbox' AND message_id = ANY (%(ids)s::uuid[])
+    WHERE %(category)s::text = 'outbox' AND work_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT message_id, lease_token, end_state
+    SELECT work_id, lease_token, end_state
     FROM workpump_inbox
-    WHERE %(category)s::text = 'inbox' AND message_id = ANY (%(ids)s::uuid[])
+    WHERE %(category)s::text = 'inbox' AND work_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT event_work_id, lease_token, end_state
+    SELECT work_id, lease_token, end_state
     FROM workpump_perspective_event
-    WHERE %(category)s::text = 'perspective_event' AND event_work_id = ANY (%(ids)s::uuid[])
+    WHERE %(category)s::text = 'perspective_event' AND work_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT id, lease_token, end_state
+    SELECT work_id, lease_token, end_state
     FROM workpump_receptor_processing
-    WHERE %(category)s::text = 'receptor' AND id = ANY (%(ids)s::uuid[])
+    WHERE %(category)s::text = 'receptor' AND work_id = ANY (%(ids)s::uuid[])
 ) t
 JOIN unnest(%(ids)s::uuid[], %(lease_tokens)s::uuid[]) AS a(id, token)
   ON t.work_id = a.id AND t.lease_token = a.token
@@ -455,43 +455,43 @@ WHERE t.end_state = 'cancelled'
 
 -- name: select_work
 -- Work rows by id and/or filters (each NULL filter matches everything), oldest first:
--- category, id, topic, state (workpump.state_of) and created_at.
+-- category, work_id, topic, state (workpump.state_of) and created_at.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), work AS (
     -- the four tables reduced to the columns an operator selects by
-    SELECT 'outbox' AS category, t.message_id AS id, t.destination AS topic, t.created_at,
-           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+    SELECT 'outbox' AS category, t.work_id, t.topic, t.created_at,
+           workpump.state_of(t.done_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
                              t.claimed_at, t.scheduled_for, t.end_state, c.now) AS state
     FROM workpump_outbox t CROSS JOIN clock c
-    WHERE %(ids)s::uuid[] IS NULL OR t.message_id = ANY (%(ids)s::uuid[])
+    WHERE %(ids)s::uuid[] IS NULL OR t.work_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT 'inbox', t.message_id, t.handler_name, t.created_at,
-           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+    SELECT 'inbox', t.work_id, t.topic, t.created_at,
+           workpump.state_of(t.done_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
                              t.claimed_at, t.scheduled_for, t.end_state, c.now)
     FROM workpump_inbox t CROSS JOIN clock c
-    WHERE %(ids)s::uuid[] IS NULL OR t.message_id = ANY (%(ids)s::uuid[])
+    WHERE %(ids)s::uuid[] IS NULL OR t.work_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT 'perspective_event', t.event_work_id, t.perspective_name, t.created_at,
-           workpump.state_of(t.processed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+    SELECT 'perspective_event', t.work_id, t.topic, t.created_at,
+           workpump.state_of(t.done_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
                              t.claimed_at, t.scheduled_for, t.end_state, c.now)
     FROM workpump_perspective_event t CROSS JOIN clock c
-    WHERE %(ids)s::uuid[] IS NULL OR t.event_work_id = ANY (%(ids)s::uuid[])
+    WHERE %(ids)s::uuid[] IS NULL OR t.work_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT 'receptor', t.id, t.receptor_name, t.created_at,
-           workpump.state_of(t.completed_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
+    SELECT 'receptor', t.work_id, t.topic, t.created_at,
+           workpump.state_of(t.done_at, t.dead_lettered_at, t.instance_id, t.lease_expiry,
                              t.claimed_at, t.scheduled_for, t.end_state, c.now)
     FROM workpump_receptor_processing t CROSS JOIN clock c
-    WHERE %(ids)s::uuid[] IS NULL OR t.id = ANY (%(ids)s::uuid[])
+    WHERE %(ids)s::uuid[] IS NULL OR t.work_id = ANY (%(ids)s::uuid[])
 )
-SELECT w.category, w.id, w.topic, w.state, w.created_at
+SELECT w.category, w.work_id, w.topic, w.state, w.created_at
 FROM work w CROSS JOIN clock c
 WHERE (%(category)s::text IS NULL OR w.category = %(category)s::text)
   AND (%(topic)s::text IS NULL OR w.topic = %(topic)s::text)
   AND (%(state)s::text IS NULL OR w.state = %(state)s::text)
   AND (%(older_than_seconds)s::double precision IS NULL
        OR w.created_at <= c.now - make_interval(secs => %(older_than_seconds)s::double precision))
-ORDER BY w.created_at, w.id
+ORDER BY w.created_at, w.work_id
 LIMIT %(limit)s  -- NULL: every row
 
 -- name: lock_work
@@ -503,48 +503,48 @@ WITH clock AS (
 ), outbox AS (
     -- each table's rows locked as they are now (FOR UPDATE waits for a writer, then
     -- returns the row it committed)
-    SELECT t.message_id AS id, t.destination AS topic, t.created_at, t.processed_at AS done_at,
+    SELECT t.work_id, t.topic, t.created_at, t.done_at,
            t.dead_lettered_at, t.instance_id, t.lease_expiry, t.claimed_at, t.scheduled_for,
            t.end_state
-    FROM workpump_outbox t WHERE t.message_id = ANY (%(ids)s::uuid[])
+    FROM workpump_outbox t WHERE t.work_id = ANY (%(ids)s::uuid[])
     FOR UPDATE
 ), inbox AS (
-    SELECT t.message_id, t.handler_name, t.created_at, t.processed_at, t.dead_lettered_at,
+    SELECT t.work_id, t.topic, t.created_at, t.done_at, t.dead_lettered_at,
            t.instance_id, t.lease_expiry, t.claimed_at, t.scheduled_for, t.end_state
-    FROM workpump_inbox t WHERE t.message_id = ANY (%(ids)s::uuid[])
+    FROM workpump_inbox t WHERE t.work_id = ANY (%(ids)s::uuid[])
     FOR UPDATE
 ), perspective_event AS (
-    SELECT t.event_work_id, t.perspective_name, t.created_at, t.processed_at,
+    SELECT t.work_id, t.topic, t.created_at, t.done_at,
            t.dead_lettered_at, t.instance_id, t.lease_expiry, t.claimed_at, t.scheduled_for,
            t.end_state
-    FROM workpump_perspective_event t WHERE t.event_work_id = ANY (%(ids)s::uuid[])
+    FROM workpump_perspective_event t WHERE t.work_id = ANY (%(ids)s::uuid[])
     FOR UPDATE
 ), receptor AS (
-    SELECT t.id, t.receptor_name, t.created_at, t.completed_at, t.dead_lettered_at,
+    SELECT t.work_id, t.topic, t.created_at, t.done_at, t.dead_lettered_at,
            t.instance_id, t.lease_expiry, t.claimed_at, t.scheduled_for, t.end_state
-    FROM workpump_receptor_processing t WHERE t.id = ANY (%(ids)s::uuid[])
+    FROM workpump_receptor_processing t WHERE t.work_id = ANY (%(ids)s::uuid[])
     FOR UPDATE
 ), locked AS (
-    -- the four, as category, id, topic, created_at and the columns of the state
+    -- the four, as category, work_id, topic, created_at and the columns of the state
     SELECT 'outbox' AS category, o.* FROM outbox o
     UNION ALL SELECT 'inbox', i.* FROM inbox i
     UNION ALL SELECT 'perspective_event', p.* FROM perspective_event p
     UNION ALL SELECT 'receptor', r.* FROM receptor r
 ), work AS (
     -- the state of each locked row as of this transaction's clock
-    SELECT l.category, l.id, l.topic, l.created_at,
+    SELECT l.category, l.work_id, l.topic, l.created_at,
            workpump.state_of(l.done_at, l.dead_lettered_at, l.instance_id, l.lease_expiry,
                              l.claimed_at, l.scheduled_for, l.end_state, c.now) AS state
     FROM locked l CROSS JOIN clock c
 )
-SELECT w.category, w.id, w.topic, w.state, w.created_at
+SELECT w.category, w.work_id, w.topic, w.state, w.created_at
 FROM work w CROSS JOIN clock c
 WHERE (%(category)s::text IS NULL OR w.category = %(category)s::text)
   AND (%(topic)s::text IS NULL OR w.topic = %(topic)s::text)
   AND (%(state)s::text IS NULL OR w.state = %(state)s::text)
   AND (%(older_than_seconds)s::double precision IS NULL
        OR w.created_at <= c.now - make_interval(secs => %(older_than_seconds)s::double precision))
-ORDER BY w.created_at, w.id
+ORDER BY w.created_at, w.work_id
 
 -- name: instance_standing
 -- What an operator evicting %(ids)s must know of each: registered (its row locked until
@@ -595,22 +595,22 @@ ORDER BY w.instance_id
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), held AS (
-    SELECT 'outbox' AS category, t.message_id AS id, t.destination AS topic, t.instance_id,
+    SELECT 'outbox' AS category, t.work_id, t.topic, t.instance_id,
            t.lease_expiry, t.claimed_at
     FROM workpump_outbox t WHERE t.instance_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT 'inbox', t.message_id, t.handler_name, t.instance_id, t.lease_expiry, t.claimed_at
+    SELECT 'inbox', t.work_id, t.topic, t.instance_id, t.lease_expiry, t.claimed_at
     FROM workpump_inbox t WHERE t.instance_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT 'perspective_event', t.event_work_id, t.perspective_name, t.instance_id,
+    SELECT 'perspective_event', t.work_id, t.topic, t.instance_id,
            t.lease_expiry, t.claimed_at
     FROM workpump_perspective_event t WHERE t.instance_id = ANY (%(ids)s::uuid[])
     UNION ALL
-    SELECT 'receptor', t.id, t.receptor_name, t.instance_id, t.lease_expiry, t.claimed_at
+    SELECT 'receptor', t.work_id, t.topic, t.instance_id, t.lease_expiry, t.claimed_at
     FROM workpump_receptor_processing t WHERE t.instance_id = ANY (%(ids)s::uuid[])
 )
-SELECT h.instance_id, h.category, h.id, h.topic
+SELECT h.instance_id, h.category, h.work_id, h.topic
 FROM held h CROSS JOIN clock c
 WHERE h.lease_expiry > c.now
-ORDER BY h.claimed_at, h.id
+ORDER BY h.claimed_at, h.work_id
 LIMIT %(limit)s

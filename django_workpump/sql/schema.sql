@@ -25,6 +25,10 @@ CREATE SCHEMA workpump;
 CREATE SEQUENCE workpump.alive_lock_key_seq AS integer MINVALUE 1 CYCLE;
 
 -- Round-robin start of claim_work's category loop, so a small budget starves none.
+-- One category a claim takes rows of, with the topics and topic prefixes chosen of it
+-- (claim_work).
+CREATE TYPE workpump.topic_choice AS (category text, topics text[], prefixes text[]);
+
 CREATE SEQUENCE workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 CYCLE;
 
 -- --------------------------------------------------------------------------------------
@@ -49,7 +53,8 @@ CREATE TYPE workpump.leased_work AS (
     headers jsonb,
     created_at timestamptz,
     due_at timestamptz,
-    last_error text  -- NULL but on a row the claim parked as dead (see claim_work)
+    last_error text,  -- NULL but on a row the claim parked as dead (see claim_work)
+    state jsonb  -- the row's last checkpoint (checkpoint_work); NULL on a parked row
 );
 
 -- --------------------------------------------------------------------------------------
@@ -75,7 +80,8 @@ END
 $$;
 
 -- The table behind a category and the names of its key, done-marker, topic and
--- ordering-scope columns (scope_col is NULL where the stream alone orders rows).
+-- ordering-scope columns (scope_col is NULL where the stream alone orders rows). Every
+-- work table names the first three alike: work_id, done_at, topic.
 CREATE FUNCTION workpump.work_table(
     p_category text,
     OUT tbl text, OUT key_col text, OUT done_col text, OUT topic_col text, OUT scope_col text
@@ -84,20 +90,16 @@ LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
 BEGIN
+    key_col := 'work_id'; done_col := 'done_at'; topic_col := 'topic';
     CASE workpump.check_category(p_category)
         WHEN 'outbox' THEN
-            tbl := 'workpump_outbox'; key_col := 'message_id'; done_col := 'processed_at';
-            topic_col := 'destination'; scope_col := NULL;
+            tbl := 'workpump_outbox'; scope_col := NULL;
         WHEN 'inbox' THEN
-            tbl := 'workpump_inbox'; key_col := 'message_id'; done_col := 'processed_at';
-            topic_col := 'handler_name'; scope_col := NULL;
+            tbl := 'workpump_inbox'; scope_col := NULL;
         WHEN 'perspective_event' THEN
-            tbl := 'workpump_perspective_event'; key_col := 'event_work_id';
-            done_col := 'processed_at'; topic_col := 'perspective_name';
-            scope_col := 'perspective_name';
+            tbl := 'workpump_perspective_event'; scope_col := 'topic';
         ELSE
-            tbl := 'workpump_receptor_processing'; key_col := 'id'; done_col := 'completed_at';
-            topic_col := 'receptor_name'; scope_col := 'receptor_name';
+            tbl := 'workpump_receptor_processing'; scope_col := 'topic';
     END CASE;
 END
 $$;
@@ -478,25 +480,25 @@ DECLARE
     v_holder uuid;
 BEGIN
     IF p_kind = 'outbox' THEN
-        SELECT o.message_id INTO v_holder FROM workpump_outbox o
-        WHERE o.destination = p_topic AND o.unique_key = p_unique_key
-          AND (o.processed_at IS NULL OR o.created_at >= v_since)
-        ORDER BY o.processed_at IS NULL DESC, o.seq DESC
+        SELECT o.work_id INTO v_holder FROM workpump_outbox o
+        WHERE o.topic = p_topic AND o.unique_key = p_unique_key
+          AND (o.done_at IS NULL OR o.created_at >= v_since)
+        ORDER BY o.done_at IS NULL DESC, o.seq DESC
         LIMIT 1;
     ELSIF p_kind = 'inbox' THEN
-        SELECT i.message_id INTO v_holder FROM workpump_inbox i
-        WHERE i.handler_name = p_topic AND i.unique_key = p_unique_key
-          AND (i.processed_at IS NULL OR i.created_at >= v_since)
-        ORDER BY i.processed_at IS NULL DESC, i.seq DESC
+        SELECT i.work_id INTO v_holder FROM workpump_inbox i
+        WHERE i.topic = p_topic AND i.unique_key = p_unique_key
+          AND (i.done_at IS NULL OR i.created_at >= v_since)
+        ORDER BY i.done_at IS NULL DESC, i.seq DESC
         LIMIT 1;
     ELSIF p_kind = 'event' THEN
         SELECT e.event_id INTO v_holder FROM workpump_event e
         WHERE e.event_type = p_topic AND e.unique_key = p_unique_key
           AND (e.created_at >= v_since
                OR EXISTS (SELECT 1 FROM workpump_perspective_event p
-                          WHERE p.event_id = e.event_id AND p.processed_at IS NULL)
+                          WHERE p.event_id = e.event_id AND p.done_at IS NULL)
                OR EXISTS (SELECT 1 FROM workpump_receptor_processing r
-                          WHERE r.event_id = e.event_id AND r.completed_at IS NULL))
+                          WHERE r.event_id = e.event_id AND r.done_at IS NULL))
         ORDER BY e.seq DESC
         LIMIT 1;
     ELSE
@@ -551,21 +553,21 @@ BEGIN
         v_holder := workpump.unique_key_holder('outbox', p_destination, p_unique_key,
                                                p_unique_for, p_now);
         IF v_holder IS NULL THEN
-            INSERT INTO workpump_outbox (message_id, destination, payload, stream,
+            INSERT INTO workpump_outbox (work_id, topic, payload, stream,
                                          partition_number, priority, scheduled_for,
                                          max_attempts, unique_key, headers)
             VALUES (v_id, p_destination, p_payload, p_stream,
                     workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
                     p_priority, p_scheduled_for, p_max_attempts, p_unique_key, p_headers)
-            ON CONFLICT (destination, unique_key)
-                WHERE processed_at IS NULL AND unique_key IS NOT NULL DO NOTHING;
+            ON CONFLICT (topic, unique_key)
+                WHERE done_at IS NULL AND unique_key IS NOT NULL DO NOTHING;
             IF FOUND THEN
                 RETURN v_id;
             END IF;
             -- a holder written past the lock (a plain INSERT): the index found it
-            SELECT o.message_id INTO v_holder FROM workpump_outbox o
-            WHERE o.destination = p_destination AND o.unique_key = p_unique_key
-              AND o.processed_at IS NULL;
+            SELECT o.work_id INTO v_holder FROM workpump_outbox o
+            WHERE o.topic = p_destination AND o.unique_key = p_unique_key
+              AND o.done_at IS NULL;
         END IF;
         IF p_on_conflict = 'raise' THEN
             RAISE EXCEPTION 'Outbox destination % already holds unique key % in message %.',
@@ -575,7 +577,7 @@ BEGIN
         END IF;
         RETURN v_holder;
     END IF;
-    INSERT INTO workpump_outbox (message_id, destination, payload, stream, partition_number,
+    INSERT INTO workpump_outbox (work_id, topic, payload, stream, partition_number,
                                  priority, scheduled_for, max_attempts, headers)
     VALUES (v_id, p_destination, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
@@ -588,7 +590,7 @@ $$;
 -- was received before (within the de-duplication window), or when p_unique_key is held
 -- (unique_key_holder; p_on_conflict => 'raise' raises unique_violation instead).
 -- p_deduplicate => false skips the de-duplication row, for producers whose ids are fresh
--- UUIDs (task enqueues): a repeated id then fails on the inbox's unique message_id.
+-- UUIDs (task enqueues): a repeated id then fails on the inbox's unique work_id.
 -- p_scheduled_for must fall within years 1 to 9999 in UTC (check_scheduled_for).
 CREATE FUNCTION workpump.receive(
     p_message_id uuid,
@@ -651,7 +653,7 @@ BEGIN
     END IF;
     -- a holder of the key this snapshot could not see (REPEATABLE READ) fails the
     -- partial unique index workpump_inbox_unique_key here
-    INSERT INTO workpump_inbox (message_id, handler_name, payload, stream, partition_number,
+    INSERT INTO workpump_inbox (work_id, topic, payload, stream, partition_number,
                                 priority, scheduled_for, max_attempts, unique_key, headers)
     VALUES (p_message_id, p_handler_name, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, p_message_id::text), p_partition_count),
@@ -796,14 +798,14 @@ BEGIN
     VALUES (v_id, p_event_type, p_payload, p_stream, p_unique_key);
 
     -- every subscriber's row carries the event's headers (its trace context)
-    INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id, stream,
+    INSERT INTO workpump_perspective_event (work_id, topic, event_id, stream,
                                             partition_number, priority, max_attempts, headers)
     SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
            coalesce((s->>'max_attempts')::integer, 10), p_headers
     FROM jsonb_array_elements(v_subscribers) s
     WHERE s->>'category' = 'perspective_event';
 
-    INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, stream,
+    INSERT INTO workpump_receptor_processing (work_id, topic, event_id, stream,
                                               partition_number, priority, max_attempts, headers)
     SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
            coalesce((s->>'max_attempts')::integer, 10), p_headers
@@ -953,7 +955,7 @@ BEGIN
         SELECT u.i, coalesce(u.id, gen_random_uuid()) AS id, u.payload, u.stream
         FROM unnest(p_payloads, p_streams, p_message_ids) WITH ORDINALITY u(payload, stream, id, i)
     ), inserted AS (
-        INSERT INTO workpump_outbox (message_id, destination, payload, stream,
+        INSERT INTO workpump_outbox (work_id, topic, payload, stream,
                                      partition_number, priority, scheduled_for, max_attempts)
         SELECT r.id, p_destination, r.payload, r.stream,
                workpump.partition_of(coalesce(r.stream, r.id::text), p_partition_count),
@@ -1048,7 +1050,7 @@ BEGIN
     FROM unnest(v_ids, p_payloads, p_streams) WITH ORDINALITY u(id, payload, stream, i)
     ORDER BY u.i;
 
-    INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id, stream,
+    INSERT INTO workpump_perspective_event (work_id, topic, event_id, stream,
                                             partition_number, priority, max_attempts)
     SELECT gen_random_uuid(), s.value->>'name', u.id, u.stream,
            workpump.partition_of(coalesce(u.stream, u.id::text), p_partition_count),
@@ -1058,7 +1060,7 @@ BEGIN
     WHERE s.value->>'category' = 'perspective_event'
     ORDER BY u.i, s.n;
 
-    INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, stream,
+    INSERT INTO workpump_receptor_processing (work_id, topic, event_id, stream,
                                               partition_number, priority, max_attempts)
     SELECT gen_random_uuid(), s.value->>'name', u.id, u.stream,
            workpump.partition_of(coalesce(u.stream, u.id::text), p_partition_count),
@@ -1105,24 +1107,24 @@ BEGIN
         PERFORM workpump.lock_stream(v_category, '', NEW.stream);
         NEW.stream_head := NOT EXISTS (
             SELECT 1 FROM workpump_outbox
-            WHERE stream = NEW.stream AND processed_at IS NULL);
+            WHERE stream = NEW.stream AND done_at IS NULL);
     ELSIF v_category = 'inbox' THEN
         PERFORM workpump.lock_stream(v_category, '', NEW.stream);
         NEW.stream_head := NOT EXISTS (
             SELECT 1 FROM workpump_inbox
-            WHERE stream = NEW.stream AND processed_at IS NULL);
+            WHERE stream = NEW.stream AND done_at IS NULL);
     ELSIF v_category = 'perspective_event' THEN
-        PERFORM workpump.lock_stream(v_category, NEW.perspective_name, NEW.stream);
+        PERFORM workpump.lock_stream(v_category, NEW.topic, NEW.stream);
         NEW.stream_head := NOT EXISTS (
             SELECT 1 FROM workpump_perspective_event
-            WHERE perspective_name = NEW.perspective_name AND stream = NEW.stream
-              AND processed_at IS NULL);
+            WHERE topic = NEW.topic AND stream = NEW.stream
+              AND done_at IS NULL);
     ELSE
-        PERFORM workpump.lock_stream(v_category, NEW.receptor_name, NEW.stream);
+        PERFORM workpump.lock_stream(v_category, NEW.topic, NEW.stream);
         NEW.stream_head := NOT EXISTS (
             SELECT 1 FROM workpump_receptor_processing
-            WHERE receptor_name = NEW.receptor_name AND stream = NEW.stream
-              AND completed_at IS NULL);
+            WHERE topic = NEW.topic AND stream = NEW.stream
+              AND done_at IS NULL);
     END IF;
     RETURN NEW;
 END
@@ -1674,316 +1676,87 @@ $$;
 -- nothing (SQLSTATE WP001). Each claim statement is planned once per session (a generic
 -- plan, without JIT): planning it on every call cost as much as running it.
 
--- The outbox claim: rows of workpump.send, whose topic is the destination.
--- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
--- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
--- each with a new lease token; rows whose attempts are used up are parked as dead instead,
--- and returned first, without a lease token, with their last_error. Each row comes with
--- its created_at and due_at (see claim_work). Called by
--- claim_work, which checks the instance and the input and computes p_rank and
--- p_live_count.
-CREATE FUNCTION workpump.claim_outbox(
-    p_instance_id uuid,
-    p_limit integer,
-    p_lease_seconds integer DEFAULT 300,
-    p_rank integer DEFAULT 0,
-    p_live_count integer DEFAULT 1,
-    p_topics text[] DEFAULT NULL,
-    p_topic_prefixes text[] DEFAULT NULL,
-    p_run_max integer DEFAULT 1,
-    p_now timestamptz DEFAULT NULL
-) RETURNS SETOF workpump.leased_work
+-- One claim for every category. claim_<category> leases up to p_limit claimable rows of
+-- the topics in p_topics (NULL: any), or of a topic starting with one of p_topic_prefixes,
+-- to p_instance_id until p_now + p_lease_seconds, each with a new lease token; rows whose
+-- attempts are used up are parked as dead instead, and returned first, without a lease
+-- token, with their last_error. Each row comes with its created_at and due_at (see
+-- claim_work). Called by claim_work, which checks the instance and the input and computes
+-- p_rank and p_live_count.
+--
+-- The four functions are built from the one template below when the schema is loaded:
+-- the tables share their row shape, and what differs (the table; whether the row is the
+-- fan-out of an event, whose topic then scopes its streams and whose payload and type
+-- come from the event) is filled in by define_claim from work_table. Each is static SQL,
+-- planned once per session, as a hand-written copy would be. To change how rows are
+-- claimed, change the template and run define_claim again for each category.
+CREATE FUNCTION workpump.define_claim(p_category text) RETURNS void
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
-SET plan_cache_mode = force_generic_plan
-SET jit = off
-AS $$
+AS $define$
 DECLARE
-    v_now timestamptz := coalesce(p_now, now());
-    v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
-    v_heads workpump.leased_work[];  -- the heads leased, in the order they are returned
-    v_head workpump.leased_work;
-    v_head_seqs bigint[];  -- their seqs, in the same order
-    v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
-    v_stream_passes integer[];
-    v_parked workpump.leased_work[];  -- the heads parked as dead instead (NULL: none)
+    v_meta record := workpump.work_table(p_category);
+    v_from_event boolean := v_meta.scope_col IS NOT NULL;
+    v_alias text;
+    -- leases a row locked as t (one attempt more, a new token), or parks it as dead when
+    -- its attempts are used up; an expired lease taken over is stamped as an attempt that
+    -- ended without an outcome
+    v_lease_set text := $lease$attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
+            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
+            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
+            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
+            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
+            lease_renewals = 0,
+            scheduled_for = NULL,
+            failure_reason = CASE
+                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
+                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
+                ELSE t.failure_reason END,
+            last_error = CASE
+                WHEN t.instance_id IS NOT NULL THEN
+                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
+                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
+                ELSE t.last_error END$lease$;
+    -- what a leased row reports (then: its pass and last_error, or its run's head)
+    v_leased_columns text := $columns$t.seq, t.work_id AS work_id, t.topic AS topic,
+                  {t.payload} AS payload, t.stream, {t.scope} AS scope,
+                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
+                  {t.event_id} AS event_id, t.priority, t.claimed_at, t.lease_token,
+                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
+                  t.created_at, c.due_at, t.state$columns$;
+    -- whether claim_<category> would find anything: a ready row or a due timer of the
+    -- topics chosen. The ORDER BY of each probe is its index's order: it keeps the planner
+    -- on the partial index (an EXISTS may be planned as a scan of the whole table).
+    v_probe text := $template$
+CREATE OR REPLACE FUNCTION workpump.claimable_{category}(
+    p_topics text[],
+    p_topic_prefixes text[],
+    p_now timestamptz
+) RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+AS $$
 BEGIN
-    -- The heads: locked and leased (or parked as dead) in one statement; what is
-    -- returned, and what their runs need, is kept in arrays.
-    WITH
-    -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
-    -- longest due first (index wp_outbox_timer)
-    timers AS MATERIALIZED (
-        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
-               t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-               ''::text AS run_scope,
-               coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-        FROM workpump_outbox t
-        WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-          AND (p_topics IS NULL OR t.destination = ANY (p_topics)
-               OR t.destination ^@ ANY (p_topic_prefixes))
-        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
-        LIMIT p_limit
-        FOR UPDATE OF t SKIP LOCKED
-    ),
-    -- own_share: with live peers, ready stream heads of this instance's partitions
-    -- (partition_number mod live count = rank), in the budget the timers left
-    own_share AS MATERIALIZED (
-        SELECT * FROM (
-            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
-                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   ''::text AS run_scope,
-                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM workpump_outbox t
-            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+    RETURN (SELECT 1 FROM {table} t
+            WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-              AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
-              AND (p_topics IS NULL OR t.destination = ANY (p_topics)
-                   OR t.destination ^@ ANY (p_topic_prefixes))
-            ORDER BY t.priority DESC, t.seq
-            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
-            FOR UPDATE OF t SKIP LOCKED
-        ) share
-        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
-    ),
-    -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
-    -- no row waits on a busy peer (index wp_outbox_ready)
-    any_share AS MATERIALIZED (
-        SELECT * FROM (
-            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
-                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   ''::text AS run_scope,
-                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM workpump_outbox t
-            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-              AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
-              AND (p_topics IS NULL OR t.destination = ANY (p_topics)
-                   OR t.destination ^@ ANY (p_topic_prefixes))
-            ORDER BY t.priority DESC, t.seq
-            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
-                          - (SELECT count(*) FROM own_share WHERE own_share.leasable)
-            FOR UPDATE OF t SKIP LOCKED
-        ) share
-        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
-    ),
-    -- candidates: every head locked above, once (the three passes are disjoint)
-    candidates AS (
-        SELECT * FROM timers
-        UNION ALL SELECT * FROM own_share
-        UNION ALL SELECT * FROM any_share
-    ),
-    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
-    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
-    -- attempt that ended without an outcome. Rows are found by the ctid of the version
-    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
-    claimed_heads AS (
-        UPDATE workpump_outbox t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.message_id AS work_id, t.destination AS topic,
-                  t.payload AS payload, t.stream, '' AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.pass, t.last_error
-    )
-    SELECT coalesce(array_agg(ROW(
-               'outbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
-               c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-               c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at, NULL::text
-               )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead), '{}'),
-           coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead), '{}'),
-           array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
-           array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
-           array_agg(ROW(
-               'outbox'::text, c.work_id, c.topic, NULL::jsonb, c.stream, c.attempts,
-               c.max_attempts, NULL::timestamptz, c.event_id, NULL::text, c.priority::integer,
-               NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at, c.due_at,
-               c.last_error
-               )::workpump.leased_work ORDER BY c.seq)
-               FILTER (WHERE c.dead)
-    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
-    FROM claimed_heads c;
-    IF v_parked IS NOT NULL THEN
-        -- Parked rows come first, without a lease token and with the last_error they
-        -- were parked with: claim_work passes them on to a caller that asks, to log them.
-        FOREACH v_head IN ARRAY v_parked LOOP
-            RETURN NEXT v_head;
-        END LOOP;
-    END IF;
-    IF v_stream_seqs IS NULL THEN
-        -- No ordered stream among them: no run to add and no stream to own, so the
-        -- statement below (a fifth of a one-row claim, cold) is not run.
-        FOREACH v_head IN ARRAY v_heads LOOP
-            RETURN NEXT v_head;
-        END LOOP;
-        RETURN;
-    END IF;
-
-    -- The runs of the stream heads, and the streams this instance now owns.
-    RETURN QUERY
-    WITH
-    -- heads: the leased heads of ordered streams, with what their runs need
-    heads AS MATERIALIZED (
-        SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
-               ''::text AS run_scope, t.partition_number
-        FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
-        JOIN workpump_outbox t ON t.seq = u.seq
-    ),
-    -- run_budget: the rows the heads left in the budget, and how many runs share them
-    run_budget AS MATERIALIZED (
-        SELECT greatest(p_limit - cardinality(v_heads), 0) AS rows_left,
-               cardinality(v_stream_seqs) AS runs
-    ),
-    -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
-    -- in stream order, no more per head than its share of the budget
-    upcoming AS MATERIALIZED (
-        SELECT c.seq AS head_seq, n.seq,
-               row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
-        FROM heads c
-        CROSS JOIN run_budget b
-        CROSS JOIN LATERAL (
-            SELECT n.seq FROM workpump_outbox n
-            WHERE n.stream = c.run_stream AND n.processed_at IS NULL
-              AND n.stream IS NOT NULL AND n.seq > c.seq
-            ORDER BY n.stream, n.seq
-            LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
-        ) n
-        WHERE p_run_max > 1 AND b.rows_left > 0
-    ),
-    -- locked: those rows locked, as they are now (a row someone else is writing is
-    -- skipped, and ends its run there)
-    locked AS MATERIALIZED (
-        SELECT l.seq, l.ctid, l.leasable, l.due_at
-        FROM upcoming u
-        CROSS JOIN LATERAL (
-            -- one primary key lookup per row
-            SELECT n.seq, n.ctid,
-                   coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
-                   n.processed_at IS NULL AND n.dead_lettered_at IS NULL
-                   AND n.attempts < n.max_attempts
-                   AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
-                   AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
-            FROM workpump_outbox n
-            WHERE n.seq = u.seq
-            FOR UPDATE OF n SKIP LOCKED
-        ) l
-    ),
-    -- followers: each head's run, the consecutive leasable rows right after it (the
-    -- first row that is not ends the run), in the budget the heads left
-    followers AS (
-        SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
-               c.run_priority, c.run_stream, c.run_scope, r.due_at
-        FROM (
-            SELECT u.head_seq, u.seq, u.position, l.ctid, l.due_at,
-                   bool_and(coalesce(l.leasable, false))
-                       OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
-            FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
-        ) r
-        JOIN heads c ON c.seq = r.head_seq
-        WHERE r.in_run
-        ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
-        LIMIT (SELECT b.rows_left FROM run_budget b)
-    ),
-    -- claimed_runs: each follower leased the same way (it has attempts left)
-    claimed_runs AS (
-        UPDATE workpump_outbox t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM followers c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.message_id AS work_id, t.destination AS topic,
-                  t.payload AS payload, t.stream, '' AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.run_seq
-    ),
-    -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
-    -- order for all claimers)
-    pinned AS (
-        INSERT INTO workpump_active_stream AS s
-            (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
-             created_at, last_activity_at)
-        SELECT DISTINCT ON (c.run_scope, c.run_stream)
-               'outbox', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
-               v_lease_expiry, v_now, v_now
-        FROM heads c
-        ORDER BY c.run_scope, c.run_stream
-        ON CONFLICT (category, scope, stream) DO UPDATE
-            SET owner_instance_id = excluded.owner_instance_id,
-                lease_expiry = excluded.lease_expiry,
-                last_activity_at = excluded.last_activity_at
-    )
-    -- the heads as leased above, each run right after its head, in stream order
-    SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
-           o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error
-    FROM (
-        SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
-        FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
-             attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, last_error,
-             seq_position)
-        UNION ALL
-        SELECT 'outbox'::text, r.work_id, r.topic, r.payload, r.stream, r.attempts,
-               r.max_attempts, r.lease_expiry, r.event_id, NULL::text, r.priority::integer,
-               r.claimed_at, r.lease_token, r.headers, r.created_at, r.due_at, NULL::text,
-               p.position, p.position, r.seq
-        FROM claimed_runs r
-        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
-        WHERE NOT r.dead
-    ) o
-    ORDER BY o.run_position, o.seq;
+              AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+                   OR t.topic ^@ ANY (p_topic_prefixes))
+            ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
+        OR (SELECT 1 FROM {table} t
+            WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+              AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+              AND coalesce(t.lease_expiry, t.scheduled_for) <= p_now
+              AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+                   OR t.topic ^@ ANY (p_topic_prefixes))
+            ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL;
 END
 $$;
-
--- The inbox claim: rows of workpump.receive, whose topic is the handler_name.
--- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
--- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
--- each with a new lease token; rows whose attempts are used up are parked as dead instead,
--- and returned first, without a lease token, with their last_error. Each row comes with
--- its created_at and due_at (see claim_work). Called by
--- claim_work, which checks the instance and the input and computes p_rank and
--- p_live_count.
-CREATE FUNCTION workpump.claim_inbox(
+$template$;
+    v_claim text := $template$
+CREATE OR REPLACE FUNCTION workpump.claim_{category}(
     p_instance_id uuid,
     p_limit integer,
     p_lease_seconds integer DEFAULT 300,
@@ -2013,18 +1786,18 @@ BEGIN
     -- returned, and what their runs need, is kept in arrays.
     WITH
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
-    -- longest due first (index wp_inbox_timer)
+    -- longest due first (the table's _timer index)
     timers AS MATERIALIZED (
         SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
                t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-               ''::text AS run_scope,
+               {t.scope} AS run_scope,
                coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-        FROM workpump_inbox t
-        WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+        FROM {table} t
+        WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
           AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-          AND (p_topics IS NULL OR t.handler_name = ANY (p_topics)
-               OR t.handler_name ^@ ANY (p_topic_prefixes))
+          AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+               OR t.topic ^@ ANY (p_topic_prefixes))
         ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
         LIMIT p_limit
         FOR UPDATE OF t SKIP LOCKED
@@ -2035,14 +1808,14 @@ BEGIN
         SELECT * FROM (
             SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   ''::text AS run_scope,
+                   {t.scope} AS run_scope,
                    coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM workpump_inbox t
-            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+            FROM {table} t
+            WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
-              AND (p_topics IS NULL OR t.handler_name = ANY (p_topics)
-                   OR t.handler_name ^@ ANY (p_topic_prefixes))
+              AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+                   OR t.topic ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
             FOR UPDATE OF t SKIP LOCKED
@@ -2050,19 +1823,19 @@ BEGIN
         LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
     ),
     -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
-    -- no row waits on a busy peer (index wp_inbox_ready)
+    -- no row waits on a busy peer (the table's _ready index)
     any_share AS MATERIALIZED (
         SELECT * FROM (
             SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   ''::text AS run_scope,
+                   {t.scope} AS run_scope,
                    coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM workpump_inbox t
-            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+            FROM {table} t
+            WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL
               AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
-              AND (p_topics IS NULL OR t.handler_name = ANY (p_topics)
-                   OR t.handler_name ^@ ANY (p_topic_prefixes))
+              AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+                   OR t.topic ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq
             LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
                           - (SELECT count(*) FROM own_share WHERE own_share.leasable)
@@ -2081,339 +1854,16 @@ BEGIN
     -- attempt that ended without an outcome. Rows are found by the ctid of the version
     -- locked above: a TID lookup, never a scan, whatever the table's statistics say
     claimed_heads AS (
-        UPDATE workpump_inbox t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
+        UPDATE {table} t SET
+            {lease_set}
         FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.message_id AS work_id, t.handler_name AS topic,
-                  t.payload AS payload, t.stream, '' AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.pass, t.last_error
+        RETURNING {leased_columns}, c.pass, t.last_error
     )
     SELECT coalesce(array_agg(ROW(
-               'inbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
-               c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
-               c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at, NULL::text
-               )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead), '{}'),
-           coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead), '{}'),
-           array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
-           array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
-           array_agg(ROW(
-               'inbox'::text, c.work_id, c.topic, NULL::jsonb, c.stream, c.attempts,
-               c.max_attempts, NULL::timestamptz, c.event_id, NULL::text, c.priority::integer,
-               NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at, c.due_at,
-               c.last_error
-               )::workpump.leased_work ORDER BY c.seq)
-               FILTER (WHERE c.dead)
-    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
-    FROM claimed_heads c;
-    IF v_parked IS NOT NULL THEN
-        -- Parked rows come first, without a lease token and with the last_error they
-        -- were parked with: claim_work passes them on to a caller that asks, to log them.
-        FOREACH v_head IN ARRAY v_parked LOOP
-            RETURN NEXT v_head;
-        END LOOP;
-    END IF;
-    IF v_stream_seqs IS NULL THEN
-        -- No ordered stream among them: no run to add and no stream to own, so the
-        -- statement below (a fifth of a one-row claim, cold) is not run.
-        FOREACH v_head IN ARRAY v_heads LOOP
-            RETURN NEXT v_head;
-        END LOOP;
-        RETURN;
-    END IF;
-
-    -- The runs of the stream heads, and the streams this instance now owns.
-    RETURN QUERY
-    WITH
-    -- heads: the leased heads of ordered streams, with what their runs need
-    heads AS MATERIALIZED (
-        SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
-               ''::text AS run_scope, t.partition_number
-        FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
-        JOIN workpump_inbox t ON t.seq = u.seq
-    ),
-    -- run_budget: the rows the heads left in the budget, and how many runs share them
-    run_budget AS MATERIALIZED (
-        SELECT greatest(p_limit - cardinality(v_heads), 0) AS rows_left,
-               cardinality(v_stream_seqs) AS runs
-    ),
-    -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
-    -- in stream order, no more per head than its share of the budget
-    upcoming AS MATERIALIZED (
-        SELECT c.seq AS head_seq, n.seq,
-               row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
-        FROM heads c
-        CROSS JOIN run_budget b
-        CROSS JOIN LATERAL (
-            SELECT n.seq FROM workpump_inbox n
-            WHERE n.stream = c.run_stream AND n.processed_at IS NULL
-              AND n.stream IS NOT NULL AND n.seq > c.seq
-            ORDER BY n.stream, n.seq
-            LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
-        ) n
-        WHERE p_run_max > 1 AND b.rows_left > 0
-    ),
-    -- locked: those rows locked, as they are now (a row someone else is writing is
-    -- skipped, and ends its run there)
-    locked AS MATERIALIZED (
-        SELECT l.seq, l.ctid, l.leasable, l.due_at
-        FROM upcoming u
-        CROSS JOIN LATERAL (
-            -- one primary key lookup per row
-            SELECT n.seq, n.ctid,
-                   coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
-                   n.processed_at IS NULL AND n.dead_lettered_at IS NULL
-                   AND n.attempts < n.max_attempts
-                   AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
-                   AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
-            FROM workpump_inbox n
-            WHERE n.seq = u.seq
-            FOR UPDATE OF n SKIP LOCKED
-        ) l
-    ),
-    -- followers: each head's run, the consecutive leasable rows right after it (the
-    -- first row that is not ends the run), in the budget the heads left
-    followers AS (
-        SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
-               c.run_priority, c.run_stream, c.run_scope, r.due_at
-        FROM (
-            SELECT u.head_seq, u.seq, u.position, l.ctid, l.due_at,
-                   bool_and(coalesce(l.leasable, false))
-                       OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
-            FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
-        ) r
-        JOIN heads c ON c.seq = r.head_seq
-        WHERE r.in_run
-        ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
-        LIMIT (SELECT b.rows_left FROM run_budget b)
-    ),
-    -- claimed_runs: each follower leased the same way (it has attempts left)
-    claimed_runs AS (
-        UPDATE workpump_inbox t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM followers c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.message_id AS work_id, t.handler_name AS topic,
-                  t.payload AS payload, t.stream, '' AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  NULL::uuid AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.run_seq
-    ),
-    -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
-    -- order for all claimers)
-    pinned AS (
-        INSERT INTO workpump_active_stream AS s
-            (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
-             created_at, last_activity_at)
-        SELECT DISTINCT ON (c.run_scope, c.run_stream)
-               'inbox', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
-               v_lease_expiry, v_now, v_now
-        FROM heads c
-        ORDER BY c.run_scope, c.run_stream
-        ON CONFLICT (category, scope, stream) DO UPDATE
-            SET owner_instance_id = excluded.owner_instance_id,
-                lease_expiry = excluded.lease_expiry,
-                last_activity_at = excluded.last_activity_at
-    )
-    -- the heads as leased above, each run right after its head, in stream order
-    SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
-           o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error
-    FROM (
-        SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
-        FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
-             attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, last_error,
-             seq_position)
-        UNION ALL
-        SELECT 'inbox'::text, r.work_id, r.topic, r.payload, r.stream, r.attempts,
-               r.max_attempts, r.lease_expiry, r.event_id, NULL::text, r.priority::integer,
-               r.claimed_at, r.lease_token, r.headers, r.created_at, r.due_at, NULL::text,
-               p.position, p.position, r.seq
-        FROM claimed_runs r
-        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
-        WHERE NOT r.dead
-    ) o
-    ORDER BY o.run_position, o.seq;
-END
-$$;
-
--- The perspective claim: rows of workpump.emit, whose topic is the perspective_name;
--- payload and event type come from the event.
--- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
--- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
--- each with a new lease token; rows whose attempts are used up are parked as dead instead,
--- and returned first, without a lease token, with their last_error. Each row comes with
--- its created_at and due_at (see claim_work). Called by
--- claim_work, which checks the instance and the input and computes p_rank and
--- p_live_count.
-CREATE FUNCTION workpump.claim_perspective_event(
-    p_instance_id uuid,
-    p_limit integer,
-    p_lease_seconds integer DEFAULT 300,
-    p_rank integer DEFAULT 0,
-    p_live_count integer DEFAULT 1,
-    p_topics text[] DEFAULT NULL,
-    p_topic_prefixes text[] DEFAULT NULL,
-    p_run_max integer DEFAULT 1,
-    p_now timestamptz DEFAULT NULL
-) RETURNS SETOF workpump.leased_work
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-SET plan_cache_mode = force_generic_plan
-SET jit = off
-AS $$
-DECLARE
-    v_now timestamptz := coalesce(p_now, now());
-    v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
-    v_heads workpump.leased_work[];  -- the heads leased, in the order they are returned
-    v_head workpump.leased_work;
-    v_head_seqs bigint[];  -- their seqs, in the same order
-    v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
-    v_stream_passes integer[];
-    v_parked workpump.leased_work[];  -- the heads parked as dead instead (NULL: none)
-BEGIN
-    -- The heads: locked and leased (or parked as dead) in one statement; what is
-    -- returned, and what their runs need, is kept in arrays.
-    WITH
-    -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
-    -- longest due first (index wp_persp_timer)
-    timers AS MATERIALIZED (
-        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
-               t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-               t.perspective_name AS run_scope,
-               coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-        FROM workpump_perspective_event t
-        WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-          AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics)
-               OR t.perspective_name ^@ ANY (p_topic_prefixes))
-        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
-        LIMIT p_limit
-        FOR UPDATE OF t SKIP LOCKED
-    ),
-    -- own_share: with live peers, ready stream heads of this instance's partitions
-    -- (partition_number mod live count = rank), in the budget the timers left
-    own_share AS MATERIALIZED (
-        SELECT * FROM (
-            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
-                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   t.perspective_name AS run_scope,
-                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM workpump_perspective_event t
-            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-              AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
-              AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics)
-                   OR t.perspective_name ^@ ANY (p_topic_prefixes))
-            ORDER BY t.priority DESC, t.seq
-            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
-            FOR UPDATE OF t SKIP LOCKED
-        ) share
-        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
-    ),
-    -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
-    -- no row waits on a busy peer (index wp_persp_ready)
-    any_share AS MATERIALIZED (
-        SELECT * FROM (
-            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
-                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   t.perspective_name AS run_scope,
-                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM workpump_perspective_event t
-            WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-              AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
-              AND (p_topics IS NULL OR t.perspective_name = ANY (p_topics)
-                   OR t.perspective_name ^@ ANY (p_topic_prefixes))
-            ORDER BY t.priority DESC, t.seq
-            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
-                          - (SELECT count(*) FROM own_share WHERE own_share.leasable)
-            FOR UPDATE OF t SKIP LOCKED
-        ) share
-        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
-    ),
-    -- candidates: every head locked above, once (the three passes are disjoint)
-    candidates AS (
-        SELECT * FROM timers
-        UNION ALL SELECT * FROM own_share
-        UNION ALL SELECT * FROM any_share
-    ),
-    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
-    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
-    -- attempt that ended without an outcome. Rows are found by the ctid of the version
-    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
-    claimed_heads AS (
-        UPDATE workpump_perspective_event t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.event_work_id AS work_id, t.perspective_name AS topic,
-                  NULL::jsonb AS payload, t.stream, t.perspective_name AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.pass, t.last_error
-    )
-    SELECT coalesce(array_agg(ROW(
-               'perspective_event'::text, c.work_id, c.topic, e.payload, c.stream,
-               c.attempts, c.max_attempts, c.lease_expiry, c.event_id, e.event_type,
+               '{category}'::text, c.work_id, c.topic, {c.payload}, c.stream,
+               c.attempts, c.max_attempts, c.lease_expiry, c.event_id, {c.event_type},
                c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
-               c.due_at, NULL::text
+               c.due_at, NULL::text, c.state
                )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead), '{}'),
            coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
@@ -2423,16 +1873,17 @@ BEGIN
            array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
            array_agg(ROW(
-               'perspective_event'::text, c.work_id, c.topic, NULL::jsonb, c.stream,
-               c.attempts, c.max_attempts, NULL::timestamptz, c.event_id, e.event_type,
+               '{category}'::text, c.work_id, c.topic, NULL::jsonb, c.stream,
+               c.attempts, c.max_attempts, NULL::timestamptz, c.event_id, {c.event_type},
                c.priority::integer, NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at,
-               c.due_at, c.last_error
+               c.due_at, c.last_error, NULL::jsonb
                )::workpump.leased_work ORDER BY c.seq)
                FILTER (WHERE c.dead)
     INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
-    FROM claimed_heads c
-    JOIN workpump_event e ON e.event_id = c.event_id;
+    FROM claimed_heads c{c.event_join};
     IF v_parked IS NOT NULL THEN
+        -- they ended: wake their waiters (workpump.wait)
+        PERFORM workpump.notify_ended(ARRAY(SELECT p.work_id FROM unnest(v_parked) p));
         -- Parked rows come first, without a lease token and with the last_error they
         -- were parked with: claim_work passes them on to a caller that asks, to log them.
         FOREACH v_head IN ARRAY v_parked LOOP
@@ -2454,9 +1905,9 @@ BEGIN
     -- heads: the leased heads of ordered streams, with what their runs need
     heads AS MATERIALIZED (
         SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
-               t.perspective_name AS run_scope, t.partition_number
+               {t.scope} AS run_scope, t.partition_number
         FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
-        JOIN workpump_perspective_event t ON t.seq = u.seq
+        JOIN {table} t ON t.seq = u.seq
     ),
     -- run_budget: the rows the heads left in the budget, and how many runs share them
     run_budget AS MATERIALIZED (
@@ -2471,10 +1922,10 @@ BEGIN
         FROM heads c
         CROSS JOIN run_budget b
         CROSS JOIN LATERAL (
-            SELECT n.seq FROM workpump_perspective_event n
-            WHERE n.perspective_name = c.run_scope AND n.stream = c.run_stream AND n.processed_at IS NULL
+            SELECT n.seq FROM {table} n
+            WHERE {n.scope_match}n.stream = c.run_stream AND n.done_at IS NULL
               AND n.stream IS NOT NULL AND n.seq > c.seq
-            ORDER BY n.perspective_name, n.stream, n.seq
+            ORDER BY {n.scope_order}n.stream, n.seq
             LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
         ) n
         WHERE p_run_max > 1 AND b.rows_left > 0
@@ -2488,11 +1939,11 @@ BEGIN
             -- one primary key lookup per row
             SELECT n.seq, n.ctid,
                    coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
-                   n.processed_at IS NULL AND n.dead_lettered_at IS NULL
+                   n.done_at IS NULL AND n.dead_lettered_at IS NULL
                    AND n.attempts < n.max_attempts
                    AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
                    AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
-            FROM workpump_perspective_event n
+            FROM {table} n
             WHERE n.seq = u.seq
             FOR UPDATE OF n SKIP LOCKED
         ) l
@@ -2515,31 +1966,10 @@ BEGIN
     ),
     -- claimed_runs: each follower leased the same way (it has attempts left)
     claimed_runs AS (
-        UPDATE workpump_perspective_event t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
+        UPDATE {table} t SET
+            {lease_set}
         FROM followers c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.event_work_id AS work_id, t.perspective_name AS topic,
-                  NULL::jsonb AS payload, t.stream, t.perspective_name AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.run_seq
+        RETURNING {leased_columns}, c.run_seq
     ),
     -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
     -- order for all claimers)
@@ -2548,7 +1978,7 @@ BEGIN
             (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
              created_at, last_activity_at)
         SELECT DISTINCT ON (c.run_scope, c.run_stream)
-               'perspective_event', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
+               '{category}', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
                v_lease_expiry, v_now, v_now
         FROM heads c
         ORDER BY c.run_scope, c.run_stream
@@ -2560,340 +1990,75 @@ BEGIN
     -- the heads as leased above, each run right after its head, in stream order
     SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
            o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error
+           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error, o.state
     FROM (
         SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
         FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
              attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, last_error,
+             claimed_at, lease_token, headers, created_at, due_at, last_error, state,
              seq_position)
         UNION ALL
-        SELECT 'perspective_event'::text, r.work_id, r.topic, e.payload, r.stream,
-               r.attempts, r.max_attempts, r.lease_expiry, r.event_id, e.event_type,
+        SELECT '{category}'::text, r.work_id, r.topic, {r.payload}, r.stream,
+               r.attempts, r.max_attempts, r.lease_expiry, r.event_id, {r.event_type},
                r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
-               r.due_at, NULL::text, p.position, p.position, r.seq
+               r.due_at, NULL::text, r.state, p.position, p.position, r.seq
         FROM claimed_runs r
-        JOIN workpump_event e ON e.event_id = r.event_id
-        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
+{r.event_join}        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
         WHERE NOT r.dead
     ) o
     ORDER BY o.run_position, o.seq;
 END
 $$;
-
--- The receptor claim: rows of workpump.emit, whose topic is the receptor_name;
--- payload and event type come from the event.
--- Lease up to p_limit claimable rows of the topics in p_topics (NULL: any), or of a topic
--- starting with one of p_topic_prefixes, to p_instance_id until p_now + p_lease_seconds,
--- each with a new lease token; rows whose attempts are used up are parked as dead instead,
--- and returned first, without a lease token, with their last_error. Each row comes with
--- its created_at and due_at (see claim_work). Called by
--- claim_work, which checks the instance and the input and computes p_rank and
--- p_live_count.
-CREATE FUNCTION workpump.claim_receptor(
-    p_instance_id uuid,
-    p_limit integer,
-    p_lease_seconds integer DEFAULT 300,
-    p_rank integer DEFAULT 0,
-    p_live_count integer DEFAULT 1,
-    p_topics text[] DEFAULT NULL,
-    p_topic_prefixes text[] DEFAULT NULL,
-    p_run_max integer DEFAULT 1,
-    p_now timestamptz DEFAULT NULL
-) RETURNS SETOF workpump.leased_work
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-SET plan_cache_mode = force_generic_plan
-SET jit = off
-AS $$
-DECLARE
-    v_now timestamptz := coalesce(p_now, now());
-    v_lease_expiry timestamptz := v_now + make_interval(secs => p_lease_seconds);
-    v_heads workpump.leased_work[];  -- the heads leased, in the order they are returned
-    v_head workpump.leased_work;
-    v_head_seqs bigint[];  -- their seqs, in the same order
-    v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
-    v_stream_passes integer[];
-    v_parked workpump.leased_work[];  -- the heads parked as dead instead (NULL: none)
+$template$;
 BEGIN
-    -- The heads: locked and leased (or parked as dead) in one statement; what is
-    -- returned, and what their runs need, is kept in arrays.
-    WITH
-    -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
-    -- longest due first (index wp_receptor_timer)
-    timers AS MATERIALIZED (
-        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
-               t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-               t.receptor_name AS run_scope,
-               coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-        FROM workpump_receptor_processing t
-        WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-          AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics)
-               OR t.receptor_name ^@ ANY (p_topic_prefixes))
-        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
-        LIMIT p_limit
-        FOR UPDATE OF t SKIP LOCKED
-    ),
-    -- own_share: with live peers, ready stream heads of this instance's partitions
-    -- (partition_number mod live count = rank), in the budget the timers left
-    own_share AS MATERIALIZED (
-        SELECT * FROM (
-            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
-                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   t.receptor_name AS run_scope,
-                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM workpump_receptor_processing t
-            WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-              AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
-              AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics)
-                   OR t.receptor_name ^@ ANY (p_topic_prefixes))
-            ORDER BY t.priority DESC, t.seq
-            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
-            FOR UPDATE OF t SKIP LOCKED
-        ) share
-        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
-    ),
-    -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
-    -- no row waits on a busy peer (index wp_receptor_ready)
-    any_share AS MATERIALIZED (
-        SELECT * FROM (
-            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
-                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   t.receptor_name AS run_scope,
-                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM workpump_receptor_processing t
-            WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-              AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
-              AND (p_topics IS NULL OR t.receptor_name = ANY (p_topics)
-                   OR t.receptor_name ^@ ANY (p_topic_prefixes))
-            ORDER BY t.priority DESC, t.seq
-            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
-                          - (SELECT count(*) FROM own_share WHERE own_share.leasable)
-            FOR UPDATE OF t SKIP LOCKED
-        ) share
-        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
-    ),
-    -- candidates: every head locked above, once (the three passes are disjoint)
-    candidates AS (
-        SELECT * FROM timers
-        UNION ALL SELECT * FROM own_share
-        UNION ALL SELECT * FROM any_share
-    ),
-    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
-    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
-    -- attempt that ended without an outcome. Rows are found by the ctid of the version
-    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
-    claimed_heads AS (
-        UPDATE workpump_receptor_processing t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.id AS work_id, t.receptor_name AS topic,
-                  NULL::jsonb AS payload, t.stream, t.receptor_name AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.pass, t.last_error
-    )
-    SELECT coalesce(array_agg(ROW(
-               'receptor'::text, c.work_id, c.topic, e.payload, c.stream, c.attempts,
-               c.max_attempts, c.lease_expiry, c.event_id, e.event_type,
-               c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
-               c.due_at, NULL::text
-               )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead), '{}'),
-           coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead), '{}'),
-           array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
-           array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
-           array_agg(ROW(
-               'receptor'::text, c.work_id, c.topic, NULL::jsonb, c.stream,
-               c.attempts, c.max_attempts, NULL::timestamptz, c.event_id, e.event_type,
-               c.priority::integer, NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at,
-               c.due_at, c.last_error
-               )::workpump.leased_work ORDER BY c.seq)
-               FILTER (WHERE c.dead)
-    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
-    FROM claimed_heads c
-    JOIN workpump_event e ON e.event_id = c.event_id;
-    IF v_parked IS NOT NULL THEN
-        -- Parked rows come first, without a lease token and with the last_error they
-        -- were parked with: claim_work passes them on to a caller that asks, to log them.
-        FOREACH v_head IN ARRAY v_parked LOOP
-            RETURN NEXT v_head;
-        END LOOP;
+    v_claim := replace(v_claim, '{lease_set}', v_lease_set);
+    v_claim := replace(v_claim, '{leased_columns}', v_leased_columns);
+    FOREACH v_alias IN ARRAY ARRAY['c', 'r'] LOOP
+        v_claim := replace(v_claim, '{' || v_alias || '.payload}',
+            CASE WHEN v_from_event THEN 'e.payload' ELSE v_alias || '.payload' END);
+        v_claim := replace(v_claim, '{' || v_alias || '.event_type}',
+            CASE WHEN v_from_event THEN 'e.event_type' ELSE 'NULL::text' END);
+    END LOOP;
+    v_claim := replace(v_claim, '{c.event_join}', CASE WHEN v_from_event
+        THEN E'\n    JOIN workpump_event e ON e.event_id = c.event_id' ELSE '' END);
+    v_claim := replace(v_claim, '{r.event_join}', CASE WHEN v_from_event
+        THEN E'        JOIN workpump_event e ON e.event_id = r.event_id\n' ELSE '' END);
+    v_claim := replace(v_claim, '{t.payload}',
+        CASE WHEN v_from_event THEN 'NULL::jsonb' ELSE 't.payload' END);
+    v_claim := replace(v_claim, '{t.event_id}',
+        CASE WHEN v_from_event THEN 't.event_id' ELSE 'NULL::uuid' END);
+    v_claim := replace(v_claim, '{t.scope}',
+        CASE WHEN v_from_event THEN 't.' || quote_ident(v_meta.scope_col) ELSE $$''::text$$ END);
+    v_claim := replace(v_claim, '{n.scope_match}', CASE WHEN v_from_event
+        THEN 'n.' || quote_ident(v_meta.scope_col) || ' = c.run_scope AND ' ELSE '' END);
+    v_claim := replace(v_claim, '{n.scope_order}', CASE WHEN v_from_event
+        THEN 'n.' || quote_ident(v_meta.scope_col) || ', ' ELSE '' END);
+    v_claim := v_claim || v_probe;
+    v_claim := replace(v_claim, '{table}', quote_ident(v_meta.tbl));
+    v_claim := replace(v_claim, '{category}', p_category);
+    IF v_claim ~ '\{[a-z_.]+\}' THEN
+        RAISE EXCEPTION 'define_claim left a placeholder unfilled: %',
+            substring(v_claim from '\{[a-z_.]+\}');
     END IF;
-    IF v_stream_seqs IS NULL THEN
-        -- No ordered stream among them: no run to add and no stream to own, so the
-        -- statement below (a fifth of a one-row claim, cold) is not run.
-        FOREACH v_head IN ARRAY v_heads LOOP
-            RETURN NEXT v_head;
-        END LOOP;
-        RETURN;
-    END IF;
-
-    -- The runs of the stream heads, and the streams this instance now owns.
-    RETURN QUERY
-    WITH
-    -- heads: the leased heads of ordered streams, with what their runs need
-    heads AS MATERIALIZED (
-        SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
-               t.receptor_name AS run_scope, t.partition_number
-        FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
-        JOIN workpump_receptor_processing t ON t.seq = u.seq
-    ),
-    -- run_budget: the rows the heads left in the budget, and how many runs share them
-    run_budget AS MATERIALIZED (
-        SELECT greatest(p_limit - cardinality(v_heads), 0) AS rows_left,
-               cardinality(v_stream_seqs) AS runs
-    ),
-    -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
-    -- in stream order, no more per head than its share of the budget
-    upcoming AS MATERIALIZED (
-        SELECT c.seq AS head_seq, n.seq,
-               row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
-        FROM heads c
-        CROSS JOIN run_budget b
-        CROSS JOIN LATERAL (
-            SELECT n.seq FROM workpump_receptor_processing n
-            WHERE n.receptor_name = c.run_scope AND n.stream = c.run_stream AND n.completed_at IS NULL
-              AND n.stream IS NOT NULL AND n.seq > c.seq
-            ORDER BY n.receptor_name, n.stream, n.seq
-            LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
-        ) n
-        WHERE p_run_max > 1 AND b.rows_left > 0
-    ),
-    -- locked: those rows locked, as they are now (a row someone else is writing is
-    -- skipped, and ends its run there)
-    locked AS MATERIALIZED (
-        SELECT l.seq, l.ctid, l.leasable, l.due_at
-        FROM upcoming u
-        CROSS JOIN LATERAL (
-            -- one primary key lookup per row
-            SELECT n.seq, n.ctid,
-                   coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
-                   n.completed_at IS NULL AND n.dead_lettered_at IS NULL
-                   AND n.attempts < n.max_attempts
-                   AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
-                   AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
-            FROM workpump_receptor_processing n
-            WHERE n.seq = u.seq
-            FOR UPDATE OF n SKIP LOCKED
-        ) l
-    ),
-    -- followers: each head's run, the consecutive leasable rows right after it (the
-    -- first row that is not ends the run), in the budget the heads left
-    followers AS (
-        SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
-               c.run_priority, c.run_stream, c.run_scope, r.due_at
-        FROM (
-            SELECT u.head_seq, u.seq, u.position, l.ctid, l.due_at,
-                   bool_and(coalesce(l.leasable, false))
-                       OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
-            FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
-        ) r
-        JOIN heads c ON c.seq = r.head_seq
-        WHERE r.in_run
-        ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
-        LIMIT (SELECT b.rows_left FROM run_budget b)
-    ),
-    -- claimed_runs: each follower leased the same way (it has attempts left)
-    claimed_runs AS (
-        UPDATE workpump_receptor_processing t SET
-            attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
-            instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
-            lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
-            lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
-            claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
-            dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
-            lease_renewals = 0,
-            scheduled_for = NULL,
-            failure_reason = CASE
-                WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
-                WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
-                ELSE t.failure_reason END,
-            last_error = CASE
-                WHEN t.instance_id IS NOT NULL THEN
-                    'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
-                    || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
-                ELSE t.last_error END
-        FROM followers c WHERE t.ctid = c.ctid
-        RETURNING t.seq, t.id AS work_id, t.receptor_name AS topic,
-                  NULL::jsonb AS payload, t.stream, t.receptor_name AS scope,
-                  t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
-                  t.event_id AS event_id, t.priority, t.claimed_at, t.lease_token,
-                  t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, c.run_seq
-    ),
-    -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
-    -- order for all claimers)
-    pinned AS (
-        INSERT INTO workpump_active_stream AS s
-            (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
-             created_at, last_activity_at)
-        SELECT DISTINCT ON (c.run_scope, c.run_stream)
-               'receptor', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
-               v_lease_expiry, v_now, v_now
-        FROM heads c
-        ORDER BY c.run_scope, c.run_stream
-        ON CONFLICT (category, scope, stream) DO UPDATE
-            SET owner_instance_id = excluded.owner_instance_id,
-                lease_expiry = excluded.lease_expiry,
-                last_activity_at = excluded.last_activity_at
-    )
-    -- the heads as leased above, each run right after its head, in stream order
-    SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
-           o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error
-    FROM (
-        SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
-        FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
-             attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, last_error,
-             seq_position)
-        UNION ALL
-        SELECT 'receptor'::text, r.work_id, r.topic, e.payload, r.stream, r.attempts,
-               r.max_attempts, r.lease_expiry, r.event_id, e.event_type,
-               r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
-               r.due_at, NULL::text, p.position, p.position, r.seq
-        FROM claimed_runs r
-        JOIN workpump_event e ON e.event_id = r.event_id
-        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
-        WHERE NOT r.dead
-    ) o
-    ORDER BY o.run_position, o.seq;
+    EXECUTE v_claim;
 END
-$$;
+$define$;
+
+SELECT workpump.define_claim(category)
+FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']) category;
 
 -- The topics of p_category that p_topics names (NULL: every topic). p_topics maps each
 -- category to the topics the claimer has handlers for; a category it leaves out, or maps
--- to an empty list, has none.
+-- to an empty list, has none. What is not a string is skipped, so that reading a
+-- malformed object cannot fail before claim_work reports it. No search_path of its own:
+-- PostgreSQL inlines it.
 CREATE FUNCTION workpump.claim_topics(p_topics jsonb, p_category text) RETURNS text[]
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
-SET search_path FROM CURRENT
 RETURN CASE WHEN p_topics IS NULL THEN NULL
-            ELSE ARRAY(SELECT jsonb_array_elements_text(coalesce(p_topics -> p_category, '[]')))
+            WHEN jsonb_typeof(p_topics -> p_category) = 'array'
+            THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> p_category) v
+                       WHERE jsonb_typeof(v) = 'string')
+            ELSE '{}'::text[]
        END;
 
 -- Whether a claim of these topics (NULL: every topic) and topic prefixes (NULL: none) can
@@ -2961,8 +2126,8 @@ CREATE FUNCTION workpump.claim_work(
     created_at timestamptz,
     due_at timestamptz,
     last_error text,
-    has_more boolean,
-    state jsonb
+    state jsonb,
+    has_more boolean
 )
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -2973,21 +2138,14 @@ DECLARE
     v_categories text[] := coalesce(p_categories,
                                     ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']);
     v_category text;
-    v_outbox_topics text[];
-    v_outbox_prefixes text[];
-    v_inbox_topics text[];
-    v_inbox_prefixes text[];
-    v_perspective_topics text[];
-    v_perspective_prefixes text[];
-    v_receptor_topics text[];
-    v_receptor_prefixes text[];
+    v_choice workpump.topic_choice;
     v_topics_valid boolean;
     v_prefixes_valid boolean;
     v_evicted boolean;
     v_registered boolean;
-    v_chosen text[] := '{}';
-    v_with_work text[] := '{}';
-    v_rounds text[];
+    v_chosen workpump.topic_choice[];
+    v_with_work workpump.topic_choice[] := '{}';
+    v_rounds workpump.topic_choice[];
     v_step integer := 1;
     v_first_round integer;
     v_rank integer;
@@ -3026,10 +2184,11 @@ BEGIN
     END IF;
 
     -- One statement for all the claim must know first: whether the topic and prefix
-    -- objects are well-formed, each category's topics and prefixes (the strings of its
-    -- array, read so that a malformed object cannot fail the read before it is reported), whether this instance may claim, and its
-    -- rank among live instances by live_instances's rule (pg_locks is read only when an
-    -- instance's heartbeat is stale but short of the definitive-dead cutoff).
+    -- objects are well-formed; the categories with something to claim (each asked for
+    -- with a topic chosen, in one fixed order, with the topics and prefixes chosen of
+    -- it); whether this instance may claim, and its rank among live instances by
+    -- live_instances's rule (pg_locks is read only when an instance's heartbeat is stale
+    -- but short of the definitive-dead cutoff).
     SELECT
         p_topics IS NULL OR (
             jsonb_typeof(p_topics) = 'object'
@@ -3045,44 +2204,19 @@ BEGIN
                                OR jsonb_typeof(e.value) <> 'array'
                                OR EXISTS (SELECT 1 FROM jsonb_array_elements(e.value) v
                                           WHERE jsonb_typeof(v) <> 'string' OR v #>> '{}' = ''))),
-        CASE WHEN jsonb_typeof(p_topics -> 'outbox') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> 'outbox') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topic_prefixes -> 'outbox') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topic_prefixes -> 'outbox') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topics -> 'inbox') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> 'inbox') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topic_prefixes -> 'inbox') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topic_prefixes -> 'inbox') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topics -> 'perspective_event') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> 'perspective_event') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topic_prefixes -> 'perspective_event') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topic_prefixes -> 'perspective_event') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topics -> 'receptor') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> 'receptor') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
-        CASE WHEN jsonb_typeof(p_topic_prefixes -> 'receptor') = 'array'
-             THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topic_prefixes -> 'receptor') v
-                        WHERE jsonb_typeof(v) = 'string')
-             ELSE '{}'::text[] END,
+        (SELECT coalesce(array_agg(ROW(c.category, c.topics, c.prefixes)::workpump.topic_choice
+                                   ORDER BY c.position), '{}')
+         FROM (SELECT u.category, u.position,
+                      workpump.claim_topics(p_topics, u.category) AS topics,
+                      workpump.claim_topics(p_topic_prefixes, u.category) AS prefixes
+               FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'])
+                    WITH ORDINALITY u(category, position)
+               WHERE u.category = ANY (v_categories)) c
+         WHERE workpump.any_topic_chosen(c.topics, c.prefixes)),
         EXISTS (SELECT 1 FROM workpump_eviction e WHERE e.instance_id = p_instance_id),
         live.registered, live.live_count, live.rank
-    INTO v_topics_valid, v_prefixes_valid,
-         v_outbox_topics, v_outbox_prefixes, v_inbox_topics, v_inbox_prefixes,
-         v_perspective_topics, v_perspective_prefixes, v_receptor_topics, v_receptor_prefixes,
-         v_evicted, v_registered, v_live_count, v_rank
+    INTO v_topics_valid, v_prefixes_valid, v_chosen, v_evicted, v_registered, v_live_count,
+         v_rank
     FROM (
         SELECT count(*) FILTER (WHERE si.instance_id = p_instance_id) > 0 AS registered,
                count(*)::integer AS live_count,
@@ -3106,111 +2240,29 @@ BEGIN
     IF v_evicted OR NOT v_registered THEN
         PERFORM workpump.check_instance('claim_work', p_instance_id);  -- raises WP001
     END IF;
-    IF p_topics IS NULL THEN  -- every topic
-        v_outbox_topics := NULL;
-        v_inbox_topics := NULL;
-        v_perspective_topics := NULL;
-        v_receptor_topics := NULL;
-    END IF;
-    IF p_topic_prefixes IS NULL THEN  -- none
-        v_outbox_prefixes := NULL;
-        v_inbox_prefixes := NULL;
-        v_perspective_prefixes := NULL;
-        v_receptor_prefixes := NULL;
-    END IF;
 
-    -- The categories with something to claim: each asked for with a topic chosen.
-    IF 'outbox' = ANY (v_categories)
-       AND workpump.any_topic_chosen(v_outbox_topics, v_outbox_prefixes) THEN
-        v_chosen := v_chosen || 'outbox'::text;
-    END IF;
-    IF 'inbox' = ANY (v_categories)
-       AND workpump.any_topic_chosen(v_inbox_topics, v_inbox_prefixes) THEN
-        v_chosen := v_chosen || 'inbox'::text;
-    END IF;
-    IF 'perspective_event' = ANY (v_categories)
-       AND workpump.any_topic_chosen(v_perspective_topics, v_perspective_prefixes) THEN
-        v_chosen := v_chosen || 'perspective_event'::text;
-    END IF;
-    IF 'receptor' = ANY (v_categories)
-       AND workpump.any_topic_chosen(v_receptor_topics, v_receptor_prefixes) THEN
-        v_chosen := v_chosen || 'receptor'::text;
-    END IF;
     IF cardinality(v_chosen) = 1 THEN
         -- Its claim statement finds what the probes would: they would only add a
         -- statement to every claim that has work.
         v_with_work := v_chosen;
     ELSIF cardinality(v_chosen) > 1 THEN
-        -- Per-category guards: two index probes each (ready rows, due timers), of the
-        -- topics the claimer can run, so the budget goes to the categories with work.
-        -- The ORDER BY of each probe is its index's order: it keeps the planner on the
-        -- partial index (an EXISTS may be planned as a scan of the whole table).
-        IF 'outbox' = ANY (v_chosen) AND (
-            (SELECT 1 FROM workpump_outbox t
-                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                      AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics)
-                           OR t.destination ^@ ANY (v_outbox_prefixes))
-                    ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
-            OR (SELECT 1 FROM workpump_outbox t
-                       WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                         AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                         AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_outbox_topics IS NULL OR t.destination = ANY (v_outbox_topics)
-                           OR t.destination ^@ ANY (v_outbox_prefixes))
-                       ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
-            v_with_work := v_with_work || 'outbox'::text;
-        END IF;
-        IF 'inbox' = ANY (v_chosen) AND (
-            (SELECT 1 FROM workpump_inbox t
-                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                      AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics)
-                           OR t.handler_name ^@ ANY (v_inbox_prefixes))
-                    ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
-            OR (SELECT 1 FROM workpump_inbox t
-                       WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                         AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                         AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_inbox_topics IS NULL OR t.handler_name = ANY (v_inbox_topics)
-                           OR t.handler_name ^@ ANY (v_inbox_prefixes))
-                       ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
-            v_with_work := v_with_work || 'inbox'::text;
-        END IF;
-        IF 'perspective_event' = ANY (v_chosen) AND (
-            (SELECT 1 FROM workpump_perspective_event t
-                    WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                      AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_perspective_topics IS NULL
-                           OR t.perspective_name = ANY (v_perspective_topics)
-                           OR t.perspective_name ^@ ANY (v_perspective_prefixes))
-                    ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
-            OR (SELECT 1 FROM workpump_perspective_event t
-                       WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                         AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                         AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_perspective_topics IS NULL
-                              OR t.perspective_name = ANY (v_perspective_topics)
-                           OR t.perspective_name ^@ ANY (v_perspective_prefixes))
-                       ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
-            v_with_work := v_with_work || 'perspective_event'::text;
-        END IF;
-        IF 'receptor' = ANY (v_chosen) AND (
-            (SELECT 1 FROM workpump_receptor_processing t
-                    WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                      AND t.instance_id IS NULL AND t.scheduled_for IS NULL
-                      AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics)
-                           OR t.receptor_name ^@ ANY (v_receptor_prefixes))
-                    ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
-            OR (SELECT 1 FROM workpump_receptor_processing t
-                       WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-                         AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-                         AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-                         AND (v_receptor_topics IS NULL OR t.receptor_name = ANY (v_receptor_topics)
-                           OR t.receptor_name ^@ ANY (v_receptor_prefixes))
-                       ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL) THEN
-            v_with_work := v_with_work || 'receptor'::text;
-        END IF;
+        -- Per-category guards (claimable_<category>: two index probes, ready rows and due
+        -- timers, of the topics the claimer can run), so the budget goes to the
+        -- categories with work.
+        FOREACH v_choice IN ARRAY v_chosen LOOP
+            IF (CASE v_choice.category
+                    WHEN 'outbox' THEN
+                        workpump.claimable_outbox(v_choice.topics, v_choice.prefixes, v_now)
+                    WHEN 'inbox' THEN
+                        workpump.claimable_inbox(v_choice.topics, v_choice.prefixes, v_now)
+                    WHEN 'perspective_event' THEN workpump.claimable_perspective_event(
+                        v_choice.topics, v_choice.prefixes, v_now)
+                    ELSE
+                        workpump.claimable_receptor(v_choice.topics, v_choice.prefixes, v_now)
+                END) THEN
+                v_with_work := v_with_work || v_choice;
+            END IF;
+        END LOOP;
     END IF;
     IF cardinality(v_with_work) = 0 THEN
         RETURN;
@@ -3228,7 +2280,7 @@ BEGIN
     END IF;
     v_rounds := v_with_work;
     WHILE v_step <= cardinality(v_rounds) LOOP
-        v_category := v_rounds[v_step];
+        v_choice := v_rounds[v_step];
         IF v_step <= v_first_round THEN
             v_quota := ceil(v_remaining::numeric / (v_first_round - v_step + 1))::integer;
         ELSIF v_remaining <= 0 THEN
@@ -3238,40 +2290,33 @@ BEGIN
             v_quota := v_remaining;
         END IF;
         IF v_quota > 0 THEN
-            IF v_category = 'outbox' THEN
-                RETURN QUERY SELECT (c.claimed).*, c.has_more, c.state
-                FROM workpump.with_checkpoints('outbox', ARRAY(
-                    SELECT w FROM workpump.claim_outbox(
-                        p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                        v_outbox_topics, v_outbox_prefixes, p_stream_run_max, v_now) w),
-                    v_quota, p_return_dead_lettered) c;
-            ELSIF v_category = 'inbox' THEN
-                RETURN QUERY SELECT (c.claimed).*, c.has_more, c.state
-                FROM workpump.with_checkpoints('inbox', ARRAY(
-                    SELECT w FROM workpump.claim_inbox(
-                        p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                        v_inbox_topics, v_inbox_prefixes, p_stream_run_max, v_now) w),
-                    v_quota, p_return_dead_lettered) c;
-            ELSIF v_category = 'perspective_event' THEN
-                RETURN QUERY SELECT (c.claimed).*, c.has_more, c.state
-                FROM workpump.with_checkpoints('perspective_event', ARRAY(
-                    SELECT w FROM workpump.claim_perspective_event(
-                        p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                        v_perspective_topics, v_perspective_prefixes, p_stream_run_max, v_now) w),
-                    v_quota, p_return_dead_lettered) c;
+            IF v_choice.category = 'outbox' THEN
+                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
+                FROM workpump.claim_outbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
+                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max, v_now) w
+                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
+            ELSIF v_choice.category = 'inbox' THEN
+                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
+                FROM workpump.claim_inbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
+                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max, v_now) w
+                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
+            ELSIF v_choice.category = 'perspective_event' THEN
+                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
+                FROM workpump.claim_perspective_event(p_instance_id, v_quota, p_lease_seconds,
+                    v_rank, v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
+                    v_now) w
+                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSE
-                RETURN QUERY SELECT (c.claimed).*, c.has_more, c.state
-                FROM workpump.with_checkpoints('receptor', ARRAY(
-                    SELECT w FROM workpump.claim_receptor(
-                        p_instance_id, v_quota, p_lease_seconds, v_rank, v_live_count,
-                        v_receptor_topics, v_receptor_prefixes, p_stream_run_max, v_now) w),
-                    v_quota, p_return_dead_lettered) c;
+                RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
+                FROM workpump.claim_receptor(p_instance_id, v_quota, p_lease_seconds, v_rank,
+                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max, v_now) w
+                WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             END IF;
             GET DIAGNOSTICS v_count = ROW_COUNT;
             v_remaining := v_remaining - v_count;
             IF v_count >= v_quota THEN
                 IF v_step <= v_first_round THEN
-                    v_rounds := v_rounds || v_category;  -- it gets a share of the leftovers
+                    v_rounds := v_rounds || v_choice;  -- it gets a share of the leftovers
                 ELSE
                     v_any_more := true;
                 END IF;
@@ -3983,46 +3028,6 @@ BEGIN
 END
 $$;
 
--- One category's claimed rows (p_rows, as its claim function returned them, in that
--- order) with each leased row's checkpoint (NULL: none) and has_more (the category
--- filled p_quota). Rows the claim parked as dead (no lease token) are announced on
--- workpump_done, and returned only with p_with_parked.
-CREATE FUNCTION workpump.with_checkpoints(
-    p_category text, p_rows workpump.leased_work[], p_quota integer, p_with_parked boolean
-) RETURNS TABLE (claimed workpump.leased_work, has_more boolean, state jsonb)
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-AS $$
-DECLARE
-    v_meta record;
-    v_parked uuid[];
-    v_leased uuid[];
-BEGIN
-    IF coalesce(cardinality(p_rows), 0) = 0 THEN
-        RETURN;
-    END IF;
-    v_meta := workpump.work_table(p_category);
-    SELECT array_agg(r.work_id) FILTER (WHERE r.lease_token IS NULL),
-           array_agg(r.work_id) FILTER (WHERE r.lease_token IS NOT NULL)
-    INTO v_parked, v_leased
-    FROM unnest(p_rows) r;
-    PERFORM workpump.notify_ended(v_parked);
-    -- The rows in their order (a scan of the array, and a window over it, keep it); the
-    -- states from one keyed read, usually of no row.
-    RETURN QUERY EXECUTE format($q$
-        WITH s AS MATERIALIZED (
-            SELECT t.%2$I AS id, t.state FROM %1$I t
-            WHERE t.%2$I = ANY ($4) AND t.state IS NOT NULL
-        )
-        SELECT r, count(r.lease_token) OVER () >= $2,
-               CASE WHEN r.lease_token IS NOT NULL
-                    THEN (SELECT s.state FROM s WHERE s.id = r.work_id) END
-        FROM unnest($1) r
-        WHERE r.lease_token IS NOT NULL OR $3$q$, v_meta.tbl, v_meta.key_col)
-    USING p_rows, p_quota, p_with_parked, v_leased;
-END
-$$;
-
 -- NOTIFY workpump_done that the rows p_ids ended: once per call, delivered at commit;
 -- the payload is their ids, comma-separated, or '*' for more than 200 (under the
 -- 8000-byte limit of a payload). A hint: the listener reads the rows to know.
@@ -4176,15 +3181,15 @@ BEGIN
         WHERE a.owner_instance_id IS NULL
           AND NOT CASE a.category
               WHEN 'outbox' THEN EXISTS (SELECT 1 FROM workpump_outbox t
-                  WHERE t.stream = a.stream AND t.processed_at IS NULL)
+                  WHERE t.stream = a.stream AND t.done_at IS NULL)
               WHEN 'inbox' THEN EXISTS (SELECT 1 FROM workpump_inbox t
-                  WHERE t.stream = a.stream AND t.processed_at IS NULL)
+                  WHERE t.stream = a.stream AND t.done_at IS NULL)
               WHEN 'perspective_event' THEN EXISTS (SELECT 1 FROM workpump_perspective_event t
-                  WHERE t.perspective_name = a.scope AND t.stream = a.stream
-                    AND t.processed_at IS NULL)
+                  WHERE t.topic = a.scope AND t.stream = a.stream
+                    AND t.done_at IS NULL)
               ELSE EXISTS (SELECT 1 FROM workpump_receptor_processing t
-                  WHERE t.receptor_name = a.scope AND t.stream = a.stream
-                    AND t.completed_at IS NULL)
+                  WHERE t.topic = a.scope AND t.stream = a.stream
+                    AND t.done_at IS NULL)
           END
         LIMIT p_batch
         FOR UPDATE SKIP LOCKED));
@@ -4263,7 +3268,7 @@ BEGIN
         -- oldest first, through wp_inbox_dedup_seen; never the id of a row still stored
         SELECT o.message_id FROM workpump_inbox_dedup o
         WHERE o.first_seen_at < p_seen_before
-          AND NOT EXISTS (SELECT 1 FROM workpump_inbox i WHERE i.message_id = o.message_id)
+          AND NOT EXISTS (SELECT 1 FROM workpump_inbox i WHERE i.work_id = o.message_id)
         ORDER BY o.first_seen_at LIMIT p_batch
         FOR UPDATE SKIP LOCKED));
     GET DIAGNOSTICS v_count = ROW_COUNT;

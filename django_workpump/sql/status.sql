@@ -58,7 +58,7 @@ WITH RECURSIVE clock AS (
     FROM clock c CROSS JOIN LATERAL (
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_outbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.stream_head
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               ORDER BY t.priority DESC, t.seq
@@ -66,7 +66,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_outbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
               ORDER BY t.scheduled_for
@@ -74,21 +74,21 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_outbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND NOT t.stream_head AND t.stream IS NOT NULL
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_outbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for > c.now AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_outbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NOT NULL
                 AND t.lease_expiry > c.now
               LIMIT %(exact_limit)s + 1) x
@@ -97,7 +97,7 @@ WITH RECURSIVE clock AS (
         FROM (SELECT e.created_at FROM holders_outbox h CROSS JOIN LATERAL (
                   SELECT t.created_at FROM workpump_outbox t
                   WHERE t.instance_id = h.instance_id
-                    AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                    AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
                     AND t.lease_expiry <= c.now
                   LIMIT %(exact_limit)s + 1) e
               WHERE h.instance_id IS NOT NULL
@@ -105,7 +105,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_outbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.claimed_at IS NOT NULL
               ORDER BY t.seq
@@ -113,7 +113,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_outbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
               LIMIT %(exact_limit)s + 1) x
     ) a
     UNION ALL
@@ -121,7 +121,7 @@ WITH RECURSIVE clock AS (
     FROM clock c CROSS JOIN LATERAL (
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.stream_head
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               ORDER BY t.priority DESC, t.seq
@@ -129,7 +129,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
               ORDER BY t.scheduled_for
@@ -137,21 +137,21 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND NOT t.stream_head AND t.stream IS NOT NULL
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for > c.now AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NOT NULL
                 AND t.lease_expiry > c.now
               LIMIT %(exact_limit)s + 1) x
@@ -160,7 +160,7 @@ WITH RECURSIVE clock AS (
         FROM (SELECT e.created_at FROM holders_inbox h CROSS JOIN LATERAL (
                   SELECT t.created_at FROM workpump_inbox t
                   WHERE t.instance_id = h.instance_id
-                    AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                    AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
                     AND t.lease_expiry <= c.now
                   LIMIT %(exact_limit)s + 1) e
               WHERE h.instance_id IS NOT NULL
@@ -168,7 +168,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.claimed_at IS NOT NULL
               ORDER BY t.seq
@@ -176,7 +176,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_inbox t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
               LIMIT %(exact_limit)s + 1) x
     ) a
     UNION ALL
@@ -184,7 +184,7 @@ WITH RECURSIVE clock AS (
     FROM clock c CROSS JOIN LATERAL (
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.stream_head
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               ORDER BY t.priority DESC, t.seq
@@ -192,7 +192,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
               ORDER BY t.scheduled_for
@@ -200,21 +200,21 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND NOT t.stream_head AND t.stream IS NOT NULL
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for > c.now AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NOT NULL
                 AND t.lease_expiry > c.now
               LIMIT %(exact_limit)s + 1) x
@@ -223,7 +223,7 @@ WITH RECURSIVE clock AS (
         FROM (SELECT e.created_at FROM holders_perspective_event h CROSS JOIN LATERAL (
                   SELECT t.created_at FROM workpump_perspective_event t
                   WHERE t.instance_id = h.instance_id
-                    AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+                    AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
                     AND t.lease_expiry <= c.now
                   LIMIT %(exact_limit)s + 1) e
               WHERE h.instance_id IS NOT NULL
@@ -231,7 +231,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.claimed_at IS NOT NULL
               ORDER BY t.seq
@@ -239,7 +239,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_perspective_event t
-              WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
               LIMIT %(exact_limit)s + 1) x
     ) a
     UNION ALL
@@ -247,7 +247,7 @@ WITH RECURSIVE clock AS (
     FROM clock c CROSS JOIN LATERAL (
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.stream_head
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               ORDER BY t.priority DESC, t.seq
@@ -255,7 +255,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for <= c.now AND t.claimed_at IS NULL
               ORDER BY t.scheduled_for
@@ -263,21 +263,21 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND NOT t.stream_head AND t.stream IS NOT NULL
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'scheduled' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.scheduled_for > c.now AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'leased' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NOT NULL
                 AND t.lease_expiry > c.now
               LIMIT %(exact_limit)s + 1) x
@@ -286,7 +286,7 @@ WITH RECURSIVE clock AS (
         FROM (SELECT e.created_at FROM holders_receptor h CROSS JOIN LATERAL (
                   SELECT t.created_at FROM workpump_receptor_processing t
                   WHERE t.instance_id = h.instance_id
-                    AND t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+                    AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
                     AND t.lease_expiry <= c.now
                   LIMIT %(exact_limit)s + 1) e
               WHERE h.instance_id IS NOT NULL
@@ -294,7 +294,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'orphaned' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
                 AND t.instance_id IS NULL
                 AND t.claimed_at IS NOT NULL
               ORDER BY t.seq
@@ -302,7 +302,7 @@ WITH RECURSIVE clock AS (
         UNION ALL
         SELECT 'dead' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM workpump_receptor_processing t
-              WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
               LIMIT %(exact_limit)s + 1) x
     ) a
 ), counted AS (
@@ -316,41 +316,41 @@ WITH RECURSIVE clock AS (
     -- order of the _done index (a bounded read of it, whatever the table holds), and
     -- that index's row count at the last VACUUM or ANALYZE (pg_class.reltuples)
     SELECT 'outbox' AS category, 'wp_outbox_done'::regclass AS index,
-           (SELECT count(*) FROM (SELECT FROM workpump_outbox t WHERE t.processed_at IS NOT NULL
-                                  ORDER BY t.processed_at LIMIT %(exact_limit)s + 1) d) AS capped
+           (SELECT count(*) FROM (SELECT FROM workpump_outbox t WHERE t.done_at IS NOT NULL
+                                  ORDER BY t.done_at LIMIT %(exact_limit)s + 1) d) AS capped
     UNION ALL
     SELECT 'inbox', 'wp_inbox_done'::regclass,
-           (SELECT count(*) FROM (SELECT FROM workpump_inbox t WHERE t.processed_at IS NOT NULL
-                                  ORDER BY t.processed_at LIMIT %(exact_limit)s + 1) d)
+           (SELECT count(*) FROM (SELECT FROM workpump_inbox t WHERE t.done_at IS NOT NULL
+                                  ORDER BY t.done_at LIMIT %(exact_limit)s + 1) d)
     UNION ALL
     SELECT 'perspective_event', 'wp_persp_done'::regclass,
            (SELECT count(*) FROM (SELECT FROM workpump_perspective_event t
-                                  WHERE t.processed_at IS NOT NULL
-                                  ORDER BY t.processed_at LIMIT %(exact_limit)s + 1) d)
+                                  WHERE t.done_at IS NOT NULL
+                                  ORDER BY t.done_at LIMIT %(exact_limit)s + 1) d)
     UNION ALL
     SELECT 'receptor', 'wp_receptor_done'::regclass,
            (SELECT count(*) FROM (SELECT FROM workpump_receptor_processing t
-                                  WHERE t.completed_at IS NOT NULL
-                                  ORDER BY t.completed_at LIMIT %(exact_limit)s + 1) d)
+                                  WHERE t.done_at IS NOT NULL
+                                  ORDER BY t.done_at LIMIT %(exact_limit)s + 1) d)
 ), ended AS (
     -- rows that ended cancelled or discarded, counted exactly through the _ended indexes
     SELECT 'outbox' AS category, t.end_state AS state, count(*) AS count,
            NULL::timestamptz AS oldest_created_at, false AS estimated
-    FROM workpump_outbox t WHERE t.processed_at IS NOT NULL AND t.end_state IS NOT NULL
+    FROM workpump_outbox t WHERE t.done_at IS NOT NULL AND t.end_state IS NOT NULL
     GROUP BY t.end_state
     UNION ALL
     SELECT 'inbox', t.end_state, count(*), NULL::timestamptz, false
-    FROM workpump_inbox t WHERE t.processed_at IS NOT NULL AND t.end_state IS NOT NULL
+    FROM workpump_inbox t WHERE t.done_at IS NOT NULL AND t.end_state IS NOT NULL
     GROUP BY t.end_state
     UNION ALL
     SELECT 'perspective_event', t.end_state, count(*), NULL::timestamptz, false
     FROM workpump_perspective_event t
-    WHERE t.processed_at IS NOT NULL AND t.end_state IS NOT NULL
+    WHERE t.done_at IS NOT NULL AND t.end_state IS NOT NULL
     GROUP BY t.end_state
     UNION ALL
     SELECT 'receptor', t.end_state, count(*), NULL::timestamptz, false
     FROM workpump_receptor_processing t
-    WHERE t.completed_at IS NOT NULL AND t.end_state IS NOT NULL
+    WHERE t.done_at IS NOT NULL AND t.end_state IS NOT NULL
     GROUP BY t.end_state
 ), done AS (
     -- completed rows: exact up to the limit; past it the _done index's estimated rows;
@@ -385,92 +385,92 @@ ORDER BY k.k_order, s.s_order
 -- planner's estimate of each arm (the children of its Append, in this order) is the count
 -- of a state that state_counts found past its exact limit.
 SELECT 'outbox' AS category, 'pending' AS state FROM workpump_outbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
 UNION ALL
 SELECT 'outbox' AS category, 'scheduled' AS state FROM workpump_outbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
 UNION ALL
 SELECT 'outbox' AS category, 'leased' AS state FROM workpump_outbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
 UNION ALL
 SELECT 'outbox' AS category, 'orphaned' AS state FROM workpump_outbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
        OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
 UNION ALL
 SELECT 'outbox' AS category, 'dead' AS state FROM workpump_outbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
 UNION ALL
 SELECT 'inbox' AS category, 'pending' AS state FROM workpump_inbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
 UNION ALL
 SELECT 'inbox' AS category, 'scheduled' AS state FROM workpump_inbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
 UNION ALL
 SELECT 'inbox' AS category, 'leased' AS state FROM workpump_inbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
 UNION ALL
 SELECT 'inbox' AS category, 'orphaned' AS state FROM workpump_inbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
        OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
 UNION ALL
 SELECT 'inbox' AS category, 'dead' AS state FROM workpump_inbox t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
 UNION ALL
 SELECT 'perspective_event' AS category, 'pending' AS state FROM workpump_perspective_event t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
 UNION ALL
 SELECT 'perspective_event' AS category, 'scheduled' AS state FROM workpump_perspective_event t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
 UNION ALL
 SELECT 'perspective_event' AS category, 'leased' AS state FROM workpump_perspective_event t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
 UNION ALL
 SELECT 'perspective_event' AS category, 'orphaned' AS state FROM workpump_perspective_event t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
        OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
 UNION ALL
 SELECT 'perspective_event' AS category, 'dead' AS state FROM workpump_perspective_event t
-WHERE t.processed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
 UNION ALL
 SELECT 'receptor' AS category, 'pending' AS state FROM workpump_receptor_processing t
-WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND (t.scheduled_for IS NULL OR t.scheduled_for <= coalesce(%(now)s::timestamptz, now()))
 UNION ALL
 SELECT 'receptor' AS category, 'scheduled' AS state FROM workpump_receptor_processing t
-WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NULL AND t.claimed_at IS NULL
   AND t.scheduled_for > coalesce(%(now)s::timestamptz, now())
 UNION ALL
 SELECT 'receptor' AS category, 'leased' AS state FROM workpump_receptor_processing t
-WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND t.instance_id IS NOT NULL AND t.lease_expiry > coalesce(%(now)s::timestamptz, now())
 UNION ALL
 SELECT 'receptor' AS category, 'orphaned' AS state FROM workpump_receptor_processing t
-WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
   AND ((t.instance_id IS NOT NULL AND t.lease_expiry <= coalesce(%(now)s::timestamptz, now()))
        OR (t.instance_id IS NULL AND t.claimed_at IS NOT NULL))
 UNION ALL
 SELECT 'receptor' AS category, 'dead' AS state FROM workpump_receptor_processing t
-WHERE t.completed_at IS NULL AND t.dead_lettered_at IS NOT NULL
+WHERE t.done_at IS NULL AND t.dead_lettered_at IS NOT NULL
 
 -- name: blocked_streams
 -- Ordered streams whose head is dead or waiting for a retry (scheduled after a failed
@@ -479,49 +479,49 @@ WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), heads AS (
     -- undone heads of ordered streams that are parked or not due yet
-    SELECT 'outbox' AS category, '' AS scope, h.stream, h.message_id AS head_id, h.attempts,
+    SELECT 'outbox' AS category, '' AS scope, h.stream, h.work_id AS head_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
-           workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
+           workpump.state_of(h.done_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
                              h.claimed_at, h.scheduled_for, h.end_state, c.now) AS head_state,
            (SELECT count(*) FROM workpump_outbox n
-            WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq) AS waiting
+            WHERE n.stream = h.stream AND n.done_at IS NULL AND n.seq > h.seq) AS waiting
     FROM workpump_outbox h CROSS JOIN clock c
-    WHERE h.stream_head AND h.stream IS NOT NULL AND h.processed_at IS NULL
+    WHERE h.stream_head AND h.stream IS NOT NULL AND h.done_at IS NULL
       AND (h.dead_lettered_at IS NOT NULL
            OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
     UNION ALL
-    SELECT 'inbox', '', h.stream, h.message_id, h.attempts,
+    SELECT 'inbox', '', h.stream, h.work_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
-           workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
+           workpump.state_of(h.done_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
                              h.claimed_at, h.scheduled_for, h.end_state, c.now),
            (SELECT count(*) FROM workpump_inbox n
-            WHERE n.stream = h.stream AND n.processed_at IS NULL AND n.seq > h.seq)
+            WHERE n.stream = h.stream AND n.done_at IS NULL AND n.seq > h.seq)
     FROM workpump_inbox h CROSS JOIN clock c
-    WHERE h.stream_head AND h.stream IS NOT NULL AND h.processed_at IS NULL
+    WHERE h.stream_head AND h.stream IS NOT NULL AND h.done_at IS NULL
       AND (h.dead_lettered_at IS NOT NULL
            OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
     UNION ALL
-    SELECT 'perspective_event', h.perspective_name, h.stream, h.event_work_id, h.attempts,
+    SELECT 'perspective_event', h.topic, h.stream, h.work_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
-           workpump.state_of(h.processed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
+           workpump.state_of(h.done_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
                              h.claimed_at, h.scheduled_for, h.end_state, c.now),
            (SELECT count(*) FROM workpump_perspective_event n
-            WHERE n.perspective_name = h.perspective_name AND n.stream = h.stream
-              AND n.processed_at IS NULL AND n.seq > h.seq)
+            WHERE n.topic = h.topic AND n.stream = h.stream
+              AND n.done_at IS NULL AND n.seq > h.seq)
     FROM workpump_perspective_event h CROSS JOIN clock c
-    WHERE h.stream_head AND h.stream IS NOT NULL AND h.processed_at IS NULL
+    WHERE h.stream_head AND h.stream IS NOT NULL AND h.done_at IS NULL
       AND (h.dead_lettered_at IS NOT NULL
            OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
     UNION ALL
-    SELECT 'receptor', h.receptor_name, h.stream, h.id, h.attempts,
+    SELECT 'receptor', h.topic, h.stream, h.work_id, h.attempts,
            h.max_attempts, h.scheduled_for, h.dead_lettered_at, h.failure_reason, h.last_error,
-           workpump.state_of(h.completed_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
+           workpump.state_of(h.done_at, h.dead_lettered_at, h.instance_id, h.lease_expiry,
                              h.claimed_at, h.scheduled_for, h.end_state, c.now),
            (SELECT count(*) FROM workpump_receptor_processing n
-            WHERE n.receptor_name = h.receptor_name AND n.stream = h.stream
-              AND n.completed_at IS NULL AND n.seq > h.seq)
+            WHERE n.topic = h.topic AND n.stream = h.stream
+              AND n.done_at IS NULL AND n.seq > h.seq)
     FROM workpump_receptor_processing h CROSS JOIN clock c
-    WHERE h.stream_head AND h.stream IS NOT NULL AND h.completed_at IS NULL
+    WHERE h.stream_head AND h.stream IS NOT NULL AND h.done_at IS NULL
       AND (h.dead_lettered_at IS NOT NULL
            OR (h.dead_lettered_at IS NULL AND h.scheduled_for > c.now))
 ), blocked AS (
@@ -541,29 +541,29 @@ LIMIT %(limit)s
 -- name: dead_rows
 -- The most recently parked rows of all four tables, newest first.
 SELECT d.* FROM (
-    (SELECT 'outbox' AS category, message_id AS work_id, destination AS topic, stream,
+    (SELECT 'outbox' AS category, work_id, topic, stream,
             attempts, max_attempts, failure_reason, dead_lettered_at,
             split_part(last_error, E'\n', 1) AS last_error
      FROM workpump_outbox
-     WHERE processed_at IS NULL AND dead_lettered_at IS NOT NULL
+     WHERE done_at IS NULL AND dead_lettered_at IS NOT NULL
      ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
     UNION ALL
-    (SELECT 'inbox', message_id, handler_name, stream, attempts, max_attempts, failure_reason,
+    (SELECT 'inbox', work_id, topic, stream, attempts, max_attempts, failure_reason,
             dead_lettered_at, split_part(last_error, E'\n', 1)
      FROM workpump_inbox
-     WHERE processed_at IS NULL AND dead_lettered_at IS NOT NULL
+     WHERE done_at IS NULL AND dead_lettered_at IS NOT NULL
      ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
     UNION ALL
-    (SELECT 'perspective_event', event_work_id, perspective_name, stream, attempts,
+    (SELECT 'perspective_event', work_id, topic, stream, attempts,
             max_attempts, failure_reason, dead_lettered_at, split_part(last_error, E'\n', 1)
      FROM workpump_perspective_event
-     WHERE processed_at IS NULL AND dead_lettered_at IS NOT NULL
+     WHERE done_at IS NULL AND dead_lettered_at IS NOT NULL
      ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
     UNION ALL
-    (SELECT 'receptor', id, receptor_name, stream, attempts, max_attempts, failure_reason,
+    (SELECT 'receptor', work_id, topic, stream, attempts, max_attempts, failure_reason,
             dead_lettered_at, split_part(last_error, E'\n', 1)
      FROM workpump_receptor_processing
-     WHERE completed_at IS NULL AND dead_lettered_at IS NOT NULL
+     WHERE done_at IS NULL AND dead_lettered_at IS NOT NULL
      ORDER BY dead_lettered_at DESC LIMIT %(limit)s)
 ) d
 ORDER BY d.dead_lettered_at DESC, d.category, d.work_id
@@ -685,103 +685,103 @@ WITH clock AS (
     -- of each partial index (_ready, _timer, _stream), in claim order. Rows no instance
     -- runs are never claimed, so they stay first; past the limit the counts are of the
     -- rows read (estimated)
-    (SELECT 'outbox' AS category, 'ready' AS arm, t.destination AS topic, t.created_at
+    (SELECT 'outbox' AS category, 'ready' AS arm, t.topic, t.created_at
      FROM workpump_outbox t, clock c
      WHERE 'outbox' NOT IN (SELECT e.category FROM everything e)
-       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
        ORDER BY t.priority DESC, t.seq
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'outbox' AS category, 'timer' AS arm, t.destination AS topic, t.created_at
+    (SELECT 'outbox' AS category, 'timer' AS arm, t.topic, t.created_at
      FROM workpump_outbox t, clock c
      WHERE 'outbox' NOT IN (SELECT e.category FROM everything e)
-       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head
        AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
             OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'outbox' AS category, 'behind' AS arm, t.destination AS topic, t.created_at
+    (SELECT 'outbox' AS category, 'behind' AS arm, t.topic, t.created_at
      FROM workpump_outbox t, clock c
      WHERE 'outbox' NOT IN (SELECT e.category FROM everything e)
-       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'inbox' AS category, 'ready' AS arm, t.handler_name AS topic, t.created_at
+    (SELECT 'inbox' AS category, 'ready' AS arm, t.topic, t.created_at
      FROM workpump_inbox t, clock c
      WHERE 'inbox' NOT IN (SELECT e.category FROM everything e)
-       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
        ORDER BY t.priority DESC, t.seq
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'inbox' AS category, 'timer' AS arm, t.handler_name AS topic, t.created_at
+    (SELECT 'inbox' AS category, 'timer' AS arm, t.topic, t.created_at
      FROM workpump_inbox t, clock c
      WHERE 'inbox' NOT IN (SELECT e.category FROM everything e)
-       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head
        AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
             OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'inbox' AS category, 'behind' AS arm, t.handler_name AS topic, t.created_at
+    (SELECT 'inbox' AS category, 'behind' AS arm, t.topic, t.created_at
      FROM workpump_inbox t, clock c
      WHERE 'inbox' NOT IN (SELECT e.category FROM everything e)
-       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'perspective_event' AS category, 'ready' AS arm, t.perspective_name AS topic, t.created_at
+    (SELECT 'perspective_event' AS category, 'ready' AS arm, t.topic, t.created_at
      FROM workpump_perspective_event t, clock c
      WHERE 'perspective_event' NOT IN (SELECT e.category FROM everything e)
-       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
        ORDER BY t.priority DESC, t.seq
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'perspective_event' AS category, 'timer' AS arm, t.perspective_name AS topic, t.created_at
+    (SELECT 'perspective_event' AS category, 'timer' AS arm, t.topic, t.created_at
      FROM workpump_perspective_event t, clock c
      WHERE 'perspective_event' NOT IN (SELECT e.category FROM everything e)
-       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head
        AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
             OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'perspective_event' AS category, 'behind' AS arm, t.perspective_name AS topic, t.created_at
+    (SELECT 'perspective_event' AS category, 'behind' AS arm, t.topic, t.created_at
      FROM workpump_perspective_event t, clock c
      WHERE 'perspective_event' NOT IN (SELECT e.category FROM everything e)
-       AND t.processed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'receptor' AS category, 'ready' AS arm, t.receptor_name AS topic, t.created_at
+    (SELECT 'receptor' AS category, 'ready' AS arm, t.topic, t.created_at
      FROM workpump_receptor_processing t, clock c
      WHERE 'receptor' NOT IN (SELECT e.category FROM everything e)
-       AND t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
        ORDER BY t.priority DESC, t.seq
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'receptor' AS category, 'timer' AS arm, t.receptor_name AS topic, t.created_at
+    (SELECT 'receptor' AS category, 'timer' AS arm, t.topic, t.created_at
      FROM workpump_receptor_processing t, clock c
      WHERE 'receptor' NOT IN (SELECT e.category FROM everything e)
-       AND t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head
        AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
             OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT 'receptor' AS category, 'behind' AS arm, t.receptor_name AS topic, t.created_at
+    (SELECT 'receptor' AS category, 'behind' AS arm, t.topic, t.created_at
      FROM workpump_receptor_processing t, clock c
      WHERE 'receptor' NOT IN (SELECT e.category FROM everything e)
-       AND t.completed_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND NOT t.stream_head AND t.stream IS NOT NULL AND t.instance_id IS NULL
      LIMIT %(exact_limit)s + 1)
 ), capped AS (

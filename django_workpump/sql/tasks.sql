@@ -8,18 +8,18 @@
 -- only the instance holding the undone row, under the lease token of this attempt.
 UPDATE workpump_inbox
 SET max_attempts = attempts
-WHERE message_id = %(message_id)s
+WHERE work_id = %(work_id)s
   AND instance_id = %(instance_id)s
   AND lease_token = %(lease_token)s
-  AND processed_at IS NULL
-RETURNING message_id, max_attempts
+  AND done_at IS NULL
+RETURNING work_id, max_attempts
 
 -- name: task_result
 -- A task's row and its recorded attempts in one statement (tasks/results.py): the
 -- attempts come as parallel arrays in attempt order (NULL when there is none). Only a
--- row of the backend's topics (handler names starting with %(topic_prefix)s) is found.
-SELECT i.handler_name, i.payload, i.priority, i.created_at, i.attempts, i.instance_id,
-       i.lease_expiry, i.processed_at, i.end_state, i.dead_lettered_at, i.last_error,
+-- row of the backend's topics (topics starting with %(topic_prefix)s) is found.
+SELECT i.topic, i.payload, i.priority, i.created_at, i.attempts, i.instance_id,
+       i.lease_expiry, i.done_at, i.end_state, i.dead_lettered_at, i.last_error,
        i.result,
        a.numbers AS attempt_numbers, a.instance_ids AS attempt_instance_ids,
        a.started AS attempt_started_at, a.finished AS attempt_finished_at,
@@ -33,7 +33,7 @@ CROSS JOIN LATERAL (
            array_agg(t.error_class ORDER BY t.attempt) AS error_classes,
            array_agg(t.traceback ORDER BY t.attempt) AS tracebacks
     FROM workpump_task_attempt t
-    WHERE t.message_id = i.message_id
+    WHERE t.work_id = i.work_id
 ) a
-WHERE i.message_id = %(message_id)s
-  AND starts_with(i.handler_name, %(topic_prefix)s)
+WHERE i.work_id = %(work_id)s
+  AND starts_with(i.topic, %(topic_prefix)s)

@@ -1,6 +1,6 @@
 """``WorkPumpBackend``: enqueue a task as an inbox row; validate tasks; read results.
 
-A task is an inbox row: ``message_id`` is the ``TaskResult`` id, the handler name is
+A task is an inbox row: its ``work_id`` is the ``TaskResult`` id, its topic is
 ``django.tasks:<backend alias>:<queue>``, the payload holds the task's module path, its
 JSON arguments and ``run_after``; priority and ``run_after`` are the row's ``priority``
 and ``scheduled_for``. The row is written in the caller's transaction; ``runner.py``

@@ -33,7 +33,7 @@ from django_workpump.tasks.resolution import resolve_task, topic_of
 def read_result(backend: BaseTaskBackend, result_id: Any) -> TaskResult:
     """The ``TaskResult`` of one task row of ``backend``, from the database."""
     try:
-        message_id = uuid.UUID(str(result_id))
+        work_id = uuid.UUID(str(result_id))
     except ValueError:
         raise TaskResultDoesNotExist(result_id) from None
     using = setting("DATABASE_ALIAS")
@@ -42,7 +42,7 @@ def read_result(backend: BaseTaskBackend, result_id: Any) -> TaskResult:
     rows = db.fetch_named(
         "tasks.sql",
         "task_result",
-        {"message_id": message_id, "topic_prefix": prefix},
+        {"work_id": work_id, "topic_prefix": prefix},
         using=using,
     )
     if not rows:
@@ -75,7 +75,7 @@ def read_result(backend: BaseTaskBackend, result_id: Any) -> TaskResult:
     try:
         task = declared.using(
             backend=backend.alias,
-            queue_name=row["handler_name"][len(prefix) :],
+            queue_name=row["topic"][len(prefix) :],
             priority=row["priority"],
             run_after=run_after,
         )
@@ -105,9 +105,9 @@ def read_result(backend: BaseTaskBackend, result_id: Any) -> TaskResult:
                 TaskError(exception_class_path=class_path(AttemptLost), traceback=_lost(a))
             )
     finished_at = None
-    if row["processed_at"] is not None and row["end_state"] is not None:
+    if row["done_at"] is not None and row["end_state"] is not None:
         # Cancelled (workpump.cancel) or discarded: ended without a return value.
-        status, finished_at = TaskResultStatus.FAILED, row["processed_at"]
+        status, finished_at = TaskResultStatus.FAILED, row["done_at"]
         errors.append(
             TaskError(
                 exception_class_path=class_path(WorkCancelled),
@@ -118,8 +118,8 @@ def read_result(backend: BaseTaskBackend, result_id: Any) -> TaskResult:
                 ),
             )
         )
-    elif row["processed_at"] is not None:
-        status, finished_at = TaskResultStatus.SUCCESSFUL, row["processed_at"]
+    elif row["done_at"] is not None:
+        status, finished_at = TaskResultStatus.SUCCESSFUL, row["done_at"]
     elif row["dead_lettered_at"] is not None:
         status, finished_at = TaskResultStatus.FAILED, row["dead_lettered_at"]
         last = attempts[-1] if attempts else None
@@ -137,7 +137,7 @@ def read_result(backend: BaseTaskBackend, result_id: Any) -> TaskResult:
         status = TaskResultStatus.READY
     result: TaskResult[Any, Any] = TaskResult(
         task=task,
-        id=str(message_id),
+        id=str(work_id),
         status=status,
         enqueued_at=row["created_at"],
         started_at=attempts[0]["started_at"] if attempts else None,

@@ -232,7 +232,7 @@ class AttemptRunner:
         work = self.work
         # Earlier attempts still open ended without an outcome: stamp them.
         TaskAttempt.objects.using(self.using).filter(
-            message_id=work.id, attempt__lt=work.attempts, finished_at__isnull=True
+            work_id=work.id, attempt__lt=work.attempts, finished_at__isnull=True
         ).update(
             finished_at=Now(),
             error_class=class_path(AttemptLost),
@@ -243,7 +243,7 @@ class AttemptRunner:
         )
         try:
             TaskAttempt.objects.using(self.using).create(
-                message_id=work.id,
+                work_id=work.id,
                 attempt=work.attempts,
                 instance_id=self.instance_id,
                 lease_token=work.lease_token,
@@ -251,7 +251,7 @@ class AttemptRunner:
         except IntegrityError:
             # The same claim count again (an operator re-queued a dead row): start over.
             TaskAttempt.objects.using(self.using).filter(
-                message_id=work.id, attempt=work.attempts
+                work_id=work.id, attempt=work.attempts
             ).update(
                 instance_id=self.instance_id,
                 lease_token=work.lease_token,
@@ -305,7 +305,7 @@ class AttemptRunner:
             "tasks.sql",
             "spend_attempts",
             {
-                "message_id": self.work.id,
+                "work_id": self.work.id,
                 "instance_id": self.work.instance_id,
                 "lease_token": self.work.lease_token,
             },
@@ -326,7 +326,7 @@ class AttemptRunner:
             # nor does an older claim's run that reached the same attempt number (a
             # re-queued row).
             attempt = TaskAttempt.objects.using(self.using).filter(
-                message_id=self.work.id, attempt=self.work.attempts, finished_at__isnull=True
+                work_id=self.work.id, attempt=self.work.attempts, finished_at__isnull=True
             )
             if self.work.lease_token is not None:
                 attempt = attempt.filter(lease_token=self.work.lease_token)

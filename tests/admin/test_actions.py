@@ -30,11 +30,9 @@ def state_of(row: Any) -> str:
     from django_workpump.admin.expressions import WorkSpec, state_of as state_expr  # noqa: I001
 
     specs = {
-        models.Outbox: WorkSpec("outbox", "message_id", "destination", "processed_at", None),
-        models.Inbox: WorkSpec("inbox", "message_id", "handler_name", "processed_at", None),
-        models.ReceptorProcessing: WorkSpec(
-            "receptor", "work_id", "receptor_name", "completed_at", "receptor_name"
-        ),
+        models.Outbox: WorkSpec("outbox", False),
+        models.Inbox: WorkSpec("inbox", False),
+        models.ReceptorProcessing: WorkSpec("receptor", True),
     }
     model = type(row)
     return model.objects.annotate(s=state_expr(specs[model])).get(pk=row.pk).s
@@ -57,14 +55,14 @@ def rows() -> dict[str, Any]:
         "held_live": factories.OutboxFactory(
             instance_id=live.instance_id, lease_expiry=now + HOUR, claimed_at=now
         ),
-        "done": factories.OutboxFactory(processed_at=T0),
-        "new": factories.OutboxFactory(created_at=now, destination="emails.fresh"),
+        "done": factories.OutboxFactory(done_at=T0),
+        "new": factories.OutboxFactory(created_at=now, topic="emails.fresh"),
         "live": live,
     }
 
 
 def key(row: Any) -> uuid.UUID:
-    return row.work_id if isinstance(row, models.ReceptorProcessing) else row.message_id
+    return row.work_id
 
 
 # --- the Python functions -------------------------------------------------------------------
@@ -257,7 +255,7 @@ def test_the_command_cancels_and_its_dry_run_changes_nothing(rows):
 @pytest.fixture
 def many() -> list[models.Outbox]:
     return factories.OutboxFactory.create_batch(
-        CONFIRM_OVER + 1, destination="bulk", scheduled_for=timezone.now() + HOUR
+        CONFIRM_OVER + 1, topic="bulk", scheduled_for=timezone.now() + HOUR
     )
 
 
@@ -268,7 +266,7 @@ def test_a_large_selection_without_a_terminal_is_refused(many):
         f"This would retry {CONFIRM_OVER + 1} rows, more than {CONFIRM_OVER}, and there is no "
         "terminal to ask for confirmation. Check the selection with --dry-run, then pass --yes."
     )
-    assert models.Outbox.objects.filter(destination="bulk", scheduled_for__isnull=True).count() == 0
+    assert models.Outbox.objects.filter(topic="bulk", scheduled_for__isnull=True).count() == 0
 
 
 def test_a_large_selection_is_confirmed_at_the_prompt(many):
@@ -279,7 +277,7 @@ def test_a_large_selection_is_confirmed_at_the_prompt(many):
     assert f"retry: {CONFIRM_OVER + 1} of {CONFIRM_OVER + 1} selected rows retried." in out
     # --yes and --dry-run never ask
     factories.OutboxFactory.create_batch(
-        CONFIRM_OVER + 1, destination="bulk", scheduled_for=timezone.now() + HOUR
+        CONFIRM_OVER + 1, topic="bulk", scheduled_for=timezone.now() + HOUR
     )
     assert "would be retried" in run("retry", "--topic", "bulk", "--dry-run")[0]
     out, _ = run("retry", "--topic", "bulk", "--yes")
@@ -323,8 +321,8 @@ def test_flags_may_come_before_between_and_after_the_ids(rows):
 @pytest.mark.django_db(transaction=True, databases=["default", "second"])
 def test_database_acts_on_another_database_alias():
     there = models.Outbox.objects.using("second").create(
-        message_id=uuid.uuid4(),
-        destination="shard.only",
+        work_id=uuid.uuid4(),
+        topic="shard.only",
         payload={},
         created_at=T0,
         scheduled_for=timezone.now() + HOUR,
@@ -334,7 +332,7 @@ def test_database_acts_on_another_database_alias():
     out, _ = run("retry", "--state", "scheduled", "--database", "second")
 
     assert out.splitlines() == [
-        f"retried: outbox {there.message_id} shard.only (was scheduled)",
+        f"retried: outbox {there.work_id} shard.only (was scheduled)",
         "retry: 1 of 1 selected row retried.",
     ]
     assert models.Outbox.objects.using("second").get(pk=there.pk).scheduled_for is None
@@ -530,7 +528,7 @@ class LeasingTerminal(Terminal):
 
 
 def test_rows_leased_while_the_prompt_waits_are_not_dead_lettered():
-    pending = factories.OutboxFactory.create_batch(CONFIRM_OVER + 1, destination="bulk")
+    pending = factories.OutboxFactory.create_batch(CONFIRM_OVER + 1, topic="bulk")
     holder = factories.ServiceInstanceFactory(last_heartbeat_at=timezone.now())
 
     out, _ = run(
@@ -552,7 +550,7 @@ def test_rows_leased_while_the_prompt_waits_are_not_dead_lettered():
 
 
 def test_rows_leased_while_the_prompt_waits_count_as_held_when_chosen_by_id():
-    pending = factories.OutboxFactory.create_batch(CONFIRM_OVER + 1, destination="bulk")
+    pending = factories.OutboxFactory.create_batch(CONFIRM_OVER + 1, topic="bulk")
     holder = factories.ServiceInstanceFactory(last_heartbeat_at=timezone.now())
 
     out, _ = run(
@@ -575,7 +573,7 @@ def test_a_selection_is_capped_unless_limit_or_all_says_otherwise(monkeypatch):
 
     assert workpump_action.SELECTION_CAP == 1_000
     monkeypatch.setattr(workpump_action, "SELECTION_CAP", 3)
-    factories.OutboxFactory.create_batch(5, destination="bulk", scheduled_for=timezone.now() + HOUR)
+    factories.OutboxFactory.create_batch(5, topic="bulk", scheduled_for=timezone.now() + HOUR)
 
     out, _ = run("retry", "--topic", "bulk")
 

@@ -22,7 +22,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from django.contrib import admin
 from django.contrib.auth.models import Permission, User
 from django.contrib.contenttypes.models import ContentType
 from django.contrib.messages import get_messages
@@ -126,7 +125,7 @@ def row_cells(html: str, key: Any) -> dict[str, dict[str, str]]:
 
 def listed_keys(html: str) -> set[str]:
     """Ids of the rows on a work changelist page."""
-    return set(re.findall(r'<th class="field-work_id"><a [^>]*><span title="([^"]+)"', html))
+    return set(re.findall(r'<th class="field-work_id_cell"><a [^>]*><span title="([^"]+)"', html))
 
 
 def messages_of(response: Any) -> list[str]:
@@ -224,7 +223,7 @@ class World:
             failure_reason="handler_error",
             last_error="KeyError: 'x'",
         )
-        self.add("done", attempts=1, processed_at=now - secs(10))
+        self.add("done", attempts=1, done_at=now - secs(10))
         # s-dead: a dead head holds back two rows
         self.add("dead_head", stream="s-dead", attempts=10, dead_lettered_at=now - secs(30))
         self.add("behind_dead_1", stream="s-dead")
@@ -248,10 +247,10 @@ class World:
 
     def add(self, name: str, **fields: Any) -> None:
         fields.setdefault("created_at", self.now - secs(300))
-        self.rows[name] = factories.OutboxFactory(destination=f"topic.{name}", **fields)
+        self.rows[name] = factories.OutboxFactory(topic=f"topic.{name}", **fields)
 
     def key(self, name: str) -> str:
-        return str(self.rows[name].message_id)
+        return str(self.rows[name].work_id)
 
     def keys(self, *names: str) -> set[str]:
         return {self.key(name) for name in names}
@@ -445,7 +444,7 @@ def test_owner_and_topic_filters(admin_client: Client, world: World) -> None:
     )
     assert listed(owner="not-live") == world.keys("leased_stale", "leased_evicted", "leased_gone")
     assert world.keys("pending", "dead") <= listed(owner="none")
-    assert listed(destination="topic.done") == world.keys("done")
+    assert listed(topic="topic.done") == world.keys("done")
 
 
 # -- query counts ---------------------------------------------------------------------------
@@ -532,7 +531,7 @@ def test_a_work_id_url_leads_to_the_row_page_which_shows_the_whole_id(
     admin_client: Client, model: type[Any]
 ) -> None:
     row = factories_for(model)
-    work_id = str(getattr(row, admin.site._registry[model].spec.key_field))
+    work_id = str(row.work_id)
     base = f"/admin/workpump/{model._meta.model_name}/"
     page = f"{base}{row.pk}/change/"
     for url in (f"{base}{work_id}/", f"{base}{work_id}/change/"):
@@ -545,7 +544,8 @@ def test_a_work_id_url_leads_to_the_row_page_which_shows_the_whole_id(
     html = admin_client.get(page).content.decode()
     assert f'<code class="wp-id" style="user-select:all">{work_id}</code>' in html
     changelist = admin_client.get(base).content.decode()
-    ids = re.findall(r'<th class="field-work_id"><a [^>]*>(?:<span [^>]*>)?([^<]+)<', changelist)
+    cell = r'<th class="field-work_id_cell"><a [^>]*>(?:<span [^>]*>)?([^<]+)<'
+    ids = re.findall(cell, changelist)
     assert ids == [work_id]  # in full, not its first 8 characters
 
 
@@ -555,7 +555,7 @@ def test_the_id_send_returns_opens_its_outbox_row_and_an_unknown_id_says_so(
     message_id = workpump.send("admin.by_id", {"n": 1})
     response = admin_client.get(f"{OUTBOX_URL}{message_id}/change/", follow=True)
     assert response.status_code == 200
-    assert response.context["original"].message_id == message_id
+    assert response.context["original"].work_id == message_id
 
     unknown = uuid.uuid4()
     response = admin_client.get(f"{OUTBOX_URL}{unknown}/change/", follow=True)
@@ -768,7 +768,7 @@ def test_dead_letter_by_a_long_username_fits_the_reason_and_logs_each_row(
         assert len(stored) == 40 and stored.startswith("dead-lettered in the admin by ooo")
         assert stored.endswith("…")
     errors = [r for r in caplog.records if getattr(r, "action", None) == "dead_lettered"]
-    ids = sorted(str(row.message_id) for row in chosen)
+    ids = sorted(str(row.work_id) for row in chosen)
     assert sorted(r.workpump_id for r in errors) == ids  # one each
     for record in errors:
         message = record.getMessage()
@@ -955,7 +955,7 @@ def test_the_heartbeat_colour_follows_the_instance_cadence_and_alive_lock(
         instances = admin_client.get(INSTANCES_URL).content.decode()
         assert colour in row_cells(instances, instance.instance_id)["heartbeat"]["html"]
         outbox = admin_client.get(OUTBOX_URL).content.decode()
-        assert colour in row_cells(outbox, row.message_id)["owner_heartbeat"]["html"]
+        assert colour in row_cells(outbox, row.work_id)["owner_heartbeat"]["html"]
         summary = admin_client.get(SUMMARY_URL).content.decode()
         [line] = [r for r in summary.split("<tr") if str(instance.instance_id) in r]
         assert colour in line
@@ -1009,7 +1009,7 @@ def test_stream_ownership_shows_owner_stream_lease_and_pending_rows(
     )
     factories.ActiveStreamFactory(stream="s-dead")
     event = factories.EventFactory(stream="order-1")
-    factories.PerspectiveEventFactory(event=event, perspective_name="totals")
+    factories.PerspectiveEventFactory(event=event, topic="totals")
     factories.PerspectiveEventFactory(event=factories.EventFactory(stream="order-1"))
     factories.ActiveStreamFactory(
         category="perspective_event",
@@ -1118,21 +1118,21 @@ def test_the_admin_reads_and_acts_on_the_database_the_pump_uses(admin_client: Cl
     def on_second(**fields: Any) -> models.Outbox:
         fields.setdefault("created_at", timezone.now())
         return models.Outbox.objects.using("second").create(
-            message_id=uuid.uuid4(), destination="shard.topic", payload={}, **fields
+            work_id=uuid.uuid4(), topic="shard.topic", payload={}, **fields
         )
 
     pending = on_second()
     waiting = on_second(attempts=1, scheduled_for=timezone.now() + timedelta(hours=1))
-    factories.OutboxFactory(destination="default.topic")
+    factories.OutboxFactory(topic="default.topic")
 
     with override_settings(WORKPUMP={"DATABASE_ALIAS": "second"}):
         html = admin_client.get(OUTBOX_URL).content.decode()
-        assert listed_keys(html) == {str(pending.message_id), str(waiting.message_id)}
+        assert listed_keys(html) == {str(pending.work_id), str(waiting.work_id)}
         html = admin_client.get(OUTBOX_URL, {"state": "pending"}).content.decode()
-        assert listed_keys(html) == {str(pending.message_id)}
+        assert listed_keys(html) == {str(pending.work_id)}
         detail = admin_client.get(f"{OUTBOX_URL}{waiting.pk}/change/")
         assert detail.status_code == 200
-        assert str(waiting.message_id) in detail.content.decode()
+        assert str(waiting.work_id) in detail.content.decode()
 
         response = run_action(admin_client, OUTBOX_URL, "retry_now", [waiting])
         assert messages_of(response) == ["Retried 1 outbox message now."]

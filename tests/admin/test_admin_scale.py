@@ -67,7 +67,7 @@ def world(now: datetime) -> World:
     world.add("attempts_high_pending", attempts=6)
     # Rows that ended other than by completing.
     for end_state in ("cancelled", "discarded"):
-        world.add(end_state, attempts=1, processed_at=now - secs(5), end_state=end_state)
+        world.add(end_state, attempts=1, done_at=now - secs(5), end_state=end_state)
     return world
 
 
@@ -203,11 +203,11 @@ def test_a_bounded_filter_pages_and_counts_as_the_whole_set(
     # With another condition beside it, the fragment yields every row: a bound would
     # leave out rows of that condition that come after the bound.
     last = models.Outbox.objects.get(seq=every[-1])
-    narrowed = queryset.filter(attempts=last.attempts, destination=last.destination)
+    narrowed = queryset.filter(attempts=last.attempts, topic=last.topic)
     assert list(narrowed.order_by(*order).values_list("seq", flat=True)[:1]) == [last.seq]
     # Given the topic filter's topic, it reads that topic's rows only, still bounded.
-    of_topic = models.Outbox.objects.filter(seq__in=seqs(SPEC, topic=last.destination))
-    page = of_topic.filter(destination=last.destination).order_by(*order)[:1]
+    of_topic = models.Outbox.objects.filter(seq__in=seqs(SPEC, topic=last.topic))
+    page = of_topic.filter(topic=last.topic).order_by(*order)[:1]
     assert fetch_bound(page.query, FragmentOrder(order, "", "")) == (1, True)
     assert list(page.values_list("seq", flat=True)) == [last.seq]
 
@@ -216,10 +216,10 @@ def test_a_bounded_filter_pages_and_counts_as_the_whole_set(
     ("params", "bounded", "narrowed"),
     [
         # applied by each arm as it reads
-        ({"destination": "topic.lowly"}, True, {"destination": "topic.lowly"}),
+        ({"topic": "topic.lowly"}, True, {"topic": "topic.lowly"}),
         ({"owner": "none"}, True, {}),  # every pending row is unheld
         # a search may drop rows after a bound: all are read
-        ({"q": "lowly"}, False, {"destination__contains": "lowly"}),
+        ({"q": "lowly"}, False, {"topic__contains": "lowly"}),
     ],
     ids=["topic", "owner=none", "search"],
 )
@@ -245,7 +245,7 @@ def test_a_bounded_page_with_a_topic_reads_that_topics_rows(
     """The oldest row of each bounded page, found through the topic filter at once."""
     every = changelist_queryset(params)
     oldest = every.order_by("seq")[0]
-    page = changelist_queryset({**params, "destination": oldest.destination})[:50]
+    page = changelist_queryset({**params, "topic": oldest.topic})[:50]
     assert fetch_bound(page.query) == (50, True)
     assert [row.seq for row in page] == [oldest.seq]
     assert every.count() >= 3
@@ -286,7 +286,7 @@ DONE_BATCH_SQL = "({n} / 100) * interval '10 milliseconds'"
 def bulk_done(count: int) -> None:
     """``count`` processed outbox rows, inserted by one statement, then ANALYZE."""
     run_sql(
-        "INSERT INTO workpump_outbox (message_id, destination, payload, attempts, processed_at)"
+        "INSERT INTO workpump_outbox (work_id, topic, payload, attempts, done_at)"
         " SELECT gen_random_uuid(), 'bulk.done', '{}'::jsonb, 1, now() - interval '1 hour'"
         f" - {DONE_BATCH_SQL.format(n='g')} FROM generate_series(1, %s) g",
         (count,),
@@ -541,19 +541,19 @@ def test_unhandled_topics_past_the_limit_are_estimated(
 
 BULK_SQL = {
     models.Inbox: (
-        "INSERT INTO workpump_inbox (message_id, handler_name, payload, attempts, processed_at)"
+        "INSERT INTO workpump_inbox (work_id, topic, payload, attempts, done_at)"
         " SELECT gen_random_uuid(), 'bulk.done', '{}'::jsonb, 1, now() - interval '1 hour'"
         f" - {DONE_BATCH_SQL.format(n='g')} FROM generate_series(1, %(n)s) g"
     ),
     models.PerspectiveEvent: (
-        "INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id,"
-        " attempts, processed_at)"
+        "INSERT INTO workpump_perspective_event (work_id, topic, event_id,"
+        " attempts, done_at)"
         " SELECT gen_random_uuid(), 'bulk.done', e.event_id, 1, now() - interval '1 hour'"
         f" - {DONE_BATCH_SQL.format(n='e.seq')} FROM workpump_event e WHERE e.event_type = 'bulk'"
     ),
     models.ReceptorProcessing: (
-        "INSERT INTO workpump_receptor_processing (id, receptor_name, event_id, attempts,"
-        " completed_at)"
+        "INSERT INTO workpump_receptor_processing (work_id, topic, event_id, attempts,"
+        " done_at)"
         " SELECT gen_random_uuid(), 'bulk.done', e.event_id, 1, now() - interval '1 hour'"
         f" - {DONE_BATCH_SQL.format(n='e.seq')} FROM workpump_event e WHERE e.event_type = 'bulk'"
     ),

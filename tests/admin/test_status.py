@@ -43,10 +43,10 @@ FACTORIES = {
     "receptor": factories.ReceptorProcessingFactory,
 }
 DONE_COLUMN = {
-    "outbox": "processed_at",
-    "inbox": "processed_at",
-    "perspective_event": "processed_at",
-    "receptor": "completed_at",
+    "outbox": "done_at",
+    "inbox": "done_at",
+    "perspective_event": "done_at",
+    "receptor": "done_at",
 }
 FAR_FUTURE = datetime(2100, 1, 1, tzinfo=UTC)  # later than any real clock in these tests
 NOW = at(60)
@@ -202,11 +202,11 @@ def test_blocked_streams_are_dead_heads_and_retry_waits_but_not_leased_or_deferr
     make(
         "perspective_event",
         stream="retry-1",
-        perspective_name="totals",
+        topic="totals",
         attempts=2,
         scheduled_for=at(300),
     )
-    make("perspective_event", stream="retry-1", perspective_name="totals")
+    make("perspective_event", stream="retry-1", topic="totals")
     # A leased head: the stream is busy, not blocked.
     make("outbox", stream="busy-1", instance_id=HOLDER, lease_expiry=FAR_FUTURE, claimed_at=T0)
     make("outbox", stream="busy-1")
@@ -246,7 +246,7 @@ def test_dead_rows_are_counted_per_category_and_the_newest_twenty_listed():
     for n in range(25):
         make(
             "outbox",
-            destination="emails.welcome",
+            topic="emails.welcome",
             attempts=3,
             max_attempts=3,
             dead_lettered_at=at(n),
@@ -255,7 +255,7 @@ def test_dead_rows_are_counted_per_category_and_the_newest_twenty_listed():
         )
     receptor = make(
         "receptor",
-        receptor_name="warehouse",
+        topic="warehouse",
         attempts=1,
         max_attempts=5,
         dead_lettered_at=at(100),
@@ -534,12 +534,12 @@ def advertising(topics: dict[str, list[str]] | None, *, heartbeat_at: datetime =
 
 def test_waiting_rows_whose_topic_no_live_instance_advertises_are_listed_by_topic():
     advertising({"outbox": ["emails.welcome"], "inbox": []})
-    make("outbox", destination="emails.welcome", created_at=at(-10))
-    make("outbox", destination="emails.new", created_at=at(-30))
-    make("outbox", destination="emails.new", created_at=at(-20))
-    make("inbox", handler_name="stripe.webhook", created_at=at(-5))
-    make("outbox", destination="emails.gone", processed_at=T0)  # done: not waiting
-    make("outbox", destination="emails.held", instance_id=HOLDER, lease_expiry=FAR_FUTURE)
+    make("outbox", topic="emails.welcome", created_at=at(-10))
+    make("outbox", topic="emails.new", created_at=at(-30))
+    make("outbox", topic="emails.new", created_at=at(-20))
+    make("inbox", topic="stripe.webhook", created_at=at(-5))
+    make("outbox", topic="emails.gone", done_at=T0)  # done: not waiting
+    make("outbox", topic="emails.held", instance_id=HOLDER, lease_expiry=FAR_FUTURE)
 
     unhandled = status.unhandled_topics(now=NOW)
 
@@ -551,8 +551,8 @@ def test_waiting_rows_whose_topic_no_live_instance_advertises_are_listed_by_topi
 
 def test_an_instance_that_advertises_no_topics_runs_every_topic_of_its_categories():
     advertising(None)
-    make("outbox", destination="emails.new")
-    make("perspective_event", perspective_name="totals")
+    make("outbox", topic="emails.new")
+    make("perspective_event", topic="totals")
 
     assert [(u.category, u.topic) for u in status.unhandled_topics(now=NOW)] == [
         ("perspective_event", "totals")
@@ -561,14 +561,14 @@ def test_an_instance_that_advertises_no_topics_runs_every_topic_of_its_categorie
 
 def test_a_stale_instances_topics_do_not_count():
     advertising({"outbox": ["emails.new"]}, heartbeat_at=at(-600))
-    make("outbox", destination="emails.new")
+    make("outbox", topic="emails.new")
 
     assert [(u.topic, u.rows) for u in status.unhandled_topics(now=NOW)] == [("emails.new", 1)]
 
 
 def test_the_text_report_shows_the_rows_with_no_live_handler():
     advertising({"outbox": ["emails.welcome"]})
-    make("outbox", destination="emails.new", created_at=at(-60))
+    make("outbox", topic="emails.new", created_at=at(-60))
     out = io.StringIO()
 
     call_command("workpump_status", stdout=out)
@@ -661,13 +661,13 @@ def test_database_reports_on_another_database_alias():
     from django_workpump import models
 
     models.Outbox.objects.using("second").create(
-        message_id=uuid.uuid4(), destination="shard.only", payload={}, created_at=T0
+        work_id=uuid.uuid4(), topic="shard.only", payload={}, created_at=T0
     )
     models.Outbox.objects.using("second").create(
-        message_id=uuid.uuid4(), destination="shard.only", payload={}, created_at=T0,
+        work_id=uuid.uuid4(), topic="shard.only", payload={}, created_at=T0,
         dead_lettered_at=T0, attempts=3,
     )  # fmt: skip
-    make("outbox", destination="default.only")
+    make("outbox", topic="default.only")
 
     second = json.loads(run_command("--json", "--database", "second"))
     default = json.loads(run_command("--json"))

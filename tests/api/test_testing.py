@@ -31,7 +31,7 @@ def handlers() -> Iterator[None]:
 
     @workpump.outbox_handler("tt.fail")
     def fail(work):
-        models.Outbox.objects.filter(destination="tt.record").delete()  # rolled back
+        models.Outbox.objects.filter(topic="tt.record").delete()  # rolled back
         raise ValueError(f"cannot handle {work.payload['n']}")
 
     @workpump.outbox_handler("tt.exit")
@@ -88,7 +88,7 @@ class RunPendingInATestCase(TestCase):
         assert [value for kind, value in CALLS if kind == "record"] == [0, 1, 2, 3, 4]
         assert ("async", 9) in CALLS
         assert ("perspective", 42) in CALLS and ("receptor", 42) in CALLS
-        assert not models.Outbox.objects.filter(processed_at__isnull=True).exists()
+        assert not models.Outbox.objects.filter(done_at__isnull=True).exists()
         assert models.Outbox.objects.get(payload__n=3).result == {"seen": 3}
 
     def test_it_runs_nothing_twice_and_follows_work_the_handlers_produce(self):
@@ -104,11 +104,11 @@ class RunPendingInATestCase(TestCase):
         with pytest.raises(ValueError, match="cannot handle 7"):
             run_pending()
 
-        failed = models.Outbox.objects.get(destination="tt.fail")
+        failed = models.Outbox.objects.get(topic="tt.fail")
         assert failed.attempts == 1 and failed.instance_id is None
         assert failed.last_error.startswith("ValueError: cannot handle 7")
         # the failing handler's own writes were rolled back; the test's transaction lives
-        assert models.Outbox.objects.filter(destination="tt.record").exists()
+        assert models.Outbox.objects.filter(topic="tt.record").exists()
 
     def test_failures_can_be_recorded_instead_as_production_would(self):
         workpump.send("tt.fail", {"n": 7})
@@ -129,8 +129,8 @@ class RunPendingInATestCase(TestCase):
         ran = run_pending(topics=["tt.fail"], raise_errors=False, report=report, savepoint=False)
 
         assert ran == 0 and len(report.failures) == 1
-        assert not models.Outbox.objects.filter(destination="tt.record").exists()
-        assert models.Outbox.objects.get(destination="tt.fail").attempts == 1
+        assert not models.Outbox.objects.filter(topic="tt.record").exists()
+        assert models.Outbox.objects.get(topic="tt.fail").attempts == 1
 
     def test_a_base_exception_fails_its_attempt_like_any_other(self):
         workpump.send("tt.exit", {"n": 3}, max_attempts=1)
@@ -140,7 +140,7 @@ class RunPendingInATestCase(TestCase):
 
         [failure] = report.failures
         assert isinstance(failure.error, SystemExit)
-        dead = models.Outbox.objects.get(destination="tt.exit")
+        dead = models.Outbox.objects.get(topic="tt.exit")
         assert dead.dead_lettered_at is not None
         assert dead.last_error.startswith("SystemExit: exit 3")
         with pytest.raises(SystemExit):  # raised, as any error, with raise_errors
@@ -155,9 +155,9 @@ class RunPendingInATestCase(TestCase):
         assert run_pending(report=report) == 0
 
         assert (report.snoozed, report.discarded, report.failures) == ([later], [skipped], [])
-        snoozed = models.Outbox.objects.get(message_id=later)
-        assert (snoozed.attempts, snoozed.snoozes, snoozed.processed_at) == (0, 1, None)
-        assert models.Outbox.objects.get(message_id=skipped).end_state == "discarded"
+        snoozed = models.Outbox.objects.get(work_id=later)
+        assert (snoozed.attempts, snoozed.snoozes, snoozed.done_at) == (0, 1, None)
+        assert models.Outbox.objects.get(work_id=skipped).end_state == "discarded"
 
     def test_topics_narrow_what_runs(self):
         workpump.send("tt.record", {"n": 1})
@@ -225,7 +225,7 @@ def _receptor_rows() -> dict[int, models.ReceptorProcessing]:
     return {
         row.event.payload["n"]: row
         for row in models.ReceptorProcessing.objects.select_related("event").filter(
-            receptor_name="tt.batch"
+            topic="tt.batch"
         )
     }
 

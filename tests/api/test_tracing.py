@@ -124,7 +124,7 @@ def test_send_stores_the_context_of_its_producer_span_in_the_rows_headers():
     message_id = workpump.send("tr.sync", {"n": 1}, stream="s-1")
 
     (producer,) = spans(SpanKind.PRODUCER)
-    (headers,) = stored_headers("workpump_outbox", "message_id = %s", [message_id])
+    (headers,) = stored_headers("workpump_outbox", "work_id = %s", [message_id])
     assert ids_of(headers["traceparent"]) == (
         producer.context.trace_id,
         producer.context.span_id,
@@ -172,7 +172,7 @@ def test_receive_keeps_the_callers_headers_beside_the_trace_context():
     message_id = uuid.uuid4()
     assert workpump.receive(message_id, "tr.sync", {"n": 1}, headers={"tenant": "acme"})
 
-    (headers,) = stored_headers("workpump_inbox", "message_id = %s", [message_id])
+    (headers,) = stored_headers("workpump_inbox", "work_id = %s", [message_id])
     assert headers["tenant"] == "acme"
     (producer,) = spans(SpanKind.PRODUCER)
     assert producer.name == "receive tr.sync"
@@ -213,8 +213,8 @@ def test_tracing_off_makes_no_span_and_stores_only_the_callers_headers():
     given = workpump.send("tr.sync", {"n": 2}, headers={"tenant": "acme"})
 
     assert spans() == []
-    assert stored_headers("workpump_outbox", "message_id = %s", [plain]) == [None]
-    assert stored_headers("workpump_outbox", "message_id = %s", [given]) == [{"tenant": "acme"}]
+    assert stored_headers("workpump_outbox", "work_id = %s", [plain]) == [None]
+    assert stored_headers("workpump_outbox", "work_id = %s", [given]) == [{"tenant": "acme"}]
 
 
 @pytest.fixture
@@ -236,7 +236,7 @@ def test_without_opentelemetry_producing_and_handling_work_and_headers_stay_null
     event_id = workpump.emit("tr.happened", {"order": 1})
 
     assert run_pending() == 3
-    assert stored_headers("workpump_outbox", "message_id = %s", [message_id]) == [None]
+    assert stored_headers("workpump_outbox", "work_id = %s", [message_id]) == [None]
     assert stored_headers("workpump_perspective_event", "event_id = %s", [event_id]) == [None]
     assert [seen["headers"] for seen in SEEN] == [None, None, None]
     assert spans() == []
@@ -260,8 +260,8 @@ def test_the_sql_producers_store_p_headers_and_old_calls_still_work():
             " 1048576, 100, NULL, NULL, 'return')"
         )
         (without,) = cursor.fetchone()
-    assert stored_headers("workpump_outbox", "message_id = %s", [with_headers]) == [headers]
-    assert stored_headers("workpump_outbox", "message_id = %s", [without]) == [None]
+    assert stored_headers("workpump_outbox", "work_id = %s", [with_headers]) == [headers]
+    assert stored_headers("workpump_outbox", "work_id = %s", [without]) == [None]
 
 
 @pytest.mark.django_db
@@ -389,7 +389,7 @@ UNREADABLE_HEADERS = [
 def test_headers_tracing_cannot_read_never_fail_the_row(headers):
     message_id = workpump.send("tr.sync", {"n": 1})
     run_sql(
-        "UPDATE workpump_outbox SET headers = %s::jsonb WHERE message_id = %s",
+        "UPDATE workpump_outbox SET headers = %s::jsonb WHERE work_id = %s",
         [headers, message_id],
     )
     EXPORTER.clear()
@@ -399,11 +399,11 @@ def test_headers_tracing_cannot_read_never_fail_the_row(headers):
 
     assert report.failures == []
     (row,) = run_sql(
-        "SELECT attempts, processed_at, dead_lettered_at FROM workpump_outbox"
-        " WHERE message_id = %s",
+        "SELECT attempts, done_at, dead_lettered_at FROM workpump_outbox"
+        " WHERE work_id = %s",
         [message_id],
     )
-    assert row["attempts"] == 1 and row["processed_at"] is not None
+    assert row["attempts"] == 1 and row["done_at"] is not None
     assert row["dead_lettered_at"] is None
     (consumer,) = spans(SpanKind.CONSUMER)  # a span of its own: no producer to link
     assert consumer.parent is None and list(consumer.links) == []
@@ -603,7 +603,7 @@ def test_a_task_enqueue_is_one_producer_span_whose_context_the_row_carries():
     assert producer.name.startswith("enqueue ")
     assert producer.attributes["workpump.task"] == "tests.task_funcs.add"
     assert producer.attributes["messaging.message.id"] == result.id
-    (headers,) = stored_headers("workpump_inbox", "message_id = %s", [result.id])
+    (headers,) = stored_headers("workpump_inbox", "work_id = %s", [result.id])
     assert ids_of(headers["traceparent"])[1] == producer.context.span_id
 
 
@@ -654,7 +654,7 @@ def test_a_runworkpump_process_continues_the_trace_of_a_producer_in_another(
     # the consumer span is current inside the sync and the async handler
     for topic in ("trace.sync", "trace.async"):
         consumer = consumers[str(sent[topic])]
-        result = models.Outbox.objects.get(message_id=sent[topic]).result
+        result = models.Outbox.objects.get(work_id=sent[topic]).result
         assert result == {
             "trace_id": consumer["context"]["trace_id"][2:],
             "span_id": consumer["context"]["span_id"][2:],

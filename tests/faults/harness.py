@@ -81,44 +81,44 @@ CREATE TABLE fx_effect (
 
 # Every work row with the fields the invariant needs (n comes from the payload).
 ALL_ROWS = """
-SELECT 'outbox' AS category, message_id AS id, destination AS topic, stream, '' AS scope,
-       (payload->>'n')::int AS n, processed_at AS done_at, dead_lettered_at, failure_reason,
+SELECT 'outbox' AS category, work_id AS id, topic, stream, '' AS scope,
+       (payload->>'n')::int AS n, done_at, dead_lettered_at, failure_reason,
        last_error, attempts, instance_id, result
 FROM workpump_outbox
 UNION ALL
-SELECT 'inbox', message_id, handler_name, stream, '', (payload->>'n')::int, processed_at,
+SELECT 'inbox', work_id, topic, stream, '', (payload->>'n')::int, done_at,
        dead_lettered_at, failure_reason, last_error, attempts, instance_id, result
 FROM workpump_inbox
 UNION ALL
-SELECT 'perspective_event', p.event_work_id, p.perspective_name, p.stream, p.perspective_name,
-       (e.payload->>'n')::int, p.processed_at, p.dead_lettered_at, p.failure_reason,
+SELECT 'perspective_event', p.work_id, p.topic, p.stream, p.topic,
+       (e.payload->>'n')::int, p.done_at, p.dead_lettered_at, p.failure_reason,
        p.last_error, p.attempts, p.instance_id, p.result
 FROM workpump_perspective_event p JOIN workpump_event e ON e.event_id = p.event_id
 UNION ALL
-SELECT 'receptor', r.id, r.receptor_name, r.stream, r.receptor_name, (e.payload->>'n')::int,
-       r.completed_at, r.dead_lettered_at, r.failure_reason, r.last_error, r.attempts,
+SELECT 'receptor', r.work_id, r.topic, r.stream, r.topic, (e.payload->>'n')::int,
+       r.done_at, r.dead_lettered_at, r.failure_reason, r.last_error, r.attempts,
        r.instance_id, r.result
 FROM workpump_receptor_processing r JOIN workpump_event e ON e.event_id = r.event_id
 """
 
 UNDONE = """
 SELECT (SELECT count(*) FROM workpump_outbox
-        WHERE processed_at IS NULL AND dead_lettered_at IS NULL)
+        WHERE done_at IS NULL AND dead_lettered_at IS NULL)
      + (SELECT count(*) FROM workpump_inbox
-        WHERE processed_at IS NULL AND dead_lettered_at IS NULL)
+        WHERE done_at IS NULL AND dead_lettered_at IS NULL)
      + (SELECT count(*) FROM workpump_perspective_event
-        WHERE processed_at IS NULL AND dead_lettered_at IS NULL)
+        WHERE done_at IS NULL AND dead_lettered_at IS NULL)
      + (SELECT count(*) FROM workpump_receptor_processing
-        WHERE completed_at IS NULL AND dead_lettered_at IS NULL)
+        WHERE done_at IS NULL AND dead_lettered_at IS NULL)
 """
 
 HELD_BY = """
-SELECT message_id AS id FROM workpump_outbox WHERE instance_id = %(i)s AND processed_at IS NULL
-UNION ALL SELECT message_id FROM workpump_inbox WHERE instance_id = %(i)s AND processed_at IS NULL
-UNION ALL SELECT event_work_id FROM workpump_perspective_event
-    WHERE instance_id = %(i)s AND processed_at IS NULL
-UNION ALL SELECT id FROM workpump_receptor_processing
-    WHERE instance_id = %(i)s AND completed_at IS NULL
+SELECT work_id AS id FROM workpump_outbox WHERE instance_id = %(i)s AND done_at IS NULL
+UNION ALL SELECT work_id FROM workpump_inbox WHERE instance_id = %(i)s AND done_at IS NULL
+UNION ALL SELECT work_id FROM workpump_perspective_event
+    WHERE instance_id = %(i)s AND done_at IS NULL
+UNION ALL SELECT work_id FROM workpump_receptor_processing
+    WHERE instance_id = %(i)s AND done_at IS NULL
 """
 
 

@@ -96,7 +96,7 @@ def test_producers_refuse_bad_input_and_leave_the_transaction_usable(settings, c
     # written before the refusal is still there.
     with connection.cursor() as cursor:
         assert snapshot(cursor) == before
-        cursor.execute("SELECT count(*) FROM workpump_outbox WHERE message_id = %s", [kept])
+        cursor.execute("SELECT count(*) FROM workpump_outbox WHERE work_id = %s", [kept])
         assert cursor.fetchone()[0] == 1
 
 
@@ -295,7 +295,7 @@ def test_sql_nonsense_no_ops_change_nothing(db):
                 before = snapshot(conn.cursor(row_factory=tuple_row))
         conn.commit()
     # The held row is still the holder's, untouched by the strangers.
-    row = db.sql("SELECT instance_id, attempts FROM workpump_outbox WHERE message_id = %s",
+    row = db.sql("SELECT instance_id, attempts FROM workpump_outbox WHERE work_id = %s",
                  [work_id])[0]  # fmt: skip
     assert (row["instance_id"], row["attempts"]) == (holder, 1)
     harness.report("bad-input-sql-noops", cases=len(SQL_NOOPS), rows_changed=0)
@@ -356,12 +356,12 @@ def test_work_for_unknown_topics_waits_unclaimed_and_nothing_else_stops(db, make
     assert pump.wait_exit(120) == 0, pump.output()
     # No instance has a handler for them: never claimed, no attempt spent, nothing dead.
     waiting = db.sql(
-        "SELECT destination AS topic, attempts, dead_lettered_at FROM workpump_outbox"
-        " WHERE processed_at IS NULL"
-        " UNION ALL SELECT handler_name, attempts, dead_lettered_at FROM workpump_inbox"
-        " WHERE processed_at IS NULL"
-        " UNION ALL SELECT perspective_name, attempts, dead_lettered_at"
-        " FROM workpump_perspective_event WHERE processed_at IS NULL"
+        "SELECT topic, attempts, dead_lettered_at FROM workpump_outbox"
+        " WHERE done_at IS NULL"
+        " UNION ALL SELECT topic, attempts, dead_lettered_at FROM workpump_inbox"
+        " WHERE done_at IS NULL"
+        " UNION ALL SELECT topic, attempts, dead_lettered_at"
+        " FROM workpump_perspective_event WHERE done_at IS NULL"
     )
     assert sorted((r["topic"], r["attempts"], r["dead_lettered_at"]) for r in waiting) == [
         ("fx.ghost", 0, None),
@@ -369,7 +369,7 @@ def test_work_for_unknown_topics_waits_unclaimed_and_nothing_else_stops(db, make
         ("fx.nobody", 0, None),
     ]
     assert db.undone() == 3  # the rest was processed
-    assert db.scalar("SELECT attempts FROM workpump_outbox WHERE message_id = %s", [nobody]) == 0
+    assert db.scalar("SELECT attempts FROM workpump_outbox WHERE work_id = %s", [nobody]) == 0
     harness.report("bad-input-unknown-topics", waiting=len(waiting), rest_processed=backlog.total)
 
 
@@ -393,9 +393,9 @@ def hostile_rows(db: Database, tag: int) -> dict[str, list[uuid.UUID]]:
     )
     rows["outbox"].append(
         db.scalar(
-            "INSERT INTO workpump_outbox (message_id, destination, payload, stream,"
+            "INSERT INTO workpump_outbox (work_id, topic, payload, stream,"
             " partition_number) VALUES (gen_random_uuid(), 'fx.outbox', %s::jsonb, %s,"
-            " workpump.partition_of(%s)) RETURNING message_id",
+            " workpump.partition_of(%s)) RETURNING work_id",
             [DEEP_TEXT, f"{stream}-o2", f"{stream}-o2"],
         )
     )
@@ -413,13 +413,13 @@ def hostile_rows(db: Database, tag: int) -> dict[str, list[uuid.UUID]]:
         [deep_event, DEEP_TEXT],
     )
     db.sql(
-        "INSERT INTO workpump_perspective_event (event_work_id, perspective_name,"
+        "INSERT INTO workpump_perspective_event (work_id, topic,"
         " event_id, partition_number) VALUES (gen_random_uuid(), 'fx.perspective', %s, 0)",
         [deep_event],
     )
     for category, table, key in (
-        ("perspective_event", "workpump_perspective_event", "event_work_id"),
-        ("receptor", "workpump_receptor_processing", "id"),
+        ("perspective_event", "workpump_perspective_event", "work_id"),
+        ("receptor", "workpump_receptor_processing", "work_id"),
     ):
         rows[category] += [
             r["id"]
@@ -466,10 +466,10 @@ def test_hostile_payloads_written_through_sql_are_parked_alone_and_the_rest_runs
     assert all(r["last_error"].startswith("the payload cannot be decoded: ") for r in parked)
     assert db.executions("work_id = ANY(%s)", [list(bad)]) == []
     assert db.scalar(
-        "SELECT processed_at IS NOT NULL FROM workpump_outbox WHERE message_id = %s", [deepest]
+        "SELECT done_at IS NOT NULL FROM workpump_outbox WHERE work_id = %s", [deepest]
     )
     kept = db.scalar(
-        "SELECT count(*) FROM workpump_outbox WHERE message_id = ANY(%s)"
+        "SELECT count(*) FROM workpump_outbox WHERE work_id = ANY(%s)"
         " AND payload::text IN (%s, %s)",
         [hostile["outbox"], HUGE_TEXT, DEEP_TEXT],
     )

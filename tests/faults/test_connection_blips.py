@@ -152,7 +152,7 @@ def test_a_killed_worker_connection_is_replaced_and_evicts_no_one(db, make_fleet
         wait_for(
             lambda since=since: (
                 db.scalar(
-                    "SELECT count(*) FROM workpump_outbox WHERE processed_at > %s"
+                    "SELECT count(*) FROM workpump_outbox WHERE done_at > %s"
                     " AND result->>'instance' = %s",
                     [since, str(victim.instance_id)],
                 )

@@ -36,7 +36,7 @@ def test_a_message_that_kills_its_process_is_parked_after_max_attempts(db, make_
                 fleet.spawn("--concurrency", "3")  # what a process supervisor does
         return bool(
             db.scalar(
-                "SELECT dead_lettered_at IS NOT NULL FROM workpump_outbox WHERE message_id = %s",
+                "SELECT dead_lettered_at IS NOT NULL FROM workpump_outbox WHERE work_id = %s",
                 [poison],
             )
         )
@@ -47,7 +47,7 @@ def test_a_message_that_kills_its_process_is_parked_after_max_attempts(db, make_
     codes = fleet.stop_all()
     assert set(codes.values()) == {0}, fleet.outputs()
 
-    row = db.sql("SELECT * FROM workpump_outbox WHERE message_id = %s", [poison])[0]
+    row = db.sql("SELECT * FROM workpump_outbox WHERE work_id = %s", [poison])[0]
     assert row["attempts"] == 3
     assert row["failure_reason"] == "max_attempts"
     assert "ended without a reported outcome" in row["last_error"]
@@ -102,7 +102,7 @@ def run_hung(db, make_fleet, destination: str) -> tuple[dict, list[dict], harnes
             )
             == 2
             and db.scalar(
-                "SELECT processed_at IS NOT NULL FROM workpump_outbox WHERE message_id = %s",
+                "SELECT done_at IS NOT NULL FROM workpump_outbox WHERE work_id = %s",
                 [work_id],
             )
         ),
@@ -110,7 +110,7 @@ def run_hung(db, make_fleet, destination: str) -> tuple[dict, list[dict], harnes
         "both attempts to finish",
     )
     assert set(fleet.stop_all().values()) == {0}, fleet.outputs()
-    row = db.sql("SELECT * FROM workpump_outbox WHERE message_id = %s", [work_id])[0]
+    row = db.sql("SELECT * FROM workpump_outbox WHERE work_id = %s", [work_id])[0]
     runs = db.executions("work_id = %s", [work_id])
     return row, runs, pump
 
@@ -127,7 +127,7 @@ def check_hung(row: dict, runs: list[dict], pump: harness.Pump) -> None:
     assert second["started_at"] < first["finished_at"] < second["finished_at"]
     assert row["result"]["attempt"] == 2, row["result"]
     # (an atomic completion is stamped with its transaction's now(): the attempt's start)
-    assert row["processed_at"] >= second["started_at"]
+    assert row["done_at"] >= second["started_at"]
 
 
 @pytest.mark.timeout(120)
@@ -148,5 +148,5 @@ def test_a_hung_atomic_handler_cannot_commit_after_it_was_abandoned(db, make_fle
     row, runs, pump = run_hung(db, make_fleet, "fx.atomic")
     check_hung(row, runs, pump)
     # Database effects happen exactly once: those of the attempt that held the lease.
-    effects = db.sql("SELECT attempt FROM fx_effect WHERE work_id = %s", [row["message_id"]])
+    effects = db.sql("SELECT attempt FROM fx_effect WHERE work_id = %s", [row["work_id"]])
     assert [e["attempt"] for e in effects] == [2]

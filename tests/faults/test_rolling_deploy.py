@@ -58,7 +58,7 @@ def test_a_rolling_deploy_spends_no_attempt_of_the_new_topic_on_old_instances(db
         "SELECT count(*) AS n, coalesce(sum(attempts), 0) AS attempts,"
         " count(*) FILTER (WHERE instance_id IS NOT NULL OR dead_lettered_at IS NOT NULL"
         "                  OR last_error IS NOT NULL) AS touched"
-        " FROM workpump_outbox WHERE message_id = ANY (%s)",
+        " FROM workpump_outbox WHERE work_id = ANY (%s)",
         [v2 + behind],
     )[0]
     assert (untouched["n"], untouched["attempts"], untouched["touched"]) == (waiting, 0, 0)
@@ -81,7 +81,7 @@ def test_a_rolling_deploy_spends_no_attempt_of_the_new_topic_on_old_instances(db
     assert {r["instance_id"] for r in runs} == {new.instance_id}
     assert {r["attempt"] for r in runs} == {1}
     attempts = db.sql(
-        "SELECT max(attempts) AS most FROM workpump_outbox WHERE message_id = ANY (%s)", [v2]
+        "SELECT max(attempts) AS most FROM workpump_outbox WHERE work_id = ANY (%s)", [v2]
     )[0]["most"]
     assert attempts == 1
     assert unhandled(db) == {}

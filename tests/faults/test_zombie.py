@@ -87,7 +87,7 @@ def test_a_stopped_instance_is_evicted_and_fenced_out_when_it_wakes(db, make_fle
     # The peers' attempt completed the long rows; the zombie's late outcome changed nothing.
     peer_ids = {str(p.instance_id) for p in peers}
     results = db.sql(
-        "SELECT result FROM workpump_outbox WHERE message_id = ANY(%s)", [list(long_rows)]
+        "SELECT result FROM workpump_outbox WHERE work_id = ANY(%s)", [list(long_rows)]
     )
     assert all(r["result"]["attempt"] == 2 and r["result"]["instance"] in peer_ids for r in results)
     # Nothing started on the zombie after its eviction, and no peer was evicted.

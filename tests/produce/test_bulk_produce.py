@@ -43,10 +43,10 @@ def test_send_many_stores_rows_in_list_order_and_returns_their_ids():
     )
 
     rows = outbox_in_seq_order()
-    assert [row.message_id for row in rows] == ids
+    assert [row.work_id for row in rows] == ids
     assert [row.payload for row in rows] == [{"n": n} for n in range(5)]
     assert [row.stream for row in rows] == ["a", None, "b", "a", "7"]
-    assert {(row.priority, row.max_attempts, row.destination) for row in rows} == {
+    assert {(row.priority, row.max_attempts, row.topic) for row in rows} == {
         (3, 4, "emails.welcome")
     }
     # the first row of each stream is its head, the later one waits behind it
@@ -63,7 +63,7 @@ def test_send_many_keeps_stream_order_after_rows_already_sent():
     ids = workpump.send_many("emails.welcome", [{"n": 0}, {"n": 1}], streams=["s", "s"])
 
     rows = list(models.Outbox.objects.filter(stream="s").order_by("seq"))
-    assert [row.message_id for row in rows] == [first, *ids]
+    assert [row.work_id for row in rows] == [first, *ids]
     assert [row.stream_head for row in rows] == [True, False, False]
 
 
@@ -80,7 +80,7 @@ def test_send_many_splits_long_lists_into_chunks_all_in_order(monkeypatch):
     ids = workpump.send_many("emails.welcome", [{"n": n} for n in range(8)], streams=["s"] * 8)
 
     assert calls == [3, 3, 2]
-    assert [row.message_id for row in outbox_in_seq_order()] == ids
+    assert [row.work_id for row in outbox_in_seq_order()] == ids
     assert [row.payload["n"] for row in outbox_in_seq_order()] == list(range(8))
 
 
@@ -128,7 +128,7 @@ def test_send_many_stores_payloads_whose_text_only_looks_like_a_problem():
         {"key\\u0000": ["[{" * 80]},
     ]
     ids = workpump.send_many("emails.welcome", payloads)
-    stored = {row.message_id: row.payload for row in models.Outbox.objects.all()}
+    stored = {row.work_id: row.payload for row in models.Outbox.objects.all()}
     assert [stored[i] for i in ids] == payloads
 
 
@@ -371,7 +371,7 @@ def test_a_bulk_producer_in_reverse_order_waits_instead_of_deadlocking(raw_conne
 def test_an_unordered_row_without_a_partition_still_gets_one_from_the_trigger():
     with connection.cursor() as cursor:
         cursor.execute(
-            "INSERT INTO workpump_outbox (message_id, destination, payload, max_attempts)"
+            "INSERT INTO workpump_outbox (work_id, topic, payload, max_attempts)"
             " VALUES (gen_random_uuid(), 'raw.insert', '{}', 3) RETURNING partition_number,"
             " stream_head, seq"
         )

@@ -62,8 +62,8 @@ def sql_error(query: str, params: Any = None) -> psycopg.Error:
 def insert_outbox(payload_text: str, destination: str = "pl.good") -> uuid.UUID:
     """An outbox row written past the producers, by a plain INSERT."""
     return scalar(  # type: ignore[no-any-return]
-        "INSERT INTO workpump_outbox (message_id, destination, payload, partition_number)"
-        " VALUES (gen_random_uuid(), %s, %s::jsonb, 0) RETURNING message_id",
+        "INSERT INTO workpump_outbox (work_id, topic, payload, partition_number)"
+        " VALUES (gen_random_uuid(), %s, %s::jsonb, 0) RETURNING work_id",
         [destination, payload_text],
     )
 
@@ -76,8 +76,8 @@ def insert_event_work(payload_text: str, perspective: str = "pl.totals") -> uuid
         [event_id, payload_text],
     )
     return scalar(  # type: ignore[no-any-return]
-        "INSERT INTO workpump_perspective_event (event_work_id, perspective_name, event_id,"
-        " partition_number) VALUES (gen_random_uuid(), %s, %s, 0) RETURNING event_work_id",
+        "INSERT INTO workpump_perspective_event (work_id, topic, event_id,"
+        " partition_number) VALUES (gen_random_uuid(), %s, %s, 0) RETURNING work_id",
         [perspective, event_id],
     )
 
@@ -368,9 +368,9 @@ def test_the_claim_worker_hands_over_the_good_rows_and_dead_letters_only_the_bad
     assert sorted(row.payload["n"] for row in batch) == [0, 1, 2]
     assert {row.work_id for row in batch} == set(good)
     parked = run_sql(
-        "SELECT message_id AS id, attempts, failure_reason, last_error, instance_id,"
+        "SELECT work_id AS id, attempts, failure_reason, last_error, instance_id,"
         " payload::text AS raw FROM workpump_outbox WHERE dead_lettered_at IS NOT NULL"
-        " UNION ALL SELECT p.event_work_id, p.attempts, p.failure_reason, p.last_error,"
+        " UNION ALL SELECT p.work_id, p.attempts, p.failure_reason, p.last_error,"
         " p.instance_id, e.payload::text FROM workpump_perspective_event p"
         " JOIN workpump_event e USING (event_id) WHERE p.dead_lettered_at IS NOT NULL"
     )
@@ -383,7 +383,7 @@ def test_the_claim_worker_hands_over_the_good_rows_and_dead_letters_only_the_bad
     raw = {row["id"]: row["raw"] for row in parked}
     assert raw[huge] == '{"big": ' + HUGE_INT + "}"  # kept as written
     assert nesting_depth(raw[deep]) == DEEP
-    held = models.Outbox.objects.filter(message_id__in=good, instance_id__isnull=False)
+    held = models.Outbox.objects.filter(work_id__in=good, instance_id__isnull=False)
     assert sorted(held.values_list("attempts", flat=True)) == [1, 1, 1]
 
 
@@ -434,12 +434,12 @@ def test_a_pump_runs_the_good_rows_once_and_parks_the_undecodable_ones_unrun(rec
 
     assert sorted(n for _, _, payload in recorded for n in [payload.get("n")]) == list(range(6))
     assert {attempt for _, attempt, _ in recorded} == {1}
-    done = models.Outbox.objects.filter(message_id__in=good, processed_at__isnull=False)
+    done = models.Outbox.objects.filter(work_id__in=good, done_at__isnull=False)
     assert sorted(done.values_list("attempts", flat=True)) == [1] * 6
     dead = run_sql(
-        "SELECT message_id AS id, failure_reason, attempts FROM workpump_outbox"
+        "SELECT work_id AS id, failure_reason, attempts FROM workpump_outbox"
         " WHERE dead_lettered_at IS NOT NULL UNION ALL"
-        " SELECT event_work_id, failure_reason, attempts FROM workpump_perspective_event"
+        " SELECT work_id, failure_reason, attempts FROM workpump_perspective_event"
         " WHERE dead_lettered_at IS NOT NULL"
     )
     assert {(r["id"], r["failure_reason"], r["attempts"]) for r in dead} == {
@@ -456,7 +456,7 @@ def test_a_pump_runs_the_good_rows_once_and_parks_the_undecodable_ones_unrun(rec
 @pytest.mark.parametrize("text", [DEEP_PAYLOAD, HUGE_PAYLOAD], ids=["deep", "huge-int"])
 def test_the_admin_shows_an_undecodable_outbox_payload_as_stored(admin_client: Client, text):
     work_id = insert_outbox(text)
-    row = models.Outbox.objects.defer("payload").get(message_id=work_id)
+    row = models.Outbox.objects.defer("payload").get(work_id=work_id)
 
     listing = admin_client.get("/admin/workpump/outbox/")
     assert listing.status_code == 200
@@ -473,7 +473,7 @@ def test_the_admin_shows_an_undecodable_outbox_payload_as_stored(admin_client: C
 @pytest.mark.django_db
 def test_the_admin_shows_an_undecodable_event_payload_as_stored(admin_client: Client):
     work_id = insert_event_work(HUGE_PAYLOAD)
-    pk = models.PerspectiveEvent.objects.get(event_work_id=work_id).pk
+    pk = models.PerspectiveEvent.objects.get(work_id=work_id).pk
 
     assert admin_client.get("/admin/workpump/perspectiveevent/").status_code == 200
     page = admin_client.get(f"/admin/workpump/perspectiveevent/{pk}/change/")
@@ -486,7 +486,7 @@ def test_the_admin_shows_an_undecodable_event_payload_as_stored(admin_client: Cl
 @pytest.mark.django_db
 def test_the_admin_still_indents_a_payload_it_can_decode(admin_client: Client):
     work_id = workpump.send("pl.good", {"b": [1, 2], "a": "x"})
-    pk = models.Outbox.objects.get(message_id=work_id).pk
+    pk = models.Outbox.objects.get(work_id=work_id).pk
     html = admin_client.get(f"/admin/workpump/outbox/{pk}/change/").content.decode()
     assert "cannot be decoded" not in html
     assert "{\n  &quot;a&quot;: &quot;x&quot;,\n  &quot;b&quot;: [\n    1," in html

@@ -33,8 +33,8 @@ def order_handlers():
 def test_send_stores_an_outbox_row_with_its_settings():
     message_id = workpump.send("emails.welcome", {"user_id": 7}, stream="user-7", priority=5)
 
-    row = models.Outbox.objects.get(message_id=message_id)
-    assert row.destination == "emails.welcome"
+    row = models.Outbox.objects.get(work_id=message_id)
+    assert row.topic == "emails.welcome"
     assert row.payload == {"user_id": 7}
     assert row.stream == "user-7"
     assert row.priority == 5
@@ -51,7 +51,7 @@ def test_send_uses_the_handlers_max_attempts_override():
         message_id = workpump.send("emails.digest", {})
     finally:
         registry.unregister("outbox", "emails.digest")
-    assert models.Outbox.objects.get(message_id=message_id).max_attempts == 2
+    assert models.Outbox.objects.get(work_id=message_id).max_attempts == 2
 
 
 def test_work_produced_in_a_rolled_back_transaction_is_gone():
@@ -109,8 +109,8 @@ def test_int_and_uuid_stream_keys_are_stored_as_text():
     key = uuid.uuid4()
     first = workpump.send("emails.welcome", {}, stream=42)
     second = workpump.send("emails.welcome", {}, stream=key)
-    assert models.Outbox.objects.get(message_id=first).stream == "42"
-    assert models.Outbox.objects.get(message_id=second).stream == str(key)
+    assert models.Outbox.objects.get(work_id=first).stream == "42"
+    assert models.Outbox.objects.get(work_id=second).stream == str(key)
 
 
 def test_a_naive_run_after_is_refused():
@@ -120,7 +120,7 @@ def test_a_naive_run_after_is_refused():
 
 def test_run_after_defers_the_row():
     message_id = workpump.send("emails.welcome", {}, run_after=T0)
-    assert models.Outbox.objects.get(message_id=message_id).scheduled_for == T0
+    assert models.Outbox.objects.get(work_id=message_id).scheduled_for == T0
 
 
 def test_receive_deduplicates_by_message_id():
@@ -129,13 +129,13 @@ def test_receive_deduplicates_by_message_id():
     assert workpump.receive(message_id, "stripe.webhook", {"n": 2}) is False
     assert workpump.receive(str(message_id), "other.handler", {"n": 3}) is False
     rows = list(models.Inbox.objects.all())
-    assert [(r.message_id, r.payload) for r in rows] == [(message_id, {"n": 1})]
+    assert [(r.work_id, r.payload) for r in rows] == [(message_id, {"n": 1})]
 
 
 def test_receive_deduplicates_even_after_the_processed_row_was_purged():
     message_id = uuid.uuid4()
     assert workpump.receive(message_id, "stripe.webhook", {}) is True
-    models.Inbox.objects.filter(message_id=message_id).update(processed_at=T0)
+    models.Inbox.objects.filter(work_id=message_id).update(done_at=T0)
     assert (
         scalar(
             "SELECT workpump.purge_processed('inbox', %s)", [datetime.max.replace(tzinfo=T0.tzinfo)]
@@ -164,10 +164,10 @@ def test_emit_creates_one_row_per_subscriber(order_handlers):
     )
     perspective_rows = list(models.PerspectiveEvent.objects.all())
     receptor_rows = list(models.ReceptorProcessing.objects.all())
-    assert [(r.perspective_name, r.event_id, r.stream) for r in perspective_rows] == [
+    assert [(r.topic, r.event_id, r.stream) for r in perspective_rows] == [
         ("order_totals", event_id, "order-42")
     ]
-    assert [(r.receptor_name, r.event_id, r.max_attempts) for r in receptor_rows] == [
+    assert [(r.topic, r.event_id, r.max_attempts) for r in receptor_rows] == [
         ("warehouse", event_id, 3)
     ]
 

@@ -39,8 +39,8 @@ def test_sql_emit_without_subscribers_creates_the_registered_work(order_handlers
 
     perspective = models.PerspectiveEvent.objects.get(event_id=event_id)
     receptor = models.ReceptorProcessing.objects.get(event_id=event_id)
-    assert (perspective.perspective_name, perspective.stream) == ("order_totals", "order-1")
-    assert (receptor.receptor_name, receptor.max_attempts) == ("warehouse", 3)
+    assert (perspective.topic, perspective.stream) == ("order_totals", "order-1")
+    assert (receptor.topic, receptor.max_attempts) == ("warehouse", 3)
     refunded = scalar("SELECT workpump.emit('order.refunded', '{}')")
     assert models.PerspectiveEvent.objects.filter(event_id=refunded).count() == 1
     assert models.ReceptorProcessing.objects.filter(event_id=refunded).count() == 0

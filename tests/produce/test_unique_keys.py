@@ -36,8 +36,8 @@ def test_a_duplicate_send_returns_the_holders_id_and_writes_nothing():
 
     assert again == first
     assert len({first, other_key, other_destination}) == 3
-    assert models.Outbox.objects.filter(destination="reports.build").count() == 2
-    assert models.Outbox.objects.get(message_id=first).payload == {"day": 1}
+    assert models.Outbox.objects.filter(topic="reports.build").count() == 2
+    assert models.Outbox.objects.get(work_id=first).payload == {"day": 1}
 
 
 @pytest.mark.django_db
@@ -63,7 +63,7 @@ def test_a_duplicate_receive_returns_false_or_raises_and_writes_nothing():
         workpump.receive(third, "reports.in", {}, unique_key="k", on_conflict="raise")
 
     assert raised.value.holder_id == first
-    assert list(models.Inbox.objects.values_list("message_id", flat=True)) == [first]
+    assert list(models.Inbox.objects.values_list("work_id", flat=True)) == [first]
     # a duplicate by key records no received id: the message may come again later
     assert not models.InboxDedup.objects.filter(message_id__in=[second, third]).exists()
 
@@ -71,11 +71,11 @@ def test_a_duplicate_receive_returns_false_or_raises_and_writes_nothing():
 @pytest.mark.django_db
 def test_a_processed_row_frees_its_key_and_a_dead_row_holds_it():
     first = workpump.send("reports.build", {}, unique_key="k")
-    models.Outbox.objects.filter(message_id=first).update(dead_lettered_at=scalar("SELECT now()"))
+    models.Outbox.objects.filter(work_id=first).update(dead_lettered_at=scalar("SELECT now()"))
 
     assert workpump.send("reports.build", {}, unique_key="k") == first
 
-    models.Outbox.objects.filter(message_id=first).update(processed_at=scalar("SELECT now()"))
+    models.Outbox.objects.filter(work_id=first).update(done_at=scalar("SELECT now()"))
     second = workpump.send("reports.build", {}, unique_key="k")
     assert second != first
     assert models.Outbox.objects.filter(unique_key="k").count() == 2
@@ -85,13 +85,13 @@ def test_a_processed_row_frees_its_key_and_a_dead_row_holds_it():
 def test_unique_for_holds_the_key_for_the_window_after_the_row_is_done():
     window = timedelta(hours=1)
     first = workpump.send("reports.build", {}, unique_key="k", unique_for=window)
-    models.Outbox.objects.filter(message_id=first).update(processed_at=scalar("SELECT now()"))
+    models.Outbox.objects.filter(work_id=first).update(done_at=scalar("SELECT now()"))
 
     assert workpump.send("reports.build", {}, unique_key="k", unique_for=window) == first
     # without the window, the done row holds nothing
     without = workpump.send("reports.build", {}, unique_key="k")
     assert without != first
-    models.Outbox.objects.filter(message_id=without).update(processed_at=scalar("SELECT now()"))
+    models.Outbox.objects.filter(work_id=without).update(done_at=scalar("SELECT now()"))
     # the window, seen from two hours later, has passed
     later = scalar(
         "SELECT workpump.send('reports.build', '{}', p_unique_key => 'k',"
@@ -111,7 +111,7 @@ def test_a_duplicate_emit_returns_the_holder_until_its_work_is_done(receptor_on_
     assert models.Event.objects.count() == 1
     assert models.ReceptorProcessing.objects.count() == 1
 
-    models.ReceptorProcessing.objects.update(completed_at=scalar("SELECT now()"))
+    models.ReceptorProcessing.objects.update(done_at=scalar("SELECT now()"))
     second = workpump.emit("user.signed_up", {"user": 1}, unique_key="user-1")
     assert second != first
     assert models.ReceptorProcessing.objects.count() == 2
@@ -181,12 +181,12 @@ def test_sql_send_with_on_conflict_raise_raises_unique_violation():
 PRODUCERS = {
     "send": (
         "SELECT workpump.send('reports.build', '{}', p_unique_key => 'race') AS id",
-        "SELECT message_id AS id FROM workpump_outbox WHERE unique_key = 'race'",
+        "SELECT work_id AS id FROM workpump_outbox WHERE unique_key = 'race'",
     ),
     "receive": (
         "SELECT workpump.receive(gen_random_uuid(), 'reports.in', '{}',"
         " p_unique_key => 'race') AS id",
-        "SELECT message_id AS id FROM workpump_inbox WHERE unique_key = 'race'",
+        "SELECT work_id AS id FROM workpump_inbox WHERE unique_key = 'race'",
     ),
     "emit": (
         "SELECT workpump.emit('audit.noted', '{}', p_subscribers => '[]',"

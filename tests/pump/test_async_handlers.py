@@ -115,8 +115,8 @@ def test_an_atomic_perspective_that_fails_once_leaves_one_effect_after_its_retry
 
     # attempt 1's write rolled back with its failure: exactly one effect, the retry's
     assert effects("fx-") == ["fx-1-attempt-2"]
-    row = models.PerspectiveEvent.objects.get(perspective_name="fx.totals")
-    assert (row.attempts, row.processed_at is not None) == (2, True)
+    row = models.PerspectiveEvent.objects.get(topic="fx.totals")
+    assert (row.attempts, row.done_at is not None) == (2, True)
 
 
 @pumped
@@ -142,7 +142,7 @@ def test_an_async_atomic_handlers_writes_roll_back_with_its_failure(handlers, pu
     assert effects("rb-") == []  # both writes went with the handler's transaction
     assert seen["in_atomic_block"] is True
     assert seen["thread"].startswith("workpump-dispatch-")  # the handler thread itself
-    row = models.Outbox.objects.get(message_id=message_id)
+    row = models.Outbox.objects.get(work_id=message_id)
     assert row.dead_lettered_at is not None and row.last_error.startswith("RuntimeError")
 
 
@@ -219,8 +219,8 @@ def test_a_sync_orm_handler_runs_under_an_async_middleware(handlers, pump, atomi
 
     assert drain(pump(drain=True)) == EXIT_OK
 
-    row = models.Outbox.objects.get(message_id=message_id)
-    assert (row.processed_at is not None, row.last_error) == (True, None)
+    row = models.Outbox.objects.get(work_id=message_id)
+    assert (row.done_at is not None, row.last_error) == (True, None)
     assert effects("mw-") == ["mw-1"]
     assert seen["thread"].startswith("workpump-dispatch-")
     assert seen["in_atomic_block"] is atomic
@@ -315,7 +315,7 @@ class RunPendingAsyncInATestCase(TestCase):
 
     def test_2_nothing_of_the_previous_test_is_left(self) -> None:
         assert effects("tc-") == []
-        assert not models.ReceptorProcessing.objects.filter(receptor_name="warehouse").exists()
+        assert not models.ReceptorProcessing.objects.filter(topic="warehouse").exists()
 
 
 # --- cancel, timeout and shutdown still cancel an async handler ---------------------------------

@@ -93,7 +93,7 @@ def test_a_failing_batch_fails_the_first_row_and_releases_the_rest_unspent(subsc
 def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
     subscribe, pump, raw_connect
 ):
-    run_sql("CREATE TABLE batch_effect (event_work_id uuid, attempt int, call int)")
+    run_sql("CREATE TABLE batch_effect (work_id uuid, attempt int, call int)")
     try:
         entered = threading.Event()
         proceed = threading.Event()
@@ -123,8 +123,8 @@ def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
         other = raw_connect()
         other.execute(
             "UPDATE workpump_perspective_event SET instance_id = %s,"
-            " lease_expiry = now() + interval '1 h' WHERE event_work_id = ANY (%s)",
-            [thief, [row.event_work_id for row in taken]],
+            " lease_expiry = now() + interval '1 h' WHERE work_id = ANY (%s)",
+            [thief, [row.work_id for row in taken]],
         )
         proceed.set()
         # each row whose lease was lost counts
@@ -133,21 +133,21 @@ def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
         # over run again at once, in a call of their own), and the taken rows not completed.
         assert run_sql("SELECT count(*) AS n FROM batch_effect WHERE call = 1")[0]["n"] == 0
         assert not models.PerspectiveEvent.objects.filter(
-            event_work_id__in=[row.event_work_id for row in taken], processed_at__isnull=False
+            work_id__in=[row.work_id for row in taken], done_at__isnull=False
         ).exists()
         # Once the thief lets go, the stream runs again from its first row, in order.
         other.execute(
             "SELECT workpump.release_leases('perspective_event', %s::uuid[], p_force => true)",
-            [[row.event_work_id for row in taken]],
+            [[row.work_id for row in taken]],
         )
         assert wait_until(
-            lambda: not models.PerspectiveEvent.objects.filter(processed_at__isnull=True).exists()
+            lambda: not models.PerspectiveEvent.objects.filter(done_at__isnull=True).exists()
         )
-        effects = run_sql("SELECT event_work_id FROM batch_effect")
+        effects = run_sql("SELECT work_id FROM batch_effect")
         order = list(
-            models.PerspectiveEvent.objects.order_by("seq").values_list("event_work_id", flat=True)
+            models.PerspectiveEvent.objects.order_by("seq").values_list("work_id", flat=True)
         )
-        assert [row["event_work_id"] for row in effects] == order
+        assert [row["work_id"] for row in effects] == order
     finally:
         run_sql("DROP TABLE batch_effect")
 
@@ -182,7 +182,7 @@ def test_a_batch_naming_a_poison_row_completes_the_rows_before_it_and_keeps_orde
         # 0-2 done by the first call, 3 snoozed (its attempt given back), then 3-7 in order
         assert handled == list(range(8))
         assert rows[3].snoozes == 1 and rows[3].attempts == 1
-        assert all(row.completed_at is not None for row in rows.values())
+        assert all(row.done_at is not None for row in rows.values())
     else:
         assert handled == [0, 1, 2, 4, 5, 6, 7]
         assert rows[3].end_state == "discarded" and rows[3].last_error == "row 3 is poison"
@@ -251,7 +251,7 @@ def test_an_abandoned_batch_lets_go_of_its_rows_at_once_and_they_run_again(subsc
         # While the stuck handler still runs, its rows are claimed and run again: the
         # rows after the first were released at once, not left to their leases.
         assert wait_until(
-            lambda: not models.PerspectiveEvent.objects.filter(processed_at__isnull=True).exists()
+            lambda: not models.PerspectiveEvent.objects.filter(done_at__isnull=True).exists()
         )
         assert not unstick.is_set()
         assert supervisor.dispatcher.wait_idle(10)
@@ -292,4 +292,4 @@ def test_a_pump_stopping_mid_batch_fails_its_first_row_and_gives_the_rest_back(s
     assert [(row.instance_id, row.lease_token, row.attempts) for row in rows[1:]] == [
         (None, None, 0)
     ] * 3
-    assert all(row.completed_at is None for row in rows)
+    assert all(row.done_at is None for row in rows)

@@ -67,7 +67,7 @@ def test_a_discard_with_such_a_reason_ends_its_row(handler, reason):
     run_pending(report=report)
 
     assert report.discarded == [work_id]
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     assert (row.end_state, row.attempts) == ("discarded", 1)
     assert row.last_error is not None and "\ufffd" in row.last_error
 
@@ -99,7 +99,7 @@ def test_a_handler_raising_a_too_long_snooze_fails_its_attempt_once(handler):
 
     run_pending(report=report, raise_errors=False)
 
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     assert [type(f.error) for f in report.failures] == [ValueError] * len(report.failures)
     assert "must be at most 100 years" in (row.last_error or "")
     assert row.failure_reason in ("handler_error", "max_attempts")
@@ -117,7 +117,7 @@ def test_the_longest_snooze_is_stored(handler):
 
     run_pending()
 
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     assert (row.attempts, row.snoozes) == (0, 1)
     assert row.scheduled_for is not None and row.scheduled_for.year < 9999
     assert row.scheduled_for - before >= timedelta(seconds=MAX_DELAY_SECONDS - 60)
@@ -175,9 +175,9 @@ def test_a_huge_backoff_schedules_the_retry_a_hundred_years_on_in_one_attempt(ha
 
     assert ran.wait(20)
     assert wait_until(
-        lambda: models.Outbox.objects.get(message_id=work_id).scheduled_for is not None, 20
+        lambda: models.Outbox.objects.get(work_id=work_id).scheduled_for is not None, 20
     )
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     assert (row.attempts, row.failure_reason, row.instance_id) == (1, "handler_error", None)
     assert timedelta(days=36000) < row.scheduled_for - before < timedelta(days=36600)
     assert runs == [1]  # written at once: no lease ran out, nothing ran again

@@ -76,9 +76,9 @@ def test_a_running_handler_sees_work_cancelled_and_its_outcome_is_fenced(outbox_
     assert supervisor.gate is not None and supervisor.gate.cancels_received == 1
     # the stream moves on to the next row; the cancelled one keeps no result
     assert wait_until(lambda: ran == [2], WAIT)
-    row = models.Outbox.objects.get(message_id=first)
+    row = models.Outbox.objects.get(work_id=first)
     assert (row.end_state, row.result, row.instance_id) == ("cancelled", None, None)
-    assert row.processed_at is not None
+    assert row.done_at is not None
     assert wait_until(lambda: supervisor.dispatcher.stats.cancelled == 1, WAIT)
     assert wait_until(lambda: supervisor.dispatcher.stats.completed == 1, WAIT)  # the second
 
@@ -105,7 +105,7 @@ def test_a_running_async_handlers_task_is_cancelled(outbox_handlers, pump):
     workpump.cancel(work_id)
 
     assert cancelled.wait(WAIT), "the async handler's task was not cancelled"
-    assert models.Outbox.objects.get(message_id=work_id).end_state == "cancelled"
+    assert models.Outbox.objects.get(work_id=work_id).end_state == "cancelled"
 
 
 @override_settings(WORKPUMP=FAST)
@@ -125,7 +125,7 @@ def test_cancelled_pending_rows_never_run_and_unknown_ids_are_reported(outbox_ha
     assert (result.unknown, result.running, result.ended) == ([unknown], [], [])
     assert drain(pump(drain=True)) == EXIT_OK
     assert ran == ["keep"]
-    assert models.Outbox.objects.get(message_id=keep).end_state is None
+    assert models.Outbox.objects.get(work_id=keep).end_state is None
     # cancelling again changes nothing: the rows already ended
     again = workpump.cancel([drop, keep])
     assert (list(again), sorted(map(str, again.ended))) == ([], sorted(map(str, [drop, keep])))
@@ -158,14 +158,14 @@ def test_snooze_discard_and_retry_through_the_pump(outbox_handlers, pump):
 
     assert drain(pump(drain=True)) == EXIT_OK
 
-    row = models.Outbox.objects.get(message_id=snoozed)
+    row = models.Outbox.objects.get(work_id=snoozed)
     # three runs, never more than one attempt spent: snoozes give theirs back
     assert [a for a in attempts if a[0] == "snooze"][:3] == [("snooze", 1)] * 3
     assert (row.attempts, row.snoozes, row.result) == (1, 2, "woke")
-    assert models.Outbox.objects.get(message_id=behind).processed_at is not None
-    gone = models.Outbox.objects.get(message_id=discarded)
+    assert models.Outbox.objects.get(work_id=behind).done_at is not None
+    gone = models.Outbox.objects.get(work_id=discarded)
     assert (gone.end_state, gone.last_error) == ("discarded", "nothing to do for this one")
-    dead = models.Outbox.objects.get(message_id=picked)
+    dead = models.Outbox.objects.get(work_id=picked)
     assert [a for a in attempts if a[0] == "picky"] == [("picky", 1)]
     assert (dead.failure_reason, dead.max_attempts) == ("not_retryable", 5)
     assert dead.dead_lettered_at is not None
@@ -197,15 +197,15 @@ def test_a_handler_that_releases_at_shutdown_leaves_its_row_to_a_later_pump(outb
     assert first.shutdown() == EXIT_OK
 
     assert runs == [(1, None), (1, "shutdown")]
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     # pending again, its attempt given back, nothing recorded against it
     assert (row.attempts, row.instance_id, row.lease_token) == (0, None, None)
-    assert (row.processed_at, row.dead_lettered_at, row.failure_reason) == (None, None, None)
+    assert (row.done_at, row.dead_lettered_at, row.failure_reason) == (None, None, None)
     assert (row.result, row.last_error) == (None, None)
 
     assert drain(pump(drain=True)) == EXIT_OK
 
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     assert runs[-1] == (1, None)
     assert (row.attempts, row.result) == (1, "finished")
-    assert row.processed_at is not None and row.dead_lettered_at is None
+    assert row.done_at is not None and row.dead_lettered_at is None

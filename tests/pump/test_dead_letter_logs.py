@@ -228,7 +228,7 @@ def test_the_commands_dead_letter_logs_each_row_and_a_dry_run_none(caplog):
 
     call_command("workpump_action", "dead-letter", str(work_id), "--dry-run", "--yes")
     assert dead_letter_logs(caplog) == []
-    assert models.Outbox.objects.get(message_id=work_id).dead_lettered_at is None
+    assert models.Outbox.objects.get(work_id=work_id).dead_lettered_at is None
 
     call_command("workpump_action", "dead-letter", str(work_id), "--yes")
     assert_one_error(caplog, work_id, "dead-lettered by workpump_action")
@@ -248,13 +248,13 @@ def test_a_timeout_on_the_last_attempt_is_stored_and_logged_as_timeout(pump, cap
         work_id = workpump.send("logs.timeout", {})
         pump()
         assert wait_until(
-            lambda: models.Outbox.objects.get(message_id=work_id).dead_lettered_at is not None,
+            lambda: models.Outbox.objects.get(work_id=work_id).dead_lettered_at is not None,
             20,
         )
     finally:
         release.set()
         registry.unregister("outbox", "logs.timeout")
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     assert (row.failure_reason, row.attempts) == ("timeout", 1)
     message = assert_one_error(caplog, work_id, FailureReason.TIMEOUT)
     assert "end of its timeout" in message

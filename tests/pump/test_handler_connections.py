@@ -47,7 +47,7 @@ def _run_one(seen: list[Any]) -> None:
 
 
 def _all_processed() -> bool:
-    return not models.Outbox.objects.filter(processed_at__isnull=True).exists()
+    return not models.Outbox.objects.filter(done_at__isnull=True).exists()
 
 
 def _connections_named(raw: Any, suffix: str) -> int:
@@ -140,7 +140,7 @@ def test_a_handler_error_that_breaks_the_connection_gets_a_new_one_for_the_next_
         workpump.send("conn.break", {}, stream="later")
         assert wait_until(
             lambda: models.Outbox.objects.filter(
-                stream="later", processed_at__isnull=False
+                stream="later", done_at__isnull=False
             ).exists()
         )
         assert seen[-1] != seen[0]

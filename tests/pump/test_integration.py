@@ -82,9 +82,9 @@ def test_rows_of_all_four_categories_run_and_complete(handlers, pump):
         key=str,
     )
     assert models.Outbox.objects.get().result == {"handled": "outbox"}
-    assert models.Inbox.objects.get().processed_at is not None
-    assert models.PerspectiveEvent.objects.get().processed_at is not None
-    assert models.ReceptorProcessing.objects.get().completed_at is not None
+    assert models.Inbox.objects.get().done_at is not None
+    assert models.PerspectiveEvent.objects.get().done_at is not None
+    assert models.ReceptorProcessing.objects.get().done_at is not None
     # graceful stop deregistered the instance
     assert models.ServiceInstance.objects.count() == 0
 
@@ -117,7 +117,7 @@ def test_a_raising_handler_is_retried_then_dead_lettered_with_its_last_error(han
     assert calls == [1, 2, 3]
     assert row.attempts == 3
     assert row.dead_lettered_at is not None
-    assert row.processed_at is None
+    assert row.done_at is None
     assert row.failure_reason == "max_attempts"
     assert "ValueError: attempt 3 exploded" in row.last_error
 
@@ -156,8 +156,8 @@ def test_a_pump_narrowed_to_some_topics_claims_no_other(handlers, pump):
         "perspective_event": [],
         "receptor": [],
     }
-    waiting = models.Outbox.objects.filter(processed_at__isnull=True).order_by("seq")
-    assert [(r.destination, r.attempts) for r in waiting] == [("it.b", 0), ("it.a", 0)]
+    waiting = models.Outbox.objects.filter(done_at__isnull=True).order_by("seq")
+    assert [(r.topic, r.attempts) for r in waiting] == [("it.b", 0), ("it.a", 0)]
     assert models.PerspectiveEvent.objects.get().attempts == 0
 
 
@@ -197,7 +197,7 @@ def test_a_handler_past_its_renewal_cap_surfaces_as_a_failure_and_is_reclaimed(h
     workpump.send("it.hang", {})
     supervisor = pump()
     try:
-        assert wait_until(lambda: models.Outbox.objects.filter(processed_at__isnull=False).exists())
+        assert wait_until(lambda: models.Outbox.objects.filter(done_at__isnull=False).exists())
         row = models.Outbox.objects.get()
         assert attempts == [1, 2]
         assert row.attempts == 2
@@ -233,7 +233,7 @@ def test_an_atomic_handler_whose_lease_was_lost_rolls_back_its_effect(handlers, 
         other = raw_connect()
         other.execute(
             "UPDATE workpump_outbox SET instance_id = %s, lease_expiry = now() + interval '1 h' "
-            "WHERE message_id = %s",
+            "WHERE work_id = %s",
             [thief, message_id],
         )
         proceed.set()
@@ -245,7 +245,7 @@ def test_an_atomic_handler_whose_lease_was_lost_rolls_back_its_effect(handlers, 
             "SELECT workpump.release_leases('outbox', ARRAY[%s]::uuid[], p_force => true)",
             [message_id],
         )
-        assert wait_until(lambda: models.Outbox.objects.filter(processed_at__isnull=False).exists())
+        assert wait_until(lambda: models.Outbox.objects.filter(done_at__isnull=False).exists())
         assert run_sql("SELECT work_id, attempt FROM it_effect") == [
             {"work_id": message_id, "attempt": 2}
         ]
@@ -277,10 +277,10 @@ def test_a_row_force_released_while_it_runs_is_run_again_here_and_the_old_attemp
             "SELECT workpump.release_leases('outbox', ARRAY[%s]::uuid[], p_force => true)",
             [message_id],
         )
-        assert wait_until(lambda: models.Outbox.objects.filter(processed_at__isnull=False).exists())
+        assert wait_until(lambda: models.Outbox.objects.filter(done_at__isnull=False).exists())
     finally:
         first_may_finish.set()
-    row = models.Outbox.objects.get(message_id=message_id)
+    row = models.Outbox.objects.get(work_id=message_id)
     assert (row.attempts, row.result) == (2, "attempt 2")
     assert wait_until(lambda: supervisor.dispatcher.in_flight == 0)
     assert supervisor.dispatcher.stats.superseded == 1
@@ -392,7 +392,7 @@ def test_shutdown_waits_for_in_flight_handlers_then_deregisters(handlers, pump):
     assert not stopper.is_alive()
     row = models.Outbox.objects.get()
     assert row.result == "finished"
-    assert row.processed_at is not None
+    assert row.done_at is not None
     assert models.ServiceInstance.objects.count() == 0
 
 
@@ -452,7 +452,7 @@ def test_a_graceful_stop_tells_running_handlers_at_once_and_they_finish_early(ha
     assert not stopper.is_alive()
     row = models.Outbox.objects.get()
     assert (row.result, row.attempts) == ("stopped early", 1)
-    assert row.processed_at is not None
+    assert row.done_at is not None
 
 
 @override_settings(WORKPUMP={**FAST, "SHUTDOWN_TIMEOUT_SECONDS": 1})
@@ -474,7 +474,7 @@ def test_a_handler_outliving_every_shutdown_spends_its_attempts_and_is_dead_lett
             supervisor = pump(concurrency=1)
             assert started.acquire(timeout=10)
             assert supervisor.shutdown() == EXIT_OK
-            row = models.Outbox.objects.get(message_id=stubborn_id)
+            row = models.Outbox.objects.get(work_id=stubborn_id)
             assert row.attempts == attempt
             assert row.instance_id is None
             if attempt == 1:
@@ -483,7 +483,7 @@ def test_a_handler_outliving_every_shutdown_spends_its_attempts_and_is_dead_lett
                 assert "shutdown timeout" in row.last_error
     finally:
         finish.set()
-    row = models.Outbox.objects.get(message_id=stubborn_id)
+    row = models.Outbox.objects.get(work_id=stubborn_id)
     assert row.failure_reason == "max_attempts"
     assert row.dead_lettered_at is not None
-    assert row.processed_at is None  # the late "too late" outcome was dropped
+    assert row.done_at is None  # the late "too late" outcome was dropped

@@ -144,7 +144,7 @@ def test_a_topic_that_was_handled_in_between_is_reported_again(caplog):
     worker = maintenance()
     caplog.set_level(logging.WARNING)
     worker.run_once()
-    models.Outbox.objects.update(processed_at=models.Outbox.objects.get().created_at)
+    models.Outbox.objects.update(done_at=models.Outbox.objects.get().created_at)
     worker.run_once()  # nothing waits: the topic is forgotten
     workpump.send("logs.nobody", {})
     worker.run_once()

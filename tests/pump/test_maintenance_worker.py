@@ -40,8 +40,8 @@ def test_a_pass_reaps_purges_in_batches_and_keeps_undone_rows(caplog):
     stale = ServiceInstanceFactory(last_heartbeat_at=now - timedelta(minutes=10))
     fresh = ServiceInstanceFactory(last_heartbeat_at=now + timedelta(minutes=1))
     for _ in range(5):
-        OutboxFactory(processed_at=old)
-    recent = OutboxFactory(processed_at=now)
+        OutboxFactory(done_at=old)
+    recent = OutboxFactory(done_at=now)
     undone_old = OutboxFactory(created_at=old)
     EvictionFactory(evicted_at=now - timedelta(days=3))
     kept_tombstone = EvictionFactory(evicted_at=now)
@@ -73,7 +73,7 @@ def test_rows_using_up_their_attempts_are_logged(caplog):
 
     assert result.stuck == 1
     [record] = [r for r in caplog.records if getattr(r, "action", "") == "stuck_row"]
-    assert str(stuck.message_id) in record.getMessage()
+    assert str(stuck.work_id) in record.getMessage()
     assert "6 of 10" in record.getMessage()
     assert record.getMessage().endswith("last error: KeyError: 'x'")  # the line, no list repr
 

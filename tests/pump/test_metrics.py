@@ -230,7 +230,7 @@ def claim(instance: uuid.UUID, now: Any, **kwargs: Any) -> list[db.ClaimedWork]:
 
 
 def created_at(work_id: uuid.UUID) -> Any:
-    return scalar("SELECT created_at FROM workpump_outbox WHERE message_id = %s", [work_id])
+    return scalar("SELECT created_at FROM workpump_outbox WHERE work_id = %s", [work_id])
 
 
 @pytest.mark.django_db
@@ -337,7 +337,7 @@ def test_without_prometheus_client_the_pump_runs_and_records_nothing(
     supervisor = pump(drain=True)
     assert supervisor.dispatcher.metrics.enabled is False
     assert drain(supervisor) == EXIT_OK
-    assert models.Outbox.objects.get().processed_at is not None
+    assert models.Outbox.objects.get().done_at is not None
     labels = {"category": "outbox", "topic": "metrics.absent"}
     assert REGISTRY.get_sample_value("workpump_done_total", labels) is None
     assert REGISTRY.get_sample_value("workpump_claimed_total", labels) is None

@@ -69,10 +69,10 @@ def produce_backlog(streams: int, per_stream: int, seconds: float = 0.0, instanc
 
 def undone() -> int:
     return scalar(
-        "SELECT (SELECT count(*) FROM workpump_outbox WHERE processed_at IS NULL)"
-        " + (SELECT count(*) FROM workpump_inbox WHERE processed_at IS NULL)"
-        " + (SELECT count(*) FROM workpump_perspective_event WHERE processed_at IS NULL)"
-        " + (SELECT count(*) FROM workpump_receptor_processing WHERE completed_at IS NULL)"
+        "SELECT (SELECT count(*) FROM workpump_outbox WHERE done_at IS NULL)"
+        " + (SELECT count(*) FROM workpump_inbox WHERE done_at IS NULL)"
+        " + (SELECT count(*) FROM workpump_perspective_event WHERE done_at IS NULL)"
+        " + (SELECT count(*) FROM workpump_receptor_processing WHERE done_at IS NULL)"
     )
 
 
@@ -158,11 +158,12 @@ def test_kill_9_moves_the_killed_instances_rows_to_the_survivor(executions, spaw
         row["work_id"]
         for row in run_sql(
             "SELECT e.work_id FROM mp_execution e WHERE e.pid = %(pid)s AND e.work_id IN ("
-            " SELECT message_id FROM workpump_outbox WHERE instance_id = %(i)s"
-            " UNION ALL SELECT message_id FROM workpump_inbox WHERE instance_id = %(i)s"
-            " UNION ALL SELECT event_work_id FROM workpump_perspective_event"
+            " SELECT work_id FROM workpump_outbox WHERE instance_id = %(i)s"
+            " UNION ALL SELECT work_id FROM workpump_inbox WHERE instance_id = %(i)s"
+            " UNION ALL SELECT work_id FROM workpump_perspective_event"
             "   WHERE instance_id = %(i)s"
-            " UNION ALL SELECT id FROM workpump_receptor_processing WHERE instance_id = %(i)s)",
+            " UNION ALL SELECT work_id FROM workpump_receptor_processing"
+            "   WHERE instance_id = %(i)s)",
             {"pid": victim.pid, "i": victim_id},
         )
     }
@@ -256,7 +257,7 @@ def test_sigterm_lets_in_flight_handlers_finish_and_deregisters(executions, spaw
     assert held == 0
     # what it did not start is claimable again, with its attempt given back
     assert (
-        scalar("SELECT count(*) FROM workpump_outbox WHERE processed_at IS NULL AND attempts > 0")
+        scalar("SELECT count(*) FROM workpump_outbox WHERE done_at IS NULL AND attempts > 0")
         == 0
     )
 
@@ -273,9 +274,9 @@ def test_handlers_raising_base_exceptions_fail_their_attempts_and_drain_exits_ze
     assert process.returncode == 0, output
     assert "drained: nothing left to claim (exit 0)" in output
     rows = {
-        r["message_id"]: r
+        r["work_id"]: r
         for r in run_sql(
-            "SELECT message_id, attempts, instance_id, failure_reason, last_error,"
+            "SELECT work_id, attempts, instance_id, failure_reason, last_error,"
             " dead_lettered_at FROM workpump_outbox"
         )
     }

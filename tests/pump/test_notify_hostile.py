@@ -243,7 +243,7 @@ def outbox_handler() -> Iterator[Callable[..., None]]:
 def spoof_cancel(conn: Conn, work_id: uuid.UUID) -> None:
     """What a reader of workpump_outbox can send: the real holder and lease token."""
     row = conn.execute(
-        "SELECT instance_id, lease_token FROM workpump_outbox WHERE message_id = %s", (work_id,)
+        "SELECT instance_id, lease_token FROM workpump_outbox WHERE work_id = %s", (work_id,)
     ).fetchone()
     assert row is not None and row["instance_id"] is not None
     payload = {
@@ -280,9 +280,9 @@ def test_a_spoofed_cancel_leaves_the_handler_running_and_its_outcome_stored(
     assert wait_until(lambda: gate.cancels_unconfirmed == 1, WAIT)
     release.set()
     assert wait_until(
-        lambda: models.Outbox.objects.get(message_id=work_id).processed_at is not None, WAIT
+        lambda: models.Outbox.objects.get(work_id=work_id).done_at is not None, WAIT
     )
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     assert (row.end_state, row.result, row.attempts) == (None, {"finished": True}, 1)
     assert seen == {"cancelled": False}
     assert supervisor.dispatcher.stats.cancelled == 0
@@ -315,7 +315,7 @@ def test_after_a_spoof_a_real_cancel_still_stops_the_handler(pump, role, outbox_
 
     assert stopped.wait(WAIT), "the real cancel did not reach the handler"
     assert gate.cancels_confirmed == 1
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     assert (row.end_state, row.result) == ("cancelled", None)
     assert wait_until(lambda: supervisor.dispatcher.stats.cancelled == 1, WAIT)
 

@@ -63,7 +63,7 @@ def worker(*defined: Schedule, batch: int = 100) -> PeriodicWorker:
 
 
 def rows(name: str = "reports.tick") -> list[models.Outbox]:
-    return list(models.Outbox.objects.filter(destination=name).order_by("seq"))
+    return list(models.Outbox.objects.filter(topic=name).order_by("seq"))
 
 
 def slots_of(name: str = "reports.tick") -> list[str]:
@@ -215,7 +215,7 @@ def test_fire_periodic_sends_each_slot_once_through_send():
     assert fire(at(0), now=at(62)) is None, "an earlier slot"
     assert fire(at(180), now=at(62)) is None, "a slot in the future"
     (row,) = rows()
-    assert row.message_id == message_id
+    assert row.work_id == message_id
     assert row.payload == {"report": "daily", "slot": "2026-01-01T12:01:00Z"}
     assert (row.priority, row.max_attempts, row.stream, row.stream_head) == (5, 3, None, True)
     state = models.PeriodicSchedule.objects.get(name="reports.tick")
@@ -262,7 +262,7 @@ def test_fire_periodic_can_be_called_by_hand_with_defaults():
     message_id = scalar(
         "SELECT workpump.fire_periodic('reports.tick', %s, p_now => %s)", (at(60), at(60))
     )
-    assert rows()[0].message_id == message_id
+    assert rows()[0].work_id == message_id
 
 
 # --- the worker's passes ------------------------------------------------------------------
@@ -441,10 +441,10 @@ def test_three_workers_racing_over_the_same_slots_fire_each_slot_once():
         thread.join(60)
     assert errors == []
     fired = Counter(
-        (row["destination"], row["slot"])
+        (row["topic"], row["slot"])
         for row in run_sql(
-            "SELECT destination, payload->>'slot' AS slot FROM workpump_outbox "
-            "WHERE destination LIKE 'race.%%'"
+            "SELECT topic, payload->>'slot' AS slot FROM workpump_outbox "
+            "WHERE topic LIKE 'race.%%'"
         )
     )
     assert set(fired.values()) == {1}, "a slot fired more than once"
@@ -588,7 +588,7 @@ def test_workpump_status_shows_the_schedules(two_schedules):
         "next_fire_at": at(120).isoformat(),
         "last_slot": at(60).isoformat(),
         "last_fired_at": at(61).isoformat(),
-        "last_message_id": str(rows()[0].message_id),
+        "last_message_id": str(rows()[0].work_id),
         "registered_at": None,
     }
     assert periodic["reports.gone"]["registered"] is False

@@ -220,5 +220,5 @@ def test_run_pending_treats_a_release_as_the_handlers_own_decision():
 
     assert report.released == [work_id]
     assert runs == [1, 2]  # the first attempt counted, the row claimable again at once
-    row = models.Outbox.objects.get(message_id=work_id)
+    row = models.Outbox.objects.get(work_id=work_id)
     assert (row.attempts, row.result, row.failure_reason) == (2, "second time", "released")

@@ -73,7 +73,7 @@ def test_drain_prints_a_startup_line_processes_everything_and_exits_zero(echo_ha
         assert part in lines[0]
     assert "stopped: drained: nothing left to claim (exit 0)" in lines[-1]
     assert "claimed=5 done=5" in lines[-1]
-    assert models.Outbox.objects.filter(processed_at__isnull=False).count() == 5
+    assert models.Outbox.objects.filter(done_at__isnull=False).count() == 5
     assert models.ServiceInstance.objects.count() == 0
 
 
@@ -117,7 +117,7 @@ def test_the_command_leaves_the_callers_connection_open(echo_handler):
     # The same session, still usable: the command closed only what it opened.
     assert connection.connection is not None
     assert run_sql("SELECT pg_backend_pid() AS pid") == [before]
-    assert models.Outbox.objects.get().processed_at is not None
+    assert models.Outbox.objects.get().done_at is not None
 
 
 @pytest.mark.django_db(transaction=True)
@@ -126,9 +126,9 @@ def test_categories_limit_what_is_claimed(echo_handler):
     workpump.send("cmd.echo", {})
     workpump.receive(uuid.uuid4(), "cmd.nobody", {})
     call_command("runworkpump", "--drain", "--categories", "outbox", stdout=StringIO())
-    assert models.Outbox.objects.get().processed_at is not None
+    assert models.Outbox.objects.get().done_at is not None
     inbox = models.Inbox.objects.get()
-    assert (inbox.attempts, inbox.processed_at) == (0, None)
+    assert (inbox.attempts, inbox.done_at) == (0, None)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -144,9 +144,9 @@ def test_topics_narrow_the_claim_to_the_named_handlers(echo_handler):
         registry.unregister("outbox", "cmd.other")
 
     assert "topics=1 " in messages(out.getvalue())[0]
-    assert models.Outbox.objects.get(message_id=echo).processed_at is not None
-    waiting = models.Outbox.objects.get(message_id=other)
-    assert (waiting.attempts, waiting.instance_id, waiting.processed_at) == (0, None, None)
+    assert models.Outbox.objects.get(work_id=echo).done_at is not None
+    waiting = models.Outbox.objects.get(work_id=other)
+    assert (waiting.attempts, waiting.instance_id, waiting.done_at) == (0, None, None)
 
 
 @pytest.mark.django_db
@@ -350,12 +350,12 @@ def test_database_runs_the_pump_against_another_database_alias(echo_handler):
     assert "database=second:" in lines[0]
     assert "_second" in lines[0]
     assert "claimed=4 done=4" in lines[-1]
-    done = models.Outbox.objects.using("second").filter(processed_at__isnull=False)
-    assert sorted(done.values_list("message_id", flat=True)) == sorted(on_second)
+    done = models.Outbox.objects.using("second").filter(done_at__isnull=False)
+    assert sorted(done.values_list("work_id", flat=True)) == sorted(on_second)
     assert models.ServiceInstance.objects.using("second").count() == 0
     # the default database was not touched: its row waits, never claimed
-    untouched = models.Outbox.objects.get(message_id=on_default)
-    assert (untouched.processed_at, untouched.attempts, untouched.claimed_at) == (None, 0, None)
+    untouched = models.Outbox.objects.get(work_id=on_default)
+    assert (untouched.done_at, untouched.attempts, untouched.claimed_at) == (None, 0, None)
     # the process-wide override ended with the command
     from django_workpump.conf import setting
 

@@ -28,7 +28,7 @@ FAST = {**FAST_PUMP, "CONCURRENCY": 4, "STREAM_RUN_MAX": 100}
 
 
 def _all_processed() -> bool:
-    return not models.Outbox.objects.filter(processed_at__isnull=True).exists()
+    return not models.Outbox.objects.filter(done_at__isnull=True).exists()
 
 
 @pytest.fixture
@@ -220,7 +220,7 @@ def test_two_instances_keep_fifo_per_stream_across_runs_and_retries(outbox_handl
             workpump.send("runs.many", {"n": n}, stream=stream)
 
     assert wait_until(
-        lambda: not models.Outbox.objects.filter(processed_at__isnull=True).exists(), 60
+        lambda: not models.Outbox.objects.filter(done_at__isnull=True).exists(), 60
     )
     first.shutdown()
     second.shutdown()

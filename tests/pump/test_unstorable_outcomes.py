@@ -161,15 +161,15 @@ def test_unstorable_results_and_errors_are_settled_and_every_good_row_completes(
 
     assert drain(pump(drain=True), timeout=30) == EXIT_OK
 
-    rows = {row.message_id: row for row in models.Outbox.objects.all()}
+    rows = {row.work_id: row for row in models.Outbox.objects.all()}
     assert [rows[i].result for i in good_ids] == [{"n": n} for n in range(30)]
     assert all(rows[i].attempts == 1 for i in good_ids)  # every good row ran once
     by_topic: dict[str, list[models.Outbox]] = {}
     for row in rows.values():
-        by_topic.setdefault(row.destination, []).append(row)
+        by_topic.setdefault(row.topic, []).append(row)
     assert {r.result["text"] for r in by_topic["uo.nul_result"]} == {"a\ufffdb"}
     assert {r.result["text"] for r in by_topic["uo.surrogate_result"]} == {"lone \ufffd"}
-    assert all(r.processed_at is not None for r in by_topic["uo.not_json"])
+    assert all(r.done_at is not None for r in by_topic["uo.not_json"])
     assert all("not JSON (TypeError" in r.result[NOTE_KEY] for r in by_topic["uo.not_json"])
     for topic, text in (
         ("uo.nul_error", "RuntimeError: bad \ufffd byte"),
@@ -220,8 +220,8 @@ def test_a_completion_the_database_refuses_is_completed_with_a_note_and_the_batc
 
     assert dispatcher.completions.flush_once() == 6
 
-    rows = {r.message_id: r for r in models.Outbox.objects.all()}
-    assert all(rows[i].processed_at is not None for i in ids)  # every row completed
+    rows = {r.work_id: r for r in models.Outbox.objects.all()}
+    assert all(rows[i].done_at is not None for i in ids)  # every row completed
     assert [rows[ids[n]].result for n in (0, 1, 3, 5)] == [{"n": n} for n in (0, 1, 3, 5)]
     assert "the database refused it (DataError" in rows[ids[2]].result[NOTE_KEY]
     assert "the database refused it (UnicodeEncodeError" in rows[ids[4]].result[NOTE_KEY]
@@ -242,7 +242,7 @@ def test_a_failure_the_database_refuses_is_recorded_as_plain_ascii_and_the_batch
 
     assert dispatcher.failures.flush_once() == 4
 
-    rows = {r.message_id: r for r in models.Outbox.objects.all()}
+    rows = {r.work_id: r for r in models.Outbox.objects.all()}
     assert [rows[i].last_error for i in ids] == [
         "plain error 0",
         "nul ? error",
@@ -257,7 +257,7 @@ def test_a_failure_the_database_refuses_is_recorded_as_plain_ascii_and_the_batch
 @pytest.mark.django_db(transaction=True)
 def test_a_renewal_the_database_refuses_is_dropped_and_the_others_are_renewed(held):
     coordinator, ids, tokens = held(3)
-    before = dict(models.Outbox.objects.values_list("message_id", "lease_expiry"))
+    before = dict(models.Outbox.objects.values_list("work_id", "lease_expiry"))
     worker = LeaseRenewalWorker(coordinator, None)
     worker.enqueue("outbox", ids[0], tokens[ids[0]])
     # workpump.renew_leases raises 22023
@@ -266,7 +266,7 @@ def test_a_renewal_the_database_refuses_is_dropped_and_the_others_are_renewed(he
 
     assert worker.flusher.flush_once() == 3
 
-    after = dict(models.Outbox.objects.values_list("message_id", "lease_expiry"))
+    after = dict(models.Outbox.objects.values_list("work_id", "lease_expiry"))
     assert after[ids[0]] > before[ids[0]] and after[ids[2]] > before[ids[2]]
     assert after[ids[1]] == before[ids[1]]
     assert worker.renewed == 2
@@ -290,7 +290,7 @@ def test_a_completion_whose_connection_was_killed_is_retried_on_a_new_one(held, 
     assert dispatcher.completions.health().last_error.startswith("OperationalError")
 
     assert dispatcher.completions.flush_once() == 2  # the next call reconnects
-    assert models.Outbox.objects.filter(processed_at__isnull=False).count() == 2
+    assert models.Outbox.objects.filter(done_at__isnull=False).count() == 2
 
 
 @pytest.mark.django_db(transaction=True)

@@ -25,10 +25,10 @@ def test_sql_work_table_returns_the_same_facts(facts: Category):
     [row] = run_sql("SELECT * FROM workpump.work_table(%s)", [facts.name])
     assert row == {
         "tbl": facts.table,
-        "key_col": facts.key_column,
-        "done_col": facts.done_column,
-        "topic_col": facts.topic_column,
-        "scope_col": facts.scope_column,
+        "key_col": "work_id",
+        "done_col": "done_at",
+        "topic_col": "topic",
+        "scope_col": "topic" if facts.topic_scopes_streams else None,
     }
 
 
@@ -51,26 +51,20 @@ def test_sql_knows_exactly_these_categories():
 
 
 @pytest.mark.parametrize("facts", CATEGORIES, ids=NAMES)
-def test_the_model_has_the_named_table_and_columns(facts: Category):
+def test_the_model_has_the_named_table_and_the_shared_column_names(facts: Category):
     model = apps.get_model("workpump", facts.model)
     assert model._meta.db_table == facts.table
-    assert model._meta.get_field(facts.key_field).column == facts.key_column
-    for column in (facts.topic_column, facts.done_column, facts.scope_column):
-        if column is not None:
-            assert model._meta.get_field(column).column == column
+    for name in ("work_id", "topic", "done_at"):
+        assert model._meta.get_field(name).column == name
+    own_payload = any(f.name == "payload" for f in model._meta.concrete_fields)
+    assert own_payload == facts.payload_on_row
 
 
 @pytest.mark.parametrize("facts", CATEGORIES, ids=NAMES)
 def test_registry_and_admin_derive_from_the_categories(facts: Category):
     assert registry.TOPIC_NOUNS[facts.name] == facts.topic_noun
     spec = ADMINS[facts.name].spec
-    assert (spec.category, spec.key_field, spec.topic_field, spec.done_field) == (
-        facts.name,
-        facts.key_field,
-        facts.topic_column,
-        facts.done_column,
-    )
-    assert spec.scope_field == facts.scope_column
+    assert (spec.category, spec.scoped) == (facts.name, facts.topic_scopes_streams)
 
 
 def test_the_public_names_keep_their_values():

@@ -40,10 +40,10 @@ B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 CATEGORIES = ["outbox", "inbox", "perspective_event", "receptor"]
 # category: (table, key column, ordering-scope column or "")
 TABLES = {
-    "outbox": ("workpump_outbox", "message_id", ""),
-    "inbox": ("workpump_inbox", "message_id", ""),
-    "perspective_event": ("workpump_perspective_event", "event_work_id", "perspective_name"),
-    "receptor": ("workpump_receptor_processing", "id", "receptor_name"),
+    "outbox": ("workpump_outbox", "work_id", ""),
+    "inbox": ("workpump_inbox", "work_id", ""),
+    "perspective_event": ("workpump_perspective_event", "work_id", "topic"),
+    "receptor": ("workpump_receptor_processing", "work_id", "topic"),
 }
 TOPICS = {
     "outbox": "emails.welcome",
@@ -1174,7 +1174,7 @@ def test_claim_work_leases_heads_and_runs_in_order_across_calls(scratch_database
                 )
             conn.execute("SELECT workpump.send('emails.once', '{}', p_max_attempts => 1)")
             conn.execute(
-                "UPDATE workpump_outbox SET attempts = 1 WHERE destination = 'emails.once'"
+                "UPDATE workpump_outbox SET attempts = 1 WHERE topic = 'emails.once'"
             )
             conn.execute(
                 "SELECT workpump.send('emails.later', '{}', p_scheduled_for => now() - interval"
@@ -1204,7 +1204,7 @@ def test_claim_work_leases_heads_and_runs_in_order_across_calls(scratch_database
                 seen.append(rows)
             seen.append(
                 conn.execute(
-                    "SELECT destination, payload, stream, attempts, instance_id,"
+                    "SELECT topic, payload, stream, attempts, instance_id,"
                     " dead_lettered_at IS NOT NULL, failure_reason FROM workpump_outbox"
                     " ORDER BY seq"
                 ).fetchall()
@@ -1229,3 +1229,37 @@ def test_claim_work_leases_heads_and_runs_in_order_across_calls(scratch_database
     assert ("emails.once", {}, None, 1, None, True, "max_attempts") in seen[5]
     assert {stream for stream, _ in seen[6]} == {"order-0", "order-1"}
     assert outcomes() == seen
+
+
+# --- one template -------------------------------------------------------------------------
+
+
+def claim_bodies() -> dict[str, str]:
+    rows = run_sql(
+        "SELECT proname, prosrc FROM pg_proc WHERE pronamespace = 'workpump'::regnamespace"
+        " AND proname = ANY(%s)",
+        [[f"claim_{category}" for category in CATEGORIES]],
+    )
+    return {row["proname"]: row["prosrc"] for row in rows}
+
+
+def test_each_categorys_claim_is_built_from_the_one_template_and_can_be_rebuilt():
+    built = claim_bodies()
+    assert sorted(built) == sorted(f"claim_{category}" for category in CATEGORIES)
+    for category in CATEGORIES:
+        run_sql("SELECT workpump.define_claim(%s)", [category])
+    assert claim_bodies() == built
+    # every body names its own table and no other category's
+    for category, (table, _, _) in TABLES.items():
+        body = built[f"claim_{category}"]
+        assert f"UPDATE {table} t SET" in body
+        others = [t for c, (t, _, _) in TABLES.items() if c != category]
+        assert not any(f"{other} " in body for other in others), category
+    # the event's fan-outs take payload and type from the event; the others from the row
+    assert "JOIN workpump_event e" in built["claim_receptor"]
+    assert "JOIN workpump_event e" not in built["claim_outbox"]
+
+
+def test_define_claim_refuses_an_unknown_category():
+    with pytest.raises(DatabaseError, match="nbox_typo"):
+        run_sql("SELECT workpump.define_claim('inbox_typo')")

@@ -190,7 +190,7 @@ def test_the_claim_by_prefix_scans_the_partial_indexes(raw_connect):
         assert "using wp_inbox_timer on" in text
         assert "Seq Scan on workpump_inbox" not in text
     finally:
-        conn.execute("DELETE FROM workpump_inbox WHERE message_id = %s", [message_id])
+        conn.execute("DELETE FROM workpump_inbox WHERE work_id = %s", [message_id])
         conn.execute("DELETE FROM workpump_service_instance WHERE instance_id = %s", [A])
 
 

@@ -49,10 +49,10 @@ def claim(conn: Conn, instance_id: uuid.UUID, max_rows: int) -> list[dict[str, A
 def complete(conn: Conn, instance_id: uuid.UUID, ids: Sequence[uuid.UUID]) -> None:
     """Complete rows this session's instance holds, under the tokens of their claims."""
     held = conn.execute(
-        "SELECT message_id, lease_token FROM workpump_outbox WHERE message_id = ANY (%s)",
+        "SELECT work_id, lease_token FROM workpump_outbox WHERE work_id = ANY (%s)",
         (list(ids),),
     ).fetchall()
-    tokens = {row["message_id"]: row["lease_token"] for row in held}
+    tokens = {row["work_id"]: row["lease_token"] for row in held}
     rows = conn.execute(
         "SELECT work_id, status FROM workpump.complete_work(%s, 'outbox', %s::uuid[],"
         " %s::uuid[], p_now => %s)",
@@ -72,7 +72,7 @@ def send(conn: Conn, n: int, stream: str | None = None) -> uuid.UUID:
 
 def outbox_rows(conn: Conn) -> list[dict[str, Any]]:
     return conn.execute(
-        "SELECT message_id, seq, stream, instance_id, attempts, processed_at "
+        "SELECT work_id, seq, stream, instance_id, attempts, done_at "
         "FROM workpump_outbox ORDER BY seq"
     ).fetchall()
 
@@ -155,9 +155,9 @@ def test_racing_claimers_never_share_a_row_and_claim_every_row_once(raw_connect,
     assert all(claimed), "every claimer should have won some rows"
     holder = {work_id: instances[i] for i, ids in enumerate(claimed) for work_id in ids}
     rows = outbox_rows(producer)
-    assert {row["message_id"] for row in rows} == set(everything)
+    assert {row["work_id"] for row in rows} == set(everything)
     # The database agrees on who holds each row, and each row was leased once.
-    assert all(row["instance_id"] == holder[row["message_id"]] for row in rows)
+    assert all(row["instance_id"] == holder[row["work_id"]] for row in rows)
     assert {row["attempts"] for row in rows} == {1}
 
 
@@ -187,7 +187,7 @@ def test_racing_claimers_hold_one_row_per_stream_and_take_each_stream_in_order(r
         holding = [s for rows in (*held, *fresh) for s in rows.values() if s is not None]
         assert len(holding) == len(set(holding)), f"two rows of one stream held: {holding}"
         doubled = producer.execute(
-            "SELECT stream FROM workpump_outbox WHERE processed_at IS NULL "
+            "SELECT stream FROM workpump_outbox WHERE done_at IS NULL "
             "AND instance_id IS NOT NULL AND stream IS NOT NULL "
             "GROUP BY stream HAVING count(*) > 1"
         ).fetchall()
@@ -224,11 +224,11 @@ def test_racing_claimers_hold_one_row_per_stream_and_take_each_stream_in_order(r
     run_together([claimer(i) for i in range(claimers)], barrier)
 
     rows = outbox_rows(producer)
-    assert all(row["processed_at"] is not None for row in rows)
+    assert all(row["done_at"] is not None for row in rows)
     claimed_ids = [work_id for _, work_id, _ in claim_log]
-    assert sorted(claimed_ids) == sorted(row["message_id"] for row in rows)
+    assert sorted(claimed_ids) == sorted(row["work_id"] for row in rows)
     assert len(set(claimed_ids)) == len(claimed_ids)
-    seq_of = {row["message_id"]: row["seq"] for row in rows}
+    seq_of = {row["work_id"]: row["seq"] for row in rows}
     order: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for tick, work_id, stream in claim_log:
         if stream is not None:
@@ -255,7 +255,7 @@ def test_a_producer_racing_a_completer_keeps_one_head_and_the_insertion_order(ra
     producing_done, draining_done = threading.Event(), threading.Event()
     heads_query = (
         "SELECT count(*) AS n FROM workpump_outbox "
-        "WHERE stream = 's' AND processed_at IS NULL AND stream_head"
+        "WHERE stream = 's' AND done_at IS NULL AND stream_head"
     )
 
     def produce() -> None:
@@ -296,7 +296,7 @@ def test_a_producer_racing_a_completer_keeps_one_head_and_the_insertion_order(ra
     assert max(head_counts) <= 1
     rows = outbox_rows(observer)
     assert len(rows) == n_rows
-    assert all(row["processed_at"] is not None for row in rows)
+    assert all(row["done_at"] is not None for row in rows)
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["no-streams", "one-row-streams"])
@@ -316,6 +316,6 @@ def test_a_claimer_skips_rows_an_open_claim_holds_instead_of_waiting(raw_connect
 
     assert taken.isdisjoint(held)
     assert taken | held == everything
-    owners = {row["message_id"]: row["instance_id"] for row in outbox_rows(producer)}
+    owners = {row["work_id"]: row["instance_id"] for row in outbox_rows(producer)}
     assert {owners[work_id] for work_id in held} == {holder_id}
     assert {owners[work_id] for work_id in taken} == {other_id}

@@ -103,7 +103,7 @@ def test_the_writer_produces_work_and_does_nothing_else(as_role):
     assert scalar("SELECT count(*) FROM workpump_receptor_processing") == 1
 
     assert refused(writer, "SELECT lease_token FROM workpump_outbox")
-    assert refused(writer, "UPDATE workpump_outbox SET processed_at = now()")
+    assert refused(writer, "UPDATE workpump_outbox SET done_at = now()")
     assert refused(writer, "DELETE FROM workpump_outbox")
     assert scalar("SELECT workpump.record_heartbeat(%s, 's', 'h', 1)", [INSTANCE])
     assert refused(writer, "SELECT * FROM workpump.claim_work(%s, 10, 60)", [INSTANCE])
@@ -113,7 +113,7 @@ def test_the_writer_produces_work_and_does_nothing_else(as_role):
         writer, "SELECT * FROM workpump.cleanup_stale_instances(now() + interval '1 min')"
     )
     assert refused(writer, "SELECT workpump.try_maintenance_lock()") is False  # any role can
-    assert scalar("SELECT count(*) FROM workpump_outbox WHERE processed_at IS NULL") == 4
+    assert scalar("SELECT count(*) FROM workpump_outbox WHERE done_at IS NULL") == 4
 
 
 def test_the_read_only_role_reads_all_but_lease_tokens_and_writes_nothing(as_role):
@@ -122,8 +122,8 @@ def test_the_read_only_role_reads_all_but_lease_tokens_and_writes_nothing(as_rol
         producer.execute("SELECT workpump.send('t.out', '{\"n\": 1}')")
     reader = as_role("app_reader")
 
-    rows = reader.execute("SELECT message_id, destination, payload FROM workpump_outbox").fetchall()
-    assert [(r["destination"], r["payload"]) for r in rows] == [("t.out", {"n": 1})]
+    rows = reader.execute("SELECT work_id, topic, payload FROM workpump_outbox").fetchall()
+    assert [(r["topic"], r["payload"]) for r in rows] == [("t.out", {"n": 1})]
     reader.rollback()
     assert refused(reader, "SELECT * FROM workpump_outbox")  # lease_token with the rest
     assert refused(reader, "SELECT lease_token FROM workpump_inbox")

@@ -66,11 +66,17 @@ def test_outcome_and_selected_work_hold_enum_members():
     work_id = uuid.uuid4()
     outcome = db.Outcome.from_row({"status": "retry", "work_id": work_id, "scheduled_for": T})
     selected = db.SelectedWork.from_row(
-        {"state": "orphaned", "id": work_id, "topic": "t", "category": "inbox", "created_at": T}
+        {
+            "state": "orphaned",
+            "work_id": work_id,
+            "topic": "t",
+            "category": "inbox",
+            "created_at": T,
+        }
     )
 
     assert outcome.status is OutcomeStatus.RETRY
-    assert selected.work_id == work_id  # the query's "id" column
+    assert selected.work_id == work_id
     assert selected.state is WorkState.ORPHANED
     with pytest.raises(ValueError):
         db.Outcome.from_row({"work_id": work_id, "status": "vanished"})

@@ -28,7 +28,7 @@ def test_evicting_a_live_instance_tombstones_it_and_releases_its_work():
     theirs = scalar("SELECT workpump.send('x', '{}', 's2')")
     run_sql("SELECT * FROM workpump.claim_work(%s, p_max_rows => 1, p_now => %s)", [A, T0])
     run_sql("SELECT * FROM workpump.claim_work(%s, p_max_rows => 1, p_now => %s)", [B, T0])
-    held_by_a = scalar("SELECT message_id FROM workpump_outbox WHERE instance_id = %s", [A])
+    held_by_a = scalar("SELECT work_id FROM workpump_outbox WHERE instance_id = %s", [A])
 
     released = scalar("SELECT workpump.evict_instance(%s, 'drained by ops', %s)", [A, at(5)])
 
@@ -39,7 +39,7 @@ def test_evicting_a_live_instance_tombstones_it_and_releases_its_work():
     )
     row = run_sql(
         "SELECT instance_id, claimed_at, failure_reason, last_error, attempts "
-        "FROM workpump_outbox WHERE message_id = %s",
+        "FROM workpump_outbox WHERE work_id = %s",
         [held_by_a],
     )[0]
     assert row["instance_id"] is None
@@ -53,7 +53,7 @@ def test_evicting_a_live_instance_tombstones_it_and_releases_its_work():
     # B keeps its own lease; the evicted instance's heartbeat is refused
     other = {mine, theirs} - {held_by_a}
     assert (
-        scalar("SELECT instance_id FROM workpump_outbox WHERE message_id = %s", [other.pop()]) == B
+        scalar("SELECT instance_id FROM workpump_outbox WHERE work_id = %s", [other.pop()]) == B
     )
     assert beat(A, at(6)) is False
 

@@ -47,7 +47,7 @@ OUTBOX_URL = "/admin/workpump/outbox/"
 def write(column: str, value: str, message_id: uuid.UUID, cast: str = "jsonb") -> None:
     """Overwrite one column of an outbox row through SQL, past every producer check."""
     run_sql(
-        f"UPDATE workpump_outbox SET {column} = %s::{cast} WHERE message_id = %s",
+        f"UPDATE workpump_outbox SET {column} = %s::{cast} WHERE work_id = %s",
         [value, message_id],
     )
 
@@ -127,8 +127,8 @@ def test_a_pump_completes_the_clean_batch_mates_of_a_deep_headers_row(recorded, 
 
     assert drain(pump(drain=True)) == EXIT_OK
 
-    done = models.Outbox.objects.filter(processed_at__isnull=False, dead_lettered_at=None)
-    assert set(done.values_list("message_id", flat=True)) == {*good, deep}
+    done = models.Outbox.objects.filter(done_at__isnull=False, dead_lettered_at=None)
+    assert set(done.values_list("work_id", flat=True)) == {*good, deep}
     assert set(done.values_list("attempts", flat=True)) == {1}
     assert sorted(payload["n"] for payload, _ in recorded) == [0, 1, 2, 3, 4, 5, 9]
     assert [headers for payload, headers in recorded if payload["n"] == 9] == [None]
@@ -147,11 +147,11 @@ def test_run_pending_runs_the_rows_around_deep_headers_and_parks_an_undecodable_
     assert testing.run_pending() == 4
 
     assert sorted(payload["n"] for payload, _ in recorded) == [0, 1, 2, 9]
-    parked = models.Outbox.objects.get(message_id=deep_payload)
+    parked = models.Outbox.objects.get(work_id=deep_payload)
     assert (parked.failure_reason, parked.attempts) == ("undecodable_payload", 1)
     assert parked.dead_lettered_at is not None
-    done = models.Outbox.objects.filter(processed_at__isnull=False)
-    assert set(done.values_list("message_id", flat=True)) == {*good, deep_headers}
+    done = models.Outbox.objects.filter(done_at__isnull=False)
+    assert set(done.values_list("work_id", flat=True)) == {*good, deep_headers}
 
 
 @pytest.mark.django_db
@@ -167,7 +167,7 @@ def test_the_admin_pages_of_a_row_with_a_deep_json_column_answer_and_show_it_as_
         listing = admin_client.get(url)
         assert listing.status_code == 200
         assert {str(clean), str(hostile)} <= set(listing.content.decode().split('"'))
-    pk = models.Outbox.objects.only("seq").get(message_id=hostile).pk
+    pk = models.Outbox.objects.only("seq").get(work_id=hostile).pk
     page = admin_client.get(f"{OUTBOX_URL}{pk}/change/")
     assert page.status_code == 200
     if column == "result":
@@ -184,7 +184,7 @@ def test_a_model_reads_an_undecodable_json_column_as_its_stored_text():
     huge = '{"big": ' + "9" * 5000 + "}"  # past the int-string digit limit
     write("headers", huge, message_id)
 
-    row = models.Outbox.objects.get(message_id=message_id)
+    row = models.Outbox.objects.get(work_id=message_id)
 
     assert isinstance(row.result, StoredJSON) and row.result == DEEP_OBJECT
     assert f"{LEVELS} levels deep" in row.result.error
@@ -303,7 +303,7 @@ def test_the_admin_and_status_show_a_stored_time_past_year_9999_as_stored(admin_
     clean = workpump.send("hv.good", {"n": 1}, stream="s")
     hostile = workpump.send("hv.good", {"n": 2}, stream="t")
     write("scheduled_for", when, hostile, cast="timestamptz")
-    run_sql("UPDATE workpump_outbox SET attempts = 1 WHERE message_id = %s", [hostile])
+    run_sql("UPDATE workpump_outbox SET attempts = 1 WHERE work_id = %s", [hostile])
     shown = scalar("SELECT %s::timestamptz::text", [when])
 
     for url in [OUTBOX_URL, f"{OUTBOX_URL}?state=scheduled", f"{OUTBOX_URL}?state=pending"]:
@@ -311,7 +311,7 @@ def test_the_admin_and_status_show_a_stored_time_past_year_9999_as_stored(admin_
     listing = admin_client.get(f"{OUTBOX_URL}?state=scheduled").content.decode()
     assert str(hostile) in listing and str(clean) not in listing
     assert shown in listing
-    pk = models.Outbox.objects.only("seq").get(message_id=hostile).pk
+    pk = models.Outbox.objects.only("seq").get(work_id=hostile).pk
     page = admin_client.get(f"{OUTBOX_URL}{pk}/change/")
     assert page.status_code == 200 and shown in page.content.decode()
     assert admin_client.get("/admin/workpump/serviceinstance/summary/").status_code == 200
@@ -367,8 +367,8 @@ def test_a_schedule_with_a_stored_time_past_year_9999_fails_its_own_pass_alone()
     result = worker.run_once(now=T0 + timedelta(minutes=5))
 
     assert result.failed == ["hv.late"]
-    assert models.Outbox.objects.filter(destination="hv.every").count() == 1
-    assert models.Outbox.objects.filter(destination="hv.late").count() == 0
+    assert models.Outbox.objects.filter(topic="hv.every").count() == 1
+    assert models.Outbox.objects.filter(topic="hv.late").count() == 0
 
 
 def strict_json(text: str) -> Any:
@@ -439,8 +439,8 @@ def test_producers_refuse_topics_with_control_characters(call):
 def test_workpump_status_escapes_a_hostile_topic_written_through_sql():
     message_id = workpump.send("hv.good", {"n": 1})
     run_sql(
-        "UPDATE workpump_outbox SET destination = %s, dead_lettered_at = now(), attempts = 1,"
-        " last_error = %s WHERE message_id = %s",
+        "UPDATE workpump_outbox SET topic = %s, dead_lettered_at = now(), attempts = 1,"
+        " last_error = %s WHERE work_id = %s",
         [FORGED, "boom\x1b[2J", message_id],
     )
 
@@ -466,13 +466,13 @@ def test_workpump_action_selects_rows_beside_a_hostile_one_and_escapes_its_topic
     clean = workpump.send("hv.good", {"n": 1})
     hostile = workpump.send("hv.good", {"n": 2})
     run_sql(
-        "UPDATE workpump_outbox SET destination = %s, created_at = 'infinity',"
-        " scheduled_for = now() + interval '1 hour' WHERE message_id = %s",
+        "UPDATE workpump_outbox SET topic = %s, created_at = 'infinity',"
+        " scheduled_for = now() + interval '1 hour' WHERE work_id = %s",
         [FORGED, hostile],
     )
     run_sql(
         "UPDATE workpump_outbox SET scheduled_for = now() + interval '1 hour'"
-        " WHERE message_id = %s",
+        " WHERE work_id = %s",
         [clean],
     )
 

@@ -190,7 +190,7 @@ def test_in_one_batch_only_the_current_attempts_outcome_counts():
     statuses = complete("outbox", [work_id, work_id], [old, new], at(100))
 
     assert statuses == [(work_id, "lost"), (work_id, "done")]
-    assert row("outbox", work_id)["processed_at"] == at(100)
+    assert row("outbox", work_id)["done_at"] == at(100)
 
 
 def test_an_outcome_clears_the_token_so_a_replay_is_lost():
@@ -223,7 +223,7 @@ def test_spending_a_tasks_attempts_is_fenced_by_the_token_too():
         rows = db.fetch_named(
             "tasks.sql",
             "spend_attempts",
-            {"message_id": work_id, "instance_id": A, "lease_token": token},
+            {"work_id": work_id, "instance_id": A, "lease_token": token},
         )
         return len(rows)
 
@@ -395,7 +395,7 @@ def test_expired_leases_and_due_retries_of_unhandled_topics_are_left_alone():
 def test_a_row_out_of_attempts_is_not_dead_lettered_by_a_claimer_that_cannot_run_it():
     enroll(A)
     work_id = scalar("SELECT workpump.send('emails.new', '{}'::jsonb, p_max_attempts => 1)")
-    run_sql("UPDATE workpump_outbox SET attempts = 1 WHERE message_id = %s", [work_id])
+    run_sql("UPDATE workpump_outbox SET attempts = 1 WHERE work_id = %s", [work_id])
 
     assert claim(A, topics={"outbox": ["emails.welcome"]}) == []
     assert row("outbox", work_id)["dead_lettered_at"] is None

@@ -32,10 +32,10 @@ C = uuid.UUID("00000000-0000-0000-0000-00000000000c")
 H = uuid.UUID("00000000-0000-0000-0000-0000000000ff")  # the instance that beats
 
 TABLES = {
-    "outbox": ("workpump_outbox", "message_id", "processed_at"),
-    "inbox": ("workpump_inbox", "message_id", "processed_at"),
-    "perspective_event": ("workpump_perspective_event", "event_work_id", "processed_at"),
-    "receptor": ("workpump_receptor_processing", "id", "completed_at"),
+    "outbox": ("workpump_outbox", "work_id", "done_at"),
+    "inbox": ("workpump_inbox", "work_id", "done_at"),
+    "perspective_event": ("workpump_perspective_event", "work_id", "done_at"),
+    "receptor": ("workpump_receptor_processing", "work_id", "done_at"),
 }
 SUBSCRIBERS = json.dumps(
     [
@@ -252,7 +252,7 @@ def test_heartbeat_reap_gives_up_on_a_locked_row_instead_of_waiting(raw_connect)
 
     with locker.transaction():
         locker.execute(
-            "SELECT 1 FROM workpump_outbox WHERE message_id = %s FOR UPDATE", [locked.message_id]
+            "SELECT 1 FROM workpump_outbox WHERE work_id = %s FOR UPDATE", [locked.work_id]
         )
         started = time.monotonic()
         ok = raw_beat(caller, H, at(60))  # raises QueryCanceled if it waited 5 s
@@ -727,7 +727,7 @@ def test_deregister_counts_only_its_own_undone_rows():
     beat(B, T0)
     mine = OutboxFactory(instance_id=A, lease_expiry=at(300), claimed_at=T0, attempts=2)
     done = OutboxFactory(
-        instance_id=A, lease_expiry=at(300), claimed_at=T0, attempts=1, processed_at=at(5)
+        instance_id=A, lease_expiry=at(300), claimed_at=T0, attempts=1, done_at=at(5)
     )
     theirs = OutboxFactory(instance_id=B, lease_expiry=at(300), claimed_at=T0, attempts=1)
 

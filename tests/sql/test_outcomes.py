@@ -27,10 +27,10 @@ CATEGORIES = ["outbox", "inbox", "perspective_event", "receptor"]
 
 # category -> (table, key column, done column)
 TABLES = {
-    "outbox": ("workpump_outbox", "message_id", "processed_at"),
-    "inbox": ("workpump_inbox", "message_id", "processed_at"),
-    "perspective_event": ("workpump_perspective_event", "event_work_id", "processed_at"),
-    "receptor": ("workpump_receptor_processing", "id", "completed_at"),
+    "outbox": ("workpump_outbox", "work_id", "done_at"),
+    "inbox": ("workpump_inbox", "work_id", "done_at"),
+    "perspective_event": ("workpump_perspective_event", "work_id", "done_at"),
+    "receptor": ("workpump_receptor_processing", "work_id", "done_at"),
 }
 
 # One event fans out to a perspective row and a receptor row.
@@ -284,10 +284,10 @@ def test_renewal_touches_only_the_table_of_the_named_category():
         [BOTH_SUBSCRIBERS],
     )
     perspective_id = scalar(
-        "SELECT event_work_id FROM workpump_perspective_event WHERE event_id = %s", [event_id]
+        "SELECT work_id FROM workpump_perspective_event WHERE event_id = %s", [event_id]
     )
     receptor_id = scalar(
-        "SELECT id FROM workpump_receptor_processing WHERE event_id = %s", [event_id]
+        "SELECT work_id FROM workpump_receptor_processing WHERE event_id = %s", [event_id]
     )
     assert sorted(claimed_ids(me)) == sorted([perspective_id, receptor_id])
 
@@ -422,7 +422,7 @@ def test_completion_reports_rows_the_caller_does_not_hold_as_lost():
         already_done: "lost",
         unknown: "lost",
     }
-    assert row("outbox", already_done)["processed_at"] == at(1)
+    assert row("outbox", already_done)["done_at"] == at(1)
 
 
 def test_completion_by_another_instance_changes_nothing():
@@ -446,7 +446,7 @@ def test_a_late_completion_after_the_row_was_claimed_again_changes_nothing():
 
     assert complete(first, "outbox", [work_id], now=at(450)) == {work_id: "lost"}
     after = row("outbox", work_id)
-    assert (after["instance_id"], after["processed_at"], after["attempts"]) == (second, None, 2)
+    assert (after["instance_id"], after["done_at"], after["attempts"]) == (second, None, 2)
     assert after["failure_reason"] == "lease_expired"
 
     assert complete(second, "outbox", [work_id], now=at(460)) == {work_id: "done"}
@@ -757,10 +757,10 @@ def test_purge_processed_deletes_the_oldest_batch_first():
 def test_purge_processed_never_deletes_undone_rows_however_old():
     long_ago = T0 - timedelta(days=365)
     me = uuid.uuid4()
-    pending = factories.OutboxFactory(created_at=long_ago).message_id
-    leased = factories.OutboxFactory(created_at=long_ago).message_id
-    dead = factories.OutboxFactory(created_at=long_ago).message_id
-    scheduled = factories.OutboxFactory(created_at=long_ago, scheduled_for=at(3600)).message_id
+    pending = factories.OutboxFactory(created_at=long_ago).work_id
+    leased = factories.OutboxFactory(created_at=long_ago).work_id
+    dead = factories.OutboxFactory(created_at=long_ago).work_id
+    scheduled = factories.OutboxFactory(created_at=long_ago, scheduled_for=at(3600)).work_id
     receptor = factories.ReceptorProcessingFactory(created_at=long_ago).work_id
     assert sorted(claimed_ids(me)) == sorted([pending, leased, dead, receptor])
     release(me, "outbox", [pending])
@@ -780,7 +780,7 @@ def test_purge_events_deletes_only_old_events_no_work_row_points_at():
         event=factories.EventFactory(created_at=at(-1000), stream="b")
     )
     done_work = factories.ReceptorProcessingFactory(
-        event=factories.EventFactory(created_at=at(-1000), stream="c"), completed_at=at(-500)
+        event=factories.EventFactory(created_at=at(-1000), stream="c"), done_at=at(-500)
     )
     recent = factories.EventFactory(created_at=at(-10), stream="d")
 
@@ -818,11 +818,11 @@ def test_purge_idle_streams_drops_only_unowned_streams_without_undone_rows():
     busy = factories.ActiveStreamFactory(category="outbox", stream="busy")
     factories.OutboxFactory(stream="busy")
     factories.ActiveStreamFactory(category="outbox", stream="finished")
-    factories.OutboxFactory(stream="finished", processed_at=at(1))
+    factories.OutboxFactory(stream="finished", done_at=at(1))
     scoped = factories.ActiveStreamFactory(
         category="perspective_event", scope="totals", stream="order-1"
     )
-    factories.PerspectiveEventFactory(perspective_name="totals", event__stream="order-1")
+    factories.PerspectiveEventFactory(topic="totals", event__stream="order-1")
     # same stream, another perspective: its rows are not this ledger row's work
     factories.ActiveStreamFactory(category="perspective_event", scope="other", stream="order-1")
 
@@ -950,10 +950,10 @@ def test_requeue_dead_gives_fresh_attempts_and_keeps_the_last_error():
     ],
 )
 def test_operator_actions_leave_done_rows_alone(name, columns, named):
-    done = factories.OutboxFactory(processed_at=T0, **columns)
-    before = row("outbox", done.message_id)
-    assert action(name, "outbox", [done.message_id], now=at(10), **named) == []
-    assert row("outbox", done.message_id) == before
+    done = factories.OutboxFactory(done_at=T0, **columns)
+    before = row("outbox", done.work_id)
+    assert action(name, "outbox", [done.work_id], now=at(10), **named) == []
+    assert row("outbox", done.work_id) == before
 
 
 @pytest.mark.parametrize("name", ["retry_now", "release_leases", "dead_letter", "requeue_dead"])

@@ -69,9 +69,9 @@ def test_1000_leased_rows_are_renewed_in_one_statement_per_category(long_runner)
 def _expiries() -> list[dict]:
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT message_id AS work_id, lease_expiry FROM workpump_outbox"
+            "SELECT work_id, lease_expiry FROM workpump_outbox"
             " WHERE instance_id IS NOT NULL"
-            " UNION ALL SELECT event_work_id, lease_expiry FROM workpump_perspective_event"
+            " UNION ALL SELECT work_id, lease_expiry FROM workpump_perspective_event"
             " WHERE instance_id IS NOT NULL"
         )
         return [{"work_id": row[0], "lease_expiry": row[1]} for row in cursor.fetchall()]

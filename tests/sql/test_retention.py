@@ -54,7 +54,7 @@ def test_purge_dead_deletes_only_rows_dead_before_the_cutoff_oldest_first():
     old = [OutboxFactory(dead_lettered_at=now - timedelta(days=3 - i)) for i in range(3)]
     recent = OutboxFactory(dead_lettered_at=now)
     undone = OutboxFactory()
-    done = OutboxFactory(processed_at=now - timedelta(days=5))
+    done = OutboxFactory(done_at=now - timedelta(days=5))
 
     assert purge_dead("outbox", now - timedelta(hours=1), batch=2) == 2
     assert set(models.Outbox.objects.values_list("pk", flat=True)) == {
@@ -84,7 +84,7 @@ def test_each_purge_deletes_at_most_its_batch_whatever_the_plan():
     long_ago = now - timedelta(days=10)
     for i in range(5):
         OutboxFactory(dead_lettered_at=long_ago + timedelta(seconds=i))
-        OutboxFactory(processed_at=long_ago + timedelta(seconds=i))
+        OutboxFactory(done_at=long_ago + timedelta(seconds=i))
         run_sql(
             "INSERT INTO workpump_event (event_id, event_type, payload, created_at)"
             " VALUES (gen_random_uuid(), 'purged', '{}', %s)",
@@ -106,7 +106,7 @@ def test_each_purge_deletes_at_most_its_batch_whatever_the_plan():
     deleted = {name: scalar(sql, params) for name, (sql, params) in purges.items()}
     assert deleted == dict.fromkeys(purges, 2)
     assert models.Outbox.objects.filter(dead_lettered_at__isnull=False).count() == 3
-    assert models.Outbox.objects.filter(processed_at__isnull=False).count() == 3
+    assert models.Outbox.objects.filter(done_at__isnull=False).count() == 3
 
 
 def test_purging_a_dead_stream_head_lets_the_stream_move_on():
@@ -140,7 +140,7 @@ def test_received_ids_are_forgotten_after_retention_only_once_their_row_is_gone(
     for message_id in (gone, stored, recent):
         assert workpump.receive(message_id, "retention.inbox", {"n": 1})
     models.InboxDedup.objects.filter(message_id__in=[gone, stored]).update(first_seen_at=long_ago)
-    models.Inbox.objects.filter(message_id=gone).delete()  # purged by retention
+    models.Inbox.objects.filter(work_id=gone).delete()  # purged by retention
 
     assert purge_dedup(timezone.now() - timedelta(days=30)) == 1
     assert set(models.InboxDedup.objects.values_list("message_id", flat=True)) == {stored, recent}
@@ -152,7 +152,7 @@ def test_received_ids_are_forgotten_after_retention_only_once_their_row_is_gone(
 def test_receive_without_deduplication_writes_no_dedup_row():
     message_id = uuid.uuid4()
     assert workpump.receive(message_id, "retention.inbox", {"n": 1}, deduplicate=False)
-    assert models.Inbox.objects.filter(message_id=message_id).exists()
+    assert models.Inbox.objects.filter(work_id=message_id).exists()
     assert not models.InboxDedup.objects.filter(message_id=message_id).exists()
 
 
@@ -162,7 +162,7 @@ def test_receive_without_deduplication_writes_no_dedup_row():
 def test_a_pass_keeps_purging_until_every_backlog_has_caught_up():
     old = timezone.now() - timedelta(days=2)
     for _ in range(9):
-        OutboxFactory(processed_at=old)
+        OutboxFactory(done_at=old)
     for _ in range(5):
         OutboxFactory(dead_lettered_at=old)
     kept_dead = OutboxFactory(dead_lettered_at=timezone.now())
@@ -187,7 +187,7 @@ def test_a_pass_purges_received_ids_and_task_attempts_not_the_handlers():
     message_id = uuid.uuid4()
     models.InboxDedup.objects.create(message_id=message_id)
     models.InboxDedup.objects.update(first_seen_at=long_ago)
-    models.TaskAttempt.objects.create(message_id=uuid.uuid4(), attempt=1, instance_id=uuid.uuid4())
+    models.TaskAttempt.objects.create(work_id=uuid.uuid4(), attempt=1, instance_id=uuid.uuid4())
     models.TaskAttempt.objects.update(started_at=long_ago)
 
     result = maintenance(inbox_dedup_retention_seconds=30 * DAY).run_once()

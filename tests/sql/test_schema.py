@@ -26,6 +26,7 @@ import psycopg
 import pytest
 from django.db import connection
 
+from django_workpump.categories import NAMES
 from django_workpump.sql import read
 from tests.helpers import ROOT, database_url, scalar
 
@@ -212,7 +213,10 @@ def test_schema_sql_is_what_the_migrations_build(scratch_database):
 
 # What schema.sql declares, by kind and name.
 DECLARED = {
-    "function": re.compile(r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+)\(", re.MULTILINE),
+    # claim_{category} is a template define_claim builds once per category
+    "function": re.compile(
+        r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+(?:\{category\}\w*)?)\(", re.MULTILINE
+    ),
     "type": re.compile(r"^CREATE TYPE workpump\.(\w+)\b", re.MULTILINE),
     "sequence": re.compile(r"^CREATE SEQUENCE workpump\.(\w+)\b", re.MULTILINE),
     "trigger": re.compile(r"^CREATE TRIGGER (\w+) .*? ON (\w+)", re.MULTILINE),
@@ -232,7 +236,12 @@ def declared() -> dict[str, Counter[str]]:
     """(kind -> how many times each name is declared) in schema.sql."""
     text = read("schema.sql")
     return {
-        kind: Counter(" ON ".join(m.groups()) for m in pattern.finditer(text))
+        kind: Counter(
+            name.replace("{category}", category)
+            for m in pattern.finditer(text)
+            for name in [" ON ".join(m.groups())]
+            for category in (NAMES if "{category}" in name else [""])
+        )
         for kind, pattern in DECLARED.items()
     }
 

@@ -136,7 +136,7 @@ def test_a_squatter_on_the_key_of_an_instance_that_died_does_not_keep_it_alive(
 
 def test_a_squatter_on_the_maintenance_lock_delays_purging_by_a_few_passes_only(squatter):
     old = timezone.now() - timedelta(days=2)
-    purged = [OutboxFactory(processed_at=old).pk for _ in range(3)]
+    purged = [OutboxFactory(done_at=old).pk for _ in range(3)]
     squat = squatter()
     squat.execute("SELECT pg_advisory_lock(%s, 0)", [MAINTENANCE])
     worker = MaintenanceWorker(

@@ -130,7 +130,7 @@ def test_a_run_ends_at_the_first_row_that_cannot_be_leased_now():
 
 def test_a_dead_row_ends_a_run():
     made = stream_of("outbox", 4)
-    run_sql("UPDATE workpump_outbox SET dead_lettered_at = %s WHERE message_id = %s", [T0, made[2]])
+    run_sql("UPDATE workpump_outbox SET dead_lettered_at = %s WHERE work_id = %s", [T0, made[2]])
     assert ids(claim(A, p_stream_run_max=10)) == made[:2]
 
 
@@ -223,7 +223,7 @@ def test_a_promotion_to_a_row_still_leased_wakes_no_claimer(raw_connect):
     # a run of two held by A: the first two rows leased
     conn.execute(
         "UPDATE workpump_outbox SET instance_id = %s, lease_expiry = now() + interval '1 h',"
-        " lease_token = gen_random_uuid() WHERE message_id = ANY (%s)",
+        " lease_token = gen_random_uuid() WHERE work_id = ANY (%s)",
         [A, made[:2]],
     )
     listener.execute("LISTEN workpump_outbox")
@@ -231,7 +231,7 @@ def test_a_promotion_to_a_row_still_leased_wakes_no_claimer(raw_connect):
     def finish(work_id: uuid.UUID) -> int:
         with conn.transaction():
             conn.execute(
-                "UPDATE workpump_outbox SET processed_at = now() WHERE message_id = %s", [work_id]
+                "UPDATE workpump_outbox SET done_at = now() WHERE work_id = %s", [work_id]
             )
             promoted = conn.execute(
                 "SELECT workpump.promote_stream_heads('outbox', '{\"\"}', '{wake}') AS n"
@@ -290,7 +290,7 @@ def test_a_discard_or_cancel_takes_its_streams_lock_before_it_locks_a_row(raw_co
         # the row is not locked while the stream's lock is awaited: the completion can
         # promote it
         probe.execute(
-            "SELECT 1 FROM workpump_outbox WHERE message_id = %s FOR UPDATE NOWAIT", [made[1]]
+            "SELECT 1 FROM workpump_outbox WHERE work_id = %s FOR UPDATE NOWAIT", [made[1]]
         )
     finally:
         completion.execute("ROLLBACK")

@@ -108,7 +108,7 @@ def signals() -> Iterator[list[tuple[str, str, str, int]]]:
 
 
 def row(result_id: str) -> models.Inbox:
-    return models.Inbox.objects.get(message_id=result_id)
+    return models.Inbox.objects.get(work_id=result_id)
 
 
 def forge(task_path: str, **payload: Any) -> uuid.UUID:
@@ -175,9 +175,9 @@ def test_enqueue_is_one_query_and_get_result_one_query_with_its_attempts():
 
     # Two attempts recorded: the second failed, the first ended without an outcome.
     first, second = uuid.uuid4(), uuid.uuid4()
-    models.TaskAttempt.objects.create(message_id=result.id, attempt=1, instance_id=first)
+    models.TaskAttempt.objects.create(work_id=result.id, attempt=1, instance_id=first)
     models.TaskAttempt.objects.create(
-        message_id=result.id,
+        work_id=result.id,
         attempt=2,
         instance_id=second,
         finished_at=timezone.now(),
@@ -201,7 +201,7 @@ def test_enqueue_writes_one_inbox_row_per_task():
     result = task_funcs.send_email.using(priority=7).enqueue("ada@example.com")
 
     stored = row(result.id)
-    assert stored.handler_name == "django.tasks:default:emails"
+    assert stored.topic == "django.tasks:default:emails"
     assert stored.payload == {
         "task": "tests.task_funcs.send_email",
         "args": ["ada@example.com"],
@@ -250,7 +250,7 @@ def test_aenqueue_and_aget_result_round_trip():
 
     assert read == result
     assert read.args == [4]
-    assert row(result.id).handler_name == "django.tasks:default:default"
+    assert row(result.id).topic == "django.tasks:default:default"
 
 
 @db
@@ -281,7 +281,7 @@ def test_empty_queues_accept_any_queue_name_and_pass_the_checks():
         assert task_backends["open"].check() == []
         result = task_funcs.add.using(backend="open", queue_name="anything").enqueue(1, b=2)
         assert result.task.queue_name == "anything"
-        assert row(result.id).handler_name == "django.tasks:open:anything"
+        assert row(result.id).topic == "django.tasks:open:anything"
         assert task_backends["open"].get_result(result.id).task.queue_name == "anything"
         # one prefix handler serves every queue of the alias
         handler = registry.get("inbox", "django.tasks:open:anything")
@@ -455,7 +455,7 @@ def test_a_task_runs_and_its_result_reads_back_from_the_row(pump, signals):
     assert done.worker_ids == [instance]
     assert done.errors == []
     assert done.enqueued_at <= done.started_at == done.last_attempted_at <= done.finished_at
-    assert done.finished_at == row(result.id).processed_at
+    assert done.finished_at == row(result.id).done_at
     assert signals[1:] == [
         ("started", result.id, TaskResultStatus.RUNNING, 1),
         ("finished", result.id, TaskResultStatus.SUCCESSFUL, 1),
@@ -523,7 +523,7 @@ def test_tasks_sync_and_async_run_under_an_async_middleware(pump):
 @pumped
 def test_a_task_moved_to_another_workpump_backend_runs_there(pump):
     result = task_funcs.add.using(backend="bulk").enqueue(5, b=5)
-    assert row(result.id).handler_name == "django.tasks:bulk:default"
+    assert row(result.id).topic == "django.tasks:bulk:default"
     assert drain(pump(drain=True)) == EXIT_OK
     assert task_backends["bulk"].get_result(result.id).return_value == 10
 
@@ -707,7 +707,7 @@ def test_a_row_naming_anything_but_a_workpump_task_is_dead_lettered_unrun(pump, 
     assert stored.attempts == 1  # refused once, not retried
     assert error in stored.last_error
     assert "django_workpump.tasks.errors.TaskRefused" in stored.last_error
-    attempt = models.TaskAttempt.objects.get(message_id=message_id)
+    attempt = models.TaskAttempt.objects.get(work_id=message_id)
     assert attempt.error_class == "django_workpump.tasks.errors.TaskRefused"
     assert task_funcs.calls == []
     assert "this" not in sys.modules  # never imported: it prints on import
@@ -831,21 +831,21 @@ def test_attempts_of_task_rows_purged_after_retention_are_purged_too():
     for message_id, started_at in ((gone, long_ago), (kept, long_ago), (recent, timezone.now())):
         for attempt in (1, 2):
             models.TaskAttempt.objects.create(
-                message_id=message_id, attempt=attempt, instance_id=uuid.uuid4()
+                work_id=message_id, attempt=attempt, instance_id=uuid.uuid4()
             )
-        models.TaskAttempt.objects.filter(message_id=message_id).update(started_at=started_at)
+        models.TaskAttempt.objects.filter(work_id=message_id).update(started_at=started_at)
 
     assert purge_task_attempts(retention_seconds=86400, batch=1) == 1  # bounded batch
     assert purge_task_attempts(retention_seconds=86400, batch=100) == 1
     assert purge_task_attempts(retention_seconds=86400, batch=100) == 0
-    left = set(models.TaskAttempt.objects.values_list("message_id", flat=True))
+    left = set(models.TaskAttempt.objects.values_list("work_id", flat=True))
     assert left == {kept, recent}  # its task row still exists / not past retention yet
 
 
 @db
 def test_a_task_enqueue_writes_no_deduplication_row():
     result = task_funcs.add.enqueue(1)
-    assert models.Inbox.objects.filter(message_id=result.id).exists()
+    assert models.Inbox.objects.filter(work_id=result.id).exists()
     assert not models.InboxDedup.objects.filter(message_id=result.id).exists()
 
 
@@ -890,14 +890,14 @@ def test_a_unique_task_enqueued_twice_returns_the_first_result_and_stores_one_ro
     assert row(first.id).unique_key.startswith("task:")
     assert models.Inbox.objects.filter(payload__task=task_funcs.refresh.module_path).count() == 2
     # a done row frees the key
-    models.Inbox.objects.filter(message_id=first.id).update(processed_at=timezone.now())
+    models.Inbox.objects.filter(work_id=first.id).update(done_at=timezone.now())
     assert task_funcs.refresh.enqueue("a").id not in (first.id, other.id)
 
 
 @db
 def test_a_unique_task_with_on_conflict_raise_raises_duplicate_within_its_window():
     first = task_funcs.refresh_hourly.enqueue("a")
-    models.Inbox.objects.filter(message_id=first.id).update(processed_at=timezone.now())
+    models.Inbox.objects.filter(work_id=first.id).update(done_at=timezone.now())
 
     with pytest.raises(workpump.Duplicate) as raised:
         task_funcs.refresh_hourly.enqueue("a")

@@ -60,9 +60,9 @@ def test_each_slot_enqueues_the_task_once_and_the_pump_runs_it(pump):
         ("p", "2026-01-01T12:01:00Z"),
         ("p", "2026-01-01T12:02:00Z"),
     ]
-    task_rows = models.Inbox.objects.filter(handler_name="django.tasks:default:default")
+    task_rows = models.Inbox.objects.filter(topic="django.tasks:default:default")
     assert task_rows.count() == 2
-    assert all(row.processed_at is not None for row in task_rows)
+    assert all(row.done_at is not None for row in task_rows)
 
 
 def test_a_task_that_cannot_take_the_slot_is_refused_at_declaration():

@@ -17,12 +17,12 @@ from shop import services
 from shop import workpump as handlers
 from shop.models import CustomerTotals, Order, ShipmentRequest
 
-# Work tables and the column that marks a row done.
+# Work tables; done_at marks a row of each done.
 WORK_TABLES = {
-    "outbox": (Outbox, "processed_at"),
-    "inbox": (Inbox, "processed_at"),
-    "perspective": (PerspectiveEvent, "processed_at"),
-    "receptor": (ReceptorProcessing, "completed_at"),
+    "outbox": Outbox,
+    "inbox": Inbox,
+    "perspective": PerspectiveEvent,
+    "receptor": ReceptorProcessing,
 }
 DUPLICATE_EVERY = 10  # every 10th order's webhook is delivered twice, as providers do
 BAR_WIDTH = 30
@@ -149,23 +149,20 @@ class Command(BaseCommand):
 
 
 def _work_counts() -> dict[str, int]:
-    counts = {name: model.objects.count() for name, (model, _) in WORK_TABLES.items()}
+    counts = {name: model.objects.count() for name, model in WORK_TABLES.items()}
     counts["events"] = Event.objects.count()
     return counts
 
 
 def _done_counts() -> dict[str, int]:
     return {
-        name: model.objects.filter(**{f"{done}__isnull": False}).count()
-        for name, (model, done) in WORK_TABLES.items()
+        name: model.objects.filter(done_at__isnull=False).count()
+        for name, model in WORK_TABLES.items()
     }
 
 
 def _undone_count() -> int:
-    return sum(
-        model.objects.filter(**{f"{done}__isnull": True}).count()
-        for model, done in WORK_TABLES.values()
-    )
+    return sum(model.objects.filter(done_at__isnull=True).count() for model in WORK_TABLES.values())
 
 
 def _verify_read_models() -> list[tuple[str, str, bool]]:
