@@ -77,7 +77,7 @@ class WorkRow(models.Model):
     # Times the handler raised workpump.Snooze; capped by MAX_SNOOZES.
     snoozes = models.IntegerField(db_default=0, editable=False)
     # The last checkpoint of a handler (work.checkpoint): the next attempt starts from it.
-    state = StoredJSONField(null=True, blank=True, editable=False)
+    checkpoint = StoredJSONField(null=True, blank=True, editable=False)
     done_at = models.DateTimeField(null=True, blank=True)  # set when the work is done
 
     class Meta:

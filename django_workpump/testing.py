@@ -370,7 +370,7 @@ def _work_of(row: Any, alias: str | None = None) -> Work:
         instance_id=TEST_INSTANCE_ID,
         lease_token=row.lease_token,
         headers=row.headers,
-        state=row.state,
+        state=row.checkpoint,
         checkpointer=partial(store_checkpoint, alias or setting("DATABASE_ALIAS")),
     )
 

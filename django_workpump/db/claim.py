@@ -61,7 +61,7 @@ class ClaimedWork(FromRow):
     created_at: datetime | None = None
     due_at: datetime | None = None
     # The checkpoint the row's last attempt stored (work.checkpoint): None when none.
-    state: Any = None
+    checkpoint: Any = None
 
 
 def claim_work(
@@ -189,7 +189,7 @@ def _claim_statement() -> PreparedQuery:
 def _claimed(row: Row) -> ClaimedWork:
     headers, headers_error = _headers(row.get("headers"))
     row = {**row, "headers": headers, "headers_error": headers_error}
-    row["state"] = _state(row)
+    row["checkpoint"] = _checkpoint(row)
     text: str = row["payload"]  # the payload's JSON text
     try:
         payload = decode(text)
@@ -201,11 +201,11 @@ def _claimed(row: Row) -> ClaimedWork:
     return ClaimedWork.from_row({**row, "payload": payload})
 
 
-def _state(row: Row) -> Any:
+def _checkpoint(row: Row) -> Any:
     """A row's checkpoint from its JSON text. One Python cannot decode (written through
     SQL: ``checkpoint`` stores what ``json`` made) is dropped with a warning: a checkpoint
     only saves work, so the attempt starts from the beginning rather than not at all."""
-    text = row.get("state")
+    text = row.get("checkpoint")
     if text is None:
         return None
     try:

@@ -177,7 +177,7 @@ class HandlerRunner:
             row.lease_token,
             self._stopping,
             row.headers,
-            row.state,
+            row.checkpoint,
             partial(store_checkpoint, self.alias),
         )
 

@@ -54,7 +54,7 @@ CREATE TYPE workpump.leased_work AS (
     created_at timestamptz,
     due_at timestamptz,
     last_error text,  -- NULL but on a row the claim parked as dead (see claim_work)
-    state jsonb  -- the row's last checkpoint (checkpoint_work); NULL on a parked row
+    checkpoint jsonb  -- the row's last checkpoint (checkpoint_work); NULL on a parked row
 );
 
 -- --------------------------------------------------------------------------------------
@@ -1724,7 +1724,7 @@ DECLARE
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   {t.event_id} AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at, t.state$columns$;
+                  t.created_at, c.due_at, t.checkpoint$columns$;
     -- whether claim_<category> would find anything: a ready row or a due timer of the
     -- topics chosen. The ORDER BY of each probe is its index's order: it keeps the planner
     -- on the partial index (an EXISTS may be planned as a scan of the whole table).
@@ -1863,7 +1863,7 @@ BEGIN
                '{category}'::text, c.work_id, c.topic, {c.payload}, c.stream,
                c.attempts, c.max_attempts, c.lease_expiry, c.event_id, {c.event_type},
                c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
-               c.due_at, NULL::text, c.state
+               c.due_at, NULL::text, c.checkpoint
                )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead), '{}'),
            coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
@@ -1990,18 +1990,19 @@ BEGIN
     -- the heads as leased above, each run right after its head, in stream order
     SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
            o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error, o.state
+           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error,
+           o.checkpoint
     FROM (
         SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
         FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
              attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, last_error, state,
+             claimed_at, lease_token, headers, created_at, due_at, last_error, checkpoint,
              seq_position)
         UNION ALL
         SELECT '{category}'::text, r.work_id, r.topic, {r.payload}, r.stream,
                r.attempts, r.max_attempts, r.lease_expiry, r.event_id, {r.event_type},
                r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
-               r.due_at, NULL::text, r.state, p.position, p.position, r.seq
+               r.due_at, NULL::text, r.checkpoint, p.position, p.position, r.seq
         FROM claimed_runs r
 {r.event_join}        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
         WHERE NOT r.dead
@@ -2093,7 +2094,7 @@ RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_
 -- rows, without a lease token and with the last_error they were parked with, so the
 -- caller can log them; in the call that parks them they take budget from the categories
 -- claimed after theirs (never more than p_max_rows rows are leased). last_error is NULL
--- on every leased row. state is the checkpoint the row's last attempt stored
+-- on every leased row. checkpoint is what the row's last attempt stored
 -- (checkpoint_work; NULL when none): the new attempt resumes from it.
 CREATE FUNCTION workpump.claim_work(
     p_instance_id uuid,
@@ -2126,7 +2127,7 @@ CREATE FUNCTION workpump.claim_work(
     created_at timestamptz,
     due_at timestamptz,
     last_error text,
-    state jsonb,
+    checkpoint jsonb,
     has_more boolean
 )
 LANGUAGE plpgsql
@@ -2983,7 +2984,7 @@ $$;
 -- discarded, cancelled, or dead) is announced on the channel workpump_done, so a
 -- waiter (workpump.wait) wakes without polling; it confirms by reading the rows.
 
--- Store p_state (jsonb, NULL clears it) as the checkpoint of p_id, if p_instance_id
+-- Store p_state (jsonb, NULL clears it) as the checkpoint of p_id (its checkpoint column), if p_instance_id
 -- still holds the row, undone, under p_lease_token: 'saved'; otherwise nothing is written
 -- and 'lost' (another attempt has the row now, or it ended). Raises when the state's
 -- JSON text is over p_max_bytes bytes. The write joins the caller's transaction: an
@@ -3019,7 +3020,7 @@ BEGIN
                   HINT = 'Checkpoint a small state (a cursor, an offset, the ids done); keep bulk data in your own tables.';
     END IF;
     EXECUTE format($q$
-        UPDATE %1$I t SET state = $1
+        UPDATE %1$I t SET checkpoint = $1
         WHERE t.%2$I = $2 AND t.lease_token = $3 AND t.instance_id = $4 AND t.%3$I IS NULL$q$,
         v_meta.tbl, v_meta.key_col, v_meta.done_col)
     USING p_state, p_id, p_lease_token, p_instance_id;

@@ -54,7 +54,7 @@ def checkpoint(instance: uuid.UUID, row: db.ClaimedWork, state: Any) -> OutcomeS
 
 def stored_state(work_id: uuid.UUID) -> Any:
     table, key = WORK_TABLES["outbox"]
-    [found] = run_sql(f"SELECT state::text AS state FROM {table} WHERE {key} = %s", [work_id])
+    [found] = run_sql(f"SELECT checkpoint::text AS state FROM {table} WHERE {key} = %s", [work_id])
     return None if found["state"] is None else json.loads(found["state"])
 
 
@@ -74,7 +74,7 @@ def work_of(row: db.ClaimedWork, instance: uuid.UUID) -> Work:
         lease=None,  # type: ignore[arg-type]  (not read by a checkpoint)
         instance_id=instance,
         lease_token=row.lease_token,
-        state=row.state,
+        state=row.checkpoint,
     )
 
 
@@ -83,14 +83,14 @@ def test_the_next_claim_after_a_crash_resumes_from_the_last_checkpoint():
     enroll(B, T0)
     work_id = workpump.send("ckpt.import", {"file": "big.csv"})
     [first] = claim(A, 0)
-    assert first.state is None  # nothing stored yet
+    assert first.checkpoint is None  # nothing stored yet
     assert checkpoint(A, first, {"line": 1000}) == OutcomeStatus.DONE
     assert checkpoint(A, first, {"line": 2000, "ids": [1, 2]}) == OutcomeStatus.DONE
 
     # A crashes: its lease runs out and B claims the row, with A's last checkpoint
     [second] = claim(B, 61)
     assert (second.work_id, second.attempts) == (work_id, 2)
-    assert second.state == {"line": 2000, "ids": [1, 2]}
+    assert second.checkpoint == {"line": 2000, "ids": [1, 2]}
 
 
 def test_an_older_attempts_checkpoint_is_refused_and_writes_nothing():
@@ -146,7 +146,7 @@ def test_none_clears_the_checkpoint():
     store_checkpoint("default", work_of(row, A), {"step": 1})
     store_checkpoint("default", work_of(row, A), None)
     [again] = claim(A, 61)
-    assert again.state is None
+    assert again.checkpoint is None
 
 
 @override_settings(WORKPUMP={"MAX_CHECKPOINT_BYTES": 64})
@@ -204,7 +204,7 @@ def test_an_undecodable_stored_state_starts_the_attempt_without_it(caplog):
     work_id = workpump.send("ckpt.import", {})
     table, key = WORK_TABLES["outbox"]
     deep = "[" * 600 + "]" * 600  # written through SQL, deeper than the claim decodes
-    run_sql(f"UPDATE {table} SET state = %s::jsonb WHERE {key} = %s", [deep, work_id])
+    run_sql(f"UPDATE {table} SET checkpoint = %s::jsonb WHERE {key} = %s", [deep, work_id])
     [row] = claim(A, 0)
-    assert row.work_id == work_id and row.state is None
+    assert row.work_id == work_id and row.checkpoint is None
     assert "its checkpoint cannot be decoded" in caplog.text
