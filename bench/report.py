@@ -33,9 +33,12 @@ HEADINGS = {
     "index_cost": "The admin's indexes on the hot path",
     "cancel_latency": "Cancel latency",
     "console": "The console's counting on the hot path",
+    "workflow": "Workflows: waiting for results",
 }
 # The order of the headline keys and of the targets table.
-SUMMARY_ORDER = ("throughput", "latency", "writes", "claim", "scale", "ordered", "console")
+SUMMARY_ORDER = (
+    "throughput", "latency", "writes", "claim", "scale", "ordered", "console", "workflow"
+)
 
 
 def page_path(mode: str) -> Any:
@@ -149,6 +152,8 @@ def section_headline(name: str, data: dict[str, Any]) -> dict[str, Any]:
             key: _round(summary.get(key), 0 if key.endswith("rows_per_s") else 2)
             for key in ORDERED_KEYS
         }
+    if name == "workflow":
+        return {"workflow_wait_vs_pickup_ratio": _round(data.get("workflow_wait_vs_pickup_ratio"))}
     return {}
 
 
@@ -281,6 +286,16 @@ def section_targets(name: str, data: dict[str, Any]) -> list[Row]:
         )
     elif name == "ordered":
         rows += ordered_targets(data.get("summary", {}))
+    elif name == "workflow":
+        ratio = data.get("workflow_wait_vs_pickup_ratio")
+        add(
+            _target(
+                "`wait()` p50 after the last completion's commit / pickup p50, same run",
+                "<= 2x",
+                _f(ratio, 2, "x"),
+                None if ratio is None else ratio <= 2,
+            )
+        )
     return rows
 
 
@@ -946,8 +961,25 @@ def body_console(section: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     ]
 
 
+def body_workflow(data: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    """How soon ``workpump.wait`` returns after a completion (bench/workflow_wait.py)."""
+    return [
+        "| Measure | p50 | p99 | max |\n|---|---|---|---|",
+        f"| Pickup: send commit -> handler start | {_f(data.get('pickup_p50_ms'), 2, ' ms')} "
+        f"| {_f(data.get('pickup_p99_ms'), 2, ' ms')} | - |",
+        f"| Wait: completion commit -> `wait()` returned | {_f(data.get('wait_p50_ms'), 2, ' ms')} "
+        f"| {_f(data.get('wait_p99_ms'), 2, ' ms')} | {_f(data.get('wait_max_ms'), 2, ' ms')} |",
+        "",
+        f"{data.get('n')} rows each. The waiter polls once an hour, so only the NOTIFY on "
+        "`workpump_done` wakes it in time; the completion is committed by another "
+        "connection once the waiter is blocked on its socket. Ratio of the p50s: "
+        f"{_f(data.get('workflow_wait_vs_pickup_ratio'), 2)}.\n",
+    ]
+
+
 BODIES.update(
     console=body_console,
+    workflow=body_workflow,
     throughput=body_throughput,
     latency=body_latency,
     writes=body_writes,

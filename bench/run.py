@@ -22,7 +22,17 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VENV = BENCH / ".venv"
-SECTIONS = ("latency", "throughput", "claim", "writes", "profile", "scale", "ordered", "console")
+SECTIONS = (
+    "latency",
+    "throughput",
+    "claim",
+    "writes",
+    "profile",
+    "scale",
+    "ordered",
+    "workflow",
+    "console",
+)
 
 
 def bootstrap(script: Path = Path(__file__)) -> None:

@@ -366,6 +366,14 @@ def section_console(cfg: Config, server: h.Server, workdir: Path) -> dict[str, A
     return console_overhead.run(cfg, server, DATABASES["workpump"], workdir)
 
 
+def section_workflow(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
+    from bench import workflow_wait
+
+    return workflow_wait.run(
+        server, DATABASES["workpump"], cfg.latency_n, cfg.latency_gap_ms, workdir
+    )
+
+
 RUNNERS = {
     "latency": section_latency,
     "throughput": section_throughput,
@@ -375,6 +383,7 @@ RUNNERS = {
     "scale": section_scale,
     "ordered": section_ordered,
     "console": section_console,
+    "workflow": section_workflow,
 }
 
 
@@ -457,7 +466,7 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
             h.log(f"section {name} done in {time.monotonic() - t0:.0f} s")
     finally:
         # only the databases this run used (the scale section keeps to its own server)
-        if set(chosen) & {"latency", "throughput", "profile", "console"}:
+        if set(chosen) & {"latency", "throughput", "profile", "console", "workflow"}:
             for database in DATABASES.values():
                 with contextlib.suppress(Exception):
                     server.drop(database)

@@ -5,7 +5,9 @@ and ``emit_many`` for lists); handle it with the decorators, ``periodic`` schedu
 run it with ``manage.py runworkpump``;
 ``retry_now``, ``requeue_dead``, ``dead_letter``, ``release``, ``cancel`` and ``evict``
 are the operator's actions. A handler raises ``Snooze``, ``Discard`` or ``Release`` to
-steer its row, and takes a ``Retry`` policy and a ``timeout`` at registration.
+steer its row, and takes a ``Retry`` policy and a ``timeout`` at registration; it may
+``work.checkpoint(state)`` to resume there after a crash. ``wait`` (``await_work`` from
+a coroutine) blocks until rows have ended and reports their outcomes.
 """
 
 from django_workpump.actions import (
@@ -29,18 +31,26 @@ from django_workpump.producer import (
     send_many,
 )
 from django_workpump.registry import inbox_handler, outbox_handler, perspective, receptor
-from django_workpump.work import Work
+from django_workpump.waiting import UnknownWork, WaitTimeout, WorkOutcome, await_work, wait
+from django_workpump.work import CheckpointTooLarge, InvalidCheckpoint, LeaseLost, Work
 
 __all__ = [
     "Cancelled",
+    "CheckpointTooLarge",
     "Discard",
     "Duplicate",
+    "InvalidCheckpoint",
     "InvalidSchedule",
     "InvalidWork",
+    "LeaseLost",
     "Release",
     "Retry",
     "Snooze",
+    "UnknownWork",
+    "WaitTimeout",
     "Work",
+    "WorkOutcome",
+    "await_work",
     "cancel",
     "dead_letter",
     "emit",
@@ -57,4 +67,5 @@ __all__ = [
     "retry_now",
     "send",
     "send_many",
+    "wait",
 ]

@@ -364,6 +364,16 @@ SETTINGS: tuple[Setting, ...] = (
             "SQL producers as `p_max_payload_bytes`"
         ),
     ),
+    Setting(
+        "MAX_CHECKPOINT_BYTES",
+        65_536,
+        "int",
+        minimum=1,
+        meaning=(
+            "larger `work.checkpoint(state)` states (JSON text, UTF-8) are refused with "
+            "`CheckpointTooLarge` ([docs/workflows.md](docs/workflows.md))"
+        ),
+    ),
     # Handlers (docs/middleware.md).
     Setting(
         "MIDDLEWARE",

@@ -77,6 +77,8 @@ class WorkRow(models.Model):
     end_state = models.CharField(max_length=20, null=True, blank=True, editable=False)
     # Times the handler raised workpump.Snooze; capped by MAX_SNOOZES.
     snoozes = models.IntegerField(db_default=0, editable=False)
+    # The last checkpoint of a handler (work.checkpoint): the next attempt starts from it.
+    checkpoint = StoredJSONField(null=True, blank=True, editable=False)
     done_at = models.DateTimeField(null=True, blank=True)  # set when the work is done
 
     class Meta:

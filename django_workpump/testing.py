@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from django.db import transaction
@@ -29,6 +30,7 @@ from django_workpump.control import Discard, Release, Snooze, named_index
 from django_workpump.pump.claim import warn_unreadable_headers
 from django_workpump.pump.jobs import stream_run_key
 from django_workpump.pump.lease import LeaseHandle
+from django_workpump.pump.running import store_checkpoint
 from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
 from django_workpump.states import FailureReason, OutcomeStatus
 from django_workpump.storable import error_text, storable_result
@@ -187,7 +189,7 @@ def _run_one(row: Any, alias: str, raise_errors: bool, report: RunReport, savepo
     handler = registry.get(row.category, row.topic)
     if handler is None:  # not claimed by topic; a row a test wrote by hand
         raise LookupError(f"No handler registered for {row.category} {row.topic!r}.")
-    work = _work_of(row)
+    work = _work_of(row, alias)
     try:
         # A savepoint: a failing handler's writes go, the test's transaction stays usable
         # (savepoint=False: they stay, as under runworkpump).
@@ -294,7 +296,7 @@ def _run_batch(
     handler = registry.get(first.category, first.topic)
     if handler is None:
         raise LookupError(f"No handler registered for {first.category} {first.topic!r}.")
-    works = [_work_of(row) for row in rows]
+    works = [_work_of(row, alias) for row in rows]
     try:
         with (
             transaction.atomic(using=alias) if savepoint else nullcontext(),
@@ -343,7 +345,7 @@ def _complete(rows: list[Any], alias: str) -> None:
     )
 
 
-def _work_of(row: Any) -> Work:
+def _work_of(row: Any, alias: str | None = None) -> Work:
     handle = LeaseHandle(
         row.category,
         row.work_id,
@@ -368,6 +370,8 @@ def _work_of(row: Any) -> Work:
         instance_id=TEST_INSTANCE_ID,
         lease_token=row.lease_token,
         headers=row.headers,
+        state=row.checkpoint,
+        checkpointer=partial(store_checkpoint, alias or setting("DATABASE_ALIAS")),
     )
 
 

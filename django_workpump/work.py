@@ -6,14 +6,66 @@ modules that only name ``Work``) never load the engine.
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
 from django_workpump.states import CancelReason, StopReason
+
+
+class LeaseLost(Exception):
+    """The attempt no longer holds its row (its lease expired and the row was claimed
+    again, it was cancelled, or its holder was evicted), so what it would write about
+    the row is refused: an atomic handler's completion, or a ``work.checkpoint``.
+
+    Raised out of a handler, it ends the attempt without an outcome (the newer attempt
+    owns the row), and rolls back an atomic handler's transaction. ``rows``: how many
+    rows' leases were lost (an atomic batch may lose several).
+    """
+
+    def __init__(self, message: str, rows: int = 1) -> None:
+        super().__init__(message)
+        self.rows = rows
+
+
+class InvalidCheckpoint(ValueError):
+    """A ``work.checkpoint`` state that cannot be stored: not JSON, or not storable."""
+
+
+class CheckpointTooLarge(InvalidCheckpoint):
+    """A ``work.checkpoint`` state over ``WORKPUMP['MAX_CHECKPOINT_BYTES']``."""
+
+
+def checkpoint_text(state: Any, max_bytes: int, what: str) -> str | None:
+    """The JSON text of a checkpoint state (None for None); raise InvalidCheckpoint when
+    it is not JSON or not storable, CheckpointTooLarge over ``max_bytes`` (UTF-8)."""
+    if state is None:
+        return None
+    try:
+        # PostgreSQL's jsonb prints with these separators, unescaped: the same size.
+        text = json.dumps(state, allow_nan=False, ensure_ascii=False)
+        size = len(text.encode("utf-8"))
+    except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError too
+        raise InvalidCheckpoint(
+            f"The checkpoint of {what} is not storable JSON ({type(exc).__name__}: {exc}); "
+            "pass dicts with string keys, lists, strings, finite numbers, booleans, None."
+        ) from exc
+    if "\\u0000" in text:
+        raise InvalidCheckpoint(
+            f"The checkpoint of {what} holds a NUL character, which PostgreSQL's jsonb "
+            "cannot store; leave it out or encode it."
+        )
+    if size > max_bytes:
+        raise CheckpointTooLarge(
+            f"The checkpoint of {what} is {size} bytes of JSON, over the limit of "
+            f"{max_bytes} (WORKPUMP['MAX_CHECKPOINT_BYTES']): checkpoint a small state (a "
+            "cursor, an offset, the ids done) and keep bulk data in your own tables."
+        )
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +109,36 @@ class Work:
     stopping: threading.Event | None = None
     # What the producer stored with the row, e.g. its trace context ("traceparent").
     headers: Mapping[str, str] | None = None
+    # The last checkpoint stored for the row (by an earlier attempt): resume from it.
+    state: Any = None
+    # Stores a checkpoint for this attempt (the pump's; None outside a pump).
+    checkpointer: Callable[[Work, Any], None] | None = None
+
+    def checkpoint(self, state: Any) -> None:
+        """Store ``state`` (small JSON; None clears it) as this row's checkpoint: the
+        row's next attempt starts with ``work.state`` equal to it.
+
+        Fenced by this attempt's lease: once another attempt holds the row (or the row
+        ended) nothing is written and ``LeaseLost`` is raised. In an ``atomic=True``
+        handler the checkpoint commits, or rolls back, with the handler's transaction;
+        otherwise it commits at once (inside a transaction the handler opened, with
+        that). Raises ``CheckpointTooLarge`` over ``WORKPUMP['MAX_CHECKPOINT_BYTES']``
+        and ``InvalidCheckpoint`` for a state that is not JSON. From a coroutine, await
+        ``acheckpoint``.
+        """
+        if self.checkpointer is None:
+            raise RuntimeError(
+                f"{self.category} {self.id} has no pump to store its checkpoint: "
+                "checkpoint from a handler the pump (or workpump.testing) runs."
+            )
+        self.checkpointer(self, state)
+
+    async def acheckpoint(self, state: Any) -> None:
+        """``checkpoint`` from an async handler: runs on the handler's thread and its
+        connection (so inside an atomic handler's transaction)."""
+        from asgiref.sync import sync_to_async
+
+        await sync_to_async(self.checkpoint, thread_sensitive=True)(state)
 
     @property
     def cancelled(self) -> bool:

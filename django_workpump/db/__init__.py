@@ -66,6 +66,7 @@ from django_workpump.db.operator_actions import (
 )
 from django_workpump.db.outcomes import (
     Outcome,
+    checkpoint_work,
     complete_work,
     dead_letter,
     discard_work,
@@ -120,6 +121,7 @@ __all__ = [
     "alive_lock_held",
     "cancel_work",
     "cancelled_attempts",
+    "checkpoint_work",
     "claim_work",
     "cleanup_stale_instances",
     "complete_work",

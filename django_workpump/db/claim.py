@@ -5,6 +5,7 @@ connection, and decoding each claimed row.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from django_workpump.dead_letters import log_parked_by_claim
 from django_workpump.payloads import UndecodablePayload, decode
 from django_workpump.prepared import PreparedQuery
 from django_workpump.sql import named_queries
+
+logger = logging.getLogger("django_workpump.claim")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class ClaimedWork(FromRow):
     # clock). None only from a caller that builds rows without them.
     created_at: datetime | None = None
     due_at: datetime | None = None
+    # The checkpoint the row's last attempt stored (work.checkpoint): None when none.
+    checkpoint: Any = None
 
 
 def claim_work(
@@ -184,6 +189,7 @@ def _claim_statement() -> PreparedQuery:
 def _claimed(row: Row) -> ClaimedWork:
     headers, headers_error = _headers(row.get("headers"))
     row = {**row, "headers": headers, "headers_error": headers_error}
+    row["checkpoint"] = _checkpoint(row)
     text: str = row["payload"]  # the payload's JSON text
     try:
         payload = decode(text)
@@ -193,6 +199,26 @@ def _claimed(row: Row) -> ClaimedWork:
         error = f"it is a JSON {type(payload).__name__}, not an object"
         return ClaimedWork.from_row({**row, "payload": {}, "payload_error": error})
     return ClaimedWork.from_row({**row, "payload": payload})
+
+
+def _checkpoint(row: Row) -> Any:
+    """A row's checkpoint from its JSON text. One Python cannot decode (written through
+    SQL: ``checkpoint`` stores what ``json`` made) is dropped with a warning: a checkpoint
+    only saves work, so the attempt starts from the beginning rather than not at all."""
+    text = row.get("checkpoint")
+    if text is None:
+        return None
+    try:
+        return decode(text)
+    except UndecodablePayload as exc:
+        logger.warning(
+            "%s %s: its checkpoint cannot be decoded (%s); the attempt starts without it",
+            row["category"],
+            row["work_id"],
+            exc,
+            extra={"action": "checkpoint_unreadable"},
+        )
+        return None
 
 
 def _headers(text: str | None) -> tuple[dict[str, str] | None, str | None]:

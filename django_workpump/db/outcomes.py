@@ -194,3 +194,28 @@ def release_work(
         "now": now,
     }
     return [Outcome.from_row(row) for row in _fetch("release_work", params, using)]
+
+
+def checkpoint_work(
+    *,
+    instance_id: uuid.UUID,
+    category: str,
+    id: uuid.UUID,
+    lease_token: uuid.UUID,
+    state: str | None,
+    max_bytes: int,
+    using: str | None = None,
+) -> OutcomeStatus:
+    """Store ``state`` (JSON text, or None to clear it) as the row's checkpoint, fenced
+    by instance and lease token, in the caller's transaction: ``DONE`` when stored,
+    ``LOST`` when the attempt no longer holds the row (nothing was written)."""
+    params = {
+        "instance_id": instance_id,
+        "category": category,
+        "id": id,
+        "lease_token": lease_token,
+        "state": state,
+        "max_bytes": max_bytes,
+    }
+    (row,) = _fetch("checkpoint_work", params, using)
+    return OutcomeStatus.DONE if row["status"] == "saved" else OutcomeStatus.LOST

@@ -34,6 +34,7 @@ def work_fields(*own):
         ('headers', models.JSONField(blank=True, editable=False, null=True)),
         ('end_state', models.CharField(blank=True, editable=False, max_length=20, null=True)),
         ('snoozes', models.IntegerField(db_default=0, editable=False)),
+        ('checkpoint', models.JSONField(blank=True, editable=False, null=True)),
         ('done_at', models.DateTimeField(blank=True, null=True)),
         *own,
     ]

@@ -13,18 +13,9 @@ from django_workpump.categories import category as category_meta
 from django_workpump.db import ClaimedWork
 from django_workpump.pump.lease import LeaseHandle
 from django_workpump.states import CancelReason, JobState
-from django_workpump.work import Lease
+from django_workpump.work import Lease, LeaseLost
 
-
-class LeaseLost(Exception):
-    """The row's lease was lost before an atomic handler could commit its completion.
-
-    ``rows``: how many rows' leases were lost (an atomic batch may lose several).
-    """
-
-    def __init__(self, message: str, rows: int = 1) -> None:
-        super().__init__(message)
-        self.rows = rows
+__all__ = ["DispatchStats", "Job", "LeaseLost", "Run", "stream_run_key"]
 
 
 @dataclass(eq=False)

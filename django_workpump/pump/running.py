@@ -10,11 +10,13 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from django.db import transaction
 
-from django_workpump import tracing
+from django_workpump import db, tracing
+from django_workpump.conf import setting
 from django_workpump.control import MAX_DELAY_TEXT, Discard, Release, Snooze, named_index
 from django_workpump.coroutines import HandlerLoop
 from django_workpump.db import Outcome
@@ -34,7 +36,7 @@ from django_workpump.pump.outcomes import (
 from django_workpump.registry import TOPIC_NOUNS, Handler
 from django_workpump.states import FailureReason, JobState, OutcomeStatus
 from django_workpump.storable import error_text, storable_result
-from django_workpump.work import Lease, Work
+from django_workpump.work import Lease, Work, checkpoint_text
 
 logger = logging.getLogger("django_workpump.dispatch")
 
@@ -175,6 +177,8 @@ class HandlerRunner:
             row.lease_token,
             self._stopping,
             row.headers,
+            row.checkpoint,
+            partial(store_checkpoint, self.alias),
         )
 
     def call(self, handler: Handler, job: Job, traced: bool | None = None) -> str | None:
@@ -306,6 +310,30 @@ class HandlerRunner:
             return
         self._local.loop = None
         runner.close()
+
+
+def store_checkpoint(alias: str, work: Work, state: Any) -> None:
+    """``work.checkpoint(state)``: written on this thread's connection to ``alias``, so in
+    the handler's transaction when it has one, fenced by the attempt's lease token."""
+    what = f"{work.category} {work.id}"
+    max_bytes = setting("MAX_CHECKPOINT_BYTES")
+    text = checkpoint_text(state, max_bytes, what)
+    if work.instance_id is None or work.lease_token is None:
+        raise LeaseLost(f"{what}: this attempt holds no lease, so it cannot checkpoint")
+    status = db.checkpoint_work(
+        instance_id=work.instance_id,
+        category=work.category,
+        id=work.id,
+        lease_token=work.lease_token,
+        state=text,
+        max_bytes=max_bytes,
+        using=alias,
+    )
+    if status != OutcomeStatus.DONE:
+        raise LeaseLost(
+            f"{what}: attempt {work.attempts} no longer holds the row (it was claimed "
+            "again, cancelled, or ended), so its checkpoint was refused"
+        )
 
 
 def first_line(error: Exception) -> str:

@@ -110,7 +110,7 @@ SELECT workpump.sync_subscriptions(
 -- A one-row function scan: evaluated once.
 SELECT c.category, c.work_id, c.topic, c.payload, c.stream, c.attempts, c.max_attempts,
        c.lease_expiry, c.event_id, c.event_type, c.priority, c.claimed_at, c.lease_token,
-       c.headers, c.created_at, c.due_at, c.last_error, c.has_more
+       c.headers, c.created_at, c.due_at, c.last_error, c.has_more, c.checkpoint
 FROM set_config('synchronous_commit',
                 coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
                 true) AS commit_setting
@@ -190,6 +190,24 @@ FROM workpump.dead_letter(
     p_ids => %(ids)s::uuid[],
     p_reason => %(reason)s,
     p_now => %(now)s) AS r(id)
+
+-- name: checkpoint_work
+SELECT workpump.checkpoint_work(
+    p_instance_id => %(instance_id)s,
+    p_category => %(category)s,
+    p_id => %(id)s,
+    p_lease_token => %(lease_token)s,
+    p_state => %(state)s::jsonb,
+    p_max_bytes => %(max_bytes)s) AS status
+
+-- name: work_outcomes
+-- The result comes as its JSON text: the caller decodes it row by row.
+SELECT work_id, category, state, result::text AS result, last_error, failure_reason,
+       ended_at
+FROM workpump.work_outcomes(
+    p_ids => %(ids)s::uuid[],
+    p_categories => %(categories)s::text[],
+    p_now => %(now)s)
 
 -- name: release_work
 SELECT work_id, status

@@ -53,7 +53,8 @@ CREATE TYPE workpump.leased_work AS (
     headers jsonb,
     created_at timestamptz,
     due_at timestamptz,
-    last_error text  -- NULL but on a row the claim parked as dead (see claim_work)
+    last_error text,  -- NULL but on a row the claim parked as dead (see claim_work)
+    checkpoint jsonb  -- the row's last checkpoint (checkpoint_work); NULL on a parked row
 );
 
 -- --------------------------------------------------------------------------------------
@@ -1717,7 +1718,7 @@ DECLARE
                   t.partition_number, t.attempts, t.max_attempts, t.lease_expiry,
                   {t.event_id} AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
-                  t.created_at, c.due_at$columns$;
+                  t.created_at, c.due_at, t.checkpoint$columns$;
     -- whether claim_<category> would find anything: a ready row or a due timer of the
     -- topics chosen. The ORDER BY of each probe is its index's order: it keeps the planner
     -- on the partial index (an EXISTS may be planned as a scan of the whole table).
@@ -1856,7 +1857,7 @@ BEGIN
                '{category}'::text, c.work_id, c.topic, {c.payload}, c.stream,
                c.attempts, c.max_attempts, c.lease_expiry, c.event_id, {c.event_type},
                c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
-               c.due_at, NULL::text
+               c.due_at, NULL::text, c.checkpoint
                )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead), '{}'),
            coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
@@ -1869,12 +1870,14 @@ BEGIN
                '{category}'::text, c.work_id, c.topic, NULL::jsonb, c.stream,
                c.attempts, c.max_attempts, NULL::timestamptz, c.event_id, {c.event_type},
                c.priority::integer, NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at,
-               c.due_at, c.last_error
+               c.due_at, c.last_error, NULL::jsonb
                )::workpump.leased_work ORDER BY c.seq)
                FILTER (WHERE c.dead)
     INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
     FROM claimed_heads c{c.event_join};
     IF v_parked IS NOT NULL THEN
+        -- they ended: wake their waiters (workpump.wait)
+        PERFORM workpump.notify_ended(ARRAY(SELECT p.work_id FROM unnest(v_parked) p));
         -- Parked rows come first, without a lease token and with the last_error they
         -- were parked with: claim_work passes them on to a caller that asks, to log them.
         FOREACH v_head IN ARRAY v_parked LOOP
@@ -1981,18 +1984,19 @@ BEGIN
     -- the heads as leased above, each run right after its head, in stream order
     SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
            o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error
+           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error,
+           o.checkpoint
     FROM (
         SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
         FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
              attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, last_error,
+             claimed_at, lease_token, headers, created_at, due_at, last_error, checkpoint,
              seq_position)
         UNION ALL
         SELECT '{category}'::text, r.work_id, r.topic, {r.payload}, r.stream,
                r.attempts, r.max_attempts, r.lease_expiry, r.event_id, {r.event_type},
                r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
-               r.due_at, NULL::text, p.position, p.position, r.seq
+               r.due_at, NULL::text, r.checkpoint, p.position, p.position, r.seq
         FROM claimed_runs r
 {r.event_join}        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
         WHERE NOT r.dead
@@ -2084,7 +2088,8 @@ RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_
 -- rows, without a lease token and with the last_error they were parked with, so the
 -- caller can log them; in the call that parks them they take budget from the categories
 -- claimed after theirs (never more than p_max_rows rows are leased). last_error is NULL
--- on every leased row.
+-- on every leased row. checkpoint is what the row's last attempt stored
+-- (checkpoint_work; NULL when none): the new attempt resumes from it.
 CREATE FUNCTION workpump.claim_work(
     p_instance_id uuid,
     p_max_rows integer DEFAULT 100,
@@ -2116,6 +2121,7 @@ CREATE FUNCTION workpump.claim_work(
     created_at timestamptz,
     due_at timestamptz,
     last_error text,
+    checkpoint jsonb,
     has_more boolean
 )
 LANGUAGE plpgsql
@@ -2582,6 +2588,7 @@ BEGIN
         END)
     INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams
     USING p_ids, p_instance_id, v_now, p_values, p_lease_tokens;
+    PERFORM workpump.notify_ended(v_ended_ids);
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
         PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);
@@ -2699,12 +2706,15 @@ BEGIN
             -- a retry due at once is claimable now: wake the claimers
             SELECT pg_notify('workpump_' || $8, $8)
             WHERE EXISTS (SELECT 1 FROM failed f WHERE NOT f.dead AND f.scheduled_for IS NULL)
+        ), ended AS (
+            -- rows dead now: wake their waiters (one row, always)
+            SELECT workpump.notify_ended(array_agg(f.id)) FROM failed f WHERE f.dead
         )
         SELECT i.id,
                CASE WHEN f.id IS NULL THEN 'lost' WHEN f.dead THEN 'dead' ELSE 'retry' END,
                f.scheduled_for
         FROM input i LEFT JOIN failed f ON f.id = i.id AND f.token = i.token
-        LEFT JOIN ready_now ON true
+        LEFT JOIN ready_now ON true LEFT JOIN ended ON true
         ORDER BY i.n$q$,
         v_meta.tbl, v_meta.key_col, v_meta.done_col,
         CASE WHEN v_meta.scope_col IS NULL THEN ''''''
@@ -2870,13 +2880,16 @@ BEGIN
         ), ready_now AS (
             SELECT pg_notify('workpump_' || $7, $7)
             WHERE EXISTS (SELECT 1 FROM snoozed z WHERE NOT z.dead AND z.scheduled_for IS NULL)
+        ), ended AS (
+            -- rows dead now: wake their waiters (one row, always)
+            SELECT workpump.notify_ended(array_agg(z.id)) FROM snoozed z WHERE z.dead
         )
         SELECT i.id,
                CASE WHEN z.id IS NULL THEN 'lost' WHEN z.dead THEN 'dead'
                     WHEN z.over THEN 'retry' ELSE 'snoozed' END,
                z.scheduled_for
         FROM input i LEFT JOIN snoozed z ON z.id = i.id AND z.token = i.token
-        LEFT JOIN ready_now ON true
+        LEFT JOIN ready_now ON true LEFT JOIN ended ON true
         ORDER BY i.n$q$,
         v_meta.tbl, v_meta.key_col, v_meta.done_col,
         CASE WHEN v_meta.scope_col IS NULL THEN ''''''
@@ -2948,6 +2961,112 @@ BEGIN
         ARRAY(SELECT to_jsonb(r.reason) FROM unnest(p_reasons) WITH ORDINALITY r(reason, n)
               ORDER BY r.n),
         p_now);
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Workflows: checkpoints and waiting
+-- --------------------------------------------------------------------------------------
+-- A handler's checkpoint is a small JSON state stored on its row, fenced like an
+-- outcome, which the row's next attempt receives from its claim. A row that ends (done,
+-- discarded, cancelled, or dead) is announced on the channel workpump_done, so a
+-- waiter (workpump.wait) wakes without polling; it confirms by reading the rows.
+
+-- Store p_state (jsonb, NULL clears it) as the checkpoint of p_id (its checkpoint column), if p_instance_id
+-- still holds the row, undone, under p_lease_token: 'saved'; otherwise nothing is written
+-- and 'lost' (another attempt has the row now, or it ended). Raises when the state's
+-- JSON text is over p_max_bytes bytes. The write joins the caller's transaction: an
+-- atomic handler's checkpoint commits (or rolls back) with the handler's own writes.
+CREATE FUNCTION workpump.checkpoint_work(
+    p_instance_id uuid,
+    p_category text,
+    p_id uuid,
+    p_lease_token uuid,
+    p_state jsonb,
+    p_max_bytes integer DEFAULT 65536
+) RETURNS text
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_bytes integer := octet_length(p_state::text);
+    v_count integer;
+BEGIN
+    IF p_instance_id IS NULL OR p_id IS NULL OR p_lease_token IS NULL THEN
+        RAISE EXCEPTION 'checkpoint_work needs p_instance_id, p_id and p_lease_token: a checkpoint is fenced by the attempt.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_max_bytes IS NULL OR p_max_bytes < 1 THEN
+        RAISE EXCEPTION 'checkpoint_work needs p_max_bytes >= 1, not %.', coalesce(p_max_bytes::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF v_bytes > p_max_bytes THEN
+        RAISE EXCEPTION 'The checkpoint of % % is % bytes of JSON, over the limit of % bytes.',
+            p_category, p_id, v_bytes, p_max_bytes
+            USING ERRCODE = 'program_limit_exceeded',
+                  HINT = 'Checkpoint a small state (a cursor, an offset, the ids done); keep bulk data in your own tables.';
+    END IF;
+    EXECUTE format($q$
+        UPDATE %1$I t SET checkpoint = $1
+        WHERE t.%2$I = $2 AND t.lease_token = $3 AND t.instance_id = $4 AND t.%3$I IS NULL$q$,
+        v_meta.tbl, v_meta.key_col, v_meta.done_col)
+    USING p_state, p_id, p_lease_token, p_instance_id;
+    GET DIAGNOSTICS v_count = ROW_COUNT;  -- EXECUTE leaves FOUND as it was
+    RETURN CASE WHEN v_count > 0 THEN 'saved' ELSE 'lost' END;
+END
+$$;
+
+-- NOTIFY workpump_done that the rows p_ids ended: once per call, delivered at commit;
+-- the payload is their ids, comma-separated, or '*' for more than 200 (under the
+-- 8000-byte limit of a payload). A hint: the listener reads the rows to know.
+CREATE FUNCTION workpump.notify_ended(p_ids uuid[]) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+    PERFORM pg_notify('workpump_done',
+                      CASE WHEN cardinality(p_ids) <= 200 THEN array_to_string(p_ids, ',')
+                           ELSE '*' END);
+END
+$$;
+
+-- The state of each row p_ids names, in any of the categories p_categories names (all
+-- when NULL), with its result, last error and failure reason, and when it ended (done,
+-- cancelled, discarded or dead; NULL while it has not). Ids of no row are not returned;
+-- an id that names rows of two categories comes once per category.
+CREATE FUNCTION workpump.work_outcomes(
+    p_ids uuid[], p_categories text[] DEFAULT NULL, p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (
+    work_id uuid, category text, state text, result jsonb, last_error text,
+    failure_reason text, ended_at timestamptz
+)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_category text;
+    v_meta record;
+BEGIN
+    PERFORM workpump.check_ids('work_outcomes', p_ids);
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+    FOREACH v_category IN ARRAY coalesce(
+            p_categories, ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']) LOOP
+        v_meta := workpump.work_table(v_category);
+        RETURN QUERY EXECUTE format($q$
+            SELECT t.%2$I, $2, workpump.state_of(t.%3$I, t.dead_lettered_at, t.instance_id,
+                       t.lease_expiry, t.claimed_at, t.scheduled_for, t.end_state, $3),
+                   t.result, t.last_error, t.failure_reason::text,
+                   coalesce(t.%3$I, t.dead_lettered_at)
+            FROM %1$I t WHERE t.%2$I = ANY ($1)$q$,
+            v_meta.tbl, v_meta.key_col, v_meta.done_col)
+        USING p_ids, v_category, coalesce(p_now, now());
+    END LOOP;
 END
 $$;
 
@@ -3249,8 +3368,11 @@ BEGIN
             FROM parked p
             WHERE s.category = $4 AND s.scope = p.scope AND s.stream = p.stream
               AND s.owner_instance_id = p.holder
+        ), ended AS (
+            -- wake the parked rows' waiters (one row, always)
+            SELECT workpump.notify_ended(array_agg(p.id)) FROM parked p
         )
-        SELECT p.id FROM parked p$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col,
+        SELECT p.id FROM parked p LEFT JOIN ended ON true$q$, v_meta.tbl, v_meta.key_col, v_meta.done_col,
         CASE WHEN v_meta.scope_col IS NULL THEN ''''''
              ELSE 't.' || quote_ident(v_meta.scope_col) END)
     USING p_ids, coalesce(p_now, now()), coalesce(p_reason, 'operator'), p_category;
@@ -3331,6 +3453,7 @@ BEGIN
              ELSE 't.' || quote_ident(v_meta.scope_col) END)
     INTO v_ids, v_holders, v_tokens, v_scopes, v_streams
     USING p_ids, v_now;
+    PERFORM workpump.notify_ended(v_ids);
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
         PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);

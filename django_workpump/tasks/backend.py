@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -35,6 +36,7 @@ from django_workpump.tasks.compat import (
 from django_workpump.tasks.errors import TaskRefused
 from django_workpump.tasks.resolution import PumpBackend, resolve_task, topic_of
 from django_workpump.tasks.results import read_result
+from django_workpump.waiting import await_work, wait
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,6 +194,28 @@ class WorkPumpBackend(PumpBackend):
             return read_result(self, result_id)
         except TaskRefused as exc:
             raise TaskResultDoesNotExist(f"{result_id}: {exc}") from None
+
+    def wait_for(
+        self, results: Iterable[TaskResult], *, timeout: float | None = None, **options: Any
+    ) -> list[TaskResult]:
+        """Block until every task of ``results`` has finished (succeeded, failed for good
+        or cancelled: a task still to be retried has not); return each read again.
+
+        ``workpump.wait`` on the tasks' inbox rows: woken by NOTIFY, ``WaitTimeout``
+        naming the pending result ids after ``timeout`` seconds (``options``:
+        ``poll_seconds``). Call it after the enqueueing transaction committed.
+        """
+        ids = [result.id for result in results]
+        wait(ids, timeout=timeout, categories=["inbox"], **options)
+        return [self.get_result(result_id) for result_id in ids]
+
+    async def await_for(
+        self, results: Iterable[TaskResult], *, timeout: float | None = None, **options: Any
+    ) -> list[TaskResult]:
+        """``wait_for`` from a coroutine (``workpump.await_work``)."""
+        ids = [result.id for result in results]
+        await await_work(ids, timeout=timeout, categories=["inbox"], **options)
+        return [await self.aget_result(result_id) for result_id in ids]
 
 
 def _unique_key(payload: dict[str, Any]) -> str:

@@ -918,3 +918,32 @@ def test_a_unique_task_with_on_conflict_raise_raises_duplicate_within_its_window
 def test_bad_unique_task_options_are_refused_at_declaration(options, message):
     with pytest.raises(InvalidTask, match=message):
         task(**options)(task_funcs.add.func)
+
+
+# -- waiting for results ---------------------------------------------------------------
+
+
+@pumped
+@pytest.mark.parametrize("waiter", ["sync", "async"])
+def test_wait_for_returns_the_finished_results_woken_by_their_completion(pump, waiter):
+    added = task_funcs.add.enqueue(2, b=40)
+    failed = task_funcs.always_fails.enqueue()
+    backend = task_backends["default"]
+    supervisor = pump()
+
+    if waiter == "sync":
+        done = backend.wait_for([added, failed], timeout=30)
+    else:
+        done = async_to_sync(backend.await_for)([added, failed], timeout=30)
+
+    assert [r.status for r in done] == [TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED]
+    assert done[0].return_value == 42
+    assert done[1].attempts == 2  # the retry ran first: a task to be retried has not ended
+    supervisor.shutdown()
+
+
+@pumped
+def test_wait_for_a_task_that_cannot_run_yet_times_out_naming_it():
+    later = task_funcs.add.using(run_after=timezone.now() + timedelta(hours=1)).enqueue(1)
+    with pytest.raises(workpump.WaitTimeout, match=str(later.id)):
+        task_backends["default"].wait_for([later], timeout=0.2)
