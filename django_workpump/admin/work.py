@@ -40,9 +40,11 @@ from django_workpump.admin.work_filters import (
 )
 from django_workpump.categories import category
 from django_workpump.conf import get_settings
+from django_workpump.models import AttemptLog
 from django_workpump.states import ENDED_STATES, WorkState
 
 NEIGHBOURS = 5  # rows shown on each side of a row of an ordered stream
+SHOWN_LOG_RECORDS = 200  # a row's attempt logs shown on its page, the latest attempt first
 
 
 class WorkChangeList(ChangeList):
@@ -218,7 +220,10 @@ class WorkAdmin(WorkActionsAdmin):
             work.insert(3, "event_detail")
         return [
             (None, {"fields": work}),
-            ("Attempts", {"fields": ["attempts_of_max", "failure_reason", "last_error_full"]}),
+            (
+                "Attempts",
+                {"fields": ["attempts_of_max", "failure_reason", "last_error_full", "logs"]},
+            ),
             (
                 "Lease",
                 {"fields": ["owner_detail", "lease_detail", "renewals", "claimed"]},
@@ -340,6 +345,14 @@ class WorkAdmin(WorkActionsAdmin):
     @admin.display(description="last error")
     def last_error_full(self, obj: Any) -> SafeString | str:
         return display.pre(obj.last_error)
+
+    @admin.display(description="attempt logs")
+    def logs(self, obj: Any) -> SafeString | str:
+        return display.attempt_logs(
+            AttemptLog.objects.using(pump_database())
+            .filter(work_id=obj.work_id, category=self.spec.category)
+            .order_by("-attempt", "id")[:SHOWN_LOG_RECORDS]
+        )
 
     @admin.display(description="created", ordering="created_at")
     def created(self, obj: Any) -> str:
