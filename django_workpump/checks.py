@@ -264,6 +264,14 @@ def _check_dotted_paths(setting: Setting, value: Any) -> list[CheckMessage]:
 
 def _check_log_level(setting: Setting, value: Any) -> list[CheckMessage]:
     """A logging level name or number (conf.log_level), or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, str | int)):
+        return [
+            Error(
+                f"{_name(setting.name)} ({value!r}) must be a level name, a number or None.",
+                hint='Set it to "WARNING" (the default), "INFO", "DEBUG", or None for none.',
+                id="workpump.E003",
+            )
+        ]
     try:
         log_level(value)
     except ValueError as exc:
