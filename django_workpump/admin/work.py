@@ -31,6 +31,7 @@ from django_workpump.admin.expressions import (
 )
 from django_workpump.admin.pagination import EstimatingPaginator
 from django_workpump.admin.work_actions import WorkActionsAdmin
+from django_workpump.admin.work_bulk import BulkActionsAdmin
 from django_workpump.admin.work_filters import (
     NEWEST_FIRST,
     OwnerFilter,
@@ -80,7 +81,7 @@ class WorkChangeList(ChangeList):
         self.result_count_estimated = getattr(self.paginator, "estimated", False)
 
 
-class WorkAdmin(WorkActionsAdmin):
+class WorkAdmin(BulkActionsAdmin, WorkActionsAdmin):
     """Base of the four work admins; a subclass names its table's columns in ``spec``."""
 
     spec: WorkSpec
@@ -133,6 +134,7 @@ class WorkAdmin(WorkActionsAdmin):
         return [
             path("<uuid:work_id>/", by_work_id),
             path("<uuid:work_id>/change/", by_work_id),
+            *self.bulk_urls(),
             *super().get_urls(),
         ]
 
