@@ -11,15 +11,16 @@ from typing import Any, Literal, cast
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import Q, QuerySet, TextField
+from django.db.models import QuerySet, TextField
 from django.db.models.expressions import Combinable
 from django.db.models.functions import Cast
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from django_workpump.admin import display
+from django_workpump.admin import display, work_search
 from django_workpump.admin.base import pump_database
 from django_workpump.admin.expressions import (
     HOLDER_LIVE,
@@ -188,16 +189,23 @@ class WorkAdmin(BulkActionsAdmin, WorkActionsAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
-        # An exact id lookup with a term that is no uuid would raise: search the rest only.
+        # work_search.py: ids and id prefixes, a time window, payload content, words.
+        if not search_term.strip():
+            return queryset, False
         try:
-            self.model._meta.get_field("work_id").to_python(search_term.strip())
-        except ValidationError:
-            term = search_term.strip()
-            if not term:
-                return queryset, False
-            lookup = Q(topic__icontains=term) | Q(stream__icontains=term)
-            return queryset.filter(lookup), False
-        return super().get_search_results(request, queryset, search_term)
+            search = work_search.parse(search_term)
+        except work_search.SearchError as exc:
+            messages.error(request, f"Search: {exc}")
+            return queryset.none(), False
+        lookup, note = work_search.condition(
+            search,
+            payload_field="payload" if self.has_own_payload else "event__payload",
+            narrowed=bool(request.GET.get(TopicFilter.parameter_name)),
+            now=timezone.now(),
+        )
+        if note is not None:
+            messages.info(request, note)
+        return queryset.filter(lookup), False
 
     def get_list_display(self, request: HttpRequest) -> list[Any]:
         return [
