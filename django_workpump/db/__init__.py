@@ -98,11 +98,13 @@ from django_workpump.db.queries import (
     without_jit,
 )
 from django_workpump.db.rows import FromRow, Row
+from django_workpump.db.search import PAYLOAD_INDEXES, payload_indexes
 from django_workpump.db.status import StuckRow, stuck_rows
 
 __all__ = [
     "INSTANCE_REFUSED_SQLSTATE",
     "PARSED_ONCE_MAX",
+    "PAYLOAD_INDEXES",
     "CancelledWork",
     "ClaimedWork",
     "FromRow",
@@ -139,6 +141,7 @@ __all__ = [
     "next_eviction_in",
     "notify_probe",
     "pause_periodic",
+    "payload_indexes",
     "periodic_states",
     "purge_dead",
     "purge_events",

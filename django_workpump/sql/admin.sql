@@ -226,3 +226,11 @@ SELECT s.seq FROM pending s {in_order} LIMIT %s
 -- The rows of one of the fragments above, counted as they are read (the admin
 -- paginator's capped count).
 SELECT count(*) FROM ({rows}) s
+
+-- name: payload_index_create
+-- The opt-in GIN index that serves payload searches (@>) over a whole table (manage.py
+-- workpump_payload_index); {table} and {index} come from db/search.py's fixed list.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index} ON {table} USING gin (payload jsonb_path_ops)
+
+-- name: payload_index_drop
+DROP INDEX CONCURRENTLY IF EXISTS {index}

@@ -4,13 +4,14 @@ messages for terms that mean nothing."""
 
 from __future__ import annotations
 
+import io
 import re
 import uuid
 from datetime import timedelta
 
 import pytest
 from django.contrib.messages import get_messages
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from django_workpump import models
@@ -117,3 +118,33 @@ def test_a_uuid_search_still_finds_the_exact_row(admin_client):
     found, _ = listed(admin_client, {"q": str(row.work_id)})
     assert str(row.work_id) in found
     assert uuid.UUID(str(row.work_id))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_opt_in_payload_index_serves_a_payload_search_over_the_whole_table():
+    from django.core.management import call_command
+
+    search, _ = work_search.condition(
+        work_search.parse("user_id=7"), payload_field="payload", narrowed=True, now=timezone.now()
+    )
+    call_command("workpump_payload_index", stdout=io.StringIO())
+    try:
+        with transaction.atomic():
+            plan = explain(models.Outbox.objects.filter(search))
+        assert "wp_outbox_payload" in plan, plan
+        with transaction.atomic():
+            plan = explain(
+                models.PerspectiveEvent.objects.filter(
+                    work_search.condition(
+                        work_search.parse("user_id=7"),
+                        payload_field="event__payload",
+                        narrowed=True,
+                        now=timezone.now(),
+                    )[0]
+                )
+            )
+        assert "wp_event_payload" in plan, plan
+    finally:
+        call_command("workpump_payload_index", "--drop", stdout=io.StringIO())
+    with transaction.atomic():
+        assert "wp_outbox_payload" not in explain(models.Outbox.objects.filter(search))
