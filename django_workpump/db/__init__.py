@@ -98,7 +98,7 @@ from django_workpump.db.queries import (
     without_jit,
 )
 from django_workpump.db.rows import FromRow, Row
-from django_workpump.db.search import PAYLOAD_INDEXES, payload_indexes
+from django_workpump.db.search import payload_indexes
 from django_workpump.db.status import StuckRow, stuck_rows
 
 __all__ = [

@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
+import re
+
 from django.db import connections
 
 from django_workpump.db.queries import _alias
 from django_workpump.sql import named_queries
 
-# The tables whose payload the search reads (perspective and receptor rows: their event's),
-# and each one's index.
-PAYLOAD_INDEXES = {
-    "workpump_outbox": "wp_outbox_payload",
-    "workpump_inbox": "wp_inbox_payload",
-    "workpump_event": "wp_event_payload",
-}
-
 
 def payload_indexes(*, create: bool, using: str | None = None) -> list[str]:
-    """Create (or drop) the payload GIN indexes, CONCURRENTLY: outside a transaction,
+    """Create (or drop) the payload GIN indexes, each CONCURRENTLY: outside a transaction,
     without blocking writers. Returns the index names."""
-    query = named_queries("admin.sql")["payload_index_create" if create else "payload_index_drop"]
-    with connections[_alias(using)].cursor() as cursor:
-        for table, index in PAYLOAD_INDEXES.items():
-            cursor.execute(query.format(table=table, index=index))
-    return list(PAYLOAD_INDEXES.values())
+    connection = connections[_alias(using)]
+    with connection.cursor() as cursor:
+        cursor.execute(named_queries("admin.sql")["payload_index_ddl"], {"create": create})
+        statements = [row[0] for row in cursor.fetchall()]
+        for statement in statements:
+            cursor.execute(statement)
+    return [re.findall(r"wp_\w+_payload", s)[0] for s in statements]

@@ -227,10 +227,7 @@ SELECT s.seq FROM pending s {in_order} LIMIT %s
 -- paginator's capped count).
 SELECT count(*) FROM ({rows}) s
 
--- name: payload_index_create
--- The opt-in GIN index that serves payload searches (@>) over a whole table (manage.py
--- workpump_payload_index); {table} and {index} come from db/search.py's fixed list.
-CREATE INDEX CONCURRENTLY IF NOT EXISTS {index} ON {table} USING gin (payload jsonb_path_ops)
-
--- name: payload_index_drop
-DROP INDEX CONCURRENTLY IF EXISTS {index}
+-- name: payload_index_ddl
+-- The statements that create (or drop) the opt-in payload indexes, to run one by one
+-- outside a transaction (CONCURRENTLY): manage.py workpump_payload_index.
+SELECT d.statement FROM workpump.payload_index_ddl(%(create)s) AS d(statement)

@@ -3664,6 +3664,29 @@ END
 $$;
 
 -- --------------------------------------------------------------------------------------
+-- The admin's opt-in payload indexes
+-- --------------------------------------------------------------------------------------
+-- GIN indexes (jsonb_path_ops: they serve @>) on the payloads the admin's payload search
+-- reads: the outbox's, the inbox's and the events' (perspective and receptor rows point
+-- at theirs). Not created by the migrations: each insert then writes its index too
+-- (docs/admin.md, "Search"). manage.py workpump_payload_index runs these statements one
+-- by one, outside a transaction, so the indexes build without blocking writers.
+
+-- The statements that create (p_create true) or drop the payload indexes.
+CREATE FUNCTION workpump.payload_index_ddl(p_create boolean) RETURNS SETOF text
+LANGUAGE sql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT CASE WHEN p_create
+        THEN format('CREATE INDEX CONCURRENTLY IF NOT EXISTS %I ON %I USING gin (payload jsonb_path_ops)',
+                    i.index_name, i.table_name)
+        ELSE format('DROP INDEX CONCURRENTLY IF EXISTS %I', i.index_name) END
+    FROM (VALUES ('wp_outbox_payload', 'workpump_outbox'),
+                 ('wp_inbox_payload', 'workpump_inbox'),
+                 ('wp_event_payload', 'workpump_event')) AS i(index_name, table_name)
+$$;
+
+-- --------------------------------------------------------------------------------------
 -- search_path
 -- --------------------------------------------------------------------------------------
 -- A function that captured the loading session's search_path ("$user", public by
