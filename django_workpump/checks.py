@@ -21,6 +21,7 @@ Errors
     E014 ``MIDDLEWARE`` names something that does not import or is not callable.
     E015 ``METRICS_PORT`` is not a port, or is set without ``prometheus_client``.
     E016 ``HANDLER_CONNECTIONS`` is not a known mode.
+    E017 ``ATTEMPT_LOG_LEVEL`` is not a log level.
 Warnings
     W001 slow heartbeat faster than the fast one.
     W002 ``LEASE_SECONDS`` at most twice ``LEASE_GRACE_SECONDS``.
@@ -43,7 +44,7 @@ from django.core.checks import CheckMessage, Error, Info, Warning, register
 from django.utils.module_loading import import_string
 from psycopg.conninfo import conninfo_to_dict
 
-from django_workpump.conf import DEFAULTS, SETTINGS, Kind, Setting
+from django_workpump.conf import DEFAULTS, SETTINGS, Kind, Setting, log_level
 from django_workpump.pump.handler_connections import MODES as HANDLER_CONNECTION_MODES
 
 LIVENESS_MODES = ("advisory_lock_when_available", "heartbeat_table_only")
@@ -261,6 +262,29 @@ def _check_dotted_paths(setting: Setting, value: Any) -> list[CheckMessage]:
     return errors
 
 
+def _check_log_level(setting: Setting, value: Any) -> list[CheckMessage]:
+    """A logging level name or number (conf.log_level), or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, str | int)):
+        return [
+            Error(
+                f"{_name(setting.name)} ({value!r}) must be a level name, a number or None.",
+                hint='Set it to "WARNING" (the default), "INFO", "DEBUG", or None for none.',
+                id="workpump.E003",
+            )
+        ]
+    try:
+        log_level(value)
+    except ValueError as exc:
+        return [
+            Error(
+                str(exc),
+                hint='Set it to "WARNING" (the default), "INFO", "DEBUG", or None for none.',
+                id="workpump.E017",
+            )
+        ]
+    return []
+
+
 _KIND_CHECKS: dict[Kind, Callable[[Setting, Any], list[CheckMessage]]] = {
     "int": _check_int,
     "bool": _check_bool,
@@ -269,6 +293,7 @@ _KIND_CHECKS: dict[Kind, Callable[[Setting, Any], list[CheckMessage]]] = {
     "database_alias": _check_database_alias,
     "dsn": _check_dsn,
     "dotted_paths": _check_dotted_paths,
+    "log_level": _check_log_level,
 }
 
 

@@ -27,6 +27,7 @@ Kind = Literal[
     "database_alias",
     "dsn",
     "dotted_paths",
+    "log_level",
 ]
 
 
@@ -384,6 +385,16 @@ SETTINGS: tuple[Setting, ...] = (
             "call, the first outermost ([docs/middleware.md](docs/middleware.md))"
         ),
     ),
+    Setting(
+        "ATTEMPT_LOG_LEVEL",
+        "WARNING",
+        "log_level",
+        meaning=(
+            "log records a handler emits at this level and above are stored with its "
+            'attempt and shown in the admin (a level name such as `"INFO"`, or a number); '
+            "None stores none ([docs/admin.md](docs/admin.md#attempt-logs))"
+        ),
+    ),
     # Metrics (docs/metrics.md).
     Setting(
         "METRICS_PORT",
@@ -487,6 +498,27 @@ def overridden(**values: Any) -> Iterator[None]:
 def setting(name: str) -> Any:
     """Return one ``WORKPUMP`` value by key."""
     return get_settings()[name]
+
+
+# The level names ATTEMPT_LOG_LEVEL takes, as the logging module numbers them.
+LOG_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
+
+
+def log_level(value: Any) -> int | None:
+    """``ATTEMPT_LOG_LEVEL`` as logging's number (None: nothing is captured).
+
+    Raises ValueError naming the accepted values for anything else.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and value.upper() in LOG_LEVELS:
+        return LOG_LEVELS[value.upper()]
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 100:
+        return value
+    raise ValueError(
+        f"WORKPUMP['ATTEMPT_LOG_LEVEL'] ({value!r}) must be a level name "
+        f"({', '.join(LOG_LEVELS)}), a number from 1 to 100, or None."
+    )
 
 
 def lock_loss_grace_seconds(settings: Mapping[str, Any]) -> float:

@@ -458,6 +458,37 @@ class TaskAttempt(models.Model):
         return f"task {self.work_id} attempt {self.attempt}"
 
 
+class AttemptLog(models.Model):
+    """A log record a handler emitted while one attempt of a work row ran (WARNING and
+    above unless ``ATTEMPT_LOG_LEVEL`` lowers it), stored with that attempt's outcome.
+
+    Written only by ``complete_work``, ``fail_work`` and ``discard_work``, in the same
+    statement as the outcome and under its lease fence; deleted with its work row (the
+    work tables' delete triggers), so retention purges them together.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    category = models.TextField()  # outbox, inbox, perspective_event or receptor
+    work_id = models.UUIDField()  # the work row's work_id (the Work.id its handler saw)
+    attempt = models.IntegerField()  # the row's attempt count when the outcome was written
+    lease_token = models.UUIDField()  # the claim of that attempt
+    logged_at = models.DateTimeField()
+    level = models.IntegerField()  # logging's number: 30 WARNING, 40 ERROR; 0: a note
+    logger = models.TextField()
+    message = models.TextField()
+
+    class Meta:
+        db_table = "workpump_attempt_log"
+        # A row's records, by attempt, in the order they were logged; and the delete of a
+        # purged row's records.
+        indexes = [
+            models.Index(fields=["work_id", "category", "attempt", "id"], name="wp_attempt_log_row")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.category} {self.work_id} attempt {self.attempt}: {self.message[:60]}"
+
+
 CATCH_UP_CHOICES = [
     ("latest", "latest: fire the most recent missed slot once"),
     ("none", "none: skip missed slots"),

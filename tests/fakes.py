@@ -87,6 +87,7 @@ class FakeCoordinator:
         self.renewals: list[tuple[str, list[uuid.UUID]]] = []
         self.renewal_tokens: list[uuid.UUID] = []  # every token sent to renew, in order
         self.completed: list[tuple[uuid.UUID, str | None]] = []  # (work id, result)
+        self.logs: list[tuple[uuid.UUID, str | None]] = []  # (work id, attempt log JSON)
         self.released: list[uuid.UUID] = []
         self.failed: list[tuple[uuid.UUID, str, str]] = []  # (work id, error, reason)
         self.dead_lettered: list[tuple[uuid.UUID, str]] = []  # (id, error)
@@ -159,9 +160,15 @@ class FakeCoordinator:
             if work_id not in self.refused
         }
 
-    def complete(self, leases: Sequence[Lease], results: Sequence[str | None]) -> list[Outcome]:
+    def complete(
+        self,
+        leases: Sequence[Lease],
+        results: Sequence[str | None],
+        logs: Sequence[str | None] | None = None,
+    ) -> list[Outcome]:
         _, ids, tokens = lease_arrays(leases)
         with self._cond:
+            self.logs.extend(zip(ids, logs or [None] * len(ids), strict=True))
             self.completed.extend(zip(ids, results, strict=True))
             self.tokens.extend(("complete", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("complete")
@@ -173,9 +180,11 @@ class FakeCoordinator:
         errors: Sequence[str],
         reasons: Sequence[str],
         delays: Sequence[float | None] | None = None,
+        logs: Sequence[str | None] | None = None,
     ) -> list[Outcome]:
         _, ids, tokens = lease_arrays(leases)
         with self._cond:
+            self.logs.extend(zip(ids, logs or [None] * len(ids), strict=True))
             self.failed.extend(zip(ids, errors, reasons, strict=True))
             self.fail_delays.extend(delays or [None] * len(ids))
             self.tokens.extend(("fail", i, t) for i, t in zip(ids, tokens, strict=True))
@@ -191,10 +200,15 @@ class FakeCoordinator:
         return [Outcome(work_id, "released") for work_id in ids]
 
     def dead_letter(
-        self, leases: Sequence[Lease], errors: Sequence[str], reason: str
+        self,
+        leases: Sequence[Lease],
+        errors: Sequence[str],
+        reason: str,
+        logs: Sequence[str | None] | None = None,
     ) -> list[Outcome]:
         _, ids, tokens = lease_arrays(leases)
         with self._cond:
+            self.logs.extend(zip(ids, logs or [None] * len(ids), strict=True))
             self.dead_lettered.extend(zip(ids, errors, strict=True))
             self.dead_letter_reasons.extend([reason] * len(ids))
             self.tokens.extend(("dead_letter", i, t) for i, t in zip(ids, tokens, strict=True))
@@ -209,9 +223,15 @@ class FakeCoordinator:
         self._record("snooze")
         return [Outcome(work_id, "snoozed") for work_id in ids]
 
-    def discard(self, leases: Sequence[Lease], reasons: Sequence[str]) -> list[Outcome]:
+    def discard(
+        self,
+        leases: Sequence[Lease],
+        reasons: Sequence[str],
+        logs: Sequence[str | None] | None = None,
+    ) -> list[Outcome]:
         _, ids, tokens = lease_arrays(leases)
         with self._cond:
+            self.logs.extend(zip(ids, logs or [None] * len(ids), strict=True))
             self.discarded.extend(zip(ids, reasons, strict=True))
             self.tokens.extend(("discard", i, t) for i, t in zip(ids, tokens, strict=True))
         self._record("discard")

@@ -44,6 +44,7 @@ NO_SEARCH_PATH = {
     "state_of",
     "retry_delay_seconds",
     "instance_evictable",
+    "attempt_logs_cte",  # builds text; the statement that runs it has the caller's path
 }
 
 TIME_DEPENDENT = {

@@ -9,11 +9,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from django_workpump.conf import get_settings
@@ -174,6 +175,34 @@ def raw_json(text: str, error: str, what: str) -> SafeString:
         error,
         f" Its first {RAW_TEXT_LIMIT:,} characters:" if cut else "",
         text[:RAW_TEXT_LIMIT] + ("…" if cut else ""),
+    )
+
+
+LEVEL_NAMES = {0: "NOTE", 10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERROR", 50: "CRITICAL"}
+
+
+def attempt_logs(records: Iterable[Any]) -> SafeString | str:
+    """A row's attempt logs (``AttemptLog``s, the latest attempt first) as a table."""
+    body = format_html_join(
+        "",
+        "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+        (
+            (
+                r.attempt,
+                when(r.logged_at),
+                LEVEL_NAMES.get(r.level, str(r.level)),
+                r.logger,
+                pre(r.message),
+            )
+            for r in records
+        ),
+    )
+    if not body:
+        return "— (none: its handler logged nothing at ATTEMPT_LOG_LEVEL or above)"
+    return format_html(
+        '<table class="wp-attempt-logs"><thead><tr><th>attempt</th><th>logged</th>'
+        "<th>level</th><th>logger</th><th>message</th></tr></thead><tbody>{}</tbody></table>",
+        body,
     )
 
 

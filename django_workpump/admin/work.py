@@ -11,15 +11,16 @@ from typing import Any, Literal, cast
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import Q, QuerySet, TextField
+from django.db.models import QuerySet, TextField
 from django.db.models.expressions import Combinable
 from django.db.models.functions import Cast
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from django_workpump.admin import display
+from django_workpump.admin import display, work_search
 from django_workpump.admin.base import pump_database
 from django_workpump.admin.expressions import (
     HOLDER_LIVE,
@@ -31,6 +32,7 @@ from django_workpump.admin.expressions import (
 )
 from django_workpump.admin.pagination import EstimatingPaginator
 from django_workpump.admin.work_actions import WorkActionsAdmin
+from django_workpump.admin.work_bulk import BulkActionsAdmin
 from django_workpump.admin.work_filters import (
     NEWEST_FIRST,
     OwnerFilter,
@@ -40,9 +42,11 @@ from django_workpump.admin.work_filters import (
 )
 from django_workpump.categories import category
 from django_workpump.conf import get_settings
+from django_workpump.models import AttemptLog
 from django_workpump.states import ENDED_STATES, WorkState
 
 NEIGHBOURS = 5  # rows shown on each side of a row of an ordered stream
+SHOWN_LOG_RECORDS = 200  # a row's attempt logs shown on its page, the latest attempt first
 
 
 class WorkChangeList(ChangeList):
@@ -78,7 +82,7 @@ class WorkChangeList(ChangeList):
         self.result_count_estimated = getattr(self.paginator, "estimated", False)
 
 
-class WorkAdmin(WorkActionsAdmin):
+class WorkAdmin(BulkActionsAdmin, WorkActionsAdmin):
     """Base of the four work admins; a subclass names its table's columns in ``spec``."""
 
     spec: WorkSpec
@@ -131,6 +135,7 @@ class WorkAdmin(WorkActionsAdmin):
         return [
             path("<uuid:work_id>/", by_work_id),
             path("<uuid:work_id>/change/", by_work_id),
+            *self.bulk_urls(),
             *super().get_urls(),
         ]
 
@@ -184,16 +189,23 @@ class WorkAdmin(WorkActionsAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
-        # An exact id lookup with a term that is no uuid would raise: search the rest only.
+        # work_search.py: ids and id prefixes, a time window, payload content, words.
+        if not search_term.strip():
+            return queryset, False
         try:
-            self.model._meta.get_field("work_id").to_python(search_term.strip())
-        except ValidationError:
-            term = search_term.strip()
-            if not term:
-                return queryset, False
-            lookup = Q(topic__icontains=term) | Q(stream__icontains=term)
-            return queryset.filter(lookup), False
-        return super().get_search_results(request, queryset, search_term)
+            search = work_search.parse(search_term)
+        except work_search.SearchError as exc:
+            messages.error(request, f"Search: {exc}")
+            return queryset.none(), False
+        lookup, note = work_search.condition(
+            search,
+            payload_field="payload" if self.has_own_payload else "event__payload",
+            narrowed=bool(request.GET.get(TopicFilter.parameter_name)),
+            now=timezone.now(),
+        )
+        if note is not None:
+            messages.info(request, note)
+        return queryset.filter(lookup), False
 
     def get_list_display(self, request: HttpRequest) -> list[Any]:
         return [
@@ -218,7 +230,10 @@ class WorkAdmin(WorkActionsAdmin):
             work.insert(3, "event_detail")
         return [
             (None, {"fields": work}),
-            ("Attempts", {"fields": ["attempts_of_max", "failure_reason", "last_error_full"]}),
+            (
+                "Attempts",
+                {"fields": ["attempts_of_max", "failure_reason", "last_error_full", "logs"]},
+            ),
             (
                 "Lease",
                 {"fields": ["owner_detail", "lease_detail", "renewals", "claimed"]},
@@ -340,6 +355,14 @@ class WorkAdmin(WorkActionsAdmin):
     @admin.display(description="last error")
     def last_error_full(self, obj: Any) -> SafeString | str:
         return display.pre(obj.last_error)
+
+    @admin.display(description="attempt logs")
+    def logs(self, obj: Any) -> SafeString | str:
+        return display.attempt_logs(
+            AttemptLog.objects.using(pump_database())
+            .filter(work_id=obj.work_id, category=self.spec.category)
+            .order_by("-attempt", "id")[:SHOWN_LOG_RECORDS]
+        )
 
     @admin.display(description="created", ordering="created_at")
     def created(self, obj: Any) -> str:

@@ -100,11 +100,13 @@ from django_workpump.db.queries import (
     without_jit,
 )
 from django_workpump.db.rows import FromRow, Row
+from django_workpump.db.search import payload_indexes
 from django_workpump.db.status import StuckRow, stuck_rows
 
 __all__ = [
     "INSTANCE_REFUSED_SQLSTATE",
     "PARSED_ONCE_MAX",
+    "PAYLOAD_INDEXES",
     "CancelledWork",
     "ClaimedWork",
     "FromRow",
@@ -144,6 +146,7 @@ __all__ = [
     "next_eviction_in",
     "notify_probe",
     "pause_periodic",
+    "payload_indexes",
     "periodic_states",
     "purge_console",
     "purge_dead",

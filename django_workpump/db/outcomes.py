@@ -30,6 +30,14 @@ class Outcome(FromRow):
         object.__setattr__(self, "status", OutcomeStatus(self.status))
 
 
+def log_param(logs: Sequence[str | None] | None) -> list[str | None] | None:
+    """The ``p_logs`` array: None when no attempt logged anything (the outcome's statement
+    then has no insert of logs at all)."""
+    if logs is None or all(entry is None for entry in logs):
+        return None
+    return list(logs)
+
+
 def renew_leases(
     *,
     category: str,
@@ -70,16 +78,19 @@ def complete_work(
     ids: Sequence[uuid.UUID],
     lease_tokens: Sequence[uuid.UUID],
     results: Sequence[str | None] | None = None,
+    logs: Sequence[str | None] | None = None,
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[Outcome]:
-    """Complete; ``results`` are JSON texts (or None), one per id."""
+    """Complete; ``results`` are JSON texts (or None), one per id; ``logs`` the attempts'
+    log records (JSON arrays, or None: attempt_logs.py), one per id."""
     params = {
         "instance_id": instance_id,
         "category": category,
         "ids": list(ids),
         "lease_tokens": list(lease_tokens),
         "results": list(results) if results else None,
+        "logs": log_param(logs),
         "now": now,
     }
     return [Outcome.from_row(row) for row in _fetch("complete_work", params, using)]
@@ -96,11 +107,12 @@ def fail_work(
     retry_base_seconds: int = 30,
     retry_max_seconds: int = 300,
     retry_delays: Sequence[float | None] | None = None,
+    logs: Sequence[str | None] | None = None,
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[Outcome]:
     """Fail attempts; ``retry_delays`` (one per id, None for the default backoff) are a
-    handler's own retry delays in seconds."""
+    handler's own retry delays in seconds; ``logs`` as ``complete_work``'s."""
     params = {
         "instance_id": instance_id,
         "category": category,
@@ -113,6 +125,7 @@ def fail_work(
         "retry_delays": None
         if retry_delays is None or all(d is None for d in retry_delays)
         else list(retry_delays),
+        "logs": log_param(logs),
         "now": now,
     }
     return [Outcome.from_row(row) for row in _fetch("fail_work", params, using)]
@@ -149,16 +162,18 @@ def discard_work(
     ids: Sequence[uuid.UUID],
     lease_tokens: Sequence[uuid.UUID],
     reasons: Sequence[str],
+    logs: Sequence[str | None] | None = None,
     now: datetime | None = None,
     using: str | None = None,
 ) -> list[Outcome]:
-    """End held rows as discarded, each with its reason."""
+    """End held rows as discarded, each with its reason; ``logs`` as ``complete_work``'s."""
     params = {
         "instance_id": instance_id,
         "category": category,
         "ids": list(ids),
         "lease_tokens": list(lease_tokens),
         "reasons": list(reasons),
+        "logs": log_param(logs),
         "now": now,
     }
     return [Outcome.from_row(row) for row in _fetch("discard_work", params, using)]

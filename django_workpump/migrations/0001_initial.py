@@ -199,6 +199,24 @@ class Migration(migrations.Migration):
             },
         ),
         migrations.CreateModel(
+            name='AttemptLog',
+            fields=[
+                ('id', models.BigAutoField(primary_key=True, serialize=False)),
+                ('category', models.TextField()),
+                ('work_id', models.UUIDField()),
+                ('attempt', models.IntegerField()),
+                ('lease_token', models.UUIDField()),
+                ('logged_at', models.DateTimeField()),
+                ('level', models.IntegerField()),
+                ('logger', models.TextField()),
+                ('message', models.TextField()),
+            ],
+            options={
+                'db_table': 'workpump_attempt_log',
+                'indexes': [models.Index(fields=['work_id', 'category', 'attempt', 'id'], name='wp_attempt_log_row')],
+            },
+        ),
+        migrations.CreateModel(
             name='TaskAttempt',
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),

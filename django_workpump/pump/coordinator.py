@@ -64,19 +64,35 @@ class Coordinator(Protocol):
     def renew(
         self, leases: Sequence[Lease]
     ) -> dict[uuid.UUID, Any]: ...  # id -> new expiry, or None: the attempt was cancelled
-    def complete(self, leases: Sequence[Lease], results: Sequence[str | None]) -> list[Outcome]: ...
+    # ``logs``: each attempt's log records (attempt_logs.py), given only when one has some.
+    def complete(
+        self,
+        leases: Sequence[Lease],
+        results: Sequence[str | None],
+        logs: Sequence[str | None] | None = None,
+    ) -> list[Outcome]: ...
     def fail(
         self,
         leases: Sequence[Lease],
         errors: Sequence[str],
         reasons: Sequence[str],
         delays: Sequence[float | None] | None = None,
+        logs: Sequence[str | None] | None = None,
     ) -> list[Outcome]: ...
     def snooze(self, leases: Sequence[Lease], seconds: Sequence[float]) -> list[Outcome]: ...
-    def discard(self, leases: Sequence[Lease], reasons: Sequence[str]) -> list[Outcome]: ...
+    def discard(
+        self,
+        leases: Sequence[Lease],
+        reasons: Sequence[str],
+        logs: Sequence[str | None] | None = None,
+    ) -> list[Outcome]: ...
     def release(self, leases: Sequence[Lease]) -> list[Outcome]: ...
     def dead_letter(
-        self, leases: Sequence[Lease], errors: Sequence[str], reason: str
+        self,
+        leases: Sequence[Lease],
+        errors: Sequence[str],
+        reason: str,
+        logs: Sequence[str | None] | None = None,
     ) -> list[Outcome]: ...
     def heartbeat(self, metadata: Mapping[str, Any]) -> bool: ...
     def next_eviction_in(self) -> float | None: ...
@@ -193,7 +209,12 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
-    def complete(self, leases: Sequence[Lease], results: Sequence[str | None]) -> list[Outcome]:
+    def complete(
+        self,
+        leases: Sequence[Lease],
+        results: Sequence[str | None],
+        logs: Sequence[str | None] | None = None,
+    ) -> list[Outcome]:
         category, ids, tokens = lease_arrays(leases)
         return self._call(
             db.complete_work,
@@ -202,6 +223,7 @@ class DatabaseCoordinator:
             ids=ids,
             lease_tokens=tokens,
             results=results if any(r is not None for r in results) else None,
+            logs=logs,
             using=self.alias,
         )
 
@@ -211,6 +233,7 @@ class DatabaseCoordinator:
         errors: Sequence[str],
         reasons: Sequence[str],
         delays: Sequence[float | None] | None = None,
+        logs: Sequence[str | None] | None = None,
     ) -> list[Outcome]:
         category, ids, tokens = lease_arrays(leases)
         return self._call(
@@ -224,6 +247,7 @@ class DatabaseCoordinator:
             retry_base_seconds=self.settings["RETRY_BACKOFF_BASE_SECONDS"],
             retry_max_seconds=self.settings["RETRY_BACKOFF_MAX_SECONDS"],
             retry_delays=delays,
+            logs=logs,
             using=self.alias,
         )
 
@@ -240,7 +264,12 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
-    def discard(self, leases: Sequence[Lease], reasons: Sequence[str]) -> list[Outcome]:
+    def discard(
+        self,
+        leases: Sequence[Lease],
+        reasons: Sequence[str],
+        logs: Sequence[str | None] | None = None,
+    ) -> list[Outcome]:
         category, ids, tokens = lease_arrays(leases)
         return self._call(
             db.discard_work,
@@ -249,6 +278,7 @@ class DatabaseCoordinator:
             ids=ids,
             lease_tokens=tokens,
             reasons=reasons,
+            logs=logs,
             using=self.alias,
         )
 
@@ -264,7 +294,11 @@ class DatabaseCoordinator:
         )
 
     def dead_letter(
-        self, leases: Sequence[Lease], errors: Sequence[str], reason: str
+        self,
+        leases: Sequence[Lease],
+        errors: Sequence[str],
+        reason: str,
+        logs: Sequence[str | None] | None = None,
     ) -> list[Outcome]:
         """Park rows this instance holds as dead with ``reason`` without running them.
 
@@ -287,6 +321,7 @@ class DatabaseCoordinator:
                     reasons=[reason] * len(ids),
                     retry_base_seconds=self.settings["RETRY_BACKOFF_BASE_SECONDS"],
                     retry_max_seconds=self.settings["RETRY_BACKOFF_MAX_SECONDS"],
+                    logs=logs,
                     using=self.alias,
                 )
                 retry = [o.work_id for o in failed if o.status == OutcomeStatus.RETRY]

@@ -44,7 +44,7 @@ from typing import Any
 
 from django.db import connections
 
-from django_workpump import tracing
+from django_workpump import attempt_logs, tracing
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.db import ClaimedWork
 from django_workpump.metrics import NullRecorder, recorder
@@ -328,7 +328,9 @@ class Dispatcher:
             self.metrics.handler_started(job.row, queue_wait(job, started_at))
         outcome: HandlerResult
         try:
-            outcome = self.runner.run(handler, job, traced)
+            with attempt_logs.capturing() as captured:
+                outcome = self.runner.run(handler, job, traced)
+            job.logs = None if captured is None else captured.json()
         finally:
             if measured:
                 self.metrics.handler_finished(job.row, self.clock.monotonic() - started_at)
@@ -425,7 +427,11 @@ class Dispatcher:
         outcome: HandlerResult
         at = 0  # the index of the row the outcome concerns (a failure, snooze or discard)
         try:
-            outcome, at = self.runner.run_batch(handler, started, works, run)
+            with attempt_logs.capturing() as captured:
+                outcome, at = self.runner.run_batch(handler, started, works, run)
+            # One call for the whole batch: its records go with the row its outcome
+            # concerns (the failed, snoozed or discarded one; the first when it completed).
+            started[at].logs = None if captured is None else captured.json()
         finally:
             if self.metrics.enabled:
                 # One call ran them all: each row gets an even share of its duration, so

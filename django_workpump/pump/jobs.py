@@ -30,6 +30,9 @@ class Job:
     run: Run | None = None
     finished: bool = False  # let go of by Dispatcher._finish (a row can be let go of twice)
     committed: bool = False  # its completion committed with the handler's transaction
+    # The log records its handler emitted (attempt_logs.py: a JSON array, or None),
+    # written with its outcome.
+    logs: str | None = None
 
     @property
     def lease(self) -> Lease:

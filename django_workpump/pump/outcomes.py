@@ -115,6 +115,7 @@ class Completion(NamedTuple):
 
     lease: Lease
     result: str | None = None
+    logs: str | None = None  # the attempt's log records (attempt_logs.py)
 
 
 class FailedAttempt(NamedTuple):
@@ -129,6 +130,7 @@ class FailedAttempt(NamedTuple):
     max_attempts: int | None = None
     delay: float | None = None  # a handler's own retry delay (Retry backoff); None: default
     subject: str | None = None  # what the row runs, when its topic does not say it
+    logs: str | None = None  # the attempt's log records (attempt_logs.py)
 
     @property
     def category(self) -> str:
@@ -140,7 +142,12 @@ class FailedAttempt(NamedTuple):
 
     @classmethod
     def of(
-        cls, row: ClaimedWork, error: str, reason: str, delay: float | None = None
+        cls,
+        row: ClaimedWork,
+        error: str,
+        reason: str,
+        delay: float | None = None,
+        logs: str | None = None,
     ) -> FailedAttempt:
         return cls(
             Lease(row.category, row.work_id, row.lease_token),
@@ -152,6 +159,7 @@ class FailedAttempt(NamedTuple):
             row.max_attempts,
             delay,
             next(filter(None, (name(row) for name in FAILURE_SUBJECTS)), None),
+            logs,
         )
 
 
@@ -208,6 +216,12 @@ def log_failed_attempt(item: FailedAttempt, outcome: Any) -> None:
         "now" if retry_at is None else f"at {retry_at.isoformat(timespec='seconds')}",
         extra=fields,
     )
+
+
+def with_logs(logs: Sequence[str | None]) -> dict[str, Any]:
+    """The coordinator's ``logs`` argument, given only when an attempt logged something
+    (the outcome's statement then stores them)."""
+    return {"logs": list(logs)} if any(entry is not None for entry in logs) else {}
 
 
 def _category_of(item: Completion | FailedAttempt) -> str:
@@ -314,7 +328,7 @@ class OutcomeWriter:
             # Before the put: the flush that writes it may come at once.
             with self._lock:
                 self._stream_run_ends.add(job.key)
-        if not self.completions.put(Completion(job.lease, result)) and ends_stream_run:
+        if not self.completions.put(Completion(job.lease, result, job.logs)) and ends_stream_run:
             with self._lock:  # refused: the row's lease runs out and it runs again
                 self._stream_run_ends.discard(job.key)
 
@@ -348,17 +362,24 @@ class OutcomeWriter:
         if isinstance(outcome, Failed):
             if outcome.reason == FailureReason.NOT_RETRYABLE:
                 self._write_now(
-                    job, "dead-lettering", self._dead_letter, outcome.error, outcome.reason
+                    job,
+                    "dead-lettering",
+                    self._dead_letter,
+                    outcome.error,
+                    job.logs,
+                    outcome.reason,
                 )
             else:
                 self.queued(1, job.row)
                 self.failures.put(
-                    FailedAttempt.of(job.row, outcome.error, outcome.reason, outcome.backoff)
+                    FailedAttempt.of(
+                        job.row, outcome.error, outcome.reason, outcome.backoff, job.logs
+                    )
                 )
         elif isinstance(outcome, Snoozed):
             self._write_now(job, "snooze", self._snooze, outcome.seconds)
         else:
-            self._write_now(job, "discard", self._discard, outcome.reason)
+            self._write_now(job, "discard", self._discard, outcome.reason, job.logs)
 
     def release_failure(self, job: Job) -> Failed | None:
         """What a handler's ``workpump.Release`` does to its row: None to give the row back
@@ -456,8 +477,8 @@ class OutcomeWriter:
             else:
                 self.stats.failed += 1
             if outcome.status == OutcomeStatus.DEAD:
-                if what == "dead-lettering":  # (error, reason)
-                    error, reason = args[0], stored_dead_reason(args[1])
+                if what == "dead-lettering":  # (error, logs, reason)
+                    error, reason = args[0], stored_dead_reason(args[-1])
                 else:  # a snooze over MAX_SNOOZES on the last attempt
                     error = "it snoozed more than MAX_SNOOZES times, on its last attempt"
                     reason = FailureReason.MAX_ATTEMPTS
@@ -475,21 +496,23 @@ class OutcomeWriter:
     def _snooze(self, lease: Lease, seconds: float) -> list[Any]:
         return self.coordinator.snooze([lease], [seconds])
 
-    def _discard(self, lease: Lease, reason: str) -> list[Any]:
-        return self.coordinator.discard([lease], [reason])
+    def _discard(self, lease: Lease, reason: str, logs: str | None) -> list[Any]:
+        return self.coordinator.discard([lease], [reason], **with_logs([logs]))
 
     def _release(self, lease: Lease) -> list[Any]:
         return self.coordinator.release([lease])
 
-    def _dead_letter(self, lease: Lease, error: str, reason: str) -> list[Any]:
-        return self.coordinator.dead_letter([lease], [error], reason)
+    def _dead_letter(self, lease: Lease, error: str, logs: str | None, reason: str) -> list[Any]:
+        return self.coordinator.dead_letter([lease], [error], reason, **with_logs([logs]))
 
     # -- the flushers' callbacks -----------------------------------------------------
     # Each flush gets the items of one category (group_by): one SQL call each.
     def _flush_completions(self, batch: list[Completion]) -> None:
         category = batch[0].lease.category
         outcomes = self.coordinator.complete(
-            [item.lease for item in batch], [item.result for item in batch]
+            [item.lease for item in batch],
+            [item.result for item in batch],
+            **with_logs([item.logs for item in batch]),
         )
         self.count(outcomes, "completed", category)
         self.queued(-len(batch))
@@ -521,6 +544,7 @@ class OutcomeWriter:
             [item.error for item in batch],
             [item.reason for item in batch],
             [item.delay for item in batch],
+            **with_logs([item.logs for item in batch]),
         )
         by_id = {item.work_id: item for item in batch}
         reasons = {item.work_id: item.reason for item in batch}

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.db import transaction
 
-from django_workpump import db, tracing
+from django_workpump import attempt_logs, db, tracing
 from django_workpump.conf import setting
 from django_workpump.control import MAX_DELAY_TEXT, Discard, Release, Snooze, named_index
 from django_workpump.coroutines import HandlerLoop
@@ -32,11 +32,12 @@ from django_workpump.pump.outcomes import (
     Lost,
     Released,
     Snoozed,
+    with_logs,
 )
 from django_workpump.registry import TOPIC_NOUNS, Handler
 from django_workpump.states import FailureReason, JobState, OutcomeStatus
 from django_workpump.storable import error_text, storable_result
-from django_workpump.work import Lease, Work, checkpoint_text
+from django_workpump.work import Work, checkpoint_text
 
 logger = logging.getLogger("django_workpump.dispatch")
 
@@ -53,7 +54,7 @@ class HandlerRunner:
 
     def __init__(
         self,
-        complete: Callable[[Sequence[Lease], Sequence[str | None]], list[Outcome]],
+        complete: Callable[..., list[Outcome]],
         *,
         alias: str,
         middleware: Sequence[Middleware],
@@ -214,7 +215,9 @@ class HandlerRunner:
                         f"{job.row.category} {job.row.work_id}: attempt {job.row.attempts} "
                         f"was {job.state} before it committed; its transaction was rolled back"
                     )
-            outcome = self._complete([job.lease], [result])
+            outcome = self._complete(
+                [job.lease], [result], **with_logs([attempt_logs.current_json()])
+            )
             if not outcome or outcome[0].status != OutcomeStatus.DONE:
                 raise LeaseLost(
                     f"{job.row.category} {job.row.work_id}: lease lost before the atomic "

@@ -226,3 +226,8 @@ SELECT s.seq FROM pending s {in_order} LIMIT %s
 -- The rows of one of the fragments above, counted as they are read (the admin
 -- paginator's capped count).
 SELECT count(*) FROM ({rows}) s
+
+-- name: payload_index_ddl
+-- The statements that create (or drop) the opt-in payload indexes, to run one by one
+-- outside a transaction (CONCURRENTLY): manage.py workpump_payload_index.
+SELECT d.statement FROM workpump.payload_index_ddl(%(create)s) AS d(statement)

@@ -146,6 +146,7 @@ FROM workpump.complete_work(
     p_ids => %(ids)s::uuid[],
     p_lease_tokens => %(lease_tokens)s::uuid[],
     p_results => %(results)s::jsonb[],
+    p_logs => %(logs)s::jsonb[],
     p_now => %(now)s)
 
 -- name: fail_work
@@ -160,7 +161,8 @@ FROM workpump.fail_work(
     p_retry_base_seconds => %(retry_base_seconds)s,
     p_retry_max_seconds => %(retry_max_seconds)s,
     p_now => %(now)s,
-    p_retry_delays => %(retry_delays)s::double precision[])
+    p_retry_delays => %(retry_delays)s::double precision[],
+    p_logs => %(logs)s::jsonb[])
 
 -- name: snooze_work
 SELECT work_id, status, scheduled_for
@@ -181,6 +183,7 @@ FROM workpump.discard_work(
     p_ids => %(ids)s::uuid[],
     p_lease_tokens => %(lease_tokens)s::uuid[],
     p_reasons => %(reasons)s::text[],
+    p_logs => %(logs)s::jsonb[],
     p_now => %(now)s)
 
 -- name: dead_letter

@@ -266,6 +266,77 @@ BEGIN
 END
 $$;
 
+-- Attempt logs: the log records a handler emitted while an attempt ran, stored with the
+-- attempt's outcome (complete_work, discard_work, fail_work: p_logs, one jsonb array per
+-- id, NULL for none) in the same statement, only for the rows that outcome was written
+-- for, so a fenced-out attempt's records never land. Each record is an object
+-- {"at": epoch seconds, "level": logging's number, "logger": text, "message": text}; the
+-- caller bounds and cleans them (django_workpump/attempt_logs.py), and these caps hold
+-- whoever calls.
+CREATE FUNCTION workpump.check_attempt_logs(p_function text, p_ids uuid[], p_logs jsonb[])
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_logs IS NULL THEN
+        RETURN;
+    END IF;
+    IF cardinality(p_logs) <> coalesce(cardinality(p_ids), 0) THEN
+        RAISE EXCEPTION '% needs one p_logs entry (a JSON array, or NULL) per id: got % ids and % entries.',
+            p_function, coalesce(cardinality(p_ids), 0), cardinality(p_logs)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF EXISTS (SELECT 1 FROM unnest(p_logs) l(logs)
+               WHERE l.logs IS NOT NULL AND jsonb_typeof(l.logs) <> 'array')
+       OR EXISTS (SELECT 1 FROM unnest(p_logs) l(logs)
+                  CROSS JOIN LATERAL jsonb_array_elements(
+                      CASE WHEN jsonb_typeof(l.logs) = 'array' THEN l.logs END) r(rec)
+                  WHERE jsonb_typeof(r.rec) IS DISTINCT FROM 'object'
+                     OR jsonb_typeof(r.rec -> 'at') IS DISTINCT FROM 'number'
+                     OR jsonb_typeof(r.rec -> 'level') IS DISTINCT FROM 'number'
+                     OR jsonb_typeof(r.rec -> 'logger') IS DISTINCT FROM 'string'
+                     OR jsonb_typeof(r.rec -> 'message') IS DISTINCT FROM 'string'
+                     OR (r.rec ->> 'at')::numeric NOT BETWEEN 0 AND 32503680000
+                     OR (r.rec ->> 'level')::numeric NOT BETWEEN 0 AND 1000) THEN
+        RAISE EXCEPTION '% got an attempt log that is not a JSON array of records {"at": epoch seconds, "level": 0-1000, "logger": text, "message": text}.',
+            p_function
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END
+$$;
+
+-- The CTE (", logged AS (...)") that stores the records of p_source's rows: p_source is
+-- a CTE of the rows an outcome was written for, with their id, token, attempts and
+-- logs. At most 200 records per attempt, each message cut at 8000 characters.
+CREATE FUNCTION workpump.attempt_logs_cte(p_category text, p_source text) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN format($c$, logged AS (
+            INSERT INTO workpump_attempt_log
+                (category, work_id, attempt, lease_token, logged_at, level, logger, message)
+            SELECT %1$L, s.id, s.attempts, s.token,
+                   to_timestamp((r.rec ->> 'at')::double precision),
+                   floor((r.rec ->> 'level')::numeric)::integer,
+                   left(r.rec ->> 'logger', 200), left(r.rec ->> 'message', 8000)
+            FROM %2$I s CROSS JOIN LATERAL jsonb_array_elements(s.logs) WITH ORDINALITY r(rec, n)
+            WHERE s.logs IS NOT NULL AND r.n <= 200
+            ORDER BY s.id, r.n
+        )$c$, p_category, p_source);
+
+-- A work row's attempt logs go with it: the statement trigger after a delete on each
+-- work table (retention's purges, an operator's delete) deletes the logs of its rows.
+CREATE FUNCTION workpump.delete_attempt_logs() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    DELETE FROM workpump_attempt_log l
+    WHERE l.work_id = ANY (ARRAY(SELECT d.work_id FROM deleted_rows d))
+      AND l.category = TG_ARGV[0];
+    RETURN NULL;
+END
+$$;
+
 -- --------------------------------------------------------------------------------------
 -- Producers
 -- --------------------------------------------------------------------------------------
@@ -1163,6 +1234,19 @@ CREATE TRIGGER workpump_perspective_event_notify AFTER INSERT ON workpump_perspe
 CREATE TRIGGER workpump_receptor_processing_notify AFTER INSERT ON workpump_receptor_processing
     REFERENCING NEW TABLE AS inserted_rows
     FOR EACH STATEMENT EXECUTE FUNCTION workpump.notify_inserted_work('receptor');
+
+CREATE TRIGGER workpump_outbox_attempt_logs AFTER DELETE ON workpump_outbox
+    REFERENCING OLD TABLE AS deleted_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.delete_attempt_logs('outbox');
+CREATE TRIGGER workpump_inbox_attempt_logs AFTER DELETE ON workpump_inbox
+    REFERENCING OLD TABLE AS deleted_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.delete_attempt_logs('inbox');
+CREATE TRIGGER workpump_perspective_event_attempt_logs AFTER DELETE ON workpump_perspective_event
+    REFERENCING OLD TABLE AS deleted_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.delete_attempt_logs('perspective_event');
+CREATE TRIGGER workpump_receptor_processing_attempt_logs AFTER DELETE ON workpump_receptor_processing
+    REFERENCING OLD TABLE AS deleted_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.delete_attempt_logs('receptor');
 
 -- --------------------------------------------------------------------------------------
 -- Liveness
@@ -2498,7 +2582,8 @@ END
 $$;
 
 -- Mark rows done that p_instance_id still holds under p_lease_tokens[i], storing
--- p_results[i] (jsonb, may be NULL) as the result of p_ids[i]. Returns every id with
+-- p_results[i] (jsonb, may be NULL) as the result of p_ids[i] and p_logs[i] as the
+-- attempt's log records (check_attempt_logs; NULL: none). Returns every id with
 -- 'done' or 'lost' (not held by the caller under that token any more, or already done).
 -- Completed heads hand over to the next row of their stream; the caller stays the
 -- stream's owner while it holds that row (the next of its run: hand_over_streams).
@@ -2508,6 +2593,7 @@ CREATE FUNCTION workpump.complete_work(
     p_ids uuid[],
     p_lease_tokens uuid[],
     p_results jsonb[] DEFAULT NULL,
+    p_logs jsonb[] DEFAULT NULL,
     p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (work_id uuid, status text)
 LANGUAGE plpgsql
@@ -2524,18 +2610,21 @@ BEGIN
         RAISE EXCEPTION 'complete_work got % ids but % results.', cardinality(p_ids), cardinality(p_results)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM workpump.check_attempt_logs('complete_work', p_ids, p_logs);
     IF coalesce(cardinality(p_ids), 0) = 0 THEN
         RETURN;
     END IF;
     RETURN QUERY SELECT * FROM workpump.end_held_work(
-        'done'::text, p_instance_id, p_category, p_ids, p_lease_tokens, p_results, p_now);
+        'done'::text, p_instance_id, p_category, p_ids, p_lease_tokens, p_results, p_logs,
+        p_now);
 END
 $$;
 
 -- The body of complete_work (p_outcome 'done': each row's value is its result) and of
 -- discard_work ('discarded': each value is the reason, a JSON string, kept as its
 -- last_error): end the undone rows p_instance_id holds under p_lease_tokens[i], release
--- their leases, and hand their streams on to the next row. The caller checks the input.
+-- their leases, store their attempt logs (p_logs), and hand their streams on to the next
+-- row. The caller checks the input.
 -- Returns every id with p_outcome or 'lost'.
 CREATE FUNCTION workpump.end_held_work(
     p_outcome text,
@@ -2544,6 +2633,7 @@ CREATE FUNCTION workpump.end_held_work(
     p_ids uuid[],
     p_lease_tokens uuid[],
     p_values jsonb[],
+    p_logs jsonb[] DEFAULT NULL,
     p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (work_id uuid, status text)
 LANGUAGE plpgsql
@@ -2569,12 +2659,13 @@ BEGIN
             SET done_at = $3, instance_id = NULL, lease_expiry = NULL, lease_token = NULL,
                 %3$s
             FROM unnest($1::uuid[], $5::uuid[],
-                        coalesce($4::jsonb[], array_fill(NULL::jsonb, ARRAY[cardinality($1)])))
-                 AS i(id, token, value)
+                        coalesce($4::jsonb[], array_fill(NULL::jsonb, ARRAY[cardinality($1)])),
+                        coalesce($6::jsonb[], array_fill(NULL::jsonb, ARRAY[cardinality($1)])))
+                 AS i(id, token, value, logs)
             WHERE t.work_id = i.id AND t.lease_token = i.token AND t.instance_id = $2
               AND t.done_at IS NULL
-            RETURNING t.work_id AS id, i.token, t.stream, %2$s AS scope
-        )
+            RETURNING t.work_id AS id, i.token, t.stream, %2$s AS scope, t.attempts, i.logs
+        )%4$s
         SELECT coalesce(array_agg(e.id), '{}'), coalesce(array_agg(e.token), '{}'),
                coalesce(array_agg(e.scope), '{}'), coalesce(array_agg(e.stream), '{}')
         FROM ended e$q$,
@@ -2585,9 +2676,11 @@ BEGIN
             WHEN 'done' THEN 'result = i.value'
             WHEN 'discarded' THEN $s$end_state = 'discarded', failure_reason = 'discarded',
                 last_error = i.value #>> '{}', scheduled_for = NULL$s$
-        END)
+        END,
+        -- no logs, no insert: the common completion pays nothing for them
+        CASE WHEN p_logs IS NOT NULL THEN workpump.attempt_logs_cte(p_category, 'ended') ELSE '' END)
     INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams
-    USING p_ids, p_instance_id, v_now, p_values, p_lease_tokens;
+    USING p_ids, p_instance_id, v_now, p_values, p_lease_tokens, p_logs;
     PERFORM workpump.notify_ended(v_ended_ids);
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
@@ -2611,8 +2704,8 @@ $$;
 -- given, after retry_delay_seconds; or the row parked as dead when its attempts are used
 -- up, with reason 'max_attempts' unless the last attempt's own reason says why it
 -- could not succeed ('timeout', 'not_retryable', 'undecodable_payload'). Attempts are
--- not bumped: the claim counted this attempt. Returns every id with 'retry', 'dead' or
--- 'lost'.
+-- not bumped: the claim counted this attempt. p_logs are the attempts' log records, as
+-- complete_work's. Returns every id with 'retry', 'dead' or 'lost'.
 CREATE FUNCTION workpump.fail_work(
     p_instance_id uuid,
     p_category text,
@@ -2623,6 +2716,7 @@ CREATE FUNCTION workpump.fail_work(
     p_retry_base_seconds integer DEFAULT 30,
     p_retry_max_seconds integer DEFAULT 300,
     p_retry_delays double precision[] DEFAULT NULL,
+    p_logs jsonb[] DEFAULT NULL,
     p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (work_id uuid, status text, scheduled_for timestamptz)
 LANGUAGE plpgsql
@@ -2658,6 +2752,7 @@ BEGIN
         RAISE EXCEPTION 'fail_work needs p_retry_delays of finite seconds >= 0 (or NULL for the default backoff).'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM workpump.check_attempt_logs('fail_work', p_ids, p_logs);
     IF coalesce(cardinality(p_ids), 0) = 0 THEN
         RETURN;
     END IF;
@@ -2665,12 +2760,13 @@ BEGIN
     RETURN QUERY EXECUTE format($q$
         WITH input AS (
             SELECT i.n, i.id, i.token, i.error, coalesce(i.reason, 'handler_error') AS reason,
-                   i.delay
+                   i.delay, i.logs
             FROM unnest($1::uuid[], $9::uuid[], $2::text[],
                         coalesce($3::text[], array_fill(NULL::text, ARRAY[cardinality($1)])),
                         coalesce($10::double precision[],
-                                 array_fill(NULL::double precision, ARRAY[cardinality($1)])))
-                 WITH ORDINALITY AS i(id, token, error, reason, delay, n)
+                                 array_fill(NULL::double precision, ARRAY[cardinality($1)])),
+                        coalesce($11::jsonb[], array_fill(NULL::jsonb, ARRAY[cardinality($1)])))
+                 WITH ORDINALITY AS i(id, token, error, reason, delay, logs, n)
         ), failed AS (
             -- fenced: only undone rows the caller holds under the attempt's token; dead
             -- when attempts are used up
@@ -2695,8 +2791,8 @@ BEGIN
             WHERE t.%2$I = i.id AND t.lease_token = i.token AND t.instance_id = $4
               AND t.%3$I IS NULL
             RETURNING t.%2$I AS id, i.token, t.dead_lettered_at IS NOT NULL AS dead,
-                      t.scheduled_for, t.stream, %4$s AS scope
-        ), streams AS (
+                      t.scheduled_for, t.stream, %4$s AS scope, t.attempts, i.logs
+        )%5$s, streams AS (
             -- the failed rows' streams are no longer worked on by the caller
             UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
             FROM failed f
@@ -2718,9 +2814,10 @@ BEGIN
         ORDER BY i.n$q$,
         v_meta.tbl, v_meta.key_col, v_meta.done_col,
         CASE WHEN v_meta.scope_col IS NULL THEN ''''''
-             ELSE 't.' || quote_ident(v_meta.scope_col) END)
+             ELSE 't.' || quote_ident(v_meta.scope_col) END,
+        CASE WHEN p_logs IS NOT NULL THEN workpump.attempt_logs_cte(p_category, 'failed') ELSE '' END)
     USING p_ids, p_errors, p_reasons, p_instance_id, v_now, p_retry_base_seconds,
-          p_retry_max_seconds, p_category, p_lease_tokens, p_retry_delays;
+          p_retry_max_seconds, p_category, p_lease_tokens, p_retry_delays, p_logs;
 END
 $$;
 
@@ -2925,13 +3022,15 @@ $$;
 -- raised workpump.Discard): done, with p_reasons[i] kept as the last error and
 -- failure_reason 'discarded'. Discarded heads hand over to the next row of their stream
 -- as completed ones do (complete_work); the rows' streams are locked before the rows
--- (lock_streams_of). Returns every id with 'discarded' or 'lost'.
+-- (lock_streams_of); p_logs are the attempts' log records, as complete_work's. Returns
+-- every id with 'discarded' or 'lost'.
 CREATE FUNCTION workpump.discard_work(
     p_instance_id uuid,
     p_category text,
     p_ids uuid[],
     p_lease_tokens uuid[],
     p_reasons text[],
+    p_logs jsonb[] DEFAULT NULL,
     p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (work_id uuid, status text)
 LANGUAGE plpgsql
@@ -2949,6 +3048,7 @@ BEGIN
             coalesce(cardinality(p_ids), 0), coalesce(cardinality(p_reasons), 0)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM workpump.check_attempt_logs('discard_work', p_ids, p_logs);
     IF coalesce(cardinality(p_ids), 0) = 0 THEN
         RETURN;
     END IF;
@@ -2960,7 +3060,7 @@ BEGIN
         'discarded'::text, p_instance_id, p_category, p_ids, p_lease_tokens,
         ARRAY(SELECT to_jsonb(r.reason) FROM unnest(p_reasons) WITH ORDINALITY r(reason, n)
               ORDER BY r.n),
-        p_now);
+        p_logs, p_now);
 END
 $$;
 
@@ -3982,6 +4082,29 @@ BEGIN
               coalesce(p_now, now());
     END LOOP;
 END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- The admin's opt-in payload indexes
+-- --------------------------------------------------------------------------------------
+-- GIN indexes (jsonb_path_ops: they serve @>) on the payloads the admin's payload search
+-- reads: the outbox's, the inbox's and the events' (perspective and receptor rows point
+-- at theirs). Not created by the migrations: each insert then writes its index too
+-- (docs/admin.md, "Search"). manage.py workpump_payload_index runs these statements one
+-- by one, outside a transaction, so the indexes build without blocking writers.
+
+-- The statements that create (p_create true) or drop the payload indexes.
+CREATE FUNCTION workpump.payload_index_ddl(p_create boolean) RETURNS SETOF text
+LANGUAGE sql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT CASE WHEN p_create
+        THEN format('CREATE INDEX CONCURRENTLY IF NOT EXISTS %I ON %I USING gin (payload jsonb_path_ops)',
+                    i.index_name, i.table_name)
+        ELSE format('DROP INDEX CONCURRENTLY IF EXISTS %I', i.index_name) END
+    FROM (VALUES ('wp_outbox_payload', 'workpump_outbox'),
+                 ('wp_inbox_payload', 'workpump_inbox'),
+                 ('wp_event_payload', 'workpump_event')) AS i(index_name, table_name)
 $$;
 
 -- --------------------------------------------------------------------------------------

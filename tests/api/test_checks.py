@@ -629,3 +629,20 @@ def test_a_metrics_port_without_prometheus_client_names_the_extra(monkeypatch):
             id="workpump.E015",
         )
     ]
+
+
+@pytest.mark.parametrize("value", ["LOUD", 0, 101])
+def test_attempt_log_level_must_be_a_level_name_or_a_number_from_1_to_100(value):
+    assert check(ATTEMPT_LOG_LEVEL=value) == [
+        Error(
+            f"WORKPUMP['ATTEMPT_LOG_LEVEL'] ({value!r}) must be a level name (DEBUG, INFO,"
+            " WARNING, ERROR, CRITICAL), a number from 1 to 100, or None.",
+            hint='Set it to "WARNING" (the default), "INFO", "DEBUG", or None for none.',
+            id="workpump.E017",
+        )
+    ]
+
+
+@pytest.mark.parametrize("value", ["info", "WARNING", 15, None])
+def test_attempt_log_level_takes_names_numbers_and_none(value):
+    assert check(ATTEMPT_LOG_LEVEL=value) == []

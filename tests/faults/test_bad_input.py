@@ -146,6 +146,18 @@ SQL_ERRORS = [
     ("complete: a NULL lease token",
      f"SELECT * FROM workpump.complete_work('{STRANGER}', 'outbox', ARRAY[%(id)s],"
      " ARRAY[NULL]::uuid[])", "22023", "NULL lease token"),
+    ("complete: attempt logs of another length",
+     f"SELECT * FROM workpump.complete_work('{STRANGER}', 'outbox', ARRAY[%(id)s],"
+     " ARRAY[%(id)s], p_logs => ARRAY['[]', '[]']::jsonb[])", "22023",
+     "one p_logs entry (a JSON array, or NULL) per id"),
+    ("fail: an attempt log record without a message",
+     f"SELECT * FROM workpump.fail_work('{STRANGER}', 'outbox', ARRAY[%(id)s], ARRAY[%(id)s],"
+     """ ARRAY['e'], p_logs => ARRAY['[{"at": 1, "level": 30, "logger": "x"}]']::jsonb[])""",
+     "22023", "not a JSON array of records"),
+    ("discard: an attempt log that is not an array",
+     f"SELECT * FROM workpump.discard_work('{STRANGER}', 'outbox', ARRAY[%(id)s],"
+     """ ARRAY[%(id)s], ARRAY['r'], p_logs => ARRAY['{"at": 1}']::jsonb[])""",
+     "22023", "not a JSON array of records"),
     ("fail: no errors", f"SELECT * FROM workpump.fail_work('{STRANGER}', 'outbox',"
      " ARRAY[%(id)s], ARRAY[%(id)s], '{}')", "22023", "one error"),
     ("fail: negative backoff", f"SELECT * FROM workpump.fail_work('{STRANGER}', 'outbox',"

@@ -35,7 +35,8 @@ def claim(instance: uuid.UUID, now, limit: int = 50) -> list[uuid.UUID]:
 
 def complete(instance: uuid.UUID, ids: list[uuid.UUID], now) -> None:
     run_sql(
-        "SELECT * FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[], NULL, %s)",
+        "SELECT * FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[], NULL,"
+        " p_now => %s)",
         [instance, ids, current_tokens("outbox", ids), now],
     )
 
@@ -43,7 +44,7 @@ def complete(instance: uuid.UUID, ids: list[uuid.UUID], now) -> None:
 def fail(instance: uuid.UUID, ids: list[uuid.UUID], now) -> list[str]:
     rows = run_sql(
         "SELECT * FROM workpump.fail_work(%s, 'outbox', %s::uuid[], %s::uuid[], %s::text[],"
-        " NULL, 0, 0, NULL, %s)",
+        " NULL, 0, 0, NULL, p_now => %s)",
         [instance, ids, current_tokens("outbox", ids), ["boom"] * len(ids), now],
     )
     return [r["status"] for r in rows]
@@ -129,7 +130,8 @@ def test_a_rolled_back_outcome_counts_nothing_and_a_lost_one_is_not_counted():
     complete(A, claimed, T0 + timedelta(seconds=1))
     # a late second outcome of the same attempt is lost: it changes no row, counts nothing
     run_sql(
-        "SELECT * FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[], NULL, %s)",
+        "SELECT * FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[], NULL,"
+        " p_now => %s)",
         [A, claimed, tokens, T0 + timedelta(seconds=2)],
     )
     assert counts()["done"] == 2 == len(ids)

@@ -62,7 +62,8 @@ def discard(
     token: uuid.UUID | None = None,
 ) -> str:
     return scalar(  # type: ignore[no-any-return]
-        "SELECT status FROM workpump.discard_work(%s, %s, %s::uuid[], %s::uuid[], %s::text[], %s)",
+        "SELECT status FROM workpump.discard_work(%s, %s, %s::uuid[], %s::uuid[], %s::text[],"
+        " p_now => %s)",
         [instance, category, [work_id], [token or token_of(category, work_id)], [reason], now],
     )
 

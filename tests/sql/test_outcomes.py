@@ -170,7 +170,7 @@ def complete(
         tokens = current_tokens(category, ids)
     rows = run_sql(
         "SELECT * FROM workpump.complete_work(%s, %s, %s::uuid[], %s::uuid[],"
-        " %s::text[]::jsonb[], %s)",
+        " %s::text[]::jsonb[], p_now => %s)",
         [instance, category, ids, tokens, encoded, now],
     )
     return {r["work_id"]: r["status"] for r in rows}
@@ -194,7 +194,7 @@ def fail(
         tokens = current_tokens(category, ids)
     rows = run_sql(
         "SELECT * FROM workpump.fail_work(%s, %s, %s::uuid[], %s::uuid[], %s::text[],"
-        " %s::text[], %s, %s, NULL, %s)",
+        " %s::text[], %s, %s, NULL, p_now => %s)",
         [instance, category, ids, tokens, errors, reasons, base, cap, now],
     )
     return {r["work_id"]: r for r in rows}
