@@ -2,7 +2,8 @@
 
 Produce work inside your transaction with ``send``, ``receive`` and ``emit`` (``send_many``
 and ``emit_many`` for lists); handle it with the decorators, ``periodic`` schedules it;
-run it with ``manage.py runworkpump``;
+run it with ``manage.py runworkpump``; ``batch`` groups rows under one callback and
+``send(after=...)`` chains them;
 ``retry_now``, ``requeue_dead``, ``dead_letter``, ``release``, ``cancel`` and ``evict``
 are the operator's actions. A handler raises ``Snooze``, ``Discard`` or ``Release`` to
 steer its row, and takes a ``Retry`` policy and a ``timeout`` at registration.
@@ -30,8 +31,11 @@ from django_workpump.producer import (
 )
 from django_workpump.registry import inbox_handler, outbox_handler, perspective, receptor
 from django_workpump.work import Work
+from django_workpump.workflows import Batch, BatchStatus, batch, batch_status
 
 __all__ = [
+    "Batch",
+    "BatchStatus",
     "Cancelled",
     "Discard",
     "Duplicate",
@@ -41,6 +45,8 @@ __all__ = [
     "Retry",
     "Snooze",
     "Work",
+    "batch",
+    "batch_status",
     "cancel",
     "dead_letter",
     "emit",
