@@ -100,7 +100,13 @@ from django_workpump.db.queries import (
 )
 from django_workpump.db.rows import FromRow, Row
 from django_workpump.db.status import StuckRow, stuck_rows
-from django_workpump.db.workflows import batch_of, batch_status, open_batch, seal_batch
+from django_workpump.db.workflows import (
+    batch_of,
+    batch_status,
+    join_batch,
+    open_batch,
+    seal_batch,
+)
 
 __all__ = [
     "INSTANCE_REFUSED_SQLSTATE",
@@ -137,6 +143,7 @@ __all__ = [
     "fetch_named",
     "fire_periodic",
     "instance_standing",
+    "join_batch",
     "keepalive",
     "lock_work",
     "maintenance_lock_holders",

@@ -39,3 +39,12 @@ def batch_of(work_id: uuid.UUID, *, using: str | None = None) -> uuid.UUID | Non
     """The batch an outbox or inbox row belongs to, if any."""
     rows = _fetch("batch_of", {"work_id": work_id}, using)
     return next((row["batch_id"] for row in rows if row["batch_id"] is not None), None)
+
+
+def join_batch(
+    category: str, batch_id: uuid.UUID, ids: list[uuid.UUID], *, using: str | None = None
+) -> int:
+    """Make stored undone rows members of the open batch; how many joined."""
+    return int(
+        _scalar("join_batch", {"category": category, "batch_id": batch_id, "ids": ids}, using)
+    )

@@ -619,3 +619,6 @@ FROM workpump_batch b WHERE b.id = %(batch_id)s::uuid
 SELECT o.batch_id FROM workpump_outbox o WHERE o.work_id = %(work_id)s::uuid
 UNION ALL
 SELECT i.batch_id FROM workpump_inbox i WHERE i.work_id = %(work_id)s::uuid
+
+-- name: join_batch
+SELECT workpump.join_batch(%(category)s, %(batch_id)s::uuid, %(ids)s::uuid[])

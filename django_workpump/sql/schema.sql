@@ -3101,6 +3101,39 @@ BEGIN
 END
 $$;
 
+-- Make undone rows of p_category (outbox or inbox) that belong to no batch members of
+-- p_batch_id, for producers that store rows first (a task enqueue); returns how many
+-- joined. Call it in the rows' own transaction, before anything could end them.
+CREATE FUNCTION workpump.join_batch(p_category text, p_batch_id uuid, p_ids uuid[])
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    PERFORM workpump.check_ids('join_batch', p_ids);
+    IF p_category NOT IN ('outbox', 'inbox') THEN
+        RAISE EXCEPTION 'join_batch takes outbox or inbox rows, not %.', quote_literal(p_category)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- the batch first: it must be open before any row is marked
+    PERFORM 1 FROM workpump_batch WHERE id = p_batch_id AND finished_at IS NULL FOR UPDATE;
+    IF NOT FOUND THEN
+        PERFORM workpump.add_to_batch(p_batch_id, 0);  -- raises, naming why
+    END IF;
+    EXECUTE format($q$
+        UPDATE %I t SET batch_id = $1
+        WHERE t.work_id = ANY ($2) AND t.batch_id IS NULL
+          AND t.done_at IS NULL AND t.dead_lettered_at IS NULL$q$,
+        (workpump.work_table(p_category)).tbl)
+    USING p_batch_id, p_ids;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    PERFORM workpump.add_to_batch(p_batch_id, v_count);
+    RETURN v_count;
+END
+$$;
+
 -- The producer is done adding: the batch may finish now (at once when nothing is
 -- pending, an empty batch included). Sealing twice is harmless.
 CREATE FUNCTION workpump.seal_batch(p_batch_id uuid, p_now timestamptz DEFAULT NULL)
