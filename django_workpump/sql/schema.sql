@@ -3362,14 +3362,14 @@ BEGIN
 END
 $$;
 
-CREATE TRIGGER workpump_outbox_ended AFTER UPDATE OF done_at, dead_lettered_at
-    ON workpump_outbox FOR EACH ROW
+CREATE TRIGGER workpump_outbox_ended AFTER UPDATE OF done_at, dead_lettered_at ON workpump_outbox
+    FOR EACH ROW
     WHEN ((NEW.batch_id IS NOT NULL OR NEW.has_dependents)
           AND (OLD.done_at IS DISTINCT FROM NEW.done_at
                OR OLD.dead_lettered_at IS DISTINCT FROM NEW.dead_lettered_at))
     EXECUTE FUNCTION workpump.after_work_ended('outbox');
-CREATE TRIGGER workpump_inbox_ended AFTER UPDATE OF done_at, dead_lettered_at
-    ON workpump_inbox FOR EACH ROW
+CREATE TRIGGER workpump_inbox_ended AFTER UPDATE OF done_at, dead_lettered_at ON workpump_inbox
+    FOR EACH ROW
     WHEN ((NEW.batch_id IS NOT NULL OR NEW.has_dependents)
           AND (OLD.done_at IS DISTINCT FROM NEW.done_at
                OR OLD.dead_lettered_at IS DISTINCT FROM NEW.dead_lettered_at))
