@@ -32,9 +32,10 @@ HEADINGS = {
     "admin_pages": "Admin pages and workpump_status at scale",
     "index_cost": "The admin's indexes on the hot path",
     "cancel_latency": "Cancel latency",
+    "workflow": "Workflows: chains and batch callbacks",
 }
 # The order of the headline keys and of the targets table.
-SUMMARY_ORDER = ("throughput", "latency", "writes", "claim", "scale", "ordered")
+SUMMARY_ORDER = ("throughput", "latency", "writes", "claim", "scale", "ordered", "workflow")
 
 
 def page_path(mode: str) -> Any:
@@ -145,6 +146,12 @@ def section_headline(name: str, data: dict[str, Any]) -> dict[str, Any]:
         return {
             key: _round(summary.get(key), 0 if key.endswith("rows_per_s") else 2)
             for key in ORDERED_KEYS
+        }
+    if name == "workflow":
+        summary = data.get("summary", {})
+        return {
+            "workflow_chain_vs_stream_ratio": _round(summary.get("workflow_chain_vs_stream_ratio")),
+            "workflow_fanin_overhead": _round(summary.get("workflow_fanin_overhead"), 3),
         }
     return {}
 
@@ -268,7 +275,53 @@ def section_targets(name: str, data: dict[str, Any]) -> list[Row]:
         )
     elif name == "ordered":
         rows += ordered_targets(data.get("summary", {}))
+    elif name == "workflow":
+        rows += workflow_targets(data.get("summary", {}))
     return rows
+
+
+def workflow_targets(summary: dict[str, Any]) -> list[Row]:
+    chain = summary.get("workflow_chain_vs_stream_ratio")
+    fanin = summary.get("workflow_fanin_overhead")
+    return [
+        _target(
+            "A chain vs one stream (each hop one claim)",
+            ">= 0.5x",
+            "-" if chain is None else f"{chain:.2f}x",
+            None if chain is None else chain >= 0.5,
+        ),
+        _target(
+            "A fan-out with a batch callback vs without",
+            "<= +5%",
+            "-" if fanin is None else f"{fanin * 100:+.1f}%",
+            None if fanin is None else fanin <= 0.05,
+        ),
+    ]
+
+
+def body_workflow(section: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    w = out.append
+    w(
+        "Each case: rows enqueued, then drained by one fresh `runworkpump` at its defaults "
+        "(rows/s = rows / (first handler start -> nothing unfinished)). 'chain': every row "
+        "sent with `after=[the previous row]`; 'stream': the same number of rows on one "
+        "stream; 'fanout': `send_many`; 'fanin': the same `send_many` inside "
+        "`workpump.batch()` with a callback. "
+        f"{section.get('rounds', 1)} round(s), the order reversed every other round; ratios "
+        "are medians of one round's pairs.\n"
+    )
+    w("| Case | Rows | rows/s per round | drain seconds per round |\n|---|---|---|---|")
+    for name, run in section.get("runs", {}).items():
+        rates = ", ".join(_f(r) for r in run.get("rates", []) if r) or f"failed: {run.get('error')}"
+        secs = ", ".join(_f(x, 2) for x in run.get("seconds", []) if x)
+        w(f"| {name} | {run.get('jobs', 0):,} | {rates} | {secs} |")
+    w("")
+    w("| Target | Goal | Measured | |\n|---|---|---|---|")
+    for name, goal, value, verdict in workflow_targets(section.get("summary", {})):
+        w(f"| {name} | {goal} | {value} | {verdict} |")
+    w("")
+    return out
 
 
 def section_footprint(name: str, data: dict[str, Any]) -> list[tuple[str, str]]:
@@ -925,4 +978,5 @@ BODIES.update(
     profile=body_profile,
     scale=body_scale,
     ordered=body_ordered,
+    workflow=body_workflow,
 )

@@ -22,7 +22,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VENV = BENCH / ".venv"
-SECTIONS = ("latency", "throughput", "claim", "writes", "profile", "scale", "ordered")
+SECTIONS = ("latency", "throughput", "claim", "writes", "profile", "scale", "ordered", "workflow")
 
 
 def bootstrap(script: Path = Path(__file__)) -> None:

@@ -40,6 +40,9 @@ class Config:
     ordered_proc_jobs: int = 100  # Procrastinate lock= jobs enqueued
     ordered_proc_window: float = 20.0  # seconds Procrastinate lock= gets
     ordered_reps: int = 1  # rounds of the ordered section's cases (medians, alternated)
+    chain_jobs: int = 300  # rows of the workflow section's chain (and its one stream)
+    fanout_jobs: int = 2_000  # rows of its fan-out, with and without a batch callback
+    workflow_reps: int = 1
     # Throughput: None drains ``jobs`` as given; a number sizes each case's backlog from a
     # calibration drain of ``jobs`` so that every drain lasts at least that many seconds.
     min_drain_seconds: float | None = None
@@ -93,6 +96,9 @@ FULL = Config(
     ordered_proc_jobs=200,
     ordered_proc_window=60.0,
     ordered_reps=3,
+    chain_jobs=1_000,
+    fanout_jobs=10_000,
+    workflow_reps=3,
 )
 # BENCH_DB_PREFIX renames them, so two runs on one server keep apart.
 _PREFIX = os.environ.get("BENCH_DB_PREFIX", "wp_bench")
@@ -360,6 +366,20 @@ def section_ordered(cfg: Config, server: h.Server, workdir: Path) -> dict[str, A
     )
 
 
+def section_workflow(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
+    from bench import workflow
+
+    h.install_schema("workpump", server, DATABASES["workpump"])
+    return workflow.run(
+        server,
+        DATABASES["workpump"],
+        cfg.chain_jobs,
+        cfg.fanout_jobs,
+        workdir,
+        cfg.workflow_reps,
+    )
+
+
 RUNNERS = {
     "latency": section_latency,
     "throughput": section_throughput,
@@ -368,6 +388,7 @@ RUNNERS = {
     "profile": section_profile,
     "scale": section_scale,
     "ordered": section_ordered,
+    "workflow": section_workflow,
 }
 
 
