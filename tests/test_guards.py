@@ -42,6 +42,7 @@ NO_SEARCH_PATH = {
     "state_of",
     "retry_delay_seconds",
     "instance_evictable",
+    "outcome_of",  # a CASE over its arguments (the ended trigger's)
 }
 
 TIME_DEPENDENT = {

@@ -3015,11 +3015,9 @@ $$;
 CREATE FUNCTION workpump.outcome_of(
     p_done_at timestamptz, p_dead_lettered_at timestamptz, p_end_state text
 ) RETURNS text
-LANGUAGE sql IMMUTABLE
-AS $$
-    SELECT CASE WHEN p_done_at IS NOT NULL THEN coalesce(p_end_state, 'done')
-                WHEN p_dead_lettered_at IS NOT NULL THEN 'dead' END
-$$;
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE WHEN p_done_at IS NOT NULL THEN coalesce(p_end_state, 'done')
+            WHEN p_dead_lettered_at IS NOT NULL THEN 'dead' END;
 
 -- A callback spec of a batch: {"topic": ..., "payload": {...}, "stream", "priority",
 -- "max_attempts"}, checked as send checks them, so finishing never meets a bad one.
