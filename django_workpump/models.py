@@ -487,6 +487,10 @@ class Batch(models.Model):
         verbose_name_plural = "batches"
         indexes = [
             models.Index(fields=["-created_at"], name="wp_batch_created"),
+            # open batches only: what an ending of several rows probes (lock_batches_of)
+            models.Index(
+                fields=["id"], name="wp_batch_open", condition=Q(finished_at__isnull=True)
+            ),
             models.Index(
                 fields=["parent_batch_id"],
                 name="wp_batch_parent",

@@ -2599,6 +2599,7 @@ BEGIN
         RAISE EXCEPTION 'end_held_work ends rows as done or discarded, not %.',
             coalesce(p_outcome, 'NULL') USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM workpump.lock_batches_of(p_category, p_ids);
     EXECUTE format($q$
         WITH ended AS (
             -- fenced: only undone rows the caller holds under the attempt's token
@@ -2697,6 +2698,7 @@ BEGIN
     IF coalesce(cardinality(p_ids), 0) = 0 THEN
         RETURN;
     END IF;
+    PERFORM workpump.lock_batches_of(p_category, p_ids);
 
     RETURN QUERY EXECUTE format($q$
         WITH input AS (
@@ -3009,6 +3011,28 @@ $$;
 -- pending to 0 of a sealed, unfinished batch finishes it (finish_batch), in its own
 -- transaction. A dependent's row is locked before its readiness is decided
 -- (resolve_dependents), so the last of its dependencies to end sees the others' edges gone.
+
+-- Lock the open batches of rows p_ids of p_category in id order, before a statement
+-- ends several of them: the ended trigger then finds each batch row locked already, so
+-- two transactions ending members of the same batches cannot deadlock on them. Costs
+-- one probe of an empty index while no batch is open.
+CREATE FUNCTION workpump.lock_batches_of(p_category text, p_ids uuid[]) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF coalesce(cardinality(p_ids), 0) < 2 OR p_category NOT IN ('outbox', 'inbox')
+       OR NOT EXISTS (SELECT 1 FROM workpump_batch WHERE finished_at IS NULL) THEN
+        RETURN;
+    END IF;
+    EXECUTE format($q$
+        SELECT 1 FROM workpump_batch b
+        WHERE b.id IN (SELECT t.batch_id FROM %I t
+                       WHERE t.work_id = ANY ($1) AND t.batch_id IS NOT NULL)
+        ORDER BY b.id FOR UPDATE OF b$q$, (workpump.work_table(p_category)).tbl)
+    USING p_ids;
+END
+$$;
 
 -- How a work row stands: NULL while undone and not dead, else 'done', 'dead',
 -- 'discarded' or 'cancelled'.

@@ -519,3 +519,82 @@ def test_dependencies_ending_on_separate_connections_release_the_dependent(raw_c
             is None
         )
         setup.execute("DELETE FROM workpump_outbox WHERE topic = 'joined'")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_endings_of_members_of_the_same_batches_in_opposite_orders_do_not_deadlock(raw_connect):
+    setup = raw_connect()
+    instances = [uuid.uuid4(), uuid.uuid4()]
+    conns = [raw_connect(), raw_connect()]
+    for pid, (conn, instance) in enumerate(zip(conns, instances, strict=True)):
+        conn.execute(
+            "SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', %s, p_now => %s)",
+            (instance, pid, T0),
+        )
+    for _ in range(10):
+        batches = [
+            setup.execute("SELECT workpump.open_batch(%s::jsonb) AS id", (CALLBACK,)).fetchone()[
+                "id"
+            ]
+            for _ in range(2)
+        ]
+        members = {
+            b: setup.execute(
+                "SELECT workpump.send_many('jobs.step', array_fill('{}'::jsonb, ARRAY[2]),"
+                " p_batch_id => %s) AS ids",
+                (b,),
+            ).fetchone()["ids"]
+            for b in batches
+        }
+        for b in batches:
+            setup.execute("SELECT workpump.seal_batch(%s)", (b,))
+        a, b = batches
+        # each connection ends one member of each batch, in opposite batch orders
+        orders = [[members[a][0], members[b][0]], [members[b][1], members[a][1]]]
+        tokens = []
+        for instance, ids in zip(instances, orders, strict=True):
+            setup.execute(
+                "UPDATE workpump_outbox SET instance_id = %s, lease_token = gen_random_uuid(),"
+                " lease_expiry = now() + interval '1 hour', attempts = 1"
+                " WHERE work_id = ANY (%s)",
+                (instance, ids),
+            )
+            rows = setup.execute(
+                "SELECT work_id, lease_token FROM workpump_outbox WHERE work_id = ANY (%s)", (ids,)
+            ).fetchall()
+            held = {r["work_id"]: r["lease_token"] for r in rows}
+            tokens.append([held[i] for i in ids])
+        barrier = threading.Barrier(2, timeout=30)
+        errors: list[BaseException] = []
+
+        def finish(
+            conn: Any,
+            instance: uuid.UUID,
+            ids: list[uuid.UUID],
+            held: list[uuid.UUID],
+            barrier: threading.Barrier = barrier,
+            errors: list[BaseException] = errors,
+        ) -> None:
+            try:
+                barrier.wait()
+                conn.execute(
+                    "SELECT * FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[])",
+                    (instance, ids, held),
+                )
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=finish, args=args)
+            for args in zip(conns, instances, orders, tokens, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        made = setup.execute(
+            "SELECT count(*) AS n FROM workpump_outbox WHERE topic = 'reports.ready'"
+        ).fetchone()["n"]
+        assert made == 2
+        setup.execute("DELETE FROM workpump_outbox WHERE topic = 'reports.ready'")
