@@ -48,6 +48,22 @@ def ours_bulk(
     connection.ensure_connection()
     started = now_ns()
     done = 0
+    if variant == "chain":  # each row waits for the one before it (send(after=...))
+        previous = None
+        while done < n:
+            size = min(batch, n - done)
+            with transaction.atomic():
+                for i in range(done, done + size):
+                    after = None if previous is None else [previous]
+                    previous = workpump.send(destination, {"i": i}, after=after)
+            done += size
+        return {"n": n, "seconds": (now_ns() - started) / 1e9}
+    if variant == "batch":  # one batch of every row, with a callback (one more row)
+        with workpump.batch(on_complete=(destination, {"callback": True})):
+            for start in range(0, n, batch):
+                size = min(batch, n - start)
+                workpump.send_many(destination, [{"i": i} for i in range(start, start + size)])
+        return {"n": n, "seconds": (now_ns() - started) / 1e9}
     if variant == "single":  # one send per call, each its own transaction (autocommit)
         for i in range(n):
             workpump.send(destination, {"i": i})
@@ -178,7 +194,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, required=True)
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--task", default="noop")
-    parser.add_argument("--variant", default="send", choices=["send", "single", "many", "set"])
+    parser.add_argument(
+        "--variant", default="send", choices=["send", "single", "many", "set", "chain", "batch"]
+    )
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--stream", default=None, help="workpump: every job on this stream")

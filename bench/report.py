@@ -33,11 +33,13 @@ HEADINGS = {
     "index_cost": "The admin's indexes on the hot path",
     "cancel_latency": "Cancel latency",
     "console": "The console's counting on the hot path",
-    "workflow": "Workflows: waiting for results",
+    "workflow": "Workflows: chains and batch callbacks",
+    "wait": "Workflows: waiting for results",
 }
 # The order of the headline keys and of the targets table.
 SUMMARY_ORDER = (
-    "throughput", "latency", "writes", "claim", "scale", "ordered", "console", "workflow"
+    "throughput", "latency", "writes", "claim", "scale", "ordered", "console", "workflow",
+    "wait",
 )
 
 
@@ -153,6 +155,12 @@ def section_headline(name: str, data: dict[str, Any]) -> dict[str, Any]:
             for key in ORDERED_KEYS
         }
     if name == "workflow":
+        summary = data.get("summary", {})
+        return {
+            "workflow_chain_vs_stream_ratio": _round(summary.get("workflow_chain_vs_stream_ratio")),
+            "workflow_fanin_overhead": _round(summary.get("workflow_fanin_overhead"), 3),
+        }
+    if name == "wait":
         return {"workflow_wait_vs_pickup_ratio": _round(data.get("workflow_wait_vs_pickup_ratio"))}
     return {}
 
@@ -287,6 +295,8 @@ def section_targets(name: str, data: dict[str, Any]) -> list[Row]:
     elif name == "ordered":
         rows += ordered_targets(data.get("summary", {}))
     elif name == "workflow":
+        rows += workflow_targets(data.get("summary", {}))
+    elif name == "wait":
         ratio = data.get("workflow_wait_vs_pickup_ratio")
         add(
             _target(
@@ -297,6 +307,50 @@ def section_targets(name: str, data: dict[str, Any]) -> list[Row]:
             )
         )
     return rows
+
+
+def workflow_targets(summary: dict[str, Any]) -> list[Row]:
+    chain = summary.get("workflow_chain_vs_stream_ratio")
+    fanin = summary.get("workflow_fanin_overhead")
+    return [
+        _target(
+            "A chain vs one stream (each hop one claim)",
+            ">= 0.5x",
+            "-" if chain is None else f"{chain:.2f}x",
+            None if chain is None else chain >= 0.5,
+        ),
+        _target(
+            "A fan-out with a batch callback vs without",
+            "<= +5%",
+            "-" if fanin is None else f"{fanin * 100:+.1f}%",
+            None if fanin is None else fanin <= 0.05,
+        ),
+    ]
+
+
+def body_workflow(section: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    w = out.append
+    w(
+        "Each case: rows enqueued, then drained by one fresh `runworkpump` at its defaults "
+        "(rows/s = rows / (first handler start -> nothing unfinished)). 'chain': every row "
+        "sent with `after=[the previous row]`; 'stream': the same number of rows on one "
+        "stream; 'fanout': `send_many`; 'fanin': the same `send_many` inside "
+        "`workpump.batch()` with a callback. "
+        f"{section.get('rounds', 1)} round(s), the order reversed every other round; ratios "
+        "are medians of one round's pairs.\n"
+    )
+    w("| Case | Rows | rows/s per round | drain seconds per round |\n|---|---|---|---|")
+    for name, run in section.get("runs", {}).items():
+        rates = ", ".join(_f(r) for r in run.get("rates", []) if r) or f"failed: {run.get('error')}"
+        secs = ", ".join(_f(x, 2) for x in run.get("seconds", []) if x)
+        w(f"| {name} | {run.get('jobs', 0):,} | {rates} | {secs} |")
+    w("")
+    w("| Target | Goal | Measured | |\n|---|---|---|---|")
+    for name, goal, value, verdict in workflow_targets(section.get("summary", {})):
+        w(f"| {name} | {goal} | {value} | {verdict} |")
+    w("")
+    return out
 
 
 def section_footprint(name: str, data: dict[str, Any]) -> list[tuple[str, str]]:
@@ -961,7 +1015,7 @@ def body_console(section: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     ]
 
 
-def body_workflow(data: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+def body_wait(data: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     """How soon ``workpump.wait`` returns after a completion (bench/workflow_wait.py)."""
     return [
         "| Measure | p50 | p99 | max |\n|---|---|---|---|",
@@ -979,7 +1033,7 @@ def body_workflow(data: dict[str, Any], meta: dict[str, Any]) -> list[str]:
 
 BODIES.update(
     console=body_console,
-    workflow=body_workflow,
+    wait=body_wait,
     throughput=body_throughput,
     latency=body_latency,
     writes=body_writes,
@@ -987,4 +1041,5 @@ BODIES.update(
     profile=body_profile,
     scale=body_scale,
     ordered=body_ordered,
+    workflow=body_workflow,
 )

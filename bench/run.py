@@ -32,6 +32,7 @@ SECTIONS = (
     "ordered",
     "workflow",
     "console",
+    "wait",
 )
 
 

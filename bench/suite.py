@@ -40,6 +40,9 @@ class Config:
     ordered_proc_jobs: int = 100  # Procrastinate lock= jobs enqueued
     ordered_proc_window: float = 20.0  # seconds Procrastinate lock= gets
     ordered_reps: int = 1  # rounds of the ordered section's cases (medians, alternated)
+    chain_jobs: int = 300  # rows of the workflow section's chain (and its one stream)
+    fanout_jobs: int = 2_000  # rows of its fan-out, with and without a batch callback
+    workflow_reps: int = 1
     # Throughput: None drains ``jobs`` as given; a number sizes each case's backlog from a
     # calibration drain of ``jobs`` so that every drain lasts at least that many seconds.
     min_drain_seconds: float | None = None
@@ -93,6 +96,9 @@ FULL = Config(
     ordered_proc_jobs=200,
     ordered_proc_window=60.0,
     ordered_reps=3,
+    chain_jobs=1_000,
+    fanout_jobs=10_000,
+    workflow_reps=3,
 )
 # BENCH_DB_PREFIX renames them, so two runs on one server keep apart.
 _PREFIX = os.environ.get("BENCH_DB_PREFIX", "wp_bench")
@@ -366,11 +372,25 @@ def section_console(cfg: Config, server: h.Server, workdir: Path) -> dict[str, A
     return console_overhead.run(cfg, server, DATABASES["workpump"], workdir)
 
 
-def section_workflow(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
+def section_wait(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
     from bench import workflow_wait
 
     return workflow_wait.run(
         server, DATABASES["workpump"], cfg.latency_n, cfg.latency_gap_ms, workdir
+    )
+
+
+def section_workflow(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
+    from bench import workflow
+
+    h.install_schema("workpump", server, DATABASES["workpump"])
+    return workflow.run(
+        server,
+        DATABASES["workpump"],
+        cfg.chain_jobs,
+        cfg.fanout_jobs,
+        workdir,
+        cfg.workflow_reps,
     )
 
 
@@ -383,6 +403,7 @@ RUNNERS = {
     "scale": section_scale,
     "ordered": section_ordered,
     "console": section_console,
+    "wait": section_wait,
     "workflow": section_workflow,
 }
 
@@ -466,7 +487,7 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
             h.log(f"section {name} done in {time.monotonic() - t0:.0f} s")
     finally:
         # only the databases this run used (the scale section keeps to its own server)
-        if set(chosen) & {"latency", "throughput", "profile", "console", "workflow"}:
+        if set(chosen) & {"latency", "throughput", "profile", "console", "workflow", "wait"}:
             for database in DATABASES.values():
                 with contextlib.suppress(Exception):
                     server.drop(database)

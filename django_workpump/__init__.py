@@ -2,7 +2,8 @@
 
 Produce work inside your transaction with ``send``, ``receive`` and ``emit`` (``send_many``
 and ``emit_many`` for lists); handle it with the decorators, ``periodic`` schedules it;
-run it with ``manage.py runworkpump``;
+run it with ``manage.py runworkpump``; ``batch`` groups rows under one callback and
+``send(after=...)`` chains them;
 ``retry_now``, ``requeue_dead``, ``dead_letter``, ``release``, ``cancel`` and ``evict``
 are the operator's actions. A handler raises ``Snooze``, ``Discard`` or ``Release`` to
 steer its row, and takes a ``Retry`` policy and a ``timeout`` at registration; it may
@@ -33,8 +34,11 @@ from django_workpump.producer import (
 from django_workpump.registry import inbox_handler, outbox_handler, perspective, receptor
 from django_workpump.waiting import UnknownWork, WaitTimeout, WorkOutcome, await_work, wait
 from django_workpump.work import CheckpointTooLarge, InvalidCheckpoint, LeaseLost, Work
+from django_workpump.workflows import Batch, BatchStatus, batch, batch_status
 
 __all__ = [
+    "Batch",
+    "BatchStatus",
     "Cancelled",
     "CheckpointTooLarge",
     "Discard",
@@ -51,6 +55,8 @@ __all__ = [
     "Work",
     "WorkOutcome",
     "await_work",
+    "batch",
+    "batch_status",
     "cancel",
     "dead_letter",
     "emit",

@@ -80,6 +80,10 @@ class WorkRow(models.Model):
     # The last checkpoint of a handler (work.checkpoint): the next attempt starts from it.
     checkpoint = StoredJSONField(null=True, blank=True, editable=False)
     done_at = models.DateTimeField(null=True, blank=True)  # set when the work is done
+    # The batch this row is a member of (workpump.batch): its ending is counted there.
+    batch_id = models.UUIDField(null=True, blank=True, editable=False)
+    # Rows sent with after=[this row] wait on it (workpump_dependency).
+    has_dependents = models.BooleanField(db_default=False, editable=False)
 
     class Meta:
         abstract = True
@@ -487,6 +491,80 @@ class AttemptLog(models.Model):
 
     def __str__(self) -> str:
         return f"{self.category} {self.work_id} attempt {self.attempt}: {self.message[:60]}"
+
+
+class Batch(models.Model):
+    """A group of work rows whose last ending produces one callback row (workpump.batch).
+
+    The counts are kept by the ending transactions themselves (a row trigger on the work
+    tables), under this row's lock, so the callback is produced exactly once.
+    """
+
+    id = models.UUIDField(primary_key=True)
+    parent_batch_id = models.UUIDField(null=True, blank=True)  # counted as a member there
+    on_complete = StoredJSONField(null=True, blank=True)  # {"topic", "payload", options}
+    on_failure = StoredJSONField(null=True, blank=True)  # used when a member did not end done
+    sealed = models.BooleanField(db_default=False)  # no callback before the producer is done
+    total = models.IntegerField(db_default=0)
+    pending = models.IntegerField(db_default=0)
+    done = models.IntegerField(db_default=0)
+    dead = models.IntegerField(db_default=0)
+    discarded = models.IntegerField(db_default=0)
+    cancelled = models.IntegerField(db_default=0)
+    callback_id = models.UUIDField(null=True, blank=True)  # the outbox row produced
+    callback_error = models.TextField(null=True, blank=True)  # why none could be produced
+    created_at = models.DateTimeField(db_default=Now())
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "workpump_batch"
+        verbose_name_plural = "batches"
+        indexes = [
+            models.Index(fields=["-created_at"], name="wp_batch_created"),
+            # open batches only: what an ending of several rows probes (lock_batches_of)
+            models.Index(
+                fields=["id"], name="wp_batch_open", condition=Q(finished_at__isnull=True)
+            ),
+            models.Index(
+                fields=["parent_batch_id"],
+                name="wp_batch_parent",
+                condition=Q(parent_batch_id__isnull=False),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"batch {self.id}"
+
+
+AFTER_POLICIES = [("cancel", "cancel"), ("run", "run")]
+
+
+class Dependency(models.Model):
+    """An outbox row (dependent) waiting for another (dependency) to end: send(after=...).
+
+    The edge is deleted when the dependency ends; the dependent becomes claimable when
+    its last edge goes (or is cancelled, per policy, when a dependency fails).
+    """
+
+    category = models.TextField(db_default="outbox")
+    dependent_id = models.UUIDField()
+    dependency_id = models.UUIDField()
+    policy = models.CharField(max_length=10, choices=AFTER_POLICIES, db_default="cancel")
+
+    class Meta:
+        db_table = "workpump_dependency"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["category", "dependency_id", "dependent_id"],
+                name="workpump_dependency_unique",
+            )
+        ]
+        indexes = [
+            models.Index(fields=["category", "dependent_id"], name="wp_dependency_dependent")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.dependent_id} after {self.dependency_id}"
 
 
 CATCH_UP_CHOICES = [

@@ -36,6 +36,7 @@ from django_workpump.producer_validation import (
     payloads_json,
 )
 from django_workpump.registry import registry
+from django_workpump.workflows import Batch, batch_id_for
 
 # Called after commit of produced work, with its category (the in-process pump wakes).
 _on_commit_listeners: list[Callable[[str], None]] = []
@@ -150,9 +151,17 @@ def send(
     unique_for: timedelta | None = None,
     on_conflict: str = "return",
     headers: Mapping[str, str] | None = None,
+    batch: Batch | uuid.UUID | None = None,
+    after: Iterable[uuid.UUID | str] | None = None,
+    after_policy: str = "cancel",
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an outbox message for ``destination`` in the current transaction.
+
+    ``batch`` (default: the open ``with workpump.batch()``) makes it a member of that
+    batch. ``after`` (ids of outbox rows) keeps it unclaimable until every one of them is
+    done; one that ends dead, discarded or cancelled cancels it (``after_policy="cancel"``)
+    or not (``"run"``). See docs/workflows.md.
 
     With ``unique_key``, at most one unprocessed message per (destination, key) exists
     (with ``unique_for``, also none created within that window): a duplicate writes
@@ -186,6 +195,9 @@ def send(
             unique_key=key,
             unique_for=window,
             headers_json=headers_json(what, out.headers),
+            batch_id=batch_id_for(batch, alias),
+            after=_after_ids(what, after),
+            after_policy=after_policy,
             using=alias,
         )
         out.stored(result)
@@ -379,6 +391,17 @@ def emit(
 BULK_CHUNK_ROWS = 5000
 
 
+def _after_ids(what: str, after: Iterable[uuid.UUID | str] | None) -> list[uuid.UUID] | None:
+    if after is None:
+        return None
+    if isinstance(after, (str, uuid.UUID)):
+        raise TypeError(f"after= of the {what} takes a list of ids, not one id.")
+    try:
+        return [uuid.UUID(str(item)) for item in after]
+    except ValueError as error:
+        raise ValueError(f"after= of the {what} takes work ids (UUIDs): {error}") from None
+
+
 def _chunks(count: int, size: int) -> Iterator[slice]:
     for start in range(0, count, size):
         yield slice(start, start + size)
@@ -392,9 +415,12 @@ def send_many(
     priority: int = 0,
     run_after: datetime | None = None,
     max_attempts: int | None = None,
+    batch: Batch | uuid.UUID | None = None,
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Store one outbox message for ``destination`` per payload, in the current transaction.
+
+    ``batch`` (default: the open ``with workpump.batch()``) makes each a member of it.
 
     One statement per chunk of ``BULK_CHUNK_ROWS`` rows. ``streams`` is None or a list
     parallel to ``payloads`` (None entries: no ordering); within a stream the messages
@@ -431,6 +457,7 @@ def send_many(
                 partition_count=setting("PARTITION_COUNT"),
                 max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
                 max_payload_depth=MAX_DEPTH,
+                batch_id=batch_id_for(batch, alias),
                 using=alias,
             )
     _announce("outbox", alias)

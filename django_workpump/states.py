@@ -95,6 +95,8 @@ class FailureReason(StrEnum):
     DISCARDED = "discarded"  # its handler raised workpump.Discard (the row ended)
     CANCELLED = "cancelled"  # an operator cancelled it (the row ended)
     RELEASED = "released"  # its handler raised workpump.Release outside a shutdown
+    # a row it was sent after= ended dead, discarded or cancelled (the row was cancelled)
+    DEPENDENCY_FAILED = "dependency_failed"
 
 
 class CancelReason(StrEnum):

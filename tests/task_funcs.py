@@ -150,3 +150,45 @@ BASE_EXCEPTIONS: dict[str, type[BaseException]] = {
 def raises_base_exception(kind: str) -> None:
     calls.append(("raises_base_exception", kind))
     raise BASE_EXCEPTIONS[kind](f"raised by {kind}")
+
+
+backoffs: list[tuple[str, int]] = []  # (exception text, attempts) each backoff call saw
+
+
+def quick_backoff(exc: BaseException, task_result: Any) -> float:
+    backoffs.append((str(exc), task_result.attempts))
+    return 0
+
+
+def hour_backoff(exc: BaseException, task_result: Any) -> float:
+    backoffs.append((str(exc), task_result.attempts))
+    return 3600
+
+
+@task(takes_context=True, max_attempts=3, backoff=quick_backoff)
+def backs_off(context: Any) -> int:
+    if context.attempt < 3:
+        raise ValueError(f"attempt {context.attempt} failed")
+    return context.attempt
+
+
+@task(max_attempts=3, backoff=hour_backoff)
+def backs_off_an_hour() -> None:
+    raise ValueError("later")
+
+
+@task
+def completion_hook(result_id: str) -> str:
+    calls.append(("hook", result_id))
+    return result_id
+
+
+@task(on_complete=completion_hook)
+def with_hook(n: int) -> int:
+    calls.append(("with_hook", n))
+    return n
+
+
+@task(max_attempts=1, on_complete=completion_hook)
+def fails_with_hook() -> None:
+    raise RuntimeError("no")

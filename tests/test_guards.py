@@ -45,6 +45,7 @@ NO_SEARCH_PATH = {
     "retry_delay_seconds",
     "instance_evictable",
     "attempt_logs_cte",  # builds text; the statement that runs it has the caller's path
+    "outcome_of",  # a CASE over its arguments (the ended trigger's)
 }
 
 TIME_DEPENDENT = {

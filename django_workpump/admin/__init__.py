@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
+from django_workpump.admin.batches import BatchAdmin
 from django_workpump.admin.instances import (
     ActiveStreamAdmin,
     EvictionAdmin,
@@ -26,6 +27,7 @@ from django_workpump.admin.work import (
 )
 from django_workpump.models import (
     ActiveStream,
+    Batch,
     Eviction,
     Inbox,
     Outbox,
@@ -43,9 +45,11 @@ admin.site.register(ServiceInstance, ServiceInstanceAdmin)
 admin.site.register(Eviction, EvictionAdmin)
 admin.site.register(ActiveStream, ActiveStreamAdmin)
 admin.site.register(PeriodicSchedule, PeriodicScheduleAdmin)
+admin.site.register(Batch, BatchAdmin)
 
 __all__ = [
     "ActiveStreamAdmin",
+    "BatchAdmin",
     "EvictionAdmin",
     "InboxAdmin",
     "OutboxAdmin",

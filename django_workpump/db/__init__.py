@@ -16,6 +16,7 @@ callers write ``db.claim_work`` or ``from django_workpump.db import Outcome``:
 - ``periodic``: periodic schedules;
 - ``operator_actions``: operators' selections and changes, evictions;
 - ``status``: reads of the status report;
+- ``workflows``: batches (open, seal, status);
 - ``queries``, ``loaders``, ``rows``, ``errors``: running named queries, reading
   their rows, and the database refusing an instance.
 """
@@ -102,6 +103,13 @@ from django_workpump.db.queries import (
 from django_workpump.db.rows import FromRow, Row
 from django_workpump.db.search import payload_indexes
 from django_workpump.db.status import StuckRow, stuck_rows
+from django_workpump.db.workflows import (
+    batch_of,
+    batch_status,
+    join_batch,
+    open_batch,
+    seal_batch,
+)
 
 __all__ = [
     "INSTANCE_REFUSED_SQLSTATE",
@@ -121,6 +129,8 @@ __all__ = [
     "StoredTime",
     "StuckRow",
     "alive_lock_held",
+    "batch_of",
+    "batch_status",
     "cancel_work",
     "cancelled_attempts",
     "checkpoint_work",
@@ -140,11 +150,13 @@ __all__ = [
     "fetch_named",
     "fire_periodic",
     "instance_standing",
+    "join_batch",
     "keepalive",
     "lock_work",
     "maintenance_lock_holders",
     "next_eviction_in",
     "notify_probe",
+    "open_batch",
     "pause_periodic",
     "payload_indexes",
     "periodic_states",
@@ -167,6 +179,7 @@ __all__ = [
     "retry_now",
     "running_work",
     "schema_functions_present",
+    "seal_batch",
     "select_work",
     "send",
     "send_many",

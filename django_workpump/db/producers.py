@@ -29,6 +29,9 @@ def send(
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
     headers_json: str | None = None,
+    batch_id: uuid.UUID | None = None,
+    after: Sequence[uuid.UUID] | None = None,
+    after_policy: str = "cancel",
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an outbox row; with ``unique_key``, the id of the row holding it if any."""
@@ -46,6 +49,9 @@ def send(
         "unique_key": unique_key,
         "unique_for": unique_for,
         "headers": headers_json,
+        "batch_id": batch_id,
+        "after": None if after is None else list(after),
+        "after_policy": after_policy,
     }
     return _scalar("send", params, using)
 
@@ -62,6 +68,7 @@ def send_many(
     partition_count: int,
     max_payload_bytes: int,
     max_payload_depth: int,
+    batch_id: uuid.UUID | None = None,
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Store one outbox row per payload, in list order, in one statement; their ids."""
@@ -76,6 +83,7 @@ def send_many(
         "partition_count": partition_count,
         "max_payload_bytes": max_payload_bytes,
         "max_payload_depth": max_payload_depth,
+        "batch_id": batch_id,
     }
     return list(_scalar("send_many", params, using))
 

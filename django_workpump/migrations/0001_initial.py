@@ -36,6 +36,8 @@ def work_fields(*own):
         ('snoozes', models.IntegerField(db_default=0, editable=False)),
         ('checkpoint', models.JSONField(blank=True, editable=False, null=True)),
         ('done_at', models.DateTimeField(blank=True, null=True)),
+        ('batch_id', models.UUIDField(blank=True, editable=False, null=True)),
+        ('has_dependents', models.BooleanField(db_default=False, editable=False)),
         *own,
     ]
 
@@ -65,6 +67,46 @@ class Migration(migrations.Migration):
                 'db_table': 'workpump_active_stream',
                 'indexes': [models.Index(condition=models.Q(('owner_instance_id__isnull', False)), fields=['owner_instance_id'], name='wp_active_stream_owner')],
                 'constraints': [models.UniqueConstraint(fields=('category', 'scope', 'stream'), name='workpump_active_stream_unique')],
+            },
+        ),
+        migrations.CreateModel(
+            name='Batch',
+            fields=[
+                ('id', models.UUIDField(primary_key=True, serialize=False)),
+                ('parent_batch_id', models.UUIDField(blank=True, null=True)),
+                ('on_complete', models.JSONField(blank=True, null=True)),
+                ('on_failure', models.JSONField(blank=True, null=True)),
+                ('sealed', models.BooleanField(db_default=False)),
+                ('total', models.IntegerField(db_default=0)),
+                ('pending', models.IntegerField(db_default=0)),
+                ('done', models.IntegerField(db_default=0)),
+                ('dead', models.IntegerField(db_default=0)),
+                ('discarded', models.IntegerField(db_default=0)),
+                ('cancelled', models.IntegerField(db_default=0)),
+                ('callback_id', models.UUIDField(blank=True, null=True)),
+                ('callback_error', models.TextField(blank=True, null=True)),
+                ('created_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now())),
+                ('finished_at', models.DateTimeField(blank=True, null=True)),
+            ],
+            options={
+                'verbose_name_plural': 'batches',
+                'db_table': 'workpump_batch',
+                'indexes': [models.Index(fields=['-created_at'], name='wp_batch_created'), models.Index(condition=models.Q(('finished_at__isnull', True)), fields=['id'], name='wp_batch_open'), models.Index(condition=models.Q(('parent_batch_id__isnull', False)), fields=['parent_batch_id'], name='wp_batch_parent')],
+            },
+        ),
+        migrations.CreateModel(
+            name='Dependency',
+            fields=[
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('category', models.TextField(db_default='outbox')),
+                ('dependent_id', models.UUIDField()),
+                ('dependency_id', models.UUIDField()),
+                ('policy', models.CharField(choices=[('cancel', 'cancel'), ('run', 'run')], db_default='cancel', max_length=10)),
+            ],
+            options={
+                'db_table': 'workpump_dependency',
+                'indexes': [models.Index(fields=['category', 'dependent_id'], name='wp_dependency_dependent')],
+                'constraints': [models.UniqueConstraint(fields=('category', 'dependency_id', 'dependent_id'), name='workpump_dependency_unique')],
             },
         ),
         migrations.CreateModel(

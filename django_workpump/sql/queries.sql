@@ -16,7 +16,10 @@ SELECT workpump.send(
     p_unique_key => %(unique_key)s,
     p_unique_for => %(unique_for)s::interval,
     p_on_conflict => 'return',
-    p_headers => %(headers)s::jsonb)
+    p_headers => %(headers)s::jsonb,
+    p_batch_id => %(batch_id)s::uuid,
+    p_after => %(after)s::uuid[],
+    p_after_policy => %(after_policy)s)
 
 -- name: send_many
 -- The payloads and the streams travel as one JSON array each: one parameter, no
@@ -34,7 +37,8 @@ SELECT workpump.send_many(
     p_message_ids => %(message_ids)s::uuid[],
     p_partition_count => %(partition_count)s,
     p_max_payload_bytes => %(max_payload_bytes)s,
-    p_max_payload_depth => %(max_payload_depth)s)
+    p_max_payload_depth => %(max_payload_depth)s,
+    p_batch_id => %(batch_id)s::uuid)
 
 -- name: emit_many
 SELECT workpump.emit_many(
@@ -617,3 +621,25 @@ FROM held h CROSS JOIN clock c
 WHERE h.lease_expiry > c.now
 ORDER BY h.claimed_at, h.work_id
 LIMIT %(limit)s
+
+-- name: open_batch
+SELECT workpump.open_batch(
+    p_on_complete => %(on_complete)s::jsonb,
+    p_on_failure => %(on_failure)s::jsonb,
+    p_parent_batch_id => %(parent_batch_id)s::uuid)
+
+-- name: seal_batch
+SELECT workpump.seal_batch(%(batch_id)s::uuid)
+
+-- name: batch_status
+SELECT b.id, b.parent_batch_id, b.sealed, b.total, b.pending, b.done, b.dead, b.discarded,
+       b.cancelled, b.callback_id, b.callback_error, b.created_at, b.finished_at
+FROM workpump_batch b WHERE b.id = %(batch_id)s::uuid
+
+-- name: batch_of
+SELECT o.batch_id FROM workpump_outbox o WHERE o.work_id = %(work_id)s::uuid
+UNION ALL
+SELECT i.batch_id FROM workpump_inbox i WHERE i.work_id = %(work_id)s::uuid
+
+-- name: join_batch
+SELECT workpump.join_batch(%(category)s, %(batch_id)s::uuid, %(ids)s::uuid[])

@@ -601,6 +601,9 @@ CREATE FUNCTION workpump.send(
     p_unique_for interval DEFAULT NULL,
     p_on_conflict text DEFAULT 'return',
     p_headers jsonb DEFAULT NULL,
+    p_batch_id uuid DEFAULT NULL,
+    p_after uuid[] DEFAULT NULL,
+    p_after_policy text DEFAULT 'cancel',
     p_now timestamptz DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
@@ -609,9 +612,28 @@ AS $$
 DECLARE
     v_id uuid := coalesce(p_message_id, gen_random_uuid());
     v_holder uuid;
+    v_waiting uuid[];
+    v_failed_id uuid;
+    v_failed_outcome text;
+    v_scheduled_for timestamptz := p_scheduled_for;
 BEGIN
     PERFORM workpump.check_new_work('outbox destination', p_destination, p_payload,
                                     p_priority, p_max_attempts, p_partition_count);
+    IF coalesce(cardinality(p_after), 0) > 0 THEN
+        IF p_unique_key IS NOT NULL OR p_scheduled_for IS NOT NULL THEN
+            RAISE EXCEPTION 'Outbox message to % cannot combine after with %.',
+                quote_literal(p_destination),
+                CASE WHEN p_unique_key IS NOT NULL THEN 'a unique key' ELSE 'a scheduled time' END
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'A row sent with after= becomes claimable when its dependencies are done.';
+        END IF;
+        SELECT f.waiting, f.failed_id, f.failed_outcome
+        INTO v_waiting, v_failed_id, v_failed_outcome
+        FROM workpump.flag_dependencies(p_destination, p_after, p_after_policy) f;
+        IF cardinality(v_waiting) > 0 THEN
+            v_scheduled_for := 'infinity';  -- ready when the last dependency ends
+        END IF;
+    END IF;
     PERFORM workpump.check_scheduled_for('outbox destination', p_destination, p_scheduled_for);
     PERFORM workpump.check_payload('outbox destination', p_destination, p_payload,
                                    p_max_payload_bytes, p_max_payload_depth);
@@ -626,13 +648,17 @@ BEGIN
         IF v_holder IS NULL THEN
             INSERT INTO workpump_outbox (work_id, topic, payload, stream,
                                          partition_number, priority, scheduled_for,
-                                         max_attempts, unique_key, headers)
+                                         max_attempts, unique_key, headers, batch_id)
             VALUES (v_id, p_destination, p_payload, p_stream,
                     workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
-                    p_priority, p_scheduled_for, p_max_attempts, p_unique_key, p_headers)
+                    p_priority, p_scheduled_for, p_max_attempts, p_unique_key, p_headers,
+                    p_batch_id)
             ON CONFLICT (topic, unique_key)
                 WHERE done_at IS NULL AND unique_key IS NOT NULL DO NOTHING;
             IF FOUND THEN
+                IF p_batch_id IS NOT NULL THEN
+                    PERFORM workpump.add_to_batch(p_batch_id, 1);  -- a member only if stored
+                END IF;
                 RETURN v_id;
             END IF;
             -- a holder written past the lock (a plain INSERT): the index found it
@@ -648,11 +674,24 @@ BEGIN
         END IF;
         RETURN v_holder;
     END IF;
+    IF p_batch_id IS NOT NULL THEN
+        PERFORM workpump.add_to_batch(p_batch_id, 1);
+    END IF;
     INSERT INTO workpump_outbox (work_id, topic, payload, stream, partition_number,
-                                 priority, scheduled_for, max_attempts, headers)
+                                 priority, scheduled_for, max_attempts, headers, batch_id)
     VALUES (v_id, p_destination, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
-            p_priority, p_scheduled_for, p_max_attempts, p_headers);
+            p_priority, v_scheduled_for, p_max_attempts, p_headers, p_batch_id);
+    IF v_waiting IS NOT NULL THEN
+        IF v_failed_id IS NOT NULL AND p_after_policy = 'cancel' THEN
+            PERFORM workpump.cancel_dependent(v_id, v_failed_id, v_failed_outcome,
+                                              coalesce(p_now, now()));
+        ELSE
+            INSERT INTO workpump_dependency (category, dependent_id, dependency_id, policy)
+            SELECT 'outbox', v_id, w.id, p_after_policy FROM unnest(v_waiting) w(id)
+            ON CONFLICT DO NOTHING;
+        END IF;
+    END IF;
     RETURN v_id;
 END
 $$;
@@ -1002,7 +1041,8 @@ CREATE FUNCTION workpump.send_many(
     p_message_ids uuid[] DEFAULT NULL,
     p_partition_count integer DEFAULT 10000,
     p_max_payload_bytes bigint DEFAULT 1048576,
-    p_max_payload_depth integer DEFAULT 100
+    p_max_payload_depth integer DEFAULT 100,
+    p_batch_id uuid DEFAULT NULL
 ) RETURNS uuid[]
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1032,6 +1072,9 @@ BEGIN
     IF coalesce(cardinality(p_payloads), 0) = 0 THEN
         RETURN '{}'::uuid[];
     END IF;
+    IF p_batch_id IS NOT NULL THEN
+        PERFORM workpump.add_to_batch(p_batch_id, cardinality(p_payloads));
+    END IF;
     -- every stream of this call, locked in one order (see the file's head)
     PERFORM workpump.lock_stream('outbox', '', s.stream)
     FROM (SELECT DISTINCT u.stream FROM unnest(p_streams) u(stream)
@@ -1042,11 +1085,11 @@ BEGIN
         SELECT u.i, coalesce(u.id, gen_random_uuid()) AS id, u.payload, u.stream
         FROM unnest(p_payloads, p_streams, p_message_ids) WITH ORDINALITY u(payload, stream, id, i)
     ), inserted AS (
-        INSERT INTO workpump_outbox (work_id, topic, payload, stream,
-                                     partition_number, priority, scheduled_for, max_attempts)
+        INSERT INTO workpump_outbox (work_id, topic, payload, stream, partition_number,
+                                     priority, scheduled_for, max_attempts, batch_id)
         SELECT r.id, p_destination, r.payload, r.stream,
                workpump.partition_of(coalesce(r.stream, r.id::text), p_partition_count),
-               p_priority, p_scheduled_for, p_max_attempts
+               p_priority, p_scheduled_for, p_max_attempts, p_batch_id
         FROM new_rows r
         ORDER BY r.i
     )
@@ -2652,6 +2695,7 @@ BEGIN
         RAISE EXCEPTION 'end_held_work ends rows as done or discarded, not %.',
             coalesce(p_outcome, 'NULL') USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM workpump.lock_batches_of(p_category, p_ids);
     EXECUTE format($q$
         WITH ended AS (
             -- fenced: only undone rows the caller holds under the attempt's token
@@ -2756,6 +2800,7 @@ BEGIN
     IF coalesce(cardinality(p_ids), 0) = 0 THEN
         RETURN;
     END IF;
+    PERFORM workpump.lock_batches_of(p_category, p_ids);
 
     RETURN QUERY EXECUTE format($q$
         WITH input AS (
@@ -3169,6 +3214,407 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- --------------------------------------------------------------------------------------
+-- Batches and dependencies
+-- --------------------------------------------------------------------------------------
+-- A batch (workpump_batch) counts its members' endings; a dependency edge
+-- (workpump_dependency) keeps an outbox row waiting for another. Both are driven by the
+-- transaction that ends a row, whatever ends it (complete, discard, fail_work or the
+-- claim parking it dead, dead_letter, cancel_work, requeue_dead): the AFTER UPDATE row
+-- trigger below fires only for rows with a batch or dependents whose ending changed, so
+-- rows with neither pay one WHEN test in C.
+--
+-- Exactly once: an ending locks its batch row (count_in_batch), so endings of members on
+-- separate connections are counted one after the other, and only the one that takes
+-- pending to 0 of a sealed, unfinished batch finishes it (finish_batch), in its own
+-- transaction. A dependent's row is locked before its readiness is decided
+-- (resolve_dependents), so the last of its dependencies to end sees the others' edges gone.
+
+-- Lock the open batches of rows p_ids of p_category in id order, before a statement
+-- ends several of them: the ended trigger then finds each batch row locked already, so
+-- two transactions ending members of the same batches cannot deadlock on them. Costs
+-- one probe of an empty index while no batch is open.
+CREATE FUNCTION workpump.lock_batches_of(p_category text, p_ids uuid[]) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF coalesce(cardinality(p_ids), 0) < 2 OR p_category NOT IN ('outbox', 'inbox')
+       OR NOT EXISTS (SELECT 1 FROM workpump_batch WHERE finished_at IS NULL) THEN
+        RETURN;
+    END IF;
+    EXECUTE format($q$
+        SELECT 1 FROM workpump_batch b
+        WHERE b.id IN (SELECT t.batch_id FROM %I t
+                       WHERE t.work_id = ANY ($1) AND t.batch_id IS NOT NULL)
+        ORDER BY b.id FOR UPDATE OF b$q$, (workpump.work_table(p_category)).tbl)
+    USING p_ids;
+END
+$$;
+
+-- How a work row stands: NULL while undone and not dead, else 'done', 'dead',
+-- 'discarded' or 'cancelled'.
+CREATE FUNCTION workpump.outcome_of(
+    p_done_at timestamptz, p_dead_lettered_at timestamptz, p_end_state text
+) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE WHEN p_done_at IS NOT NULL THEN coalesce(p_end_state, 'done')
+            WHEN p_dead_lettered_at IS NOT NULL THEN 'dead' END;
+
+-- A callback spec of a batch: {"topic": ..., "payload": {...}, "stream", "priority",
+-- "max_attempts"}, checked as send checks them, so finishing never meets a bad one.
+CREATE FUNCTION workpump.check_callback(p_which text, p_spec jsonb) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_topic text;
+BEGIN
+    IF p_spec IS NULL THEN
+        RETURN;
+    END IF;
+    IF jsonb_typeof(p_spec) <> 'object'
+       OR coalesce(jsonb_typeof(p_spec -> 'topic'), '') <> 'string'
+       OR (p_spec ? 'stream' AND jsonb_typeof(p_spec -> 'stream') NOT IN ('string', 'null'))
+       OR (p_spec ? 'priority' AND jsonb_typeof(p_spec -> 'priority') <> 'number')
+       OR (p_spec ? 'max_attempts' AND jsonb_typeof(p_spec -> 'max_attempts') <> 'number')
+       OR EXISTS (SELECT 1 FROM jsonb_object_keys(p_spec) k
+                  WHERE k NOT IN ('topic', 'payload', 'stream', 'priority', 'max_attempts')) THEN
+        RAISE EXCEPTION 'The batch''s % callback must be {"topic": text, "payload": object, "stream", "priority", "max_attempts"}, not %.',
+            p_which, left(p_spec::text, 200)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_topic := p_spec ->> 'topic';
+    PERFORM workpump.check_new_work('batch callback', v_topic,
+                                    coalesce(p_spec -> 'payload', '{}'::jsonb),
+                                    coalesce((p_spec ->> 'priority')::integer, 0),
+                                    coalesce((p_spec ->> 'max_attempts')::integer, 10), 10000);
+    PERFORM workpump.check_payload('batch callback', v_topic,
+                                   coalesce(p_spec -> 'payload', '{}'::jsonb), 1048576, 100);
+END
+$$;
+
+-- Open a batch: members are added by send/send_many(p_batch_id => ...) until it
+-- finishes; it cannot finish before seal_batch. With p_parent_batch_id the batch is one
+-- member of its parent, which counts it as ended when this batch's callback row ends
+-- (or, without a callback, when this batch finishes: done if every member ended done,
+-- else dead). Returns the batch id.
+CREATE FUNCTION workpump.open_batch(
+    p_on_complete jsonb DEFAULT NULL,
+    p_on_failure jsonb DEFAULT NULL,
+    p_parent_batch_id uuid DEFAULT NULL,
+    p_batch_id uuid DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_id uuid := coalesce(p_batch_id, gen_random_uuid());
+BEGIN
+    PERFORM workpump.check_callback('on_complete', p_on_complete);
+    PERFORM workpump.check_callback('on_failure', p_on_failure);
+    IF p_parent_batch_id IS NOT NULL THEN
+        PERFORM workpump.add_to_batch(p_parent_batch_id, 1);
+    END IF;
+    INSERT INTO workpump_batch (id, parent_batch_id, on_complete, on_failure, created_at)
+    VALUES (v_id, p_parent_batch_id, p_on_complete, p_on_failure, coalesce(p_now, now()));
+    RETURN v_id;
+END
+$$;
+
+-- Count p_count new members of an unfinished batch (the send functions call it).
+CREATE FUNCTION workpump.add_to_batch(p_batch_id uuid, p_count integer) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    UPDATE workpump_batch SET total = total + p_count, pending = pending + p_count
+    WHERE id = p_batch_id AND finished_at IS NULL;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'Batch % %: rows can only join an open batch.', p_batch_id,
+            CASE WHEN EXISTS (SELECT 1 FROM workpump_batch WHERE id = p_batch_id)
+                 THEN 'has finished' ELSE 'does not exist' END
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Open a new batch (workpump.batch) for more work.';
+    END IF;
+END
+$$;
+
+-- Make undone rows of p_category (outbox or inbox) that belong to no batch members of
+-- p_batch_id, for producers that store rows first (a task enqueue); returns how many
+-- joined. Call it in the rows' own transaction, before anything could end them.
+CREATE FUNCTION workpump.join_batch(p_category text, p_batch_id uuid, p_ids uuid[])
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    PERFORM workpump.check_ids('join_batch', p_ids);
+    IF p_category NOT IN ('outbox', 'inbox') THEN
+        RAISE EXCEPTION 'join_batch takes outbox or inbox rows, not %.', quote_literal(p_category)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- the batch first: it must be open before any row is marked
+    PERFORM 1 FROM workpump_batch WHERE id = p_batch_id AND finished_at IS NULL FOR UPDATE;
+    IF NOT FOUND THEN
+        PERFORM workpump.add_to_batch(p_batch_id, 0);  -- raises, naming why
+    END IF;
+    EXECUTE format($q$
+        UPDATE %I t SET batch_id = $1
+        WHERE t.work_id = ANY ($2) AND t.batch_id IS NULL
+          AND t.done_at IS NULL AND t.dead_lettered_at IS NULL$q$,
+        (workpump.work_table(p_category)).tbl)
+    USING p_batch_id, p_ids;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    PERFORM workpump.add_to_batch(p_batch_id, v_count);
+    RETURN v_count;
+END
+$$;
+
+-- The producer is done adding: the batch may finish now (at once when nothing is
+-- pending, an empty batch included). Sealing twice is harmless.
+CREATE FUNCTION workpump.seal_batch(p_batch_id uuid, p_now timestamptz DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_pending integer;
+BEGIN
+    UPDATE workpump_batch SET sealed = true WHERE id = p_batch_id
+    RETURNING pending INTO v_pending;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'Batch % does not exist.', p_batch_id
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF v_pending <= 0 THEN
+        PERFORM workpump.finish_batch(p_batch_id, coalesce(p_now, now()));
+    END IF;
+END
+$$;
+
+-- A member of p_batch_id went from outcome p_old to p_new (NULL: pending). Under the
+-- batch row's lock; finishes the batch when this took its last pending member.
+CREATE FUNCTION workpump.count_in_batch(
+    p_batch_id uuid, p_old text, p_new text, p_now timestamptz
+) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_batch record;
+BEGIN
+    UPDATE workpump_batch SET
+        pending = pending + (p_new IS NULL)::integer - (p_old IS NULL)::integer,
+        done = done + (p_new IS NOT DISTINCT FROM 'done')::integer
+                    - (p_old IS NOT DISTINCT FROM 'done')::integer,
+        dead = dead + (p_new IS NOT DISTINCT FROM 'dead')::integer
+                    - (p_old IS NOT DISTINCT FROM 'dead')::integer,
+        discarded = discarded + (p_new IS NOT DISTINCT FROM 'discarded')::integer
+                    - (p_old IS NOT DISTINCT FROM 'discarded')::integer,
+        cancelled = cancelled + (p_new IS NOT DISTINCT FROM 'cancelled')::integer
+                    - (p_old IS NOT DISTINCT FROM 'cancelled')::integer
+    WHERE id = p_batch_id
+    RETURNING sealed, pending, finished_at INTO v_batch;
+    -- a purged batch counts nothing; a finished one keeps counting late changes (a
+    -- requeued dead member) but never produces a second callback
+    IF FOUND AND v_batch.sealed AND v_batch.pending <= 0 AND v_batch.finished_at IS NULL THEN
+        PERFORM workpump.finish_batch(p_batch_id, p_now);
+    END IF;
+END
+$$;
+
+-- Finish a batch once: stamp it and store its callback row (on_failure when a member
+-- did not end done and one is given, else on_complete), a member of the parent batch,
+-- payload || {"batch": {id, total, done, dead, discarded, cancelled, succeeded}}. A
+-- callback that cannot be stored is recorded in callback_error; the member's ending
+-- still commits.
+CREATE FUNCTION workpump.finish_batch(p_batch_id uuid, p_now timestamptz) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_batch record;
+    v_spec jsonb;
+    v_id uuid := gen_random_uuid();
+BEGIN
+    UPDATE workpump_batch SET finished_at = p_now
+    WHERE id = p_batch_id AND finished_at IS NULL
+    RETURNING * INTO v_batch;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_spec := CASE WHEN v_batch.done < v_batch.total AND v_batch.on_failure IS NOT NULL
+                   THEN v_batch.on_failure ELSE v_batch.on_complete END;
+    IF v_spec IS NULL OR jsonb_typeof(v_spec) <> 'object' THEN
+        IF v_batch.parent_batch_id IS NOT NULL THEN
+            PERFORM workpump.count_in_batch(
+                v_batch.parent_batch_id, NULL,
+                CASE WHEN v_batch.done = v_batch.total THEN 'done' ELSE 'dead' END, p_now);
+        END IF;
+        RETURN;
+    END IF;
+    BEGIN
+        INSERT INTO workpump_outbox (work_id, topic, payload, stream, priority,
+                                     max_attempts, batch_id)
+        VALUES (v_id, v_spec ->> 'topic',
+                coalesce(v_spec -> 'payload', '{}'::jsonb) || jsonb_build_object('batch',
+                    jsonb_build_object('id', v_batch.id, 'total', v_batch.total,
+                                       'done', v_batch.done, 'dead', v_batch.dead,
+                                       'discarded', v_batch.discarded,
+                                       'cancelled', v_batch.cancelled,
+                                       'succeeded', v_batch.done = v_batch.total)),
+                v_spec ->> 'stream', coalesce((v_spec ->> 'priority')::integer, 0),
+                coalesce((v_spec ->> 'max_attempts')::integer, 10), v_batch.parent_batch_id);
+        UPDATE workpump_batch SET callback_id = v_id WHERE id = p_batch_id;
+    EXCEPTION WHEN OTHERS THEN
+        -- a stored spec another role spoiled: this batch alone goes without its callback
+        UPDATE workpump_batch SET callback_error = SQLERRM WHERE id = p_batch_id;
+        IF v_batch.parent_batch_id IS NOT NULL THEN
+            PERFORM workpump.count_in_batch(v_batch.parent_batch_id, NULL, 'dead', p_now);
+        END IF;
+    END;
+END
+$$;
+
+-- Lock the rows p_after names (outbox rows) and mark them as having dependents; return
+-- the ones still undone (the dependent waits for them) and the first that ended other
+-- than done. Raises when an id names no outbox row: dependencies exist when sent, so a
+-- cycle cannot be made.
+CREATE FUNCTION workpump.flag_dependencies(
+    p_topic text, p_after uuid[], p_policy text,
+    OUT waiting uuid[], OUT failed_id uuid, OUT failed_outcome text
+)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_missing uuid;
+BEGIN
+    IF p_policy IS NULL OR p_policy NOT IN ('cancel', 'run') THEN
+        RAISE EXCEPTION 'after_policy for outbox destination % must be ''cancel'' or ''run'', not %.',
+            quote_literal(p_topic), coalesce(quote_literal(p_policy), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.check_ids('send after', p_after);
+    WITH flagged AS (
+        UPDATE workpump_outbox t SET has_dependents = true
+        WHERE t.work_id = ANY (p_after)
+        RETURNING t.work_id, workpump.outcome_of(t.done_at, t.dead_lettered_at, t.end_state) AS o
+    )
+    SELECT coalesce(array_agg(f.work_id) FILTER (WHERE f.o IS NULL), '{}'),
+           (array_agg(f.work_id) FILTER (WHERE f.o <> 'done'))[1],
+           (array_agg(f.o) FILTER (WHERE f.o <> 'done'))[1]
+    INTO waiting, failed_id, failed_outcome
+    FROM flagged f;
+    SELECT a.id INTO v_missing FROM unnest(p_after) a(id)
+    WHERE NOT EXISTS (SELECT 1 FROM workpump_outbox t WHERE t.work_id = a.id)
+    LIMIT 1;
+    IF v_missing IS NOT NULL THEN
+        RAISE EXCEPTION 'Outbox message to % cannot wait for %: no outbox row has that id.',
+            quote_literal(p_topic), v_missing
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'after= names outbox rows sent earlier (in this transaction or before) and not purged.';
+    END IF;
+END
+$$;
+
+-- Cancel the waiting dependent p_id because its dependency p_dependency ended
+-- p_outcome: its reason names the dependency; its own dependents resolve in turn.
+CREATE FUNCTION workpump.cancel_dependent(
+    p_id uuid, p_dependency uuid, p_outcome text, p_now timestamptz
+) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    DELETE FROM workpump_dependency WHERE category = 'outbox' AND dependent_id = p_id;
+    UPDATE workpump_outbox
+    SET last_error = format('dependency %s ended %s', p_dependency, p_outcome)
+    WHERE work_id = p_id AND done_at IS NULL;
+    PERFORM workpump.cancel_work('outbox', ARRAY[p_id], p_now);
+    UPDATE workpump_outbox SET failure_reason = 'dependency_failed'
+    WHERE work_id = p_id AND end_state = 'cancelled';
+END
+$$;
+
+-- The dependency p_id (an outbox row) ended p_outcome: drop its edges and decide each
+-- dependent: cancelled when p_outcome is not 'done' and its policy is 'cancel', else
+-- claimable once its last edge is gone (scheduled_for 'infinity' -> NULL, and a NOTIFY).
+CREATE FUNCTION workpump.resolve_dependents(p_id uuid, p_outcome text, p_now timestamptz)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_edge record;
+    v_ready boolean := false;
+BEGIN
+    FOR v_edge IN
+        DELETE FROM workpump_dependency
+        WHERE category = 'outbox' AND dependency_id = p_id
+        RETURNING dependent_id, policy
+    LOOP
+        -- the dependent's lock first: of two dependencies ending at once, the later
+        -- sees the earlier's edge gone
+        PERFORM 1 FROM workpump_outbox WHERE work_id = v_edge.dependent_id FOR UPDATE;
+        IF p_outcome <> 'done' AND v_edge.policy = 'cancel' THEN
+            PERFORM workpump.cancel_dependent(v_edge.dependent_id, p_id, p_outcome, p_now);
+        ELSIF NOT EXISTS (SELECT 1 FROM workpump_dependency d
+                          WHERE d.category = 'outbox' AND d.dependent_id = v_edge.dependent_id) THEN
+            UPDATE workpump_outbox SET scheduled_for = NULL
+            WHERE work_id = v_edge.dependent_id AND done_at IS NULL
+              AND scheduled_for = 'infinity';
+            v_ready := v_ready OR FOUND;
+        END IF;
+    END LOOP;
+    IF v_ready THEN
+        PERFORM pg_notify('workpump_outbox', 'outbox');
+    END IF;
+END
+$$;
+
+-- After a row of a work table with a batch or dependents changed how it stands (ended,
+-- parked dead, re-queued); TG_ARGV[0] is its category.
+CREATE FUNCTION workpump.after_work_ended() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_old text := workpump.outcome_of(OLD.done_at, OLD.dead_lettered_at, OLD.end_state);
+    v_new text := workpump.outcome_of(NEW.done_at, NEW.dead_lettered_at, NEW.end_state);
+    v_now timestamptz := coalesce(NEW.done_at, NEW.dead_lettered_at, now());
+BEGIN
+    IF v_old IS NOT DISTINCT FROM v_new THEN
+        RETURN NULL;
+    END IF;
+    IF NEW.batch_id IS NOT NULL THEN
+        PERFORM workpump.count_in_batch(NEW.batch_id, v_old, v_new, v_now);
+    END IF;
+    -- dependents resolve on the first ending only (a requeue after that changes nothing)
+    IF NEW.has_dependents AND v_old IS NULL AND TG_ARGV[0] = 'outbox' THEN
+        PERFORM workpump.resolve_dependents(NEW.work_id, v_new, v_now);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER workpump_outbox_ended AFTER UPDATE OF done_at, dead_lettered_at ON workpump_outbox
+    FOR EACH ROW
+    WHEN ((NEW.batch_id IS NOT NULL OR NEW.has_dependents)
+          AND (OLD.done_at IS DISTINCT FROM NEW.done_at
+               OR OLD.dead_lettered_at IS DISTINCT FROM NEW.dead_lettered_at))
+    EXECUTE FUNCTION workpump.after_work_ended('outbox');
+CREATE TRIGGER workpump_inbox_ended AFTER UPDATE OF done_at, dead_lettered_at ON workpump_inbox
+    FOR EACH ROW
+    WHEN ((NEW.batch_id IS NOT NULL OR NEW.has_dependents)
+          AND (OLD.done_at IS DISTINCT FROM NEW.done_at
+               OR OLD.dead_lettered_at IS DISTINCT FROM NEW.dead_lettered_at))
+    EXECUTE FUNCTION workpump.after_work_ended('inbox');
 
 -- --------------------------------------------------------------------------------------
 -- Maintenance and retention

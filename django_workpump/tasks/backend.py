@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -21,7 +22,7 @@ from typing import Any
 from django.core import checks
 from django.db import transaction
 
-from django_workpump import producer, producer_validation, tracing
+from django_workpump import db, producer, producer_validation, tracing
 from django_workpump.conf import setting
 from django_workpump.tasks.checks import check_backend
 from django_workpump.tasks.compat import (
@@ -34,9 +35,15 @@ from django_workpump.tasks.compat import (
     task_enqueued,
 )
 from django_workpump.tasks.errors import TaskRefused
-from django_workpump.tasks.resolution import PumpBackend, resolve_task, topic_of
+from django_workpump.tasks.resolution import (
+    ON_COMPLETE_TOPIC,
+    PumpBackend,
+    resolve_task,
+    topic_of,
+)
 from django_workpump.tasks.results import read_result
 from django_workpump.waiting import await_work, wait
+from django_workpump.workflows import Batch, current_batch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +56,12 @@ class WorkPumpTask(Task):
     unique: bool = False
     unique_for: timedelta | None = None  # with unique: also none enqueued within this
     on_conflict: str = "return"
+    # backoff(exception, task_result): seconds before the next attempt, or None for the
+    # pump's default backoff (RETRY_BACKOFF_BASE_SECONDS doubling).
+    backoff: Callable[[BaseException, Any], float | None] | None = None
+    # A task enqueued once, with this task's result id, when this task's row ends
+    # (successful or failed): a one-member batch whose callback enqueues it.
+    on_complete: Task | None = None
 
 
 class WorkPumpBackend(PumpBackend):
@@ -90,6 +103,18 @@ class WorkPumpBackend(PumpBackend):
                 f"unique_for of task '{task.module_path}' must be a timedelta >= 0 on a task "
                 f"with unique=True, not {unique_for!r}. Pass unique=True too, or leave "
                 "unique_for out."
+            )
+        backoff = getattr(task, "backoff", None)
+        if backoff is not None and not callable(backoff):
+            raise InvalidTask(
+                f"backoff of task '{task.module_path}' must be a callable "
+                f"backoff(exception, task_result) returning seconds or None, not {backoff!r}."
+            )
+        on_complete = getattr(task, "on_complete", None)
+        if on_complete is not None and not isinstance(on_complete, Task):
+            raise InvalidTask(
+                f"on_complete of task '{task.module_path}' must be a task (decorated with "
+                f"@task), not {on_complete!r}."
             )
         if on_conflict not in producer_validation.ON_CONFLICT:
             raise InvalidTask(
@@ -135,8 +160,15 @@ class WorkPumpBackend(PumpBackend):
         unique_key = _unique_key(payload) if getattr(task, "unique", False) else None
         unique_for = getattr(task, "unique_for", None)
         # One statement: the insert, and the row's created_at as enqueued_at. The
-        # enqueue span is the producer: the row's headers carry its context.
-        with tracing.producing("enqueue", "inbox", topic) as out:
+        # enqueue span is the producer: the row's headers carry its context. A task with
+        # on_complete or inside workpump.batch() joins its batch in the same transaction.
+        on_complete = getattr(task, "on_complete", None)
+        group = current_batch()
+        joins = on_complete is not None or (group is not None and group.using == using)
+        with (
+            transaction.atomic(using=using) if joins else nullcontext(),
+            tracing.producing("enqueue", "inbox", topic) as out,
+        ):
             out.note(tracing.TASK, task.module_path)
             out.stored(message_id)
             received = producer.receive_stamped(
@@ -152,6 +184,8 @@ class WorkPumpBackend(PumpBackend):
                 on_conflict=getattr(task, "on_conflict", "return"),
                 using=using,
             )
+            if joins and received.stored:
+                _join_batch(message_id, on_complete, group, using)
         if not received.stored and unique_key is not None:
             holder = producer.unique_key_holder("inbox", topic, unique_key, unique_for, using=using)
             if holder is not None:
@@ -216,6 +250,32 @@ class WorkPumpBackend(PumpBackend):
         ids = [result.id for result in results]
         await await_work(ids, timeout=timeout, categories=["inbox"], **options)
         return [await self.aget_result(result_id) for result_id in ids]
+
+
+def _join_batch(
+    message_id: uuid.UUID, on_complete: Task | None, group: Batch | None, using: str
+) -> None:
+    """Make the task's row a member: of its own batch whose callback enqueues
+    ``on_complete`` (a member of ``group`` in turn), else of ``group``."""
+    if on_complete is None:
+        assert group is not None
+        db.join_batch("inbox", group.id, [message_id], using=using)
+        return
+    hook = {
+        "backend": on_complete.backend,
+        "task": on_complete.module_path,
+        "queue": on_complete.queue_name,
+        "result_id": str(message_id),
+    }
+    spec = json.dumps({"topic": ON_COMPLETE_TOPIC, "payload": hook})
+    own = db.open_batch(
+        on_complete_json=spec,
+        on_failure_json=None,
+        parent_batch_id=group.id if group is not None and group.using == using else None,
+        using=using,
+    )
+    db.join_batch("inbox", own, [message_id], using=using)
+    db.seal_batch(own, using=using)
 
 
 def _unique_key(payload: dict[str, Any]) -> str:

@@ -23,6 +23,9 @@ from django_workpump.tasks.errors import TaskRefused
 
 TOPIC_PREFIX = TASK_TOPIC_PREFIX
 
+# The outbox topic of a task's on_complete callback (runner._enqueue_hook runs it).
+ON_COMPLETE_TOPIC = "workpump.tasks.on_complete"
+
 
 def topic_of(alias: str, queue: str) -> str:
     """The inbox handler name of one (backend alias, queue)."""

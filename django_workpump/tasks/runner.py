@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from django_workpump import db
 from django_workpump.conf import setting
+from django_workpump.control import Retry
 from django_workpump.registry import FAILURE_SUBJECTS, Handler, registry
 from django_workpump.storable import ascii_text, is_transient, storable_text
 from django_workpump.tasks.checks import valid_name
@@ -45,6 +46,7 @@ from django_workpump.tasks.compat import (
 )
 from django_workpump.tasks.errors import AttemptLost, TaskRefused, class_path
 from django_workpump.tasks.resolution import (
+    ON_COMPLETE_TOPIC,
     TOPIC_PREFIX,
     backend_class,
     is_workpump_backend,
@@ -82,7 +84,9 @@ def register_queues(alias: str, queues: Iterable[Any]) -> list[str]:
         with _registered_lock:
             known = {h.topic for h in registry.prefix_handlers("inbox")}
             if prefix not in _registered_prefixes or prefix not in known:
-                registry.register(Handler("inbox", prefix, _prefix_handler(alias), prefix=True))
+                registry.register(
+                    Handler("inbox", prefix, _prefix_handler(alias), prefix=True, retry=TASK_RETRY)
+                )
                 _registered_prefixes.add(prefix)
         return [prefix]
     topics = []
@@ -92,7 +96,7 @@ def register_queues(alias: str, queues: Iterable[Any]) -> list[str]:
         topic = topic_of(alias, queue)
         with _registered_lock:
             if topic not in _registered or registry.get("inbox", topic) is None:
-                registry.register(Handler("inbox", topic, _handler(alias, queue)))
+                registry.register(Handler("inbox", topic, _handler(alias, queue), retry=TASK_RETRY))
                 _registered.add(topic)
         topics.append(topic)
     return topics
@@ -108,6 +112,9 @@ def register_backends() -> list[str]:
     configured = getattr(settings, "TASKS", None) or {}
     if not isinstance(configured, Mapping):
         return topics
+    with _registered_lock:
+        if registry.get("outbox", ON_COMPLETE_TOPIC) is None:
+            registry.register(Handler("outbox", ON_COMPLETE_TOPIC, _enqueue_hook, atomic=True))
     for alias, params in configured.items():
         if isinstance(params, Mapping) and is_workpump_backend(params.get("BACKEND")):
             queues = params.get("QUEUES", [DEFAULT_TASK_QUEUE_NAME])
@@ -125,6 +132,8 @@ def unregister_backends() -> None:
         for prefix in _registered_prefixes:
             registry.unregister("inbox", prefix, prefix=True)
         _registered_prefixes.clear()
+        if registry.get("outbox", ON_COMPLETE_TOPIC) is not None:
+            registry.unregister("outbox", ON_COMPLETE_TOPIC)
 
 
 @receiver(setting_changed)
@@ -132,6 +141,47 @@ def _tasks_changed(*, setting: str, **kwargs: Any) -> None:
     if setting == "TASKS":
         unregister_backends()
         register_backends()
+
+
+# -- per-task backoff and completion hooks -------------------------------------------------
+
+# The attribute of a failed attempt's exception that carries its task's own backoff.
+_DELAY = "_workpump_task_retry_delay"
+
+
+def _task_delay(attempt: int, exc: BaseException) -> float | None:
+    return getattr(exc, _DELAY, None)
+
+
+# Every task queue's handler retries every exception, after the task's own backoff when
+# it gave one (else the pump's default).
+TASK_RETRY = Retry(backoff=_task_delay)
+
+
+def _note_backoff(task: Task, exc: BaseException, running: TaskResult) -> None:
+    """Ask the task's ``backoff(exception, task_result)`` for the next attempt's wait."""
+    backoff = getattr(task, "backoff", None)
+    if backoff is None:
+        return
+    try:
+        seconds = backoff(exc, running)
+        setattr(exc, _DELAY, seconds)
+    except Exception as error:  # noqa: BLE001 (a backoff bug: the default backoff)
+        logger.error(
+            "the backoff of task %s failed (%r); the default backoff is used",
+            running.task.module_path,
+            error,
+            extra={"action": "backoff_failed"},
+        )
+
+
+def _enqueue_hook(work: Work) -> None:
+    """The callback of a task's one-member batch: enqueue its on_complete task with the
+    finished task's result id, in this handler's transaction (so exactly once)."""
+    hook = work.payload
+    backend = task_backends[hook["backend"]]
+    task = resolve_task(hook["task"], backend).using(queue_name=hook["queue"])
+    task.enqueue(hook["result_id"])
 
 
 def _handler(alias: str, queue: str) -> Any:
@@ -199,6 +249,8 @@ class AttemptRunner:
                 value = task.call(*args, **kwargs)
         except BaseException as exc:
             self._finish(exc)
+            if self.work.attempts < self.work.max_attempts:
+                _note_backoff(task, exc, running)
             if self.work.attempts >= self.work.max_attempts:
                 _send(task_finished, sender, self._final(backend, TaskResultStatus.FAILED))
             else:

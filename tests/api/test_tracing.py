@@ -399,8 +399,7 @@ def test_headers_tracing_cannot_read_never_fail_the_row(headers):
 
     assert report.failures == []
     (row,) = run_sql(
-        "SELECT attempts, done_at, dead_lettered_at FROM workpump_outbox"
-        " WHERE work_id = %s",
+        "SELECT attempts, done_at, dead_lettered_at FROM workpump_outbox WHERE work_id = %s",
         [message_id],
     )
     assert row["attempts"] == 1 and row["done_at"] is not None

@@ -99,3 +99,13 @@ RAISES: dict[str, type[BaseException]] = {
 @workpump.outbox_handler("mp.raise", max_attempts=2)
 def mp_raise(work: Any) -> None:
     raise RAISES[work.payload["raise"]]("raised by mp.raise")
+
+
+@workpump.outbox_handler("mp.member")
+def mp_member(work: Any) -> None:
+    _record(work)
+
+
+@workpump.outbox_handler("mp.batch_done")
+def mp_batch_done(work: Any) -> None:
+    _record(work)

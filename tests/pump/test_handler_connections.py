@@ -139,9 +139,7 @@ def test_a_handler_error_that_breaks_the_connection_gets_a_new_one_for_the_next_
         )
         workpump.send("conn.break", {}, stream="later")
         assert wait_until(
-            lambda: models.Outbox.objects.filter(
-                stream="later", done_at__isnull=False
-            ).exists()
+            lambda: models.Outbox.objects.filter(stream="later", done_at__isnull=False).exists()
         )
         assert seen[-1] != seen[0]
     finally:

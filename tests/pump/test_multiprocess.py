@@ -257,8 +257,7 @@ def test_sigterm_lets_in_flight_handlers_finish_and_deregisters(executions, spaw
     assert held == 0
     # what it did not start is claimable again, with its attempt given back
     assert (
-        scalar("SELECT count(*) FROM workpump_outbox WHERE done_at IS NULL AND attempts > 0")
-        == 0
+        scalar("SELECT count(*) FROM workpump_outbox WHERE done_at IS NULL AND attempts > 0") == 0
     )
 
 

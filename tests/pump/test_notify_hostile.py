@@ -279,9 +279,7 @@ def test_a_spoofed_cancel_leaves_the_handler_running_and_its_outcome_stored(
 
     assert wait_until(lambda: gate.cancels_unconfirmed == 1, WAIT)
     release.set()
-    assert wait_until(
-        lambda: models.Outbox.objects.get(work_id=work_id).done_at is not None, WAIT
-    )
+    assert wait_until(lambda: models.Outbox.objects.get(work_id=work_id).done_at is not None, WAIT)
     row = models.Outbox.objects.get(work_id=work_id)
     assert (row.end_state, row.result, row.attempts) == (None, {"finished": True}, 1)
     assert seen == {"cancelled": False}

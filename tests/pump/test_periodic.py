@@ -443,8 +443,7 @@ def test_three_workers_racing_over_the_same_slots_fire_each_slot_once():
     fired = Counter(
         (row["topic"], row["slot"])
         for row in run_sql(
-            "SELECT topic, payload->>'slot' AS slot FROM workpump_outbox "
-            "WHERE topic LIKE 'race.%%'"
+            "SELECT topic, payload->>'slot' AS slot FROM workpump_outbox WHERE topic LIKE 'race.%%'"
         )
     )
     assert set(fired.values()) == {1}, "a slot fired more than once"

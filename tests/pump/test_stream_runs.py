@@ -219,9 +219,7 @@ def test_two_instances_keep_fifo_per_stream_across_runs_and_retries(outbox_handl
         for stream in streams:
             workpump.send("runs.many", {"n": n}, stream=stream)
 
-    assert wait_until(
-        lambda: not models.Outbox.objects.filter(done_at__isnull=True).exists(), 60
-    )
+    assert wait_until(lambda: not models.Outbox.objects.filter(done_at__isnull=True).exists(), 60)
     first.shutdown()
     second.shutdown()
     for stream in streams:

@@ -1177,9 +1177,7 @@ def test_claim_work_leases_heads_and_runs_in_order_across_calls(scratch_database
                     [f'{{"n": {n}}}', f"order-{n % 2}"],
                 )
             conn.execute("SELECT workpump.send('emails.once', '{}', p_max_attempts => 1)")
-            conn.execute(
-                "UPDATE workpump_outbox SET attempts = 1 WHERE topic = 'emails.once'"
-            )
+            conn.execute("UPDATE workpump_outbox SET attempts = 1 WHERE topic = 'emails.once'")
             conn.execute(
                 "SELECT workpump.send('emails.later', '{}', p_scheduled_for => now() - interval"
                 " '1 s', p_priority => 3)"

@@ -52,9 +52,7 @@ def test_evicting_a_live_instance_tombstones_it_and_releases_its_work():
     )
     # B keeps its own lease; the evicted instance's heartbeat is refused
     other = {mine, theirs} - {held_by_a}
-    assert (
-        scalar("SELECT instance_id FROM workpump_outbox WHERE work_id = %s", [other.pop()]) == B
-    )
+    assert scalar("SELECT instance_id FROM workpump_outbox WHERE work_id = %s", [other.pop()]) == B
     assert beat(A, at(6)) is False
 
 

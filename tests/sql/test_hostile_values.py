@@ -471,8 +471,7 @@ def test_workpump_action_selects_rows_beside_a_hostile_one_and_escapes_its_topic
         [FORGED, hostile],
     )
     run_sql(
-        "UPDATE workpump_outbox SET scheduled_for = now() + interval '1 hour'"
-        " WHERE work_id = %s",
+        "UPDATE workpump_outbox SET scheduled_for = now() + interval '1 hour' WHERE work_id = %s",
         [clean],
     )
 

@@ -230,9 +230,7 @@ def test_a_promotion_to_a_row_still_leased_wakes_no_claimer(raw_connect):
 
     def finish(work_id: uuid.UUID) -> int:
         with conn.transaction():
-            conn.execute(
-                "UPDATE workpump_outbox SET done_at = now() WHERE work_id = %s", [work_id]
-            )
+            conn.execute("UPDATE workpump_outbox SET done_at = now() WHERE work_id = %s", [work_id])
             promoted = conn.execute(
                 "SELECT workpump.promote_stream_heads('outbox', '{\"\"}', '{wake}') AS n"
             ).fetchone()["n"]
