@@ -6,6 +6,15 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+
+from django_workpump.tasks import TASKS_AVAILABLE
+
+if not TASKS_AVAILABLE:
+    pytest.skip(
+        "needs django.tasks (Django >= 6.0) or the django-tasks backport",
+        allow_module_level=True,
+    )
+
 from django.test import override_settings
 from django.utils import timezone
 
