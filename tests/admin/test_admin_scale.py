@@ -672,7 +672,7 @@ def make_cases(model: Any, now: datetime, holder: Any) -> dict[str, Any]:
         fields: dict[str, Any] = {"stream": None, "created_at": now - secs(300)}
         for key, value in case.items():
             if key == DONE:
-                fields[spec.done_field] = now + secs(value)
+                fields["done_at"] = now + secs(value)
             elif key == "held":
                 fields.update(instance_id=holder, lease_expiry=now + secs(value))
                 fields["claimed_at"] = now - secs(60)
@@ -715,7 +715,7 @@ def test_each_state_page_lists_the_rows_of_its_state_in_its_default_order(
     request.user = User.objects.create_superuser(f"su-{model._meta.model_name}", password="x")
     shown = list(admin.site._registry[model].get_changelist_instance(request).queryset)
     assert [row.pk for row in shown] == [
-        row.pk for row in sorted(truth, key=default_order(state, spec.done_field))
+        row.pk for row in sorted(truth, key=default_order(state, "done_at"))
     ]
 
 
@@ -737,8 +737,8 @@ ORDER_NOTES = {
     WorkState.DEAD: ("most recently dead-lettered first", None, None),
     WorkState.SCHEDULED: ("soonest due first", "scheduled", "ascending"),
     WorkState.PENDING: ("in claim order: highest priority first, then oldest first", None, None),
-    WorkState.LEASED: ("newest first", "work_id", "descending"),
-    None: ("newest first", "work_id", "descending"),
+    WorkState.LEASED: ("newest first", "work_id_cell", "descending"),
+    None: ("newest first", "work_id_cell", "descending"),
 }
 
 
