@@ -666,7 +666,6 @@ GONE_HOLDER = uuid.UUID("00000000-0000-0000-0000-00000000a0e1")  # neither live 
 
 def make_cases(model: Any, now: datetime, holder: Any) -> dict[str, Any]:
     """One row per case of STATE_CASES in ``model``'s table, in that order: name -> row."""
-    spec = admin.site._registry[model].spec
     rows = {}
     for name, case, _ in STATE_CASES:
         fields: dict[str, Any] = {"stream": None, "created_at": now - secs(300)}
