@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
 
+from django_workpump.fields import IntegerArrayField
 from django_workpump.payloads import decode_or_stored
 
 if TYPE_CHECKING:
@@ -669,7 +669,7 @@ class ConsoleCount(models.Model):
     outcome = models.TextField()  # claimed, renewed, done, failed, dead, released, ...
     instance_id = models.UUIDField()  # the nil uuid: no holder (an operator's action)
     n = models.BigIntegerField()
-    latency = ArrayField(models.IntegerField(), null=True)
+    latency = IntegerArrayField(null=True)
 
     class Meta:
         db_table = "workpump_console_count"
