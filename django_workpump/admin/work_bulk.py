@@ -95,7 +95,8 @@ class BulkActionsAdmin:
         admin: Any = self
         if not admin.has_view_or_change_permission(request):
             raise PermissionDenied
-        selected = admin.get_changelist_instance(request).get_queryset(request)
+        # the changelist's own result (its filters and search, applied once)
+        selected = admin.get_changelist_instance(request).queryset
         if request.method == "POST":
             if not self._may(request, found):
                 raise PermissionDenied(f"You may not {found.label.lower()} {admin.opts}.")

@@ -91,6 +91,15 @@ def test_the_page_counts_the_search_result_and_names_the_running_rows(admin_clie
     assert str(running.work_id) in html
 
 
+def test_the_page_of_a_payload_search_says_once_that_it_was_narrowed(admin_client, now):
+    factories.OutboxFactory(topic="bulk.mail", payload={"tenant": "acme"}, created_at=now)
+
+    html = admin_client.get(f"{BULK}retry/?q=tenant%3Dacme").content.decode()
+
+    assert re.search(r"<strong>1</strong> outbox message", html), html
+    assert html.count("The payload search was narrowed") == 1
+
+
 def test_a_bulk_retry_changes_only_the_scheduled_rows_of_the_search(admin_client, now):
     mine, other = scheduled(now, 4), scheduled(now, 2, topic="bulk.other")
     done = factories.OutboxFactory(topic="bulk.mail", done_at=now)

@@ -4,7 +4,8 @@ pytest-django's live server (the fixtures of test_admin_browser.py).
 Seeds a day of series for a few topics and instances (the counters, backlog and instance
 samples the console reads), logs in, opens the overview and sees its SVG charts drawn,
 then completes new work through the SQL functions and sees the page's own refresh (no
-reload) show it; opens a topic page from the chart legend. Screenshots go under the
+reload) show it; opens a topic page from the chart legend. Runs a bulk retry from a
+changelist search and sees the rows change. Screenshots go under the
 test's temp dir, and into docs/images when WORKPUMP_DOCS_SCREENSHOTS=1.
 
 Skips without /usr/bin/chromium, /usr/bin/chromedriver or selenium, unless
@@ -191,3 +192,83 @@ def test_the_overview_draws_its_charts_and_its_refresh_shows_new_completions(
     assert "KeyError: 'first_name'" in reasons["max_attempts"]
     assert browser.find_elements(By.CSS_SELECTOR, "#wp-chart-outcomes svg polyline")
     save(browser, tmp_path, "console-topic.png")
+
+
+def test_a_bulk_retry_from_a_search_result_changes_its_rows(
+    browser: Any,  # noqa: F811
+    admin_server: LiveServer,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    _require_browser()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    now = scalar("SELECT now()")  # a payload search reads the last day's rows
+    later = scalar("SELECT now() + interval '1 hour'")
+    waiting = [
+        factories.OutboxFactory(
+            topic="emails.welcome",
+            payload={"tenant": "acme", "n": n},
+            created_at=now,
+            scheduled_for=later,
+            attempts=2,
+            failure_reason="handler_error",
+        ).work_id
+        for n in range(3)
+    ]
+    other_tenant = factories.OutboxFactory(
+        topic="emails.welcome",
+        payload={"tenant": "globex"},
+        created_at=now,
+        scheduled_for=later,
+        attempts=2,
+    ).work_id
+    other_topic = factories.OutboxFactory(
+        topic="billing.invoice",
+        payload={"tenant": "acme"},
+        created_at=now,
+        scheduled_for=later,
+        attempts=2,
+    ).work_id
+    User.objects.create_superuser("bulk", "bulk@example.com", "bulk-pw")
+
+    browser.set_window_size(1300, 640)
+    wait = WebDriverWait(browser, 30)
+    browser.get(f"{admin_server.url}/admin/login/?next=/admin/workpump/outbox/")
+    browser.find_element(By.NAME, "username").send_keys("bulk")
+    browser.find_element(By.NAME, "password").send_keys("bulk-pw")
+    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    # The operator searches the changelist: a topic word and a payload term.
+    search = wait.until(expected_conditions.presence_of_element_located((By.NAME, "q")))
+    search.send_keys("welcome tenant=acme")
+    search.submit()
+    wait.until(lambda b: "q=" in b.current_url)
+    shown = {
+        cell.get_attribute("title")  # the whole id; the cell shows its start
+        for cell in browser.find_elements(
+            By.CSS_SELECTOR, "#result_list th.field-work_id_cell span"
+        )
+    }
+    assert shown == {str(work_id) for work_id in waiting}
+
+    # "Retry now…" acts on that search result: counted first, then confirmed.
+    browser.find_element(By.CSS_SELECTOR, ".object-tools a[href^='bulk/retry/']").click()
+    count = wait.until(
+        expected_conditions.presence_of_element_located((By.CSS_SELECTOR, ".wp-bulk-count"))
+    )
+    assert count.text.startswith("3 outbox messages match this search"), count.text
+    save(browser, tmp_path, "bulk-retry.png")
+    browser.find_element(By.CSS_SELECTOR, "input[type=submit][value^='Yes']").click()
+    wait.until(lambda b: "/bulk/" not in b.current_url)
+
+    due = {
+        row["work_id"]: row["due"]
+        for row in run_sql(
+            "SELECT work_id, scheduled_for IS NULL AS due FROM workpump_outbox"
+            " WHERE work_id = ANY(%s)",
+            ([*waiting, other_tenant, other_topic],),
+        )
+    }
+    assert [due[work_id] for work_id in waiting] == [True, True, True]
+    assert (due[other_tenant], due[other_topic]) == (False, False)
