@@ -29,8 +29,6 @@ def counting(server: h.Server, database: str, on: bool) -> None:
 
 
 def run(cfg: Any, server: h.Server, database: str, workdir: Path) -> dict[str, Any]:
-    from bench.suite import drain_long_enough
-
     h.install_schema("workpump", server, database)
     case = throughput.Case("workpump", 1, None, cfg.jobs["workpump"], {}, "default")
     runs: list[dict[str, Any]] = []
@@ -44,7 +42,9 @@ def run(cfg: Any, server: h.Server, database: str, workdir: Path) -> dict[str, A
         return result
 
     # Size the backlog once (counting on), so every drain lasts long enough.
-    _, case = drain_long_enough(cfg, case, lambda c: drain(c, -1, True))
+    _, case = throughput.drain_long_enough(
+        cfg.min_drain_seconds, case, lambda c: drain(c, -1, True)
+    )
     ratios: list[float] = []
     reps = max(cfg.reps, REPS)
     for rep in range(reps):

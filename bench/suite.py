@@ -208,8 +208,8 @@ def section_throughput(cfg: Config, server: h.Server, workdir: Path) -> dict[str
     runs = []
     for rep in range(cfg.reps):
         for i, case in enumerate(cases):  # systems back to back within each repetition
-            result, cases[i] = drain_long_enough(
-                cfg,
+            result, cases[i] = throughput.drain_long_enough(
+                cfg.min_drain_seconds,
                 case,
                 lambda c, rep=rep: throughput.run_case(
                     server, DATABASES[c.system], c, rep, workdir
@@ -269,28 +269,6 @@ def sized_cases(
         variant = "many" if case.system == "workpump" else case.variant
         sized.append(replace(case, jobs=jobs, variant=variant))
     return sized, calibration
-
-
-def drain_long_enough(
-    cfg: Config, case: Any, run: Callable[[Any], dict[str, Any]], tries: int = 3
-) -> tuple[dict[str, Any], Any]:
-    """Run ``case``; while its drain ended before ``cfg.min_drain_seconds``, enqueue a
-    backlog sized from that drain and run it again. Return the result and the case
-    (with the backlog that sufficed, for the next repetitions)."""
-    from bench import throughput
-
-    result = run(case)
-    for _ in range(tries - 1):
-        seconds = result.get("seconds")
-        if not cfg.min_drain_seconds or seconds is None or seconds >= cfg.min_drain_seconds:
-            break
-        jobs = throughput.backlog_for(result["rate"], cfg.min_drain_seconds, fallback=case.jobs)
-        if jobs <= case.jobs:
-            break  # at the cap: the short drain stays, flagged by its seconds
-        h.log(f"throughput {case.key}: drained in {seconds:.1f} s; again with {jobs:,} jobs")
-        case = replace(case, jobs=jobs)
-        result = run(case)
-    return result, case
 
 
 def _rate(result: dict[str, Any]) -> str:

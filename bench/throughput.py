@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,26 @@ def backlog_for(
         return fallback
     jobs = math.ceil(rate * seconds * margin / batch) * batch
     return max(batch, min(jobs, cap))
+
+
+def drain_long_enough(
+    min_seconds: float | None, case: Case, run: Callable[[Case], dict[str, Any]], tries: int = 3
+) -> tuple[dict[str, Any], Case]:
+    """Run ``case``; while its drain ended before ``min_seconds``, enqueue a backlog
+    sized from that drain and run it again. Return the result and the case (with the
+    backlog that sufficed, for the next repetitions)."""
+    result = run(case)
+    for _ in range(tries - 1):
+        seconds = result.get("seconds")
+        if not min_seconds or seconds is None or seconds >= min_seconds:
+            break
+        jobs = backlog_for(result["rate"], min_seconds, fallback=case.jobs)
+        if jobs <= case.jobs:
+            break  # at the cap: the short drain stays, flagged by its seconds
+        h.log(f"throughput {case.key}: drained in {seconds:.1f} s; again with {jobs:,} jobs")
+        case = replace(case, jobs=jobs)
+        result = run(case)
+    return result, case
 
 
 def run_case(

@@ -314,7 +314,7 @@ def _task_handler(schedule: Schedule, task: Any) -> tuple[Callable[..., Any], bo
         ) from exc
     # Enqueued in the transaction of the handler's own completion: with a work-pump
     # backend on the same database, each slot's task is enqueued exactly once.
-    atomic = _is_workpump_task(task)
+    atomic = _enqueues_in_callers_transaction(task)
 
     def enqueue_task(work: Any) -> None:
         task.enqueue(**work.payload)
@@ -323,10 +323,12 @@ def _task_handler(schedule: Schedule, task: Any) -> tuple[Callable[..., Any], bo
     return enqueue_task, atomic
 
 
-def _is_workpump_task(task: Any) -> bool:
+def _enqueues_in_callers_transaction(task: Any) -> bool:
+    """Whether the task's backend writes its row in the caller's transaction. The work
+    pump's backend says so itself (``enqueues_in_callers_transaction``), so this module,
+    which the backend builds on, need not import it."""
     try:
-        from django_workpump.tasks import WorkPumpBackend
-
-        return isinstance(task.get_backend(), WorkPumpBackend)
+        backend = task.get_backend()
     except Exception:  # noqa: BLE001 - an unknown backend is simply not ours
         return False
+    return getattr(backend, "enqueues_in_callers_transaction", False) is True

@@ -15,9 +15,9 @@ from django_workpump.admin.instances import (
     ActiveStreamAdmin,
     EvictionAdmin,
     ServiceInstanceAdmin,
-    can_view_summary,
 )
 from django_workpump.admin.periodic import PeriodicScheduleAdmin
+from django_workpump.admin.perms import can_view_summary
 from django_workpump.admin.work import (
     InboxAdmin,
     OutboxAdmin,

@@ -29,6 +29,7 @@ from django_workpump.admin import console_data as data
 from django_workpump.admin import display
 from django_workpump.admin.base import pump_database
 from django_workpump.admin.console_charts import OUTCOME_COLOURS, Line, line_chart
+from django_workpump.admin.perms import can_view_summary
 from django_workpump.conf import setting
 from django_workpump.db import console as series
 from django_workpump.storable import error_headline
@@ -47,8 +48,6 @@ def console_urls(model_admin: admin.ModelAdmin) -> list[URLPattern]:
 
     def view(function: Any) -> Any:
         def wrapped(request: HttpRequest, **kwargs: Any) -> HttpResponse:
-            from django_workpump.admin.instances import can_view_summary
-
             if not can_view_summary(site, request):
                 raise PermissionDenied
             request.current_app = site.name

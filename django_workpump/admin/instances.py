@@ -19,6 +19,7 @@ from django.utils.safestring import SafeString
 from django_workpump import db, status
 from django_workpump.admin import display
 from django_workpump.admin.base import WorkpumpModelAdmin
+from django_workpump.admin.console import console_urls
 from django_workpump.admin.expressions import (
     ADMIN_QUERIES,
     HOLDER_LIVE,
@@ -34,7 +35,7 @@ from django_workpump.admin.expressions import (
     seconds_until,
     undone_in_stream,
 )
-from django_workpump.admin.perms import has_model_permission
+from django_workpump.admin.perms import can_view_summary, has_model_permission
 from django_workpump.admin.work import (
     InboxAdmin,
     OutboxAdmin,
@@ -151,8 +152,6 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
         summary = path(
             "summary/", self.admin_site.admin_view(self.summary_view), name="workpump_summary"
         )
-        from django_workpump.admin.console import console_urls
-
         return [summary, *console_urls(self), *super().get_urls()]
 
     def has_evict_instance_permission(self, request: HttpRequest) -> bool:
@@ -325,13 +324,6 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/workpump/summary.html", context)
-
-
-def can_view_summary(site: admin.AdminSite, request: HttpRequest) -> bool:
-    """The summary shows every category and instance: it needs view access to each."""
-    models = [model for model, _ in WORK_MODELS.values()] + [ServiceInstance]
-    registry = site._registry
-    return all(m in registry and registry[m].has_view_permission(request) for m in models)
 
 
 class EvictionAdmin(ReadOnlyAdmin):

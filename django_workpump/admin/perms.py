@@ -5,15 +5,25 @@ The four work models share the codenames ``retry_work``, ``release_work_lease``,
 so ``user.has_perm("workpump.retry_work")`` alone cannot tell an outbox grant from a
 receptor grant. An action therefore needs the
 permission on its own model's content type, read once per request (one query for every
-workpump permission of the user).
+workpump permission of the user). The summary and the console show every category and
+instance: ``can_view_summary`` asks for view access to each.
 """
 
 from __future__ import annotations
 
+from django.contrib import admin
 from django.contrib.auth.models import Permission
 from django.db import models
 from django.db.models import Q
 from django.http import HttpRequest
+
+from django_workpump.models import (
+    Inbox,
+    Outbox,
+    PerspectiveEvent,
+    ReceptorProcessing,
+    ServiceInstance,
+)
 
 _CACHE_ATTRIBUTE = "_workpump_permissions"
 
@@ -38,3 +48,13 @@ def has_model_permission(request: HttpRequest, model: type[models.Model], codena
         )
         setattr(request, _CACHE_ATTRIBUTE, granted)
     return (model._meta.model_name, codename) in granted
+
+
+# What the summary and the console list: the four work models and the instances.
+SUMMARY_MODELS = (Outbox, Inbox, PerspectiveEvent, ReceptorProcessing, ServiceInstance)
+
+
+def can_view_summary(site: admin.AdminSite, request: HttpRequest) -> bool:
+    """The summary shows every category and instance: it needs view access to each."""
+    registry = site._registry
+    return all(m in registry and registry[m].has_view_permission(request) for m in SUMMARY_MODELS)

@@ -72,6 +72,9 @@ class WorkPumpBackend(PumpBackend):
     supports_async_task = True
     supports_get_result = True
     supports_priority = True
+    # enqueue() writes the row in the caller's transaction: a periodic schedule of this
+    # backend's task enqueues it with the slot's own completion, exactly once per slot.
+    enqueues_in_callers_transaction = True
 
     # Building a backend only stores its settings, as Django's backends do: the queues'
     # handlers are registered by WorkPumpConfig.ready() and the task modules imported

@@ -4,6 +4,7 @@ wrong types, out-of-range values and unsafe combinations, and their place in `ma
 
 from __future__ import annotations
 
+from importlib import import_module
 from io import StringIO
 from typing import Any
 
@@ -17,7 +18,10 @@ from django.test import override_settings
 from django_workpump.checks import validate_settings
 from django_workpump.conf import DEFAULTS
 
-SQLITE = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}
+# Django's SQLite backend, named after SQLite's major version: a database that is not
+# PostgreSQL and needs no server.
+SQLITE_MAJOR = 3
+SQLITE = {"ENGINE": f"django.db.backends.sqlite{SQLITE_MAJOR}", "NAME": ":memory:"}
 
 
 def check(**workpump: Any) -> list[CheckMessage]:
@@ -513,13 +517,15 @@ def test_database_alias_must_be_a_string():
 
 @pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
 def test_database_alias_must_be_postgresql():
+    # The engine is a real backend, of another vendor: not merely a name that fails to import.
+    assert import_module(f"{SQLITE['ENGINE']}.base").DatabaseWrapper.vendor == "sqlite"
     databases = {**settings.DATABASES, "legacy": SQLITE}
     with override_settings(DATABASES=databases, WORKPUMP={"DATABASE_ALIAS": "legacy"}):
         messages = run_checks(tags=["workpump"])
     assert messages == [
         Error(
             "WORKPUMP['DATABASE_ALIAS'] ('legacy') must name a PostgreSQL database, "
-            "not 'django.db.backends.sqlite3'.",
+            f"not {SQLITE['ENGINE']!r}.",
             hint=(
                 "Point DATABASE_ALIAS at a database whose ENGINE is "
                 "'django.db.backends.postgresql'."

@@ -1,9 +1,11 @@
-"""The package's import structure: no module-level import cycle, and a light top level.
+"""The import structure of the package and of the benchmarks: no import cycle, and a
+light top level.
 
-``import django_workpump`` is what every project that uses the producer pays for; it must
-not load the engine (``django_workpump.pump``). Imports under ``if TYPE_CHECKING:`` count
-as module level here (a type-only cycle still ties the modules together); imports inside
-functions do not.
+An import counts wherever it stands: at module level, under ``if TYPE_CHECKING:`` (a
+type-only cycle still ties the modules together) or inside a function (a cycle that a
+function-level import closes is still a cycle: it only shows later). ``bench/`` is checked
+beside the package. ``import django_workpump`` is what every project that uses the
+producer pays for; it must not load the engine (``django_workpump.pump``).
 """
 
 from __future__ import annotations
@@ -14,49 +16,41 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import django_workpump
 
 PACKAGE = Path(django_workpump.__file__).parent
-NAME = "django_workpump"
+# The benchmarks: a package at the repository's root, beside django_workpump.
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+PACKAGES = (PACKAGE, BENCH)
 
 
-def _modules() -> dict[str, tuple[Path, bool]]:
+def _modules(packages: tuple[Path, ...] = PACKAGES) -> dict[str, tuple[Path, bool]]:
     modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        if is_package:
-            parts.pop()
-        modules[".".join(parts)] = (path, is_package)
+    for package in packages:
+        for path in package.rglob("*.py"):
+            parts = list(path.relative_to(package.parent).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts.pop()
+            modules[".".join(parts)] = (path, is_package)
     return modules
 
 
-def _module_level(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
-    """The imports a module runs (or names for type checking) outside any function."""
-    found: list[ast.Import | ast.ImportFrom] = []
-    for node in body:
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append(node)
-        elif isinstance(node, ast.If):
-            found += _module_level(node.body) + _module_level(node.orelse)
-        elif isinstance(node, ast.Try):
-            found += _module_level(node.body) + _module_level(node.orelse)
-            found += _module_level(node.finalbody)
-            for handler in node.handlers:
-                found += _module_level(handler.body)
-        elif isinstance(node, ast.With):
-            found += _module_level(node.body)
-    return found
+def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import of a module, at any depth: module level, under ``if``, in functions."""
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Each module of the package -> the package modules it imports at module level."""
-    modules = _modules()
+def import_graph(packages: tuple[Path, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Each module of ``packages`` -> the modules of ``packages`` it imports anywhere."""
+    modules = _modules(packages)
     graph: dict[str, set[str]] = {}
     for name, (path, is_package) in modules.items():
         here = name.split(".") if is_package else name.split(".")[:-1]
         targets: set[str] = set()
-        for node in _module_level(ast.parse(path.read_text(encoding="utf-8")).body):
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
                 continue
@@ -109,6 +103,11 @@ def test_the_graph_sees_every_import_form():
     assert "django_workpump.pump.dispatch" in graph["django_workpump.pump.supervisor"]
     # A type-only import counts: it is a module-level edge too.
     assert "django_workpump.db" in graph["django_workpump.metrics"]
+    # So does an import inside a function (waiting connects as the pump's gate does).
+    assert "django_workpump.pump.supervisor" in graph["django_workpump.waiting"]
+    # The benchmarks are read too, with their imports inside functions.
+    assert "bench.harness" in graph["bench.suite"]
+    assert "bench.console_overhead" in graph["bench.suite"]
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -116,9 +115,38 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_the_package_has_no_import_cycle():
-    cycle = find_cycle(import_graph())
+def test_an_import_inside_a_function_closes_a_cycle(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "low.py").write_text("def f():\n    from pkg.high import g\n\n    return g\n")
+    (package / "high.py").write_text("from pkg import low\n\n\ndef g():\n    return low\n")
+    cycle = find_cycle(import_graph((package,)))
+    assert cycle == ["pkg.high", "pkg.low", "pkg.high"]
+
+
+@pytest.mark.parametrize("package", [PACKAGE, BENCH], ids=lambda path: path.name)
+def test_no_import_cycle(package):
+    graph = {
+        module: {t for t in targets if t.partition(".")[0] == package.name}
+        for module, targets in import_graph().items()
+        if module.partition(".")[0] == package.name
+    }
+    assert graph, f"no module read under {package}"
+    cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or ())
+
+
+def test_the_package_does_not_import_the_benchmarks():
+    # So no cycle can run through both: the two checks above see them all.
+    taken = {
+        (module, t)
+        for module, targets in import_graph().items()
+        if module.partition(".")[0] == PACKAGE.name
+        for t in targets
+        if t.partition(".")[0] == BENCH.name
+    }
+    assert taken == set()
 
 
 def test_work_is_a_leaf_module():
@@ -149,7 +177,7 @@ MAX_MODULE_LINES = 800
 def test_no_module_is_longer_than_a_reader_can_hold():
     long = {
         name: lines
-        for name, (path, _) in _modules().items()
+        for name, (path, _) in _modules((PACKAGE,)).items()
         if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}

@@ -65,6 +65,15 @@ def test_each_slot_enqueues_the_task_once_and_the_pump_runs_it(pump):
     assert all(row.done_at is not None for row in task_rows)
 
 
+def test_a_task_of_another_backend_is_enqueued_outside_the_rows_completion():
+    workpump.periodic(
+        "tasks.tick", every=timedelta(minutes=1), task=task_funcs.on_slot.using(backend="inline")
+    )
+    handler = registry.get("outbox", "tasks.tick")
+    # Only the work pump's backend writes its row in the caller's transaction.
+    assert handler is not None and not handler.atomic
+
+
 def test_a_task_that_cannot_take_the_slot_is_refused_at_declaration():
     with pytest.raises(InvalidSchedule, match=r"add a 'slot' parameter \(or \*\*kwargs\)"):
         workpump.periodic("tasks.tick", every=timedelta(minutes=1), task=task_funcs.record)
