@@ -654,8 +654,9 @@ class Subscription(models.Model):
 
 
 # -- the admin console's per-minute series (docs/console.md) ------------------------------
-# Written only by SQL: the work tables' counting trigger (ConsoleCount) and the
-# maintenance worker's sample (the rest); read by the console's pages through db.console.
+# Written only by SQL: the work tables' counting trigger (ConsoleCount, ConsoleTotal) and
+# the maintenance worker's sample (the rest; ConsoleRollup is folded from ConsoleCount);
+# read by the console's pages through db.console.
 
 
 class ConsoleCount(models.Model):
@@ -673,6 +674,44 @@ class ConsoleCount(models.Model):
 
     class Meta:
         db_table = "workpump_console_count"
+
+    def __str__(self) -> str:
+        return f"{self.minute} {self.category} {self.topic} {self.outcome}: {self.n}"
+
+
+class ConsoleTotal(models.Model):
+    """ConsoleCount summed over categories and topics: per minute, outcome and instance,
+    so the console's whole-pump charts read a few rows a minute, not one per topic."""
+
+    pk = models.CompositePrimaryKey("minute", "outcome", "instance_id")
+    minute = models.DateTimeField()
+    outcome = models.TextField()
+    instance_id = models.UUIDField()
+    n = models.BigIntegerField()
+    latency = IntegerArrayField(null=True)
+
+    class Meta:
+        db_table = "workpump_console_total"
+
+    def __str__(self) -> str:
+        return f"{self.minute} {self.outcome}: {self.n}"
+
+
+class ConsoleRollup(models.Model):
+    """ConsoleCount in 10-minute buckets, summed over instances (``minute``: the bucket's
+    first), folded by the sampler once a bucket is complete: the day window reads a
+    sixth of the rows per topic that it would read a minute at a time."""
+
+    pk = models.CompositePrimaryKey("minute", "category", "topic", "outcome")
+    minute = models.DateTimeField()
+    category = models.TextField()
+    topic = models.TextField()
+    outcome = models.TextField()
+    n = models.BigIntegerField()
+    latency = IntegerArrayField(null=True)
+
+    class Meta:
+        db_table = "workpump_console_rollup"
 
     def __str__(self) -> str:
         return f"{self.minute} {self.category} {self.topic} {self.outcome}: {self.n}"
@@ -721,6 +760,8 @@ class ConsoleSample(models.Model):
 
     minute = models.DateTimeField(primary_key=True)
     taken_at = models.DateTimeField()
+    # the rollup holds every bucket before this (the fold of this sample)
+    folded_until = models.DateTimeField(null=True)
 
     class Meta:
         db_table = "workpump_console_sample"

@@ -36,6 +36,7 @@ SQL_DIR = PACKAGE / "sql"
 NO_SEARCH_PATH = {
     "console_latency_bounds",  # inlined into the console's counting trigger
     "console_finite",  # likewise
+    "console_latency_sum",  # adds two histograms, in the trigger's upserts
     "any_topic_chosen",  # inlined into claim_work
     "claim_topics",  # likewise
     "partition_of",

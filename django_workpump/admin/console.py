@@ -132,7 +132,7 @@ def _outcome_chart(
 def _latency_chart(chart_id: str, g: data.Grid, **filters: Any) -> Any:
     using = pump_database()
     bounds = series.console_clock(using=using)["bounds"]
-    rows = series.console_latency(g.since, g.until, using=using, **filters)
+    rows = series.console_latency(g.since, g.until, step=g.step, using=using, **filters)
     quantiles = data.latency_quantiles(rows, g, bounds)
     lines = [Line("p50", quantiles[0.5]), Line("p95", quantiles[0.95], colour="#c23030")]
     return line_chart(chart_id, "Pickup latency (seconds, from due to claimed)", g.points, lines)
@@ -170,24 +170,24 @@ def overview(request: HttpRequest) -> dict[str, Any]:
             "throughput-hour",
             "Throughput, last hour (per minute)",
             hour,
-            series.console_outcomes(hour.since, hour.until, using=using),
+            series.console_outcomes(hour.since, hour.until, step=hour.step, using=using),
             data.OUTCOMES,
         ),
         _outcome_chart(
             "throughput-day",
             "Throughput, last day (per minute, 10-minute means)",
             day,
-            series.console_outcomes(day.since, day.until, using=using),
+            series.console_outcomes(day.since, day.until, step=day.step, using=using),
             data.OUTCOMES,
         ),
     ]
-    topics = series.console_topics(g.since, g.until, limit=MAX_TOPICS, using=using)
+    topics = series.console_topics(g.since, g.until, step=g.step, limit=MAX_TOPICS, using=using)
     for t in topics:
         t["url"] = topic_url(t["category"], t["topic"], window)
         t["rows_url"] = rows_url(t["category"], topic=t["topic"])
     busiest = topics[:MAX_LINES]
     per_topic = series.console_topic_outcomes(
-        g.since, g.until, [(t["category"], t["topic"]) for t in busiest], using=using
+        g.since, g.until, [(t["category"], t["topic"]) for t in busiest], step=g.step, using=using
     )
     for outcome, title in (("done", "Done per topic"), ("failed", "Failed (to retry) per topic")):
         lines = []
@@ -244,7 +244,9 @@ def topic_page(request: HttpRequest) -> dict[str, Any]:
         raise Http404("The console's topic page needs ?category= (one of the four) and ?topic=.")
     window, g = _window(request)
     using = pump_database()
-    rows = series.console_outcomes(g.since, g.until, category=category, topic=topic, using=using)
+    rows = series.console_outcomes(
+        g.since, g.until, step=g.step, category=category, topic=topic, using=using
+    )
     outcomes = ("claimed", *data.OUTCOMES)
     charts = [
         _outcome_chart("outcomes", "Claimed, done, failed, dead (per minute)", g, rows, outcomes),
@@ -279,7 +281,9 @@ def topic_page(request: HttpRequest) -> dict[str, Any]:
 def instance_page(request: HttpRequest, instance_id: UUID) -> dict[str, Any]:
     window, g = _window(request)
     using = pump_database()
-    rows = series.console_outcomes(g.since, g.until, instance_id=instance_id, using=using)
+    rows = series.console_outcomes(
+        g.since, g.until, step=g.step, instance_id=instance_id, using=using
+    )
     outcomes = ("claimed", "done", "failed", "renewed")
     samples = series.console_instances(g.since, g.until, instance_id=instance_id, using=using)
     charts = [

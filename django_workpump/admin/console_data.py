@@ -54,9 +54,12 @@ def window_name(requested: str | None) -> str:
 
 
 def grid(window: str, now: datetime) -> Grid:
-    """The grid of ``window`` up to the minute before ``now`` (a minute's start)."""
+    """The grid of ``window`` up to the minute before ``now`` (a minute's start). Points
+    of several minutes start at UTC multiples of their length, as the database bins them
+    (and as the rollup's 10-minute buckets are), so the last point is the last whole one."""
     minutes, step = WINDOWS[window_name(window)]
-    return Grid(end=now - timedelta(minutes=1), minutes=minutes, step=step, until=now)
+    into_point = timedelta(seconds=int(now.timestamp()) % (step * 60))
+    return Grid(end=now - into_point - timedelta(minutes=1), minutes=minutes, step=step, until=now)
 
 
 def rates(

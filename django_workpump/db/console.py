@@ -11,9 +11,20 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from django_workpump.db.queries import fetch_named
+from django_workpump.db.queries import fetch_named, fetch_sql
+from django_workpump.sql import named_queries
 
 QUERIES = "console.sql"
+
+
+def _counts(name: str, params: dict[str, Any], using: str | None) -> list[dict[str, Any]]:
+    """Query ``name``, with its ``{counts}`` read a minute at a time (a step of 1) or in
+    bins of ``params["step"]`` minutes (the rollup where it is folded). Its minutes are
+    finite by its own filters, so no slow loader for the rare time Python cannot hold."""
+    queries = named_queries(QUERIES)
+    part = queries["counts_by_minute" if params["step"] == 1 else "counts_binned"]
+    sql = queries[name].replace("{counts}", part)
+    return fetch_sql(sql, params, using=using, readable_times=False)
 
 
 def _one(name: str, params: dict[str, Any], using: str | None) -> Any:
@@ -60,18 +71,46 @@ def _window(
     }
 
 
-def console_outcomes(
-    since: datetime, until: datetime, *, using: str | None = None, **filters: Any
+def _series(
+    name: str,
+    since: datetime,
+    until: datetime,
+    step: int,
+    using: str | None,
+    filters: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Rows (minute, outcome, n); filters: category, topic, instance_id."""
-    return fetch_named(QUERIES, "console_outcomes", _window(since, until, **filters), using=using)
+    """Query ``console_total_<name>`` (a few rows a minute, not one per topic; by
+    instance too) without a topic, else ``console_<name>`` of that one topic."""
+    params = _window(since, until, **filters)
+    category, topic, instance_id = params["category"], params["topic"], params["instance_id"]
+    if category is None and topic is None:
+        total = {"since": since, "until": until, "step": step, "instance_id": instance_id}
+        query = named_queries(QUERIES)[f"console_total_{name}"]
+        return fetch_sql(query, total, using=using, readable_times=False)
+    if category is None or topic is None or instance_id is not None:
+        raise ValueError(
+            f"console_{name} reads one topic (a category and a topic) or every topic (by"
+            f" instance too), not category={category!r}, topic={topic!r},"
+            f" instance_id={instance_id!r}."
+        )
+    one = {"since": since, "until": until, "step": step, "category": category, "topic": topic}
+    return _counts(f"console_{name}", one, using)
+
+
+def console_outcomes(
+    since: datetime, until: datetime, *, step: int = 1, using: str | None = None, **filters: Any
+) -> list[dict[str, Any]]:
+    """Rows (minute, outcome, n) per bin of ``step`` minutes (its first minute); filters:
+    category and topic, or instance_id."""
+    return _series("outcomes", since, until, step, using, filters)
 
 
 def console_latency(
-    since: datetime, until: datetime, *, using: str | None = None, **filters: Any
+    since: datetime, until: datetime, *, step: int = 1, using: str | None = None, **filters: Any
 ) -> list[dict[str, Any]]:
-    """Rows (minute, bucket, n) of claims; filters: category, topic, instance_id."""
-    return fetch_named(QUERIES, "console_latency", _window(since, until, **filters), using=using)
+    """Rows (minute, bucket, n) of claims per bin of ``step`` minutes; filters: category
+    and topic, or instance_id."""
+    return _series("latency", since, until, step, using, filters)
 
 
 def console_backlog(
@@ -83,7 +122,10 @@ def console_backlog(
     using: str | None = None,
 ) -> list[dict[str, Any]]:
     params = {"since": since, "until": until, "category": category, "topic": topic}
-    return fetch_named(QUERIES, "console_backlog", params, using=using)
+    # finite minutes by its own filter: no slow loader
+    return fetch_sql(
+        named_queries(QUERIES)["console_backlog"], params, using=using, readable_times=False
+    )
 
 
 def console_instances(
@@ -94,14 +136,23 @@ def console_instances(
     using: str | None = None,
 ) -> list[dict[str, Any]]:
     params = {"since": since, "until": until, "instance_id": instance_id}
-    return fetch_named(QUERIES, "console_instances", params, using=using)
+    # finite minutes by its own filter: no slow loader
+    return fetch_sql(
+        named_queries(QUERIES)["console_instances"], params, using=using, readable_times=False
+    )
 
 
 def console_topics(
-    since: datetime, until: datetime, *, limit: int = 50, using: str | None = None
+    since: datetime,
+    until: datetime,
+    *,
+    step: int = 1,
+    limit: int = 50,
+    using: str | None = None,
 ) -> list[dict[str, Any]]:
-    params = {"since": since, "until": until, "limit": limit}
-    return fetch_named(QUERIES, "console_topics", params, using=using)
+    """The busiest topics (a ``step`` of 10 minutes or more reads the rollup)."""
+    params = {"since": since, "until": until, "step": step, "limit": limit}
+    return _counts("console_topics", params, using)
 
 
 def console_topic_outcomes(
@@ -109,15 +160,17 @@ def console_topic_outcomes(
     until: datetime,
     topics: list[tuple[str, str]],
     *,
+    step: int = 1,
     using: str | None = None,
 ) -> list[dict[str, Any]]:
     params = {
         "since": since,
         "until": until,
+        "step": step,
         "categories": [category for category, _ in topics],
         "topics": [topic for _, topic in topics],
     }
-    return fetch_named(QUERIES, "console_topic_outcomes", params, using=using)
+    return _counts("console_topic_outcomes", params, using)
 
 
 def console_failures(

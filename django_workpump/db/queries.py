@@ -107,9 +107,25 @@ def fetch_named(
     path: str, name: str, params: dict[str, Any] | None = None, *, using: str | None = None
 ) -> list[dict[str, Any]]:
     """Run query ``name`` of ``sql/<path>`` (a read-only report query); rows as dicts."""
+    return fetch_sql(named_queries(path)[name], params, using=using)
+
+
+def fetch_sql(
+    sql: str,
+    params: dict[str, Any] | None = None,
+    *,
+    using: str | None = None,
+    readable_times: bool = True,
+) -> list[dict[str, Any]]:
+    """Run ``sql`` (a named query, or one put together from named parts); rows as dicts.
+
+    A time Python cannot hold reads as a ``StoredTime``; ``readable_times=False`` skips
+    that slower loader, for a query whose times are all finite by its own filters.
+    """
     with connections[_alias(using)].cursor() as cursor:
-        _readable_times(cursor.cursor.adapters)
-        cursor.execute(named_queries(path)[name], params or {})
+        if readable_times:
+            _readable_times(cursor.cursor.adapters)
+        cursor.execute(sql, params or {})
         columns = [column.name for column in cursor.description]
         return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
 

@@ -338,6 +338,35 @@ class Migration(migrations.Migration):
             },
         ),
         migrations.CreateModel(
+            name='ConsoleRollup',
+            fields=[
+                ('pk', models.CompositePrimaryKey('minute', 'category', 'topic', 'outcome', blank=True, editable=False, primary_key=True, serialize=False)),
+                ('minute', models.DateTimeField()),
+                ('category', models.TextField()),
+                ('topic', models.TextField()),
+                ('outcome', models.TextField()),
+                ('n', models.BigIntegerField()),
+                ('latency', django_workpump.fields.IntegerArrayField(null=True)),
+            ],
+            options={
+                'db_table': 'workpump_console_rollup',
+            },
+        ),
+        migrations.CreateModel(
+            name='ConsoleTotal',
+            fields=[
+                ('pk', models.CompositePrimaryKey('minute', 'outcome', 'instance_id', blank=True, editable=False, primary_key=True, serialize=False)),
+                ('minute', models.DateTimeField()),
+                ('outcome', models.TextField()),
+                ('instance_id', models.UUIDField()),
+                ('n', models.BigIntegerField()),
+                ('latency', django_workpump.fields.IntegerArrayField(null=True)),
+            ],
+            options={
+                'db_table': 'workpump_console_total',
+            },
+        ),
+        migrations.CreateModel(
             name='ConsoleInstance',
             fields=[
                 ('pk', models.CompositePrimaryKey('minute', 'instance_id', blank=True, editable=False, primary_key=True, serialize=False)),
@@ -358,6 +387,7 @@ class Migration(migrations.Migration):
             fields=[
                 ('minute', models.DateTimeField(primary_key=True, serialize=False)),
                 ('taken_at', models.DateTimeField()),
+                ('folded_until', models.DateTimeField(null=True)),
             ],
             options={
                 'db_table': 'workpump_console_sample',

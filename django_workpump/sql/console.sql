@@ -18,23 +18,42 @@ SELECT workpump.console_counting(%(on)s) AS counting
 SELECT date_trunc('minute', coalesce(%(now)s::timestamptz, now())) AS minute,
        workpump.console_latency_bounds() AS bounds
 
+-- name: counts_by_minute
+-- A part, {counts} in the queries below with a step of one minute: the counters of
+-- [since, until], a row per minute, topic, outcome and instance.
+(SELECT c.minute, c.category, c.topic, c.outcome, c.n, c.latency
+ FROM workpump_console_count c
+ WHERE c.minute >= %(since)s AND c.minute <= %(until)s AND isfinite(c.minute))
+
+-- name: counts_binned
+-- A part, {counts} in the queries below with a step of several minutes: the counters
+-- in bins of %(step)s minutes (the rollup where it is folded).
+workpump.console_counts(%(since)s, %(until)s, %(step)s)
+
 -- name: console_outcomes
--- Counts per minute and outcome in [since, until].
+-- Counts per bin and outcome in [since, until], of one topic.
 SELECT c.minute, c.outcome, sum(c.n)::bigint AS n
-FROM workpump_console_count c
-WHERE c.minute >= %(since)s AND c.minute <= %(until)s
-  AND (%(category)s::text IS NULL OR c.category = %(category)s)
-  AND (%(topic)s::text IS NULL OR c.topic = %(topic)s)
+FROM {counts} c
+WHERE c.category = %(category)s AND c.topic = %(topic)s
+GROUP BY 1, 2
+ORDER BY 1, 2
+
+-- name: console_total_outcomes
+-- Counts per bin of %(step)s minutes and outcome in [since, until], of every topic (the
+-- totals).
+SELECT date_bin(make_interval(mins => %(step)s), c.minute, '2000-01-01 00:00:00+00') AS minute,
+       c.outcome, sum(c.n)::bigint AS n
+FROM workpump_console_total c
+WHERE c.minute >= %(since)s AND c.minute <= %(until)s AND isfinite(c.minute)
   AND (%(instance_id)s::uuid IS NULL OR c.instance_id = %(instance_id)s)
 GROUP BY 1, 2
 ORDER BY 1, 2
 
 -- name: console_topic_outcomes
--- Counts per minute, topic and outcome in [since, until], for the topics asked for.
+-- Counts per bin, topic and outcome in [since, until], for the topics asked for.
 SELECT c.minute, c.category, c.topic, c.outcome, sum(c.n)::bigint AS n
-FROM workpump_console_count c
-WHERE c.minute >= %(since)s AND c.minute <= %(until)s
-  AND (c.category, c.topic) IN (SELECT * FROM unnest(%(categories)s::text[], %(topics)s::text[]))
+FROM {counts} c
+WHERE (c.category, c.topic) IN (SELECT * FROM unnest(%(categories)s::text[], %(topics)s::text[]))
   AND c.outcome IN ('done', 'failed', 'dead')
 GROUP BY 1, 2, 3, 4
 ORDER BY 1
@@ -46,22 +65,31 @@ SELECT c.category, c.topic,
        coalesce(sum(c.n) FILTER (WHERE c.outcome = 'failed'), 0)::bigint AS failed,
        coalesce(sum(c.n) FILTER (WHERE c.outcome = 'dead'), 0)::bigint AS dead,
        coalesce(sum(c.n) FILTER (WHERE c.outcome = 'claimed'), 0)::bigint AS claimed
-FROM workpump_console_count c
-WHERE c.minute >= %(since)s AND c.minute <= %(until)s
-  AND c.outcome IN ('done', 'failed', 'dead', 'claimed')
+FROM {counts} c
+WHERE c.outcome IN ('done', 'failed', 'dead', 'claimed')
 GROUP BY 1, 2
 ORDER BY sum(c.n) FILTER (WHERE c.outcome IN ('done', 'failed', 'dead')) DESC NULLS LAST,
          1, 2
 LIMIT %(limit)s
 
 -- name: console_latency
--- Claims per minute and pickup-latency bucket (1-based) in [since, until].
+-- Claims per bin and pickup-latency bucket (1-based) in [since, until], of one topic.
 SELECT c.minute, u.bucket::integer AS bucket, sum(u.rows)::bigint AS n
-FROM workpump_console_count c
+FROM {counts} c
 CROSS JOIN LATERAL unnest(c.latency) WITH ORDINALITY AS u(rows, bucket)
-WHERE c.minute >= %(since)s AND c.minute <= %(until)s AND c.outcome = 'claimed'
-  AND (%(category)s::text IS NULL OR c.category = %(category)s)
-  AND (%(topic)s::text IS NULL OR c.topic = %(topic)s)
+WHERE c.outcome = 'claimed' AND c.category = %(category)s AND c.topic = %(topic)s
+GROUP BY 1, 2
+ORDER BY 1, 2
+
+-- name: console_total_latency
+-- Claims per bin of %(step)s minutes and pickup-latency bucket (1-based) in [since,
+-- until], of every topic.
+SELECT date_bin(make_interval(mins => %(step)s), c.minute, '2000-01-01 00:00:00+00') AS minute,
+       u.bucket::integer AS bucket, sum(u.rows)::bigint AS n
+FROM workpump_console_total c
+CROSS JOIN LATERAL unnest(c.latency) WITH ORDINALITY AS u(rows, bucket)
+WHERE c.minute >= %(since)s AND c.minute <= %(until)s AND isfinite(c.minute)
+  AND c.outcome = 'claimed'
   AND (%(instance_id)s::uuid IS NULL OR c.instance_id = %(instance_id)s)
 GROUP BY 1, 2
 ORDER BY 1, 2
@@ -71,7 +99,7 @@ ORDER BY 1, 2
 SELECT b.minute, sum(b.pending)::bigint AS pending, sum(b.scheduled)::bigint AS scheduled,
        sum(b.leased)::bigint AS leased, max(b.oldest_pending_seconds) AS oldest_pending_seconds
 FROM workpump_console_backlog b
-WHERE b.minute >= %(since)s AND b.minute <= %(until)s
+WHERE b.minute >= %(since)s AND b.minute <= %(until)s AND isfinite(b.minute)
   AND (%(category)s::text IS NULL OR b.category = %(category)s)
   AND (%(topic)s::text IS NULL OR b.topic = %(topic)s)
 GROUP BY 1
@@ -82,7 +110,7 @@ ORDER BY 1
 SELECT i.minute, i.instance_id, i.service_name, i.host_name, i.process_id,
        i.heartbeat_age_seconds, i.in_flight
 FROM workpump_console_instance i
-WHERE i.minute >= %(since)s AND i.minute <= %(until)s
+WHERE i.minute >= %(since)s AND i.minute <= %(until)s AND isfinite(i.minute)
   AND (%(instance_id)s::uuid IS NULL OR i.instance_id = %(instance_id)s)
 ORDER BY 1, 2
 

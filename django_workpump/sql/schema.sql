@@ -4236,14 +4236,15 @@ $$;
 -- The console's time series
 -- --------------------------------------------------------------------------------------
 -- Per-minute numbers that the admin's console charts (docs/console.md), in the tables of
--- the models ConsoleCount, ConsoleBacklog, ConsoleInstance and ConsoleSample, written and
--- purged only by the functions below.
+-- the models ConsoleCount, ConsoleTotal, ConsoleRollup, ConsoleBacklog, ConsoleInstance
+-- and ConsoleSample, written and purged only by the functions below.
 --
--- Counters (workpump_console_count) are written by a statement-level trigger on each
--- work table: one upsert per UPDATE statement (a claim, a flush of outcomes, a renewal,
--- an operator's action), never a statement per row, in the transaction of the change
+-- Counters (workpump_console_count per topic; workpump_console_total, the same summed
+-- over topics, for the whole pump's charts) are written by a statement-level trigger on
+-- each work table: one statement of two upserts per UPDATE statement (a claim, a flush of
+-- outcomes, a renewal, an operator's action), never one per row, in the transaction of the change
 -- itself, so a rolled-back flush counts nothing and a restart cannot count twice. Each
--- instance writes counter rows of its own (instance_id is in the key), so peers never
+-- instance writes counter rows of its own (instance_id is in both keys), so peers never
 -- wait on each other's. Gauges (backlog and oldest pending age per topic, instances with
 -- their heartbeat age and in-flight rows) are sampled once a minute by the maintenance
 -- worker (console_sample).
@@ -4252,6 +4253,16 @@ $$;
 CREATE FUNCTION workpump.console_latency_bounds() RETURNS double precision[]
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 RETURN '{0.1,0.5,1,2,5,10,30,60,300}'::double precision[];
+
+-- Two latency histograms added bucket by bucket (NULL: none yet).
+CREATE FUNCTION workpump.console_latency_sum(p_a integer[], p_b integer[]) RETURNS integer[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE
+    WHEN p_b IS NULL THEN p_a
+    WHEN p_a IS NULL THEN p_b
+    ELSE ARRAY(SELECT coalesce(u.a, 0) + coalesce(u.b, 0)
+               FROM unnest(p_a, p_b) WITH ORDINALITY u(a, b, i)
+               ORDER BY u.i) END;
 
 -- p_at, or now() where it is NULL or not finite: a stored time anyone with table access
 -- may have written ('infinity') counts at the minute of the change.
@@ -4316,27 +4327,43 @@ BEGIN
         -- bucket b holds [bounds[b - 1], bounds[b]): 1 to 10 for the 9 bounds
         SELECT e.*, width_bucket(e.latency, workpump.console_latency_bounds()) + 1 AS b
         FROM events e
+    ), grouped AS (
+        -- the statement's counts per minute, topic, outcome and instance
+        SELECT date_trunc('minute', e.at) AS minute, e.topic, e.outcome, e.instance_id,
+               count(*) AS n,
+               CASE WHEN e.outcome = 'claimed' THEN ARRAY[
+                   count(*) FILTER (WHERE e.b = 1), count(*) FILTER (WHERE e.b = 2),
+                   count(*) FILTER (WHERE e.b = 3), count(*) FILTER (WHERE e.b = 4),
+                   count(*) FILTER (WHERE e.b = 5), count(*) FILTER (WHERE e.b = 6),
+                   count(*) FILTER (WHERE e.b = 7), count(*) FILTER (WHERE e.b = 8),
+                   count(*) FILTER (WHERE e.b = 9), count(*) FILTER (WHERE e.b = 10)]::integer[]
+               END AS latency
+        FROM bucketed e
+        GROUP BY 1, 2, 3, 4
+    ), counted AS (
+        -- per topic; rows locked in one order by every writer (then the totals, below)
+        INSERT INTO workpump_console_count AS c
+            (minute, category, topic, outcome, instance_id, n, latency)
+        SELECT g.minute, TG_ARGV[0], g.topic, g.outcome, g.instance_id, g.n, g.latency
+        FROM grouped g
+        ORDER BY 1, 3, 4, 5
+        ON CONFLICT (minute, category, topic, outcome, instance_id) DO UPDATE
+        SET n = c.n + excluded.n,
+            latency = workpump.console_latency_sum(c.latency, excluded.latency)
     )
-    INSERT INTO workpump_console_count AS c
-        (minute, category, topic, outcome, instance_id, n, latency)
-    SELECT date_trunc('minute', e.at), TG_ARGV[0], e.topic, e.outcome, e.instance_id, count(*),
-           CASE WHEN e.outcome = 'claimed' THEN ARRAY[
-               count(*) FILTER (WHERE e.b = 1), count(*) FILTER (WHERE e.b = 2),
-               count(*) FILTER (WHERE e.b = 3), count(*) FILTER (WHERE e.b = 4),
-               count(*) FILTER (WHERE e.b = 5), count(*) FILTER (WHERE e.b = 6),
-               count(*) FILTER (WHERE e.b = 7), count(*) FILTER (WHERE e.b = 8),
-               count(*) FILTER (WHERE e.b = 9), count(*) FILTER (WHERE e.b = 10)]::integer[] END
-    FROM bucketed e
-    GROUP BY 1, 3, 4, 5
-    ORDER BY 1, 3, 4, 5  -- one lock order for every writer of the same rows
-    ON CONFLICT (minute, category, topic, outcome, instance_id) DO UPDATE
-    SET n = c.n + excluded.n,
-        latency = CASE
-            WHEN excluded.latency IS NULL THEN c.latency
-            WHEN c.latency IS NULL THEN excluded.latency
-            ELSE ARRAY(SELECT coalesce(u.a, 0) + coalesce(u.b, 0)
-                       FROM unnest(c.latency, excluded.latency) WITH ORDINALITY u(a, b, i)
-                       ORDER BY u.i) END;
+    -- the same summed over topics: the whole pump's charts read these few rows a minute
+    INSERT INTO workpump_console_total AS t (minute, outcome, instance_id, n, latency)
+    SELECT g.minute, g.outcome, g.instance_id, sum(g.n),
+           CASE WHEN g.outcome = 'claimed' THEN ARRAY[
+               sum(g.latency[1]), sum(g.latency[2]), sum(g.latency[3]), sum(g.latency[4]),
+               sum(g.latency[5]), sum(g.latency[6]), sum(g.latency[7]), sum(g.latency[8]),
+               sum(g.latency[9]), sum(g.latency[10])]::integer[] END
+    FROM grouped g
+    GROUP BY 1, 2, 3
+    ORDER BY 1, 2, 3
+    ON CONFLICT (minute, outcome, instance_id) DO UPDATE
+    SET n = t.n + excluded.n,
+        latency = workpump.console_latency_sum(t.latency, excluded.latency);
     RETURN NULL;
 END
 $$;
@@ -4378,9 +4405,82 @@ BEGIN
 END
 $$;
 
+-- Fold the counters of complete 10-minute buckets into workpump_console_rollup (summed
+-- over instances), from where the last fold stopped up to the bucket that ended 2
+-- minutes before p_now (a grace for flushes that commit after their minute), at most 6
+-- hours a call so a long gap catches up over several samples. Returns where it stopped:
+-- the rollup holds every bucket before it. Refolding a bucket replaces its sums.
+CREATE FUNCTION workpump.console_fold(p_now timestamptz) RETURNS timestamptz
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_origin CONSTANT timestamptz := '2000-01-01 00:00:00+00';
+    v_from timestamptz;
+    v_to timestamptz := date_bin('10 minutes', p_now - interval '2 minutes', v_origin);
+BEGIN
+    SELECT s.folded_until INTO v_from
+    FROM workpump_console_sample s
+    WHERE s.folded_until IS NOT NULL AND isfinite(s.folded_until)
+    ORDER BY s.minute DESC LIMIT 1;
+    IF v_from IS NULL THEN  -- the first fold: from the oldest counter
+        v_from := date_bin('10 minutes', coalesce(
+            (SELECT min(c.minute) FROM workpump_console_count c WHERE isfinite(c.minute)),
+            v_to), v_origin);
+    END IF;
+    v_to := least(v_to, v_from + interval '6 hours');
+    IF v_to <= v_from THEN
+        RETURN v_from;
+    END IF;
+    INSERT INTO workpump_console_rollup AS r (minute, category, topic, outcome, n, latency)
+    SELECT date_bin('10 minutes', c.minute, v_origin), c.category, c.topic, c.outcome, sum(c.n),
+           CASE WHEN c.outcome = 'claimed' THEN ARRAY[
+               sum(c.latency[1]), sum(c.latency[2]), sum(c.latency[3]), sum(c.latency[4]),
+               sum(c.latency[5]), sum(c.latency[6]), sum(c.latency[7]), sum(c.latency[8]),
+               sum(c.latency[9]), sum(c.latency[10])]::integer[] END
+    FROM workpump_console_count c
+    WHERE c.minute >= v_from AND c.minute < v_to
+    GROUP BY 1, 2, 3, 4
+    ON CONFLICT (minute, category, topic, outcome) DO UPDATE
+    SET n = excluded.n, latency = excluded.latency;
+    RETURN v_to;
+END
+$$;
+
+-- The counters in [p_since, p_until] in bins of p_step minutes (each bin's first minute,
+-- from 2000-01-01 UTC: a 10-minute bin is a rollup bucket), a row per bin, topic,
+-- outcome and instance (callers sum). A step of a multiple of 10 minutes reads the
+-- rollup where it has been folded (a row per topic there), and the counters after. A
+-- minute that is not finite (written through SQL) is left out.
+CREATE FUNCTION workpump.console_counts(p_since timestamptz, p_until timestamptz, p_step integer)
+RETURNS TABLE (minute timestamptz, category text, topic text, outcome text, n bigint,
+               latency integer[])
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    WITH folded AS (
+        SELECT CASE WHEN p_step % 10 = 0 THEN coalesce(
+                   (SELECT s.folded_until FROM workpump_console_sample s
+                    WHERE s.folded_until IS NOT NULL AND isfinite(s.folded_until)
+                    ORDER BY s.minute DESC LIMIT 1), '-infinity')
+               ELSE '-infinity'::timestamptz END AS until
+    )
+    SELECT date_bin(make_interval(mins => p_step), r.minute, '2000-01-01 00:00:00+00'),
+           r.category, r.topic, r.outcome, r.n, r.latency
+    FROM workpump_console_rollup r, folded f
+    WHERE r.minute >= p_since AND r.minute <= p_until AND r.minute < f.until
+    UNION ALL
+    SELECT date_bin(make_interval(mins => p_step), c.minute, '2000-01-01 00:00:00+00'),
+           c.category, c.topic, c.outcome, c.n, c.latency
+    FROM workpump_console_count c, folded f
+    WHERE c.minute >= p_since AND c.minute >= f.until AND c.minute <= p_until
+      AND isfinite(c.minute)
+$$;
+
 -- Sample the gauges of the minute of p_now, once: per topic the rows waiting (pending,
 -- scheduled), leased, and the age of the oldest pending row; per registered instance
--- its heartbeat age and the rows it holds under an unexpired lease. The first call of a
+-- its heartbeat age and the rows it holds under an unexpired lease; and fold the
+-- counters of complete buckets (console_fold). The first call of a
 -- minute takes it (its workpump_console_sample row is the high-water mark: a peer's
 -- call waits for it to commit, then finds it), so no minute is sampled twice. Returns
 -- whether this call sampled. Reads every undone row once: a minute's cost grows with
@@ -4400,6 +4500,8 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
+    UPDATE workpump_console_sample SET folded_until = workpump.console_fold(v_now)
+    WHERE minute = v_minute;
     FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
         v_meta := workpump.work_table(v_category);
         EXECUTE format($q$
@@ -4461,7 +4563,8 @@ BEGIN
         RAISE EXCEPTION 'purge_console needs p_before and p_batch >= 1.'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    FOREACH v_table IN ARRAY ARRAY['workpump_console_count', 'workpump_console_backlog',
+    FOREACH v_table IN ARRAY ARRAY['workpump_console_count', 'workpump_console_total',
+                                   'workpump_console_rollup', 'workpump_console_backlog',
                                    'workpump_console_instance', 'workpump_console_sample'] LOOP
         EXECUTE format($q$
             DELETE FROM %1$I t WHERE t.ctid = ANY (ARRAY(

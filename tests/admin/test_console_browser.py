@@ -54,6 +54,17 @@ CROSS JOIN (VALUES ('claimed', 1.06), ('done', 1.0), ('failed', 0.05), ('dead', 
                    ('renewed', 0.3)) o(outcome, share)
 CROSS JOIN unnest(%(instances)s::uuid[]) i(id)
 """
+# The same summed over topics, as the counting trigger writes them beside the counters.
+SEED_TOTALS = """
+INSERT INTO workpump_console_total (minute, outcome, instance_id, n, latency)
+SELECT c.minute, c.outcome, c.instance_id, sum(c.n),
+       CASE WHEN c.outcome = 'claimed' THEN ARRAY[
+           sum(c.latency[1]), sum(c.latency[2]), sum(c.latency[3]), sum(c.latency[4]),
+           sum(c.latency[5]), sum(c.latency[6]), sum(c.latency[7]), sum(c.latency[8]),
+           sum(c.latency[9]), sum(c.latency[10])]::integer[] END
+FROM workpump_console_count c
+GROUP BY 1, 2, 3
+"""
 SEED_BACKLOG = """
 INSERT INTO workpump_console_backlog
     (minute, category, topic, pending, scheduled, leased, oldest_pending_seconds)
@@ -76,6 +87,7 @@ CROSS JOIN unnest(%(instances)s::uuid[]) WITH ORDINALITY i(id, n)
 @pytest.fixture
 def seeded_series() -> Iterator[None]:
     run_sql(SEED_COUNTS, {"instances": INSTANCES})
+    run_sql(SEED_TOTALS)
     run_sql(SEED_BACKLOG)
     run_sql(SEED_INSTANCES, {"instances": INSTANCES})
     yield

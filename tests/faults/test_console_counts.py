@@ -71,6 +71,18 @@ def test_the_console_counters_equal_the_rows_after_a_kill(db, make_fleet):
         assert c["dead"] == 0
         figures[category] = dict(c)
     assert sum(counted[k]["orphaned"] for k in counted) > 0, "the kill orphaned nothing"
+    # the whole pump's totals are the same counts summed over categories and topics
+    totals = {
+        r["outcome"]: r["n"]
+        for r in db.sql(
+            "SELECT outcome, sum(n)::bigint AS n FROM workpump_console_total GROUP BY 1"
+        )
+    }
+    summed: dict[str, int] = defaultdict(int)
+    for c in counted.values():
+        for outcome, n in c.items():
+            summed[outcome] += n
+    assert totals == {k: v for k, v in summed.items() if v}, (totals, dict(summed))
     harness.report(
         "console-counts",
         rows=len(rows),

@@ -102,6 +102,50 @@ def test_counters_equal_what_the_claims_and_outcomes_did_per_instance():
     assert histogram[bounds.index(10) + 1] == 5 and sum(histogram) == 5  # [10, 30)
 
 
+def test_the_totals_are_the_counts_summed_over_topics_histograms_too():
+    make(3)
+    make(2, topic="console.sms")
+    make(1, topic="console.sms", created_at=T0 - timedelta(seconds=200))  # a slower pickup
+    claimed = claim(A, T0)
+    complete(A, claimed[:4], T0 + timedelta(seconds=1))
+    fail(A, claimed[4:], T0 + timedelta(seconds=1))
+    complete(B, claim(B, T0 + timedelta(seconds=61)), T0 + timedelta(seconds=62))
+
+    per_topic: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in run_sql(
+        "SELECT minute, outcome, instance_id, n, latency FROM workpump_console_count"
+    ):
+        key = (row["minute"], row["outcome"], row["instance_id"])
+        summed = per_topic.setdefault(key, {"n": 0, "latency": None})
+        summed["n"] += row["n"]
+        if row["latency"] is not None:
+            before = summed["latency"] or [0] * len(row["latency"])
+            summed["latency"] = [a + b for a, b in zip(before, row["latency"], strict=True)]
+    totals = run_sql(
+        "SELECT minute, outcome, instance_id, n, latency FROM workpump_console_total"
+        " ORDER BY 1, 2, 3"
+    )
+    assert {
+        (t["minute"], t["outcome"], t["instance_id"]): t for t in totals
+    }.keys() == per_topic.keys()
+    for t in totals:
+        assert per_topic[t["minute"], t["outcome"], t["instance_id"]] == {
+            "n": t["n"],
+            "latency": t["latency"],
+        }
+    assert {(t["outcome"], t["instance_id"]): t["n"] for t in totals} == {
+        ("claimed", A): 6,
+        ("done", A): 4,
+        ("failed", A): 2,
+        ("claimed", B): 2,
+        ("done", B): 2,
+    }
+    (claims_of_a,) = [
+        t["latency"] for t in totals if (t["outcome"], t["instance_id"]) == ("claimed", A)
+    ]
+    assert sum(claims_of_a) == 6 and claims_of_a[-2] == 1  # one waited [60, 300) s
+
+
 def test_counts_add_up_across_statements_of_the_same_minute():
     ids = make(4)
     claimed = claim(A, T0)
@@ -182,12 +226,93 @@ def test_the_sampler_takes_each_minute_once_with_backlog_and_instances():
     assert scalar("SELECT workpump.console_sample(%s)", [now + timedelta(seconds=60)]) is True
 
 
+def counter(minute, outcome: str, instance: uuid.UUID, n: int, topic: str = TOPIC) -> None:
+    latency = [n, 0, 0, 0, 0, 0, 0, 0, 0, 0] if outcome == "claimed" else None
+    run_sql(
+        "INSERT INTO workpump_console_count VALUES (%s, 'outbox', %s, %s, %s, %s, %s)",
+        [minute, topic, outcome, instance, n, latency],
+    )
+
+
+def binned(step: int, since, until) -> dict[tuple[Any, str, str], int]:
+    """console_counts' sums per (bin, topic, outcome)."""
+    rows = run_sql(
+        "SELECT minute, topic, outcome, sum(n)::bigint AS n"
+        " FROM workpump.console_counts(%s, %s, %s) GROUP BY 1, 2, 3",
+        [since, until, step],
+    )
+    return {(r["minute"], r["topic"], r["outcome"]): r["n"] for r in rows}
+
+
+def test_the_sample_folds_whole_buckets_into_the_rollup_and_the_reads_join_it_to_the_rest():
+    # T0 is 12:00; counters from 12:03 to 12:25, of two instances and two topics
+    for minutes, outcome, instance, n in [
+        (3, "done", A, 2), (3, "done", B, 3), (9, "claimed", A, 4), (12, "done", A, 1),
+        (19, "failed", B, 5), (21, "done", A, 7), (25, "done", B, 1),
+    ]:  # fmt: skip
+        counter(T0 + timedelta(minutes=minutes), outcome, instance, n)
+    counter(T0 + timedelta(minutes=4), "done", A, 6, topic="console.sms")
+    before = binned(10, T0, T0 + timedelta(minutes=30))
+
+    # at 12:21 the bucket 12:10 ended only a minute ago (a grace of 2): 12:00 is folded
+    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=21)])
+    folded = scalar("SELECT folded_until FROM workpump_console_sample")
+    assert folded == T0 + timedelta(minutes=10)
+    rollup = run_sql(
+        "SELECT minute, topic, outcome, n, latency FROM workpump_console_rollup ORDER BY 2, 3"
+    )
+    assert [(r["minute"], r["topic"], r["outcome"], r["n"]) for r in rollup] == [
+        (T0, TOPIC, "claimed", 4),
+        (T0, TOPIC, "done", 5),  # summed over instances
+        (T0, "console.sms", "done", 6),
+    ]
+    assert rollup[0]["latency"][0] == 4
+    # read by buckets: the rollup before 12:10, the counters after; the same sums
+    assert binned(10, T0, T0 + timedelta(minutes=30)) == before
+    assert before[T0 + timedelta(minutes=10), TOPIC, "done"] == 1
+    assert before[T0 + timedelta(minutes=20), TOPIC, "done"] == 8
+
+    # a minute later no bucket more is whole; at 12:23 the 12:10 bucket is folded too
+    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=22)])
+    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=23)])
+    assert scalar(
+        "SELECT folded_until FROM workpump_console_sample ORDER BY minute DESC LIMIT 1"
+    ) == T0 + timedelta(minutes=20)
+    assert scalar("SELECT count(*) FROM workpump_console_rollup") == 5
+    assert binned(10, T0, T0 + timedelta(minutes=30)) == before
+    # a step of one minute reads the counters alone
+    assert binned(1, T0, T0 + timedelta(minutes=30))[T0 + timedelta(minutes=3), TOPIC, "done"] == 5
+
+
+def test_a_long_gap_is_folded_a_few_hours_a_sample_and_a_stored_infinity_is_skipped():
+    counter(T0, "done", A, 1)
+    counter(T0 + timedelta(hours=10), "done", A, 2)
+    run_sql(
+        "INSERT INTO workpump_console_count VALUES ('infinity', 'outbox', %s, 'done', %s, 9, NULL)",
+        [TOPIC, A],
+    )
+    later = T0 + timedelta(hours=11)
+    assert scalar("SELECT workpump.console_sample(%s)", [later])
+    assert scalar("SELECT folded_until FROM workpump_console_sample") == T0 + timedelta(hours=6)
+    assert scalar("SELECT workpump.console_sample(%s)", [later + timedelta(minutes=1)])
+    assert scalar(
+        "SELECT folded_until FROM workpump_console_sample ORDER BY minute DESC LIMIT 1"
+    ) == T0 + timedelta(hours=10, minutes=50)
+    assert scalar("SELECT sum(n) FROM workpump_console_rollup") == 3
+    assert sum(binned(10, T0, later).values()) == 3
+
+
 def test_the_purge_removes_minutes_before_the_cutoff_in_batches():
     old, kept = T0 - timedelta(days=8), T0 - timedelta(days=6)
     for minute in (old, old + timedelta(minutes=1), kept):
         run_sql(
             "INSERT INTO workpump_console_count VALUES (%s, 'outbox', %s, 'done', %s, 1, NULL)",
             [minute, TOPIC, A],
+        )
+        run_sql("INSERT INTO workpump_console_total VALUES (%s, 'done', %s, 1, NULL)", [minute, A])
+        run_sql(
+            "INSERT INTO workpump_console_rollup VALUES (%s, 'outbox', %s, 'done', 1, NULL)",
+            [minute, TOPIC],
         )
         run_sql("SELECT workpump.console_sample(%s)", [minute])
     cutoff = T0 - timedelta(days=7)
@@ -197,5 +322,7 @@ def test_the_purge_removes_minutes_before_the_cutoff_in_batches():
     assert [
         r["minute"] for r in run_sql("SELECT minute FROM workpump_console_count ORDER BY 1")
     ] == [kept]
+    assert [r["minute"] for r in run_sql("SELECT minute FROM workpump_console_total")] == [kept]
+    assert [r["minute"] for r in run_sql("SELECT minute FROM workpump_console_rollup")] == [kept]
     assert scalar("SELECT count(*) FROM workpump_console_sample WHERE minute < %s", [cutoff]) == 0
     assert scalar("SELECT count(*) FROM workpump_console_sample WHERE minute = %s", [kept]) == 1
