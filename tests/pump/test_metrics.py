@@ -36,7 +36,7 @@ from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.supervisor import EXIT_OK
-from django_workpump.registry import Handler, Registry, registry
+from django_workpump.registry import Handler, Registry
 from django_workpump.testing import run_pending
 from tests.fakes import WAIT, FakeCoordinator, FakeSink, make_row
 from tests.helpers import FAST_PUMP, ROOT, at, drain, enroll, scalar, wait_until
@@ -57,27 +57,14 @@ def value(found: dict[Any, float], name: str, **labels: str) -> float | None:
     return found.get((name, tuple(sorted(labels.items()))))
 
 
-@pytest.fixture
-def handlers() -> Iterator[Callable[..., Any]]:
-    registered: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
-        workpump.outbox_handler(topic, **options)(func)
-        registered.append(topic)
-
-    yield register
-    for topic in registered:
-        registry.unregister("outbox", topic)
-
-
 @pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP=FAST)
-def test_the_view_after_a_drained_pump_counts_runs_outcomes_and_rows(handlers, pump):
+def test_the_view_after_a_drained_pump_counts_runs_outcomes_and_rows(outbox_handler, pump):
     def boom(work: Any) -> None:
         raise ValueError("no")
 
-    handlers("metrics.ok", lambda work: {"ok": True})
-    handlers("metrics.boom", boom, max_attempts=1)
+    outbox_handler("metrics.ok", lambda work: {"ok": True})
+    outbox_handler("metrics.boom", boom, max_attempts=1)
     for n in range(5):
         workpump.send("metrics.ok", {"n": n})
     for n in range(2):
@@ -115,7 +102,7 @@ def test_the_view_after_a_drained_pump_counts_runs_outcomes_and_rows(handlers, p
 
 @pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP=FAST)
-def test_runworkpump_serves_metrics_on_its_port_while_it_runs(handlers, pump):
+def test_runworkpump_serves_metrics_on_its_port_while_it_runs(outbox_handler, pump):
     started = threading.Event()
     release = threading.Event()
 
@@ -123,8 +110,8 @@ def test_runworkpump_serves_metrics_on_its_port_while_it_runs(handlers, pump):
         started.set()
         assert release.wait(10)
 
-    handlers("metrics.port", lambda work: None)
-    handlers("metrics.hold", hold)
+    outbox_handler("metrics.port", lambda work: None)
+    outbox_handler("metrics.hold", hold)
     supervisor = pump(metrics_port=0)  # any free port
     url = f"http://127.0.0.1:{supervisor.metrics_server.port}/metrics"
     for n in range(3):
@@ -177,12 +164,12 @@ def test_scrapes_within_the_cache_window_read_the_database_once():
 
 
 @pytest.mark.django_db
-def test_the_pending_gauge_counts_no_ended_row_and_the_ended_gauge_counts_them(handlers):
+def test_the_pending_gauge_counts_no_ended_row_and_the_ended_gauge_counts_them(outbox_handler):
     def discard(work: Any) -> None:
         if work.payload["n"] == 1:
             raise workpump.Discard("not wanted")
 
-    handlers("metrics.ended", discard)
+    outbox_handler("metrics.ended", discard)
     for n in range(3):
         workpump.send("metrics.ended", {"n": n})
     assert run_pending(topics=["metrics.ended"]) == 2  # done; the third is discarded
@@ -330,9 +317,9 @@ def test_without_prometheus_client_the_recorder_does_nothing_and_use_names_the_e
 @pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP=FAST)
 def test_without_prometheus_client_the_pump_runs_and_records_nothing(
-    without_prometheus_client, handlers, pump
+    without_prometheus_client, outbox_handler, pump
 ):
-    handlers("metrics.absent", lambda work: None)
+    outbox_handler("metrics.absent", lambda work: None)
     workpump.send("metrics.absent", {})
     supervisor = pump(drain=True)
     assert supervisor.dispatcher.metrics.enabled is False

@@ -34,7 +34,6 @@ from django_workpump.pump.notify import (
     NotifyGate,
     parse_cancel,
 )
-from django_workpump.registry import registry
 from tests.helpers import FAST_PUMP, conninfo, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -225,19 +224,6 @@ def test_hostile_notifications_on_every_channel_leave_every_listener_up(pump, ro
 
 
 # -- a role that can read the work tables -----------------------------------------------
-
-
-@pytest.fixture
-def outbox_handler() -> Iterator[Callable[..., None]]:
-    topics: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any]) -> None:
-        workpump.outbox_handler(topic)(func)
-        topics.append(topic)
-
-    yield register
-    for topic in topics:
-        registry.unregister("outbox", topic)
 
 
 def spoof_cancel(conn: Conn, work_id: uuid.UUID) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +18,6 @@ from django.test import override_settings
 import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.coordinator import DatabaseCoordinator
-from django_workpump.registry import registry
 from tests.helpers import FAST_PUMP, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -29,19 +27,6 @@ FAST = {**FAST_PUMP, "CONCURRENCY": 4, "STREAM_RUN_MAX": 100}
 
 def _all_processed() -> bool:
     return not models.Outbox.objects.filter(done_at__isnull=True).exists()
-
-
-@pytest.fixture
-def outbox_handler() -> Iterator[Callable[..., None]]:
-    registered: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
-        workpump.outbox_handler(topic, **options)(func)
-        registered.append(topic)
-
-    yield register
-    for topic in registered:
-        registry.unregister("outbox", topic)
 
 
 @override_settings(WORKPUMP=FAST)

@@ -1,0 +1,44 @@
+"""Fixtures of the pump tests: handlers registered through the public decorators."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import django_workpump as workpump
+from django_workpump.registry import registry
+
+# The category each public decorator registers its handler in.
+DECORATOR_CATEGORIES = {
+    "outbox_handler": "outbox",
+    "inbox_handler": "inbox",
+    "perspective": "perspective_event",
+    "receptor": "receptor",
+}
+
+
+@pytest.fixture
+def handlers() -> Iterator[Callable[..., None]]:
+    """``handlers(kind, topic, func, **options)`` registers ``func`` with the decorator
+    ``workpump.<kind>``; every handler registered is unregistered after the test."""
+    registered: list[tuple[str, str]] = []
+
+    def register(kind: str, topic: str, func: Callable[..., Any], **options: Any) -> None:
+        getattr(workpump, kind)(topic, **options)(func)
+        registered.append((DECORATOR_CATEGORIES[kind], topic))
+
+    yield register
+    for category, topic in registered:
+        registry.unregister(category, topic)
+
+
+@pytest.fixture
+def outbox_handler(handlers: Callable[..., None]) -> Callable[..., None]:
+    """``outbox_handler(topic, func, **options)``: ``handlers`` for outbox topics."""
+
+    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
+        handlers("outbox_handler", topic, func, **options)
+
+    return register
