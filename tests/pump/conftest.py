@@ -9,6 +9,7 @@ import pytest
 
 import django_workpump as workpump
 from django_workpump.registry import registry
+from tests.fakes import make_dispatcher
 
 # The category each public decorator registers its handler in.
 DECORATOR_CATEGORIES = {
@@ -42,3 +43,21 @@ def outbox_handler(handlers: Callable[..., None]) -> Callable[..., None]:
         handlers("outbox_handler", topic, func, **options)
 
     return register
+
+
+@pytest.fixture
+def run() -> Iterator[Callable[..., tuple[Any, Any]]]:
+    """``run(func, rows, **options)``: start a ``make_dispatcher`` dispatcher running
+    ``func`` and submit ``rows`` to it; every one started is stopped after the test."""
+    started: list[Any] = []
+
+    def go(func: Any, rows: list[Any], **options: Any) -> tuple[Any, Any]:
+        dispatcher, coordinator, _, _ = make_dispatcher(func, **options)
+        started.append(dispatcher)
+        dispatcher.start()
+        dispatcher.submit(rows)
+        return dispatcher, coordinator
+
+    yield go
+    for dispatcher in started:
+        dispatcher.stop()

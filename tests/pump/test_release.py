@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,25 +17,7 @@ import pytest
 import django_workpump as workpump
 from django_workpump import Work
 from django_workpump.states import FailureReason, StopReason
-from tests.fakes import WAIT, make_row
-from tests.pump.test_control_flow import make_dispatcher
-
-
-@pytest.fixture
-def run() -> Iterator[Any]:
-    """Run rows through a dispatcher; stop it afterwards."""
-    started: list[Any] = []
-
-    def go(func: Any, rows: list[Any], **options: Any) -> Any:
-        dispatcher, coordinator, _, _ = make_dispatcher(func, **options)
-        started.append(dispatcher)
-        dispatcher.start()
-        dispatcher.submit(rows)
-        return dispatcher, coordinator
-
-    yield go
-    for dispatcher in started:
-        dispatcher.stop()
+from tests.fakes import WAIT, make_dispatcher, make_row
 
 
 def stops_when_told(seen: list[Any], started: threading.Event) -> Any:
