@@ -429,6 +429,30 @@ class LosingCoordinator(FakeCoordinator):
         return [Outcome(lease.id, "lost") for lease in leases]
 
 
+def recorded_dispatcher(
+    coordinator: Any, handlers: Registry, recorder: Any, leases: LeaseRegistry | None = None
+) -> Dispatcher:
+    """A one-thread dispatcher on a frozen clock that counts into ``recorder``."""
+    return Dispatcher(
+        coordinator,
+        handlers,
+        LeaseRegistry() if leases is None else leases,
+        concurrency=1,
+        lease_grace_seconds=5,
+        clock=FrozenClock(),
+        metrics=recorder,
+    )
+
+
+def run_until_idle(dispatcher: Dispatcher) -> None:
+    """Run what was submitted to ``dispatcher`` to its end, then stop it."""
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+
+
 def test_the_dispatcher_counts_runs_outcomes_and_rows_in_flight():
     recorder, sample = own_recorder()
     coordinator = FakeCoordinator()
@@ -439,23 +463,11 @@ def test_the_dispatcher_counts_runs_outcomes_and_rows_in_flight():
         raise RuntimeError("boom")
 
     handlers.register(Handler("outbox", "boom", boom))
-    dispatcher = Dispatcher(
-        coordinator,
-        handlers,
-        LeaseRegistry(),
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(coordinator, handlers, recorder)
     rows = [dataclasses.replace(make_row(), topic=t) for t in ("ok", "ok", "boom")]
     dispatcher.submit(rows)
     assert sample("workpump_in_flight", category="outbox") == 3
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
 
     ok = {"category": "outbox", "topic": "ok"}
     boom_ = {"category": "outbox", "topic": "boom"}
@@ -488,23 +500,11 @@ def test_a_stream_run_counts_each_row_it_ran_and_holds_none_after_it_ends():
             raise RuntimeError("boom")
 
     handlers.register(Handler("outbox", "run", maybe_fail))
-    dispatcher = Dispatcher(
-        coordinator,
-        handlers,
-        LeaseRegistry(),
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(coordinator, handlers, recorder)
     rows = stream_rows("run", "s-1", [{"i": 1}, {"fail": True}, {"i": 3}])
     dispatcher.submit(rows)
     assert sample("workpump_in_flight", category="outbox") == 3
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
 
     run = {"category": "outbox", "topic": "run"}
     assert coordinator.calls.count("release") == 1  # the third row, unstarted
@@ -520,21 +520,9 @@ def test_a_batch_handler_counts_every_row_of_its_batch():
     seen: list[int] = []
     handlers = Registry()
     handlers.register(Handler("outbox", "batch", lambda works: seen.append(len(works)), batch=True))
-    dispatcher = Dispatcher(
-        FakeCoordinator(),
-        handlers,
-        LeaseRegistry(),
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(FakeCoordinator(), handlers, recorder)
     dispatcher.submit(stream_rows("batch", "s-2", [{"i": i} for i in range(3)]))
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
 
     batch = {"category": "outbox", "topic": "batch"}
     assert seen == [3]  # one call for the run
@@ -548,21 +536,9 @@ def test_an_outcome_fenced_out_counts_as_lost_not_done():
     recorder, sample = own_recorder()
     handlers = Registry()
     handlers.register(Handler("outbox", "ok", lambda work: None))
-    dispatcher = Dispatcher(
-        LosingCoordinator(),
-        handlers,
-        LeaseRegistry(),
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(LosingCoordinator(), handlers, recorder)
     dispatcher.submit([dataclasses.replace(make_row(), topic="ok")])
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
     assert sample("workpump_lost_total", category="outbox") == 1
     assert sample("workpump_done_total", category="outbox", topic="ok") is None
     assert dispatcher.outcomes.topics == {}
@@ -633,15 +609,7 @@ def _batch_dispatcher(func: Callable[..., Any], **options: Any) -> tuple[Any, An
     handlers.register(Handler("outbox", "batch", func, batch=True, **options))
     coordinator = FakeCoordinator()
     leases = LeaseRegistry()
-    dispatcher = Dispatcher(
-        coordinator,
-        handlers,
-        leases,
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(coordinator, handlers, recorder, leases)
     return dispatcher, coordinator, leases, sample
 
 
@@ -674,11 +642,7 @@ def test_a_batch_dead_lettered_by_its_retry_counts_one_failed_dead_row():
 
     dispatcher, _, _, sample = _batch_dispatcher(handler, retry=workpump.Retry(on=(TimeoutError,)))
     dispatcher.submit(stream_rows("batch", "s-4", [{"i": i} for i in range(3)]))
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
 
     assert sample("workpump_failed_total", **BATCH, reason="not_retryable") == 1
     assert sample("workpump_dead_lettered_total", **BATCH, reason="not_retryable") == 1
