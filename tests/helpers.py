@@ -115,6 +115,27 @@ def give_the_planner_statistics(conn: psycopg.Connection[Any]) -> None:
         conn.execute(sql, {"n": PLAN_STATISTICS_ROWS})
 
 
+def explaining_connection(
+    raw_connect: Callable[..., psycopg.Connection[Any]],
+) -> tuple[psycopg.Connection[Any], list[str]]:
+    """A raw connection that reports the plan of every (nested) statement as a NOTICE."""
+    conn = raw_connect()
+    plans: list[str] = []
+    conn.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+    conn.execute("LOAD 'auto_explain'")
+    conn.execute("SET auto_explain.log_min_duration = 0")
+    conn.execute("SET auto_explain.log_nested_statements = on")
+    conn.execute("SET auto_explain.log_level = 'notice'")
+    conn.execute("SET auto_explain.log_analyze = off")
+    # The plan must not hinge on what earlier tests left in pg_class: an ANALYZE inside a
+    # rolled-back test keeps its reltuples (an in-place update), and a never-analysed
+    # table is sized by a heuristic. With sequential scans priced out, the planner still
+    # picks among the indexes, and a claim predicate that no longer matches a partial
+    # index's shows up here as another index or a Seq Scan.
+    conn.execute("SET enable_seqscan = off")
+    return conn, plans
+
+
 def scalar(query: str, params: dict[str, Any] | tuple[Any, ...] | None = None) -> Any:
     rows = run_sql(query, params)
     assert len(rows) == 1, rows

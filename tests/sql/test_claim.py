@@ -26,6 +26,7 @@ from tests.helpers import (
     at,
     current_tokens,
     enroll,
+    explaining_connection,
     give_the_planner_statistics,
     run_sql,
     scalar,
@@ -753,25 +754,6 @@ def register_on(conn: Any, *instances: uuid.UUID) -> None:
             "SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1, p_now => %s)",
             [instance, T0],
         )
-
-
-def explaining_connection(raw_connect: Any) -> tuple[Any, list[str]]:
-    """A raw connection that reports the plan of every (nested) statement as a NOTICE."""
-    conn = raw_connect()
-    plans: list[str] = []
-    conn.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
-    conn.execute("LOAD 'auto_explain'")
-    conn.execute("SET auto_explain.log_min_duration = 0")
-    conn.execute("SET auto_explain.log_nested_statements = on")
-    conn.execute("SET auto_explain.log_level = 'notice'")
-    conn.execute("SET auto_explain.log_analyze = off")
-    # The plan must not hinge on what earlier tests left in pg_class: an ANALYZE inside a
-    # rolled-back test keeps its reltuples (an in-place update), and a never-analysed
-    # table is sized by a heuristic. With sequential scans priced out, the planner still
-    # picks among the indexes, and a claim predicate that no longer matches a partial
-    # index's shows up here as another index or a Seq Scan.
-    conn.execute("SET enable_seqscan = off")
-    return conn, plans
 
 
 def test_the_guard_probes_use_the_partial_indexes(raw_connect):
