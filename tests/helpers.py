@@ -21,6 +21,8 @@ from urllib.parse import quote
 import psycopg
 from django.db import connection
 
+from django_workpump.pump.maintenance import MaintenanceWorker
+
 # The tests package and the repository root: subprocess tests run from ROOT, and files
 # read by tests are found from these rather than from each module's own place.
 TESTS = Path(__file__).resolve().parent
@@ -240,3 +242,17 @@ def drain(supervisor: Any, timeout: float = 30.0) -> int:
     """Wait for a --drain pump to finish and shut it down; return its exit code."""
     assert supervisor.wait(timeout), "the pump did not drain in time"
     return int(supervisor.shutdown())
+
+
+def maintenance_worker(**overrides: Any) -> MaintenanceWorker:
+    """A MaintenanceWorker on the default database that keeps ended rows a day and
+    purges them two at a time (so a test sees the batches); ``overrides`` its options."""
+    options: dict[str, Any] = {
+        "alias": "default",
+        "interval_seconds": 300,
+        "retention_seconds": 24 * 3600,
+        "stale_after_seconds": 30,
+        "definitively_dead_after_seconds": 300,
+        "batch": 2,
+    }
+    return MaintenanceWorker(**{**options, **overrides})
