@@ -10,6 +10,7 @@ import pytest
 import django_workpump as workpump
 from django_workpump.registry import registry
 from tests.fakes import make_dispatcher
+from tests.helpers import run_sql
 
 # The category each public decorator registers its handler in.
 DECORATOR_CATEGORIES = {
@@ -61,3 +62,14 @@ def run() -> Iterator[Callable[..., tuple[Any, Any]]]:
     yield go
     for dispatcher in started:
         dispatcher.stop()
+
+
+@pytest.fixture
+def executions() -> Iterator[None]:
+    """The mp_execution table the handlers of tests/app/workpump.py record each run in."""
+    run_sql(
+        "CREATE TABLE mp_execution (work_id uuid, category text, stream text, n int, "
+        "pid int, attempt int, started_at timestamptz, finished_at timestamptz)"
+    )
+    yield
+    run_sql("DROP TABLE mp_execution")

@@ -12,7 +12,7 @@ import json
 import signal
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,16 +23,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
 FAST = FAST_PROCESS
-
-
-@pytest.fixture
-def executions() -> Iterator[None]:
-    run_sql(
-        "CREATE TABLE mp_execution (work_id uuid, category text, stream text, n int, "
-        "pid int, attempt int, started_at timestamptz, finished_at timestamptz)"
-    )
-    yield
-    run_sql("DROP TABLE mp_execution")
 
 
 @pytest.fixture

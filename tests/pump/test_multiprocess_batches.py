@@ -4,7 +4,7 @@ batch calls back exactly once, with counts that add up to its members."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,16 +15,6 @@ from tests.helpers import FAST_PROCESS, run_sql, scalar, wait_until
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 BATCHES, MEMBERS = 10, 100
-
-
-@pytest.fixture
-def executions() -> Iterator[None]:
-    run_sql(
-        "CREATE TABLE mp_execution (work_id uuid, category text, stream text, n int, "
-        "pid int, attempt int, started_at timestamptz, finished_at timestamptz)"
-    )
-    yield
-    run_sql("DROP TABLE mp_execution")
 
 
 def test_a_killed_instance_costs_no_callback_and_makes_none_twice(
