@@ -240,6 +240,22 @@ def spoof_cancel(conn: Conn, work_id: uuid.UUID) -> None:
     notify(conn, CANCEL_CHANNEL, json.dumps(payload))
 
 
+def spoofed_while_running(
+    pump: Callable[..., Any], role: Callable[..., Conn], topic: str, started: threading.Event
+) -> tuple[uuid.UUID, Any, NotifyGate]:
+    """Send a row of ``topic`` and start a pump; once its handler has ``started``, spoof a
+    cancel of the row as a reader of the work tables and wait until the gate has found
+    it unconfirmed. The row, the pump and its gate."""
+    work_id = workpump.send(topic, {})
+    supervisor = pump()
+    gate = supervisor.gate
+    assert gate is not None
+    assert started.wait(WAIT)
+    spoof_cancel(role(*(c.table for c in CATEGORIES)), work_id)
+    assert wait_until(lambda: gate.cancels_unconfirmed == 1, WAIT)
+    return work_id, supervisor, gate
+
+
 @override_settings(WORKPUMP={**FAST_PUMP, "CONCURRENCY": 2})
 def test_a_spoofed_cancel_leaves_the_handler_running_and_its_outcome_stored(
     pump, role, outbox_handler
@@ -254,16 +270,7 @@ def test_a_spoofed_cancel_leaves_the_handler_running_and_its_outcome_stored(
         return {"finished": True}
 
     outbox_handler("hostile.spoof", handler)
-    work_id = workpump.send("hostile.spoof", {})
-    supervisor = pump()
-    gate = supervisor.gate
-    assert gate is not None
-    assert started.wait(WAIT)
-    reader = role(*(c.table for c in CATEGORIES))
-
-    spoof_cancel(reader, work_id)
-
-    assert wait_until(lambda: gate.cancels_unconfirmed == 1, WAIT)
+    work_id, supervisor, gate = spoofed_while_running(pump, role, "hostile.spoof", started)
     release.set()
     assert wait_until(lambda: models.Outbox.objects.get(work_id=work_id).done_at is not None, WAIT)
     row = models.Outbox.objects.get(work_id=work_id)
@@ -285,14 +292,7 @@ def test_after_a_spoof_a_real_cancel_still_stops_the_handler(pump, role, outbox_
         return "late"
 
     outbox_handler("hostile.real", handler)
-    work_id = workpump.send("hostile.real", {})
-    supervisor = pump()
-    gate = supervisor.gate
-    assert gate is not None
-    assert started.wait(WAIT)
-    reader = role(*(c.table for c in CATEGORIES))
-    spoof_cancel(reader, work_id)
-    assert wait_until(lambda: gate.cancels_unconfirmed == 1, WAIT)
+    work_id, supervisor, gate = spoofed_while_running(pump, role, "hostile.real", started)
     assert not stopped.is_set()
 
     workpump.cancel(work_id)
