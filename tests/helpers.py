@@ -28,6 +28,11 @@ from django_workpump.pump.maintenance import MaintenanceWorker
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
+# Fixed instance ids: rank among live instances, and "returned in id order", follow their
+# uuid order (A before B).
+A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
+B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
+
 # A fixed point in time; SQL tests pass it (and offsets of it) as p_now.
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -23,6 +23,8 @@ from django.db import DatabaseError, connection, transaction
 
 from tests.helpers import (
     T0,
+    A,
+    B,
     at,
     current_tokens,
     enroll,
@@ -33,10 +35,6 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.django_db
-
-# Fixed instance ids: rank among live instances is their uuid order (A before B).
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
-B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 
 CATEGORIES = ["outbox", "inbox", "perspective_event", "receptor"]
 # category: (table, key column, ordering-scope column or "")

@@ -28,9 +28,8 @@ from django_workpump.registry import (
     claim_prefixes,
     claim_topics,
 )
-from tests.helpers import T0, WORK_TABLES, at, enroll, explaining_connection, run_sql, scalar
+from tests.helpers import T0, WORK_TABLES, A, at, enroll, explaining_connection, run_sql, scalar
 
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
 CATEGORIES = sorted(WORK_TABLES)
 db = pytest.mark.django_db
 

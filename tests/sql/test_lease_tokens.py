@@ -27,6 +27,8 @@ from django_workpump.pump.maintenance import MaintenanceWorker
 from tests.helpers import (
     T0,
     WORK_TABLES,
+    A,
+    B,
     at,
     enroll,
     explaining_connection,
@@ -37,8 +39,6 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.django_db
 
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
-B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 CATEGORIES = sorted(WORK_TABLES)
 SUBSCRIBERS = json.dumps(
     [

@@ -21,13 +21,10 @@ from django.db import DatabaseError, DataError, IntegrityError, transaction
 
 from django_workpump import models
 from tests.factories import EvictionFactory, OutboxFactory, ServiceInstanceFactory
-from tests.helpers import T0, at, current_tokens, enroll, run_sql, scalar, wait_until
+from tests.helpers import T0, A, B, at, current_tokens, enroll, run_sql, scalar, wait_until
 
 pytestmark = pytest.mark.django_db
 
-# Fixed ids, so "returned in id order" and rank-like orderings are predictable.
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
-B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 C = uuid.UUID("00000000-0000-0000-0000-00000000000c")
 H = uuid.UUID("00000000-0000-0000-0000-0000000000ff")  # the instance that beats
 
