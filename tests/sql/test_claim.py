@@ -862,29 +862,24 @@ def test_a_fresh_peer_counts_as_live():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_stale_peer_holding_its_alive_lock_still_counts_as_live(raw_connect):
-    heartbeat(B, at(-60))
+@pytest.mark.parametrize(
+    ("beat_seconds_ago", "live"),
+    [(60, True), (400, False)],
+    ids=["stale-peer-still-live", "past-the-definitive-dead-cutoff"],
+)
+def test_an_alive_lock_keeps_a_stale_peer_live_until_the_definitive_dead_cutoff(
+    raw_connect, beat_seconds_ago, live
+):
+    heartbeat(B, at(-beat_seconds_ago))
     assert raw_connect().execute("SELECT workpump.take_alive_lock(%s) AS ok", [B]).fetchone()["ok"]
-    _, mine = rank_probe_rows()
+    earliest, mine = rank_probe_rows()
 
     got = claim(
         A, T0, p_max_rows=1, p_stale_after_seconds=30, p_definitively_dead_after_seconds=300
     )
 
-    assert ids(got) == [mine]
-
-
-@pytest.mark.django_db(transaction=True)
-def test_an_alive_lock_does_not_save_a_peer_past_the_definitive_dead_cutoff(raw_connect):
-    heartbeat(B, at(-400))
-    assert raw_connect().execute("SELECT workpump.take_alive_lock(%s) AS ok", [B]).fetchone()["ok"]
-    earliest, _ = rank_probe_rows()
-
-    got = claim(
-        A, T0, p_max_rows=1, p_stale_after_seconds=30, p_definitively_dead_after_seconds=300
-    )
-
-    assert ids(got) == [earliest]
+    # with B live, A claims only from its own share; with B dead, the earliest row first
+    assert ids(got) == [mine if live else earliest]
 
 
 # --- 12. stream ownership ledger ------------------------------------------------------------
