@@ -261,3 +261,16 @@ def maintenance_worker(**overrides: Any) -> MaintenanceWorker:
         "batch": 2,
     }
     return MaintenanceWorker(**{**options, **overrides})
+
+
+def unfinished_runs(pid: int) -> int:
+    """Handler runs of process ``pid`` that mp_execution shows started and not finished."""
+    return scalar("SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL", [pid])
+
+
+def got_going(pid: int, runs: int) -> bool:
+    """Whether process ``pid`` is running a handler and has started ``runs`` or more."""
+    return (
+        unfinished_runs(pid) > 0
+        and scalar("SELECT count(*) FROM mp_execution WHERE pid = %s", [pid]) >= runs
+    )

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import django_workpump as workpump
-from tests.helpers import FAST_PROCESS, run_sql, scalar, wait_until
+from tests.helpers import FAST_PROCESS, got_going, run_sql, scalar, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -28,16 +28,7 @@ def test_a_killed_instance_costs_no_callback_and_makes_none_twice(
 
     pumps = [pump_process("--concurrency", "4", timings=FAST_PROCESS) for _ in range(3)]
     victim = pumps[0]
-    assert wait_until(
-        lambda: (
-            scalar(
-                "SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL",
-                [victim.pid],
-            )
-            > 0
-            and scalar("SELECT count(*) FROM mp_execution WHERE pid = %s", [victim.pid]) >= 20
-        )
-    ), "the victim never got going"
+    assert wait_until(lambda: got_going(victim.pid, 20)), "the victim never got going"
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
 
