@@ -30,7 +30,7 @@ from django_workpump.control import Discard, Release, Snooze, named_index
 from django_workpump.pump.claim import warn_unreadable_headers
 from django_workpump.pump.jobs import stream_run_key
 from django_workpump.pump.lease import LeaseHandle
-from django_workpump.pump.running import store_checkpoint
+from django_workpump.pump.running import claimed_work, store_checkpoint
 from django_workpump.registry import CATEGORIES, claim_prefixes, claim_topics, registry
 from django_workpump.states import FailureReason, OutcomeStatus
 from django_workpump.storable import error_text, storable_result
@@ -354,23 +354,10 @@ def _work_of(row: Any, alias: str | None = None) -> Work:
         clock=SystemClock(),
         lease_token=row.lease_token,
     )
-    return Work(
-        id=row.work_id,
-        category=row.category,
-        topic=row.topic,
-        payload=row.payload,
-        stream=row.stream,
-        attempts=row.attempts,
-        max_attempts=row.max_attempts,
-        event_id=row.event_id,
-        event_type=row.event_type,
-        priority=row.priority,
-        lease_expiry=row.lease_expiry,
-        lease=handle,
-        instance_id=TEST_INSTANCE_ID,
-        lease_token=row.lease_token,
-        headers=row.headers,
-        state=row.checkpoint,
+    return claimed_work(
+        row,
+        handle,
+        TEST_INSTANCE_ID,
         checkpointer=partial(store_checkpoint, alias or setting("DATABASE_ALIAS")),
     )
 

@@ -129,17 +129,13 @@ def batch(
 
 
 def _parent_id(parent: Batch | uuid.UUID | Work | None, alias: str) -> uuid.UUID | None:
-    if parent is None:
-        outer = _current.get()
-        return outer.id if outer is not None and outer.using == alias else None
-    if isinstance(parent, Batch):
-        return parent.id
+    """The batch a new batch nests in: as a send's batch, or the batch of a Work."""
     if isinstance(parent, Work):
         found = db.batch_of(parent.id, using=alias)
         if found is None:
             raise ValueError(f"Work {parent.id} is no member of a batch: pass parent=None.")
         return found
-    return uuid.UUID(str(parent))
+    return batch_id_for(parent, alias)
 
 
 def batch_status(batch_id: uuid.UUID | str, *, using: str | None = None) -> BatchStatus | None:

@@ -17,12 +17,18 @@ from typing import Any
 
 from django.db import OperationalError
 
+from django_workpump.clock import FrozenClock
 from django_workpump.db import ClaimedWork, Outcome
 from django_workpump.pump.coordinator import InstanceIdentity, lease_arrays
+from django_workpump.pump.dispatch import Dispatcher
+from django_workpump.pump.lease import LeaseRegistry
+from django_workpump.registry import Handler, Registry
 from django_workpump.work import Lease
 
 # How long a test waits for something a service thread should do promptly.
 WAIT = 5.0
+# The topic of make_row's rows, which make_dispatcher's handler serves.
+TOPIC = "orders.created"
 
 CLAIMED_AT = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -34,7 +40,7 @@ def make_row(
     return ClaimedWork(
         category=category,
         work_id=uuid.uuid4(),
-        topic="orders.created",
+        topic=TOPIC,
         payload={"order": 1},
         stream=None,
         attempts=1,
@@ -377,3 +383,25 @@ def running(service: Any, timeout: float = WAIT) -> Iterator[ServiceThread]:
         service.stop()
         thread.join(timeout)
     thread.finish(0)
+
+
+def make_dispatcher(
+    func: Any, coordinator: FakeCoordinator | None = None, **handler_options: Any
+) -> tuple[Dispatcher, FakeCoordinator, LeaseRegistry, FrozenClock]:
+    """A dispatcher running ``func`` for TOPIC on a fake coordinator and a frozen clock."""
+    coordinator = coordinator or FakeCoordinator()
+    handlers = Registry()
+    handlers.register(Handler("outbox", TOPIC, func, **handler_options))
+    leases = LeaseRegistry()
+    clock = FrozenClock()
+    dispatcher = Dispatcher(
+        coordinator,
+        handlers,
+        leases,
+        concurrency=2,
+        lease_grace_seconds=30,
+        max_renewals=6,
+        lease_seconds=300,
+        clock=clock,
+    )
+    return dispatcher, coordinator, leases, clock

@@ -21,10 +21,17 @@ from urllib.parse import quote
 import psycopg
 from django.db import connection
 
+from django_workpump.pump.maintenance import MaintenanceWorker
+
 # The tests package and the repository root: subprocess tests run from ROOT, and files
 # read by tests are found from these rather than from each module's own place.
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+
+# Fixed instance ids: rank among live instances, and "returned in id order", follow their
+# uuid order (A before B).
+A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
+B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 
 # A fixed point in time; SQL tests pass it (and offsets of it) as p_now.
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -113,6 +120,27 @@ def give_the_planner_statistics(conn: psycopg.Connection[Any]) -> None:
     """
     for sql in PLAN_STATISTICS_SQL:
         conn.execute(sql, {"n": PLAN_STATISTICS_ROWS})
+
+
+def explaining_connection(
+    raw_connect: Callable[..., psycopg.Connection[Any]],
+) -> tuple[psycopg.Connection[Any], list[str]]:
+    """A raw connection that reports the plan of every (nested) statement as a NOTICE."""
+    conn = raw_connect()
+    plans: list[str] = []
+    conn.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+    conn.execute("LOAD 'auto_explain'")
+    conn.execute("SET auto_explain.log_min_duration = 0")
+    conn.execute("SET auto_explain.log_nested_statements = on")
+    conn.execute("SET auto_explain.log_level = 'notice'")
+    conn.execute("SET auto_explain.log_analyze = off")
+    # The plan must not hinge on what earlier tests left in pg_class: an ANALYZE inside a
+    # rolled-back test keeps its reltuples (an in-place update), and a never-analysed
+    # table is sized by a heuristic. With sequential scans priced out, the planner still
+    # picks among the indexes, and a claim predicate that no longer matches a partial
+    # index's shows up here as another index or a Seq Scan.
+    conn.execute("SET enable_seqscan = off")
+    return conn, plans
 
 
 def scalar(query: str, params: dict[str, Any] | tuple[Any, ...] | None = None) -> Any:
@@ -219,3 +247,30 @@ def drain(supervisor: Any, timeout: float = 30.0) -> int:
     """Wait for a --drain pump to finish and shut it down; return its exit code."""
     assert supervisor.wait(timeout), "the pump did not drain in time"
     return int(supervisor.shutdown())
+
+
+def maintenance_worker(**overrides: Any) -> MaintenanceWorker:
+    """A MaintenanceWorker on the default database that keeps ended rows a day and
+    purges them two at a time (so a test sees the batches); ``overrides`` its options."""
+    options: dict[str, Any] = {
+        "alias": "default",
+        "interval_seconds": 300,
+        "retention_seconds": 24 * 3600,
+        "stale_after_seconds": 30,
+        "definitively_dead_after_seconds": 300,
+        "batch": 2,
+    }
+    return MaintenanceWorker(**{**options, **overrides})
+
+
+def unfinished_runs(pid: int) -> int:
+    """Handler runs of process ``pid`` that mp_execution shows started and not finished."""
+    return scalar("SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL", [pid])
+
+
+def got_going(pid: int, runs: int) -> bool:
+    """Whether process ``pid`` is running a handler and has started ``runs`` or more."""
+    return (
+        unfinished_runs(pid) > 0
+        and scalar("SELECT count(*) FROM mp_execution WHERE pid = %s", [pid]) >= runs
+    )

@@ -9,6 +9,7 @@ import contextlib
 import inspect
 import logging
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -37,7 +38,7 @@ from django_workpump.pump.outcomes import (
 from django_workpump.registry import TOPIC_NOUNS, Handler
 from django_workpump.states import FailureReason, JobState, OutcomeStatus
 from django_workpump.storable import error_text, storable_result
-from django_workpump.work import Work, checkpoint_text
+from django_workpump.work import LeaseView, Work, checkpoint_text
 
 logger = logging.getLogger("django_workpump.dispatch")
 
@@ -160,26 +161,12 @@ class HandlerRunner:
 
     # -- calls ---------------------------------------------------------------------
     def work_for(self, job: Job) -> Work:
-        row = job.row
-        return Work(
-            row.work_id,
-            row.category,
-            row.topic,
-            row.payload,
-            row.stream,
-            row.attempts,
-            row.max_attempts,
-            row.event_id,
-            row.event_type,
-            row.priority,
-            row.lease_expiry,
+        return claimed_work(
+            job.row,
             job.handle,
             self._instance_id(),
-            row.lease_token,
-            self._stopping,
-            row.headers,
-            row.checkpoint,
-            partial(store_checkpoint, self.alias),
+            stopping=self._stopping,
+            checkpointer=partial(store_checkpoint, self.alias),
         )
 
     def call(self, handler: Handler, job: Job, traced: bool | None = None) -> str | None:
@@ -313,6 +300,37 @@ class HandlerRunner:
             return
         self._local.loop = None
         runner.close()
+
+
+def claimed_work(
+    row: db.ClaimedWork,
+    lease: LeaseView,
+    instance_id: uuid.UUID | None,
+    *,
+    stopping: threading.Event | None = None,
+    checkpointer: Callable[[Work, Any], None] | None = None,
+) -> Work:
+    """The ``Work`` a handler receives for ``row``, claimed by ``instance_id``."""
+    return Work(
+        row.work_id,
+        row.category,
+        row.topic,
+        row.payload,
+        row.stream,
+        row.attempts,
+        row.max_attempts,
+        row.event_id,
+        row.event_type,
+        row.priority,
+        row.lease_expiry,
+        lease,
+        instance_id,
+        row.lease_token,
+        stopping,
+        row.headers,
+        row.checkpoint,
+        checkpointer,
+    )
 
 
 def store_checkpoint(alias: str, work: Work, state: Any) -> None:

@@ -14,19 +14,9 @@ from django.db import connection, transaction
 
 import django_workpump as workpump
 from django_workpump import models, producer, producer_validation
-from django_workpump.registry import registry
 from tests.helpers import scalar
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def order_handlers():
-    workpump.perspective("order_totals", events=["order.placed"])(lambda work: None)
-    workpump.receptor("warehouse", events=["order.placed"], max_attempts=3)(lambda work: None)
-    yield
-    registry.unregister("perspective_event", "order_totals")
-    registry.unregister("receptor", "warehouse")
 
 
 def outbox_in_seq_order() -> list[models.Outbox]:

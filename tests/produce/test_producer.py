@@ -18,18 +18,6 @@ from tests.helpers import T0, scalar
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def order_handlers():
-    """A perspective and a receptor on order.placed, unregistered afterwards."""
-    workpump.perspective("order_totals", events=["order.placed", "order.refunded"])(
-        lambda work: None
-    )
-    workpump.receptor("warehouse", events=["order.placed"], max_attempts=3)(lambda work: None)
-    yield
-    registry.unregister("perspective_event", "order_totals")
-    registry.unregister("receptor", "warehouse")
-
-
 def test_send_stores_an_outbox_row_with_its_settings():
     message_id = workpump.send("emails.welcome", {"user_id": 7}, stream="user-7", priority=5)
 

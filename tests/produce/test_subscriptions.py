@@ -12,18 +12,6 @@ from django_workpump.registry import registry
 from tests.helpers import run_sql, scalar
 
 
-@pytest.fixture
-def order_handlers():
-    """A perspective and a receptor on order.placed, unregistered afterwards."""
-    workpump.perspective("order_totals", events=["order.placed", "order.refunded"])(
-        lambda work: None
-    )
-    workpump.receptor("warehouse", events=["order.placed"], max_attempts=3)(lambda work: None)
-    yield
-    registry.unregister("perspective_event", "order_totals")
-    registry.unregister("receptor", "warehouse")
-
-
 def stored() -> list[tuple[str, str, str, int]]:
     return [
         (s.event_type, s.category, s.name, s.max_attempts)

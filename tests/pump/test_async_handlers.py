@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -60,25 +59,6 @@ async def timing(work: Any, call_next: Any) -> Any:
 
 
 TIMED = {**FAST, "MIDDLEWARE": ["tests.pump.test_async_handlers.timing"]}
-
-
-@pytest.fixture
-def handlers() -> Iterator[Callable[..., None]]:
-    """Register handlers through the public decorators; unregister them afterwards."""
-    registered: list[tuple[str, str]] = []
-    categories = {
-        "outbox_handler": "outbox",
-        "perspective": "perspective_event",
-        "receptor": "receptor",
-    }
-
-    def register(kind: str, topic: str, func: Callable[..., Any], **options: Any) -> None:
-        getattr(workpump, kind)(topic, **options)(func)
-        registered.append((categories[kind], topic))
-
-    yield register
-    for category, topic in registered:
-        registry.unregister(category, topic)
 
 
 def effects(prefix: str) -> list[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,25 +17,11 @@ from django.test import override_settings
 import django_workpump as workpump
 from django_workpump.attempt_logs import MAX_RECORDS, NOTE_LEVEL
 from django_workpump.pump.supervisor import EXIT_OK
-from django_workpump.registry import registry
 from tests.helpers import FAST_PUMP, drain, run_sql
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 app_log = logging.getLogger("tests.attempt_logs")
-
-
-@pytest.fixture
-def outbox_handler() -> Iterator[Callable[..., Any]]:
-    topics: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
-        workpump.outbox_handler(topic, **options)(func)
-        topics.append(topic)
-
-    yield register
-    for topic in topics:
-        registry.unregister("outbox", topic)
 
 
 def logs_of(work_id: uuid.UUID) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ from django.test import override_settings
 import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.supervisor import EXIT_OK
-from django_workpump.registry import registry
 from tests.helpers import FAST_PUMP, drain, run_sql, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -26,22 +24,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 FAST = {**FAST_PUMP, "CONCURRENCY": 2, "CLAIM_PREFETCH": 50, "STREAM_RUN_MAX": 100}
 
 
-@pytest.fixture
-def subscribe() -> Iterator[Callable[..., None]]:
-    registered: list[tuple[str, str]] = []
-
-    def register(kind: str, name: str, func: Callable[..., Any], **options: Any) -> None:
-        getattr(workpump, kind)(name, **options)(func)
-        registered.append(("perspective_event" if kind == "perspective" else "receptor", name))
-
-    yield register
-    for category, name in registered:
-        registry.unregister(category, name)
-
-
 @pytest.mark.parametrize("kind", ["perspective", "receptor"])
 @override_settings(WORKPUMP=FAST)
-def test_a_batch_handler_gets_each_stream_run_as_one_list_in_order(subscribe, pump, kind):
+def test_a_batch_handler_gets_each_stream_run_as_one_list_in_order(handlers, pump, kind):
     calls: list[tuple[str, list[int]]] = []
     lock = threading.Lock()
 
@@ -51,7 +36,7 @@ def test_a_batch_handler_gets_each_stream_run_as_one_list_in_order(subscribe, pu
             calls.append((works[0].stream, [work.payload["n"] for work in works]))
             assert {work.stream for work in works} == {works[0].stream}
 
-    subscribe(kind, "batch.totals", project, events=["batch.placed"], batch=True)
+    handlers(kind, "batch.totals", project, events=["batch.placed"], batch=True)
     for n in range(20):
         for stream in ("a", "b"):
             workpump.emit("batch.placed", {"n": n}, stream=stream)
@@ -66,7 +51,7 @@ def test_a_batch_handler_gets_each_stream_run_as_one_list_in_order(subscribe, pu
 
 
 @override_settings(WORKPUMP=FAST)
-def test_a_failing_batch_fails_the_first_row_and_releases_the_rest_unspent(subscribe, pump):
+def test_a_failing_batch_fails_the_first_row_and_releases_the_rest_unspent(handlers, pump):
     calls: list[list[int]] = []
 
     def project(works: list[Any]) -> None:
@@ -74,7 +59,7 @@ def test_a_failing_batch_fails_the_first_row_and_releases_the_rest_unspent(subsc
         if len(calls) == 1:
             raise RuntimeError("the first batch fails")
 
-    subscribe("perspective", "batch.fail", project, events=["batch.failing"], batch=True)
+    handlers("perspective", "batch.fail", project, events=["batch.failing"], batch=True)
     for n in range(6):
         workpump.emit("batch.failing", {"n": n}, stream="s")
 
@@ -90,9 +75,7 @@ def test_a_failing_batch_fails_the_first_row_and_releases_the_rest_unspent(subsc
 
 
 @override_settings(WORKPUMP=FAST)
-def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
-    subscribe, pump, raw_connect
-):
+def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(handlers, pump, raw_connect):
     run_sql("CREATE TABLE batch_effect (work_id uuid, attempt int, call int)")
     try:
         entered = threading.Event()
@@ -109,7 +92,7 @@ def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
                 entered.set()
                 proceed.wait(10)
 
-        subscribe(
+        handlers(
             "perspective", "batch.atomic", project, events=["batch.atomic"], atomic=True, batch=True
         )
         for n in range(5):
@@ -155,7 +138,7 @@ def test_an_atomic_batch_rolls_back_the_whole_run_when_a_lease_is_lost(
 @pytest.mark.parametrize("outcome", ["snooze", "discard"])
 @override_settings(WORKPUMP=FAST)
 def test_a_batch_naming_a_poison_row_completes_the_rows_before_it_and_keeps_order(
-    subscribe, pump, outcome
+    handlers, pump, outcome
 ):
     handled: list[int] = []  # rows whose work the handler did, in call order
     acted = threading.Event()
@@ -169,7 +152,7 @@ def test_a_batch_naming_a_poison_row_completes_the_rows_before_it_and_keeps_orde
                 raise workpump.Discard("row 3 is poison", work=work)
             handled.append(work.payload["n"])
 
-    subscribe("receptor", "batch.poison", project, events=["batch.poison"], batch=True)
+    handlers("receptor", "batch.poison", project, events=["batch.poison"], batch=True)
     for n in range(8):
         workpump.emit("batch.poison", {"n": n}, stream="s")
 
@@ -192,7 +175,7 @@ def test_a_batch_naming_a_poison_row_completes_the_rows_before_it_and_keeps_orde
 
 
 @override_settings(WORKPUMP=FAST)
-def test_an_atomic_batch_naming_a_poison_row_redoes_the_rows_before_it(subscribe, pump):
+def test_an_atomic_batch_naming_a_poison_row_redoes_the_rows_before_it(handlers, pump):
     run_sql("CREATE TABLE batch_effect (n int)")
     try:
         calls: list[list[int]] = []
@@ -204,7 +187,7 @@ def test_an_atomic_batch_naming_a_poison_row_redoes_the_rows_before_it(subscribe
                     raise workpump.Discard("row 3 is poison", work=work)
                 run_sql("INSERT INTO batch_effect VALUES (%s)", [work.payload["n"]])
 
-        subscribe(
+        handlers(
             "perspective", "batch.redo", project, events=["batch.redo"], atomic=True, batch=True
         )
         for n in range(6):
@@ -230,7 +213,7 @@ def test_an_atomic_batch_naming_a_poison_row_redoes_the_rows_before_it(subscribe
 
 
 @override_settings(WORKPUMP=FAST)
-def test_an_abandoned_batch_lets_go_of_its_rows_at_once_and_they_run_again(subscribe, pump):
+def test_an_abandoned_batch_lets_go_of_its_rows_at_once_and_they_run_again(handlers, pump):
     stuck = threading.Event()
     unstick = threading.Event()
     calls: list[list[tuple[int, int]]] = []
@@ -241,7 +224,7 @@ def test_an_abandoned_batch_lets_go_of_its_rows_at_once_and_they_run_again(subsc
             stuck.set()
             unstick.wait(20)  # ignores work.cancelled: abandoned at its timeout
 
-    subscribe("perspective", "batch.stuck", project, events=["batch.stuck"], batch=True, timeout=1)
+    handlers("perspective", "batch.stuck", project, events=["batch.stuck"], batch=True, timeout=1)
     for n in range(5):
         workpump.emit("batch.stuck", {"n": n}, stream="s")
     supervisor = pump()
@@ -266,7 +249,7 @@ def test_an_abandoned_batch_lets_go_of_its_rows_at_once_and_they_run_again(subsc
 
 
 @override_settings(WORKPUMP={**FAST, "SHUTDOWN_TIMEOUT_SECONDS": 0})
-def test_a_pump_stopping_mid_batch_fails_its_first_row_and_gives_the_rest_back(subscribe, pump):
+def test_a_pump_stopping_mid_batch_fails_its_first_row_and_gives_the_rest_back(handlers, pump):
     stuck = threading.Event()
     unstick = threading.Event()
 
@@ -274,7 +257,7 @@ def test_a_pump_stopping_mid_batch_fails_its_first_row_and_gives_the_rest_back(s
         stuck.set()
         unstick.wait(20)  # ignores work.cancelled: still running at the shutdown timeout
 
-    subscribe("receptor", "batch.stopping", project, events=["batch.stopping"], batch=True)
+    handlers("receptor", "batch.stopping", project, events=["batch.stopping"], batch=True)
     for n in range(4):
         workpump.emit("batch.stopping", {"n": n}, stream="s")
     supervisor = pump()

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from django.test import override_settings
@@ -21,24 +19,11 @@ from django.utils import timezone
 import django_workpump as workpump
 from django_workpump import Work, models
 from django_workpump.control import MAX_DELAY_SECONDS
-from django_workpump.registry import registry
 from django_workpump.testing import RunReport, run_pending
-from tests.fakes import make_row
+from tests.fakes import make_dispatcher, make_row
 from tests.helpers import FAST_PUMP, wait_until
-from tests.pump.test_control_flow import make_dispatcher
 
 TOPIC = "bounded.outcome"
-
-
-@pytest.fixture
-def handler() -> Iterator[Any]:
-    """Register ``func`` for TOPIC (one at a time); unregister it afterwards."""
-
-    def register(func: Any, **options: Any) -> None:
-        workpump.outbox_handler(TOPIC, **options)(func)
-
-    yield register
-    registry.unregister("outbox", TOPIC)
 
 
 # --- Discard reasons ---------------------------------------------------------------------
@@ -56,11 +41,11 @@ def test_a_discard_reason_postgresql_cannot_store_is_made_storable(reason, store
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("reason", ["a\x00b", "\ud800"])
-def test_a_discard_with_such_a_reason_ends_its_row(handler, reason):
+def test_a_discard_with_such_a_reason_ends_its_row(outbox_handler, reason):
     def discard(work: Work) -> None:
         raise workpump.Discard(reason)
 
-    handler(discard)
+    outbox_handler(TOPIC, discard)
     work_id = workpump.send(TOPIC, {})
     report = RunReport()
 
@@ -89,11 +74,11 @@ def test_a_snooze_of_the_longest_wait_is_taken():
 
 
 @pytest.mark.django_db
-def test_a_handler_raising_a_too_long_snooze_fails_its_attempt_once(handler):
+def test_a_handler_raising_a_too_long_snooze_fails_its_attempt_once(outbox_handler):
     def snooze(work: Work) -> None:
         raise workpump.Snooze(1e15)
 
-    handler(snooze, max_attempts=3)
+    outbox_handler(TOPIC, snooze, max_attempts=3)
     work_id = workpump.send(TOPIC, {})
     report = RunReport()
 
@@ -107,11 +92,11 @@ def test_a_handler_raising_a_too_long_snooze_fails_its_attempt_once(handler):
 
 
 @pytest.mark.django_db
-def test_the_longest_snooze_is_stored(handler):
+def test_the_longest_snooze_is_stored(outbox_handler):
     def snooze(work: Work) -> None:
         raise workpump.Snooze(MAX_DELAY_SECONDS)
 
-    handler(snooze)
+    outbox_handler(TOPIC, snooze)
     work_id = workpump.send(TOPIC, {})
     before = timezone.now()
 
@@ -159,7 +144,7 @@ def test_the_dispatcher_cuts_a_huge_backoff_and_logs_it(caplog):
 
 @pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP={**FAST_PUMP, "CONCURRENCY": 1})
-def test_a_huge_backoff_schedules_the_retry_a_hundred_years_on_in_one_attempt(handler, pump):
+def test_a_huge_backoff_schedules_the_retry_a_hundred_years_on_in_one_attempt(outbox_handler, pump):
     ran = threading.Event()
     runs: list[int] = []
 
@@ -168,7 +153,7 @@ def test_a_huge_backoff_schedules_the_retry_a_hundred_years_on_in_one_attempt(ha
         ran.set()
         raise TimeoutError("slow upstream")
 
-    handler(flaky, retry=workpump.Retry(backoff=lambda attempt, exc: 1e300))
+    outbox_handler(TOPIC, flaky, retry=workpump.Retry(backoff=lambda attempt, exc: 1e300))
     work_id = workpump.send(TOPIC, {})
     before = timezone.now()
     pump()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +20,6 @@ from django.utils import timezone
 import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.supervisor import EXIT_OK
-from django_workpump.registry import registry
 from django_workpump.states import CancelReason
 from tests.helpers import FAST_PUMP, drain, wait_until
 
@@ -31,21 +29,8 @@ FAST = {**FAST_PUMP, "CONCURRENCY": 2}
 WAIT = 20.0
 
 
-@pytest.fixture
-def outbox_handlers() -> Iterator[Callable[..., None]]:
-    topics: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
-        workpump.outbox_handler(topic, **options)(func)
-        topics.append(topic)
-
-    yield register
-    for topic in topics:
-        registry.unregister("outbox", topic)
-
-
 @override_settings(WORKPUMP=FAST)
-def test_a_running_handler_sees_work_cancelled_and_its_outcome_is_fenced(outbox_handlers, pump):
+def test_a_running_handler_sees_work_cancelled_and_its_outcome_is_fenced(outbox_handler, pump):
     started, observed = threading.Event(), threading.Event()
     seen: dict[str, Any] = {}
     ran: list[int] = []
@@ -62,7 +47,7 @@ def test_a_running_handler_sees_work_cancelled_and_its_outcome_is_fenced(outbox_
             observed.set()
         return {"late": True}  # reported after the cancel: must not land
 
-    outbox_handlers("it.cancel.slow", slow)
+    outbox_handler("it.cancel.slow", slow)
     first = workpump.send("it.cancel.slow", {"n": 1}, stream="s")
     workpump.send("it.cancel.slow", {"n": 2}, stream="s")
     supervisor = pump()
@@ -84,7 +69,7 @@ def test_a_running_handler_sees_work_cancelled_and_its_outcome_is_fenced(outbox_
 
 
 @override_settings(WORKPUMP=FAST)
-def test_a_running_async_handlers_task_is_cancelled(outbox_handlers, pump):
+def test_a_running_async_handlers_task_is_cancelled(outbox_handler, pump):
     import asyncio
 
     started, cancelled = threading.Event(), threading.Event()
@@ -97,7 +82,7 @@ def test_a_running_async_handlers_task_is_cancelled(outbox_handlers, pump):
             cancelled.set()
             raise
 
-    outbox_handlers("it.cancel.async", sleeper)
+    outbox_handler("it.cancel.async", sleeper)
     work_id = workpump.send("it.cancel.async", {})
     pump()
     assert started.wait(WAIT)
@@ -109,9 +94,9 @@ def test_a_running_async_handlers_task_is_cancelled(outbox_handlers, pump):
 
 
 @override_settings(WORKPUMP=FAST)
-def test_cancelled_pending_rows_never_run_and_unknown_ids_are_reported(outbox_handlers, pump):
+def test_cancelled_pending_rows_never_run_and_unknown_ids_are_reported(outbox_handler, pump):
     ran: list[str] = []
-    outbox_handlers("it.cancel.pending", lambda work: ran.append(work.payload["name"]))
+    outbox_handler("it.cancel.pending", lambda work: ran.append(work.payload["name"]))
     keep = workpump.send("it.cancel.pending", {"name": "keep"})
     drop = workpump.send("it.cancel.pending", {"name": "drop"})
     later = workpump.send(
@@ -132,7 +117,7 @@ def test_cancelled_pending_rows_never_run_and_unknown_ids_are_reported(outbox_ha
 
 
 @override_settings(WORKPUMP=FAST)
-def test_snooze_discard_and_retry_through_the_pump(outbox_handlers, pump):
+def test_snooze_discard_and_retry_through_the_pump(outbox_handler, pump):
     attempts: list[tuple[str, int]] = []
 
     def snoozer(work: Any) -> str:
@@ -148,9 +133,9 @@ def test_snooze_discard_and_retry_through_the_pump(outbox_handlers, pump):
         attempts.append(("picky", work.attempts))
         raise KeyError("not retryable")
 
-    outbox_handlers("it.snooze", snoozer)
-    outbox_handlers("it.discard", discarder)
-    outbox_handlers("it.picky", picky, retry=workpump.Retry(max_attempts=5, on=(TimeoutError,)))
+    outbox_handler("it.snooze", snoozer)
+    outbox_handler("it.discard", discarder)
+    outbox_handler("it.picky", picky, retry=workpump.Retry(max_attempts=5, on=(TimeoutError,)))
     snoozed = workpump.send("it.snooze", {}, stream="z")
     behind = workpump.send("it.snooze", {}, stream="z")
     discarded = workpump.send("it.discard", {})
@@ -172,7 +157,7 @@ def test_snooze_discard_and_retry_through_the_pump(outbox_handlers, pump):
 
 
 @override_settings(WORKPUMP=FAST)
-def test_a_handler_that_releases_at_shutdown_leaves_its_row_to_a_later_pump(outbox_handlers, pump):
+def test_a_handler_that_releases_at_shutdown_leaves_its_row_to_a_later_pump(outbox_handler, pump):
     started = threading.Event()
     runs: list[tuple[int, Any]] = []
 
@@ -189,7 +174,7 @@ def test_a_handler_that_releases_at_shutdown_leaves_its_row_to_a_later_pump(outb
             work.lease.cancelled.wait(0.01)
         return "never told"
 
-    outbox_handlers("it.release.shutdown", long_job)
+    outbox_handler("it.release.shutdown", long_job)
     work_id = workpump.send("it.release.shutdown", {})
     first = pump()
     assert started.wait(WAIT)

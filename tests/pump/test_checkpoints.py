@@ -10,7 +10,6 @@ real PostgreSQL.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,27 +19,11 @@ from django.test import override_settings
 import django_workpump as workpump
 from django_workpump import db
 from django_workpump.pump.supervisor import EXIT_OK
-from django_workpump.registry import registry
 from django_workpump.states import OutcomeStatus
 from tests.helpers import FAST_PUMP, drain, enroll, new_id
 
 FAST = {**FAST_PUMP, "CONCURRENCY": 2}
 pumped = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def handlers() -> Iterator[Callable[..., None]]:
-    """Register handlers through the public decorators; unregister them afterwards."""
-    registered: list[tuple[str, str]] = []
-    categories = {"outbox_handler": "outbox", "perspective": "perspective_event"}
-
-    def register(kind: str, topic: str, func: Callable[..., Any], **options: Any) -> None:
-        getattr(workpump, kind)(topic, **options)(func)
-        registered.append((categories[kind], topic))
-
-    yield register
-    for category, topic in registered:
-        registry.unregister(category, topic)
 
 
 @pumped

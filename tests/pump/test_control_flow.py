@@ -22,16 +22,12 @@ from django.core.exceptions import ImproperlyConfigured
 import django_workpump as workpump
 from django_workpump import Work
 from django_workpump.clock import FrozenClock
-from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.notify import CancelHint, NotifyGate
 from django_workpump.pump.renewal import LeaseRenewalWorker, RenewalRequest
-from django_workpump.registry import Handler, Registry, registry
+from django_workpump.registry import registry
 from django_workpump.states import CancelReason, FailureReason
-from tests.fakes import WAIT, FakeCoordinator, make_row
-
-TOPIC = "orders.created"
-
+from tests.fakes import WAIT, FakeCoordinator, make_dispatcher, make_row
 
 # --- bad input ---------------------------------------------------------------------------
 
@@ -135,44 +131,6 @@ def test_handler_options_are_registered(clean_registry):
 
 
 # --- the dispatcher --------------------------------------------------------------------------
-
-
-def make_dispatcher(
-    func: Any, coordinator: FakeCoordinator | None = None, **handler_options: Any
-) -> tuple[Dispatcher, FakeCoordinator, LeaseRegistry, FrozenClock]:
-    coordinator = coordinator or FakeCoordinator()
-    handlers = Registry()
-    handlers.register(Handler("outbox", TOPIC, func, **handler_options))
-    leases = LeaseRegistry()
-    clock = FrozenClock()
-    dispatcher = Dispatcher(
-        coordinator,
-        handlers,
-        leases,
-        concurrency=2,
-        lease_grace_seconds=30,
-        max_renewals=6,
-        lease_seconds=300,
-        clock=clock,
-    )
-    return dispatcher, coordinator, leases, clock
-
-
-@pytest.fixture
-def run() -> Iterator[Any]:
-    """Run rows through a dispatcher; stop it afterwards."""
-    started: list[Dispatcher] = []
-
-    def go(func: Any, rows: list[Any], **options: Any) -> tuple[Dispatcher, FakeCoordinator]:
-        dispatcher, coordinator, _, _ = make_dispatcher(func, **options)
-        started.append(dispatcher)
-        dispatcher.start()
-        dispatcher.submit(rows)
-        return dispatcher, coordinator
-
-    yield go
-    for dispatcher in started:
-        dispatcher.stop()
 
 
 def test_a_snooze_gives_the_row_back_with_its_delay(run):

@@ -31,9 +31,8 @@ from django_workpump.registry import registry
 from django_workpump.states import FailureReason
 from django_workpump.testing import run_pending
 from django_workpump.work import Lease
-from tests.fakes import WAIT, FakeCoordinator, FakeSink, make_row
+from tests.fakes import WAIT, FakeCoordinator, FakeSink, make_dispatcher, make_row
 from tests.helpers import FAST_PUMP, enroll, scalar, wait_until
-from tests.pump.test_control_flow import make_dispatcher
 from tests.sql.test_claim import CATEGORIES, TOPICS, A, claim, make, row
 
 

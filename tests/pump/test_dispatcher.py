@@ -20,7 +20,7 @@ from django_workpump.clock import FrozenClock
 from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.registry import Handler, Registry
-from tests.fakes import WAIT, FakeCoordinator, make_row, watching
+from tests.fakes import TOPIC, WAIT, FakeCoordinator, make_row, watching
 
 
 class Attempts:
@@ -38,16 +38,29 @@ class Attempts:
         return f"attempt {work.attempts}"
 
 
-@pytest.fixture
-def setup() -> Iterator[tuple[Dispatcher, FakeCoordinator, Attempts, LeaseRegistry]]:
+def attempts_dispatcher(
+    concurrency: int,
+) -> tuple[Dispatcher, FakeCoordinator, Attempts, LeaseRegistry]:
+    """A dispatcher (not started) running ``Attempts`` for make_row's topic."""
     coordinator = FakeCoordinator()
     handler = Attempts()
     handlers = Registry()
-    handlers.register(Handler("outbox", "orders.created", handler))
+    handlers.register(Handler("outbox", TOPIC, handler))
     leases = LeaseRegistry()
     dispatcher = Dispatcher(
-        coordinator, handlers, leases, concurrency=2, lease_grace_seconds=5, clock=FrozenClock()
+        coordinator,
+        handlers,
+        leases,
+        concurrency=concurrency,
+        lease_grace_seconds=5,
+        clock=FrozenClock(),
     )
+    return dispatcher, coordinator, handler, leases
+
+
+@pytest.fixture
+def setup() -> Iterator[tuple[Dispatcher, FakeCoordinator, Attempts, LeaseRegistry]]:
+    dispatcher, coordinator, handler, leases = attempts_dispatcher(concurrency=2)
     dispatcher.start()
     yield dispatcher, coordinator, handler, leases
     for event in handler.release.values():
@@ -225,14 +238,7 @@ def test_a_base_exception_from_a_handler_fails_its_attempt_and_the_thread_lives_
 
 
 def test_a_graceful_stop_tells_running_handlers_releases_queued_rows_and_fails_stragglers():
-    coordinator = FakeCoordinator()
-    handler = Attempts()
-    handlers = Registry()
-    handlers.register(Handler("outbox", "orders.created", handler))
-    leases = LeaseRegistry()
-    dispatcher = Dispatcher(
-        coordinator, handlers, leases, concurrency=1, lease_grace_seconds=5, clock=FrozenClock()
-    )
+    dispatcher, coordinator, handler, leases = attempts_dispatcher(concurrency=1)
     running, queued = make_row(), make_row()
     dispatcher.start()
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,33 +20,11 @@ from django_workpump.pump.supervisor import (
     EXIT_EVICTED,
     EXIT_OK,
 )
-from django_workpump.registry import registry
 from tests.helpers import FAST_PUMP, drain, run_sql, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 FAST = {**FAST_PUMP, "CONCURRENCY": 4}
-
-
-@pytest.fixture
-def handlers() -> Iterator[Callable[..., Any]]:
-    """Register handlers for one test; they are unregistered afterwards."""
-    registered: list[tuple[str, str]] = []
-
-    def register(kind: str, topic: str, func: Callable[..., Any], **options: Any) -> None:
-        decorator = getattr(workpump, kind)
-        decorator(topic, **options)(func)
-        category = {
-            "outbox_handler": "outbox",
-            "inbox_handler": "inbox",
-            "perspective": "perspective_event",
-            "receptor": "receptor",
-        }[kind]
-        registered.append((category, topic))
-
-    yield register
-    for category, topic in registered:
-        registry.unregister(category, topic)
 
 
 @override_settings(WORKPUMP=FAST)

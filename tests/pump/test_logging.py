@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -15,23 +14,9 @@ from django.test import override_settings
 import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.maintenance import MaintenanceWorker
-from django_workpump.registry import registry
 from tests.helpers import FAST_PROCESS, FAST_PUMP, drain
 
 FAST = {**FAST_PUMP, "CONCURRENCY": 2}
-
-
-@pytest.fixture
-def outbox_handlers() -> Iterator[Callable[..., Any]]:
-    registered: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
-        workpump.outbox_handler(topic, **options)(func)
-        registered.append(topic)
-
-    yield register
-    for topic in registered:
-        registry.unregister("outbox", topic)
 
 
 def failing(work: Any) -> None:
@@ -47,9 +32,9 @@ def records(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRec
     WORKPUMP={**FAST, "RETRY_BACKOFF_BASE_SECONDS": 60, "RETRY_BACKOFF_MAX_SECONDS": 300}
 )
 def test_a_failed_attempt_logs_one_warning_with_the_exception_line_and_the_retry_time(
-    outbox_handlers, pump, caplog
+    outbox_handler, pump, caplog
 ):
-    outbox_handlers("logs.fail", failing, max_attempts=3)
+    outbox_handler("logs.fail", failing, max_attempts=3)
     message_id = workpump.send("logs.fail", {"user": 7}, stream="user-7")
     caplog.set_level(logging.INFO)
 
@@ -83,8 +68,8 @@ def test_a_failed_attempt_logs_one_warning_with_the_exception_line_and_the_retry
 
 @pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP=FAST)
-def test_the_attempt_that_dead_letters_a_row_logs_an_error(outbox_handlers, pump, caplog):
-    outbox_handlers("logs.fail", failing, max_attempts=2)
+def test_the_attempt_that_dead_letters_a_row_logs_an_error(outbox_handler, pump, caplog):
+    outbox_handler("logs.fail", failing, max_attempts=2)
     message_id = workpump.send("logs.fail", {"user": 8})
     caplog.set_level(logging.INFO)
 

@@ -13,24 +13,9 @@ from django.utils import timezone
 
 import django_workpump as workpump
 from django_workpump import models
-from django_workpump.pump.maintenance import MaintenanceWorker
 from django_workpump.pump.supervisor import EXIT_SERVICE_DIED, PumpOptions, Supervisor
 from tests.factories import EvictionFactory, OutboxFactory, ServiceInstanceFactory
-from tests.helpers import enroll, run_sql, scalar
-
-DAY = 24 * 3600
-
-
-def worker(**overrides) -> MaintenanceWorker:
-    options = {
-        "alias": "default",
-        "interval_seconds": 300,
-        "retention_seconds": DAY,
-        "stale_after_seconds": 30,
-        "definitively_dead_after_seconds": 300,
-        "batch": 2,
-    }
-    return MaintenanceWorker(**{**options, **overrides})
+from tests.helpers import enroll, maintenance_worker, run_sql, scalar
 
 
 @pytest.mark.django_db
@@ -48,7 +33,7 @@ def test_a_pass_reaps_purges_in_batches_and_keeps_undone_rows(caplog):
 
     # A 1 s stale cutoff: the reap pauses while the server is younger than the cutoff
     # (a restart is no evidence of death), and the test server may have just started.
-    result = worker(stale_after_seconds=1, definitively_dead_after_seconds=2).run_once()
+    result = maintenance_worker(stale_after_seconds=1, definitively_dead_after_seconds=2).run_once()
 
     assert result.ran
     assert result.reaped == 1
@@ -69,7 +54,7 @@ def test_rows_using_up_their_attempts_are_logged(caplog):
     stuck = OutboxFactory(attempts=6, max_attempts=10, last_error=trace + "KeyError: 'x'\n")
     OutboxFactory(attempts=1, max_attempts=10)
 
-    result = worker().run_once()
+    result = maintenance_worker().run_once()
 
     assert result.stuck == 1
     [record] = [r for r in caplog.records if getattr(r, "action", "") == "stuck_row"]
@@ -85,10 +70,10 @@ def test_only_one_instance_runs_maintenance_at_a_time(raw_connect):
         "try_maintenance_lock"
     ]
 
-    assert worker().run_once().ran is False
+    assert maintenance_worker().run_once().ran is False
 
     holder.execute("SELECT workpump.release_maintenance_lock()")
-    assert worker().run_once().ran is True
+    assert maintenance_worker().run_once().ran is True
     # the pass let go of the lock again
     assert holder.execute("SELECT workpump.try_maintenance_lock()").fetchone()[
         "try_maintenance_lock"
@@ -107,7 +92,7 @@ def test_idle_stream_ownership_rows_are_dropped():
     )
     assert scalar("SELECT count(*) FROM workpump_active_stream") == 1
 
-    assert worker().run_once().purged["active_stream"] == 1
+    assert maintenance_worker().run_once().purged["active_stream"] == 1
     assert scalar("SELECT count(*) FROM workpump_active_stream") == 0
 
 

@@ -36,7 +36,7 @@ from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
 from django_workpump.pump.dispatch import Dispatcher
 from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.supervisor import EXIT_OK
-from django_workpump.registry import Handler, Registry, registry
+from django_workpump.registry import Handler, Registry
 from django_workpump.testing import run_pending
 from tests.fakes import WAIT, FakeCoordinator, FakeSink, make_row
 from tests.helpers import FAST_PUMP, ROOT, at, drain, enroll, scalar, wait_until
@@ -57,27 +57,14 @@ def value(found: dict[Any, float], name: str, **labels: str) -> float | None:
     return found.get((name, tuple(sorted(labels.items()))))
 
 
-@pytest.fixture
-def handlers() -> Iterator[Callable[..., Any]]:
-    registered: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
-        workpump.outbox_handler(topic, **options)(func)
-        registered.append(topic)
-
-    yield register
-    for topic in registered:
-        registry.unregister("outbox", topic)
-
-
 @pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP=FAST)
-def test_the_view_after_a_drained_pump_counts_runs_outcomes_and_rows(handlers, pump):
+def test_the_view_after_a_drained_pump_counts_runs_outcomes_and_rows(outbox_handler, pump):
     def boom(work: Any) -> None:
         raise ValueError("no")
 
-    handlers("metrics.ok", lambda work: {"ok": True})
-    handlers("metrics.boom", boom, max_attempts=1)
+    outbox_handler("metrics.ok", lambda work: {"ok": True})
+    outbox_handler("metrics.boom", boom, max_attempts=1)
     for n in range(5):
         workpump.send("metrics.ok", {"n": n})
     for n in range(2):
@@ -115,7 +102,7 @@ def test_the_view_after_a_drained_pump_counts_runs_outcomes_and_rows(handlers, p
 
 @pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP=FAST)
-def test_runworkpump_serves_metrics_on_its_port_while_it_runs(handlers, pump):
+def test_runworkpump_serves_metrics_on_its_port_while_it_runs(outbox_handler, pump):
     started = threading.Event()
     release = threading.Event()
 
@@ -123,8 +110,8 @@ def test_runworkpump_serves_metrics_on_its_port_while_it_runs(handlers, pump):
         started.set()
         assert release.wait(10)
 
-    handlers("metrics.port", lambda work: None)
-    handlers("metrics.hold", hold)
+    outbox_handler("metrics.port", lambda work: None)
+    outbox_handler("metrics.hold", hold)
     supervisor = pump(metrics_port=0)  # any free port
     url = f"http://127.0.0.1:{supervisor.metrics_server.port}/metrics"
     for n in range(3):
@@ -177,12 +164,12 @@ def test_scrapes_within_the_cache_window_read_the_database_once():
 
 
 @pytest.mark.django_db
-def test_the_pending_gauge_counts_no_ended_row_and_the_ended_gauge_counts_them(handlers):
+def test_the_pending_gauge_counts_no_ended_row_and_the_ended_gauge_counts_them(outbox_handler):
     def discard(work: Any) -> None:
         if work.payload["n"] == 1:
             raise workpump.Discard("not wanted")
 
-    handlers("metrics.ended", discard)
+    outbox_handler("metrics.ended", discard)
     for n in range(3):
         workpump.send("metrics.ended", {"n": n})
     assert run_pending(topics=["metrics.ended"]) == 2  # done; the third is discarded
@@ -330,9 +317,9 @@ def test_without_prometheus_client_the_recorder_does_nothing_and_use_names_the_e
 @pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP=FAST)
 def test_without_prometheus_client_the_pump_runs_and_records_nothing(
-    without_prometheus_client, handlers, pump
+    without_prometheus_client, outbox_handler, pump
 ):
-    handlers("metrics.absent", lambda work: None)
+    outbox_handler("metrics.absent", lambda work: None)
     workpump.send("metrics.absent", {})
     supervisor = pump(drain=True)
     assert supervisor.dispatcher.metrics.enabled is False
@@ -442,6 +429,30 @@ class LosingCoordinator(FakeCoordinator):
         return [Outcome(lease.id, "lost") for lease in leases]
 
 
+def recorded_dispatcher(
+    coordinator: Any, handlers: Registry, recorder: Any, leases: LeaseRegistry | None = None
+) -> Dispatcher:
+    """A one-thread dispatcher on a frozen clock that counts into ``recorder``."""
+    return Dispatcher(
+        coordinator,
+        handlers,
+        LeaseRegistry() if leases is None else leases,
+        concurrency=1,
+        lease_grace_seconds=5,
+        clock=FrozenClock(),
+        metrics=recorder,
+    )
+
+
+def run_until_idle(dispatcher: Dispatcher) -> None:
+    """Run what was submitted to ``dispatcher`` to its end, then stop it."""
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+
+
 def test_the_dispatcher_counts_runs_outcomes_and_rows_in_flight():
     recorder, sample = own_recorder()
     coordinator = FakeCoordinator()
@@ -452,23 +463,11 @@ def test_the_dispatcher_counts_runs_outcomes_and_rows_in_flight():
         raise RuntimeError("boom")
 
     handlers.register(Handler("outbox", "boom", boom))
-    dispatcher = Dispatcher(
-        coordinator,
-        handlers,
-        LeaseRegistry(),
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(coordinator, handlers, recorder)
     rows = [dataclasses.replace(make_row(), topic=t) for t in ("ok", "ok", "boom")]
     dispatcher.submit(rows)
     assert sample("workpump_in_flight", category="outbox") == 3
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
 
     ok = {"category": "outbox", "topic": "ok"}
     boom_ = {"category": "outbox", "topic": "boom"}
@@ -501,23 +500,11 @@ def test_a_stream_run_counts_each_row_it_ran_and_holds_none_after_it_ends():
             raise RuntimeError("boom")
 
     handlers.register(Handler("outbox", "run", maybe_fail))
-    dispatcher = Dispatcher(
-        coordinator,
-        handlers,
-        LeaseRegistry(),
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(coordinator, handlers, recorder)
     rows = stream_rows("run", "s-1", [{"i": 1}, {"fail": True}, {"i": 3}])
     dispatcher.submit(rows)
     assert sample("workpump_in_flight", category="outbox") == 3
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
 
     run = {"category": "outbox", "topic": "run"}
     assert coordinator.calls.count("release") == 1  # the third row, unstarted
@@ -533,21 +520,9 @@ def test_a_batch_handler_counts_every_row_of_its_batch():
     seen: list[int] = []
     handlers = Registry()
     handlers.register(Handler("outbox", "batch", lambda works: seen.append(len(works)), batch=True))
-    dispatcher = Dispatcher(
-        FakeCoordinator(),
-        handlers,
-        LeaseRegistry(),
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(FakeCoordinator(), handlers, recorder)
     dispatcher.submit(stream_rows("batch", "s-2", [{"i": i} for i in range(3)]))
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
 
     batch = {"category": "outbox", "topic": "batch"}
     assert seen == [3]  # one call for the run
@@ -561,21 +536,9 @@ def test_an_outcome_fenced_out_counts_as_lost_not_done():
     recorder, sample = own_recorder()
     handlers = Registry()
     handlers.register(Handler("outbox", "ok", lambda work: None))
-    dispatcher = Dispatcher(
-        LosingCoordinator(),
-        handlers,
-        LeaseRegistry(),
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(LosingCoordinator(), handlers, recorder)
     dispatcher.submit([dataclasses.replace(make_row(), topic="ok")])
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
     assert sample("workpump_lost_total", category="outbox") == 1
     assert sample("workpump_done_total", category="outbox", topic="ok") is None
     assert dispatcher.outcomes.topics == {}
@@ -646,15 +609,7 @@ def _batch_dispatcher(func: Callable[..., Any], **options: Any) -> tuple[Any, An
     handlers.register(Handler("outbox", "batch", func, batch=True, **options))
     coordinator = FakeCoordinator()
     leases = LeaseRegistry()
-    dispatcher = Dispatcher(
-        coordinator,
-        handlers,
-        leases,
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        metrics=recorder,
-    )
+    dispatcher = recorded_dispatcher(coordinator, handlers, recorder, leases)
     return dispatcher, coordinator, leases, sample
 
 
@@ -687,11 +642,7 @@ def test_a_batch_dead_lettered_by_its_retry_counts_one_failed_dead_row():
 
     dispatcher, _, _, sample = _batch_dispatcher(handler, retry=workpump.Retry(on=(TimeoutError,)))
     dispatcher.submit(stream_rows("batch", "s-4", [{"i": i} for i in range(3)]))
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    run_until_idle(dispatcher)
 
     assert sample("workpump_failed_total", **BATCH, reason="not_retryable") == 1
     assert sample("workpump_dead_lettered_total", **BATCH, reason="not_retryable") == 1

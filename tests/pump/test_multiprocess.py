@@ -12,27 +12,17 @@ import json
 import signal
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.helpers import FAST_PROCESS, run_sql, scalar, wait_until
+from tests.helpers import FAST_PROCESS, got_going, run_sql, scalar, unfinished_runs, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
 FAST = FAST_PROCESS
-
-
-@pytest.fixture
-def executions() -> Iterator[None]:
-    run_sql(
-        "CREATE TABLE mp_execution (work_id uuid, category text, stream text, n int, "
-        "pid int, attempt int, started_at timestamptz, finished_at timestamptz)"
-    )
-    yield
-    run_sql("DROP TABLE mp_execution")
 
 
 @pytest.fixture
@@ -121,16 +111,7 @@ def test_kill_9_moves_the_killed_instances_rows_to_the_survivor(executions, spaw
     }
     victim = spawn("--concurrency", "4", **timings)
     survivor = spawn("--concurrency", "4", **timings)
-    assert wait_until(
-        lambda: (
-            scalar(
-                "SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL",
-                [victim.pid],
-            )
-            > 0
-            and scalar("SELECT count(*) FROM mp_execution WHERE pid = %s", [victim.pid]) >= 10
-        )
-    ), "the victim never got going"
+    assert wait_until(lambda: got_going(victim.pid, 10)), "the victim never got going"
 
     victim_id = scalar(
         "SELECT instance_id FROM workpump_service_instance WHERE process_id = %s", [victim.pid]
@@ -219,15 +200,7 @@ def test_kill_9_moves_the_killed_instances_rows_to_the_survivor(executions, spaw
 def test_sigterm_lets_in_flight_handlers_finish_and_deregisters(executions, spawn):
     produce_backlog(streams=4, per_stream=3, seconds=1.0)
     process = spawn("--concurrency", "2")
-    assert wait_until(
-        lambda: (
-            scalar(
-                "SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL",
-                [process.pid],
-            )
-            == 2
-        )
-    )
+    assert wait_until(lambda: unfinished_runs(process.pid) == 2)
     instance_id = scalar(
         "SELECT instance_id FROM workpump_service_instance WHERE process_id = %s", [process.pid]
     )
@@ -238,13 +211,7 @@ def test_sigterm_lets_in_flight_handlers_finish_and_deregisters(executions, spaw
     assert process.returncode == 0, output
     assert "received SIGTERM" in output
     # the handlers that were running finished; nothing was abandoned half-way
-    assert (
-        scalar(
-            "SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL",
-            [process.pid],
-        )
-        == 0
-    )
+    assert unfinished_runs(process.pid) == 0
     # its rows are released and its instance row is gone
     assert scalar("SELECT count(*) FROM workpump_service_instance") == 0
     held = scalar(

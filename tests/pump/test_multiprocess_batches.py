@@ -4,27 +4,17 @@ batch calls back exactly once, with counts that add up to its members."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import django_workpump as workpump
-from tests.helpers import FAST_PROCESS, run_sql, scalar, wait_until
+from tests.helpers import FAST_PROCESS, got_going, run_sql, scalar, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 BATCHES, MEMBERS = 10, 100
-
-
-@pytest.fixture
-def executions() -> Iterator[None]:
-    run_sql(
-        "CREATE TABLE mp_execution (work_id uuid, category text, stream text, n int, "
-        "pid int, attempt int, started_at timestamptz, finished_at timestamptz)"
-    )
-    yield
-    run_sql("DROP TABLE mp_execution")
 
 
 def test_a_killed_instance_costs_no_callback_and_makes_none_twice(
@@ -38,16 +28,7 @@ def test_a_killed_instance_costs_no_callback_and_makes_none_twice(
 
     pumps = [pump_process("--concurrency", "4", timings=FAST_PROCESS) for _ in range(3)]
     victim = pumps[0]
-    assert wait_until(
-        lambda: (
-            scalar(
-                "SELECT count(*) FROM mp_execution WHERE pid = %s AND finished_at IS NULL",
-                [victim.pid],
-            )
-            > 0
-            and scalar("SELECT count(*) FROM mp_execution WHERE pid = %s", [victim.pid]) >= 20
-        )
-    ), "the victim never got going"
+    assert wait_until(lambda: got_going(victim.pid, 20)), "the victim never got going"
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
 

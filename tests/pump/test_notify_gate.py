@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from django_workpump.pump.notify import CHANNELS, NotifyGate, reconnect_delay
-from tests.helpers import conninfo
+from tests.helpers import conninfo, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -83,14 +83,14 @@ def running(gate: NotifyGate) -> Iterator[threading.Thread]:
         thread.join(JOIN_SECONDS)
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_SECONDS) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` passes; return its last value."""
-    tick = threading.Event()
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return True
-        tick.wait(0.05)
-    return predicate()
+@contextmanager
+def listening(**options: Any) -> Iterator[tuple[NotifyGate, Recorder]]:
+    """A running gate (``make_gate`` options), once it has become available."""
+    recorder = Recorder()
+    gate = make_gate(recorder, **options)
+    with running(gate):
+        assert recorder.next_change() is True
+        yield gate, recorder
 
 
 def register(conn: Conn, instance_id: uuid.UUID) -> None:
@@ -171,12 +171,9 @@ def test_gate_connects_probes_and_becomes_available_once(raw_connect):
 
 
 def test_each_work_channel_wakes_its_signal(raw_connect):
-    recorder = Recorder()
-    gate = make_gate(recorder)
     producer = raw_connect()
 
-    with running(gate):
-        assert recorder.next_change() is True
+    with listening() as (gate, recorder):
         for channel, signal in CHANNELS.items():
             notify(producer, channel, "anything")
             assert recorder.next_signal() == signal
@@ -186,23 +183,17 @@ def test_each_work_channel_wakes_its_signal(raw_connect):
 
 
 def test_signal_comes_from_the_channel_not_the_payload(raw_connect):
-    recorder = Recorder()
-    gate = make_gate(recorder)
     producer = raw_connect()
 
-    with running(gate):
-        assert recorder.next_change() is True
+    with listening() as (_gate, recorder):
         notify(producer, "workpump_inbox", "outbox")
         assert recorder.next_signal() == "inbox"
 
 
 def test_notification_on_an_unrelated_channel_is_ignored(raw_connect):
-    recorder = Recorder()
-    gate = make_gate(recorder)
     producer = raw_connect()
 
-    with running(gate):
-        assert recorder.next_change() is True
+    with listening() as (gate, recorder):
         notify(producer, "workpump_unrelated", "outbox")
         notify(producer, "workpump_outboxx", "outbox")
         notify(producer, "workpump_orphan", "evicted")
@@ -213,13 +204,10 @@ def test_notification_on_an_unrelated_channel_is_ignored(raw_connect):
 
 
 def test_committed_send_wakes_the_outbox_signal(raw_connect):
-    recorder = Recorder()
-    gate = make_gate(recorder)
     producer = raw_connect()
     other = raw_connect()
 
-    with running(gate):
-        assert recorder.next_change() is True
+    with listening() as (_gate, recorder):
         with producer.transaction():
             producer.execute("SELECT workpump.send('x', '{}')")
             # Committed after the send ran but before its commit: delivered first, alone.
@@ -233,13 +221,10 @@ def test_committed_send_wakes_the_outbox_signal(raw_connect):
 
 
 def test_killed_backend_is_one_transition_each_way_then_listens_again(raw_connect):
-    recorder = Recorder()
-    gate = make_gate(recorder)
     admin = raw_connect()
     producer = raw_connect()
 
-    with running(gate):
-        assert recorder.next_change() is True
+    with listening() as (gate, recorder):
         first_pid = gate.backend_pid
         terminate(admin, first_pid)
 

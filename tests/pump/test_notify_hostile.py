@@ -34,7 +34,6 @@ from django_workpump.pump.notify import (
     NotifyGate,
     parse_cancel,
 )
-from django_workpump.registry import registry
 from tests.helpers import FAST_PUMP, conninfo, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -227,19 +226,6 @@ def test_hostile_notifications_on_every_channel_leave_every_listener_up(pump, ro
 # -- a role that can read the work tables -----------------------------------------------
 
 
-@pytest.fixture
-def outbox_handler() -> Iterator[Callable[..., None]]:
-    topics: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any]) -> None:
-        workpump.outbox_handler(topic)(func)
-        topics.append(topic)
-
-    yield register
-    for topic in topics:
-        registry.unregister("outbox", topic)
-
-
 def spoof_cancel(conn: Conn, work_id: uuid.UUID) -> None:
     """What a reader of workpump_outbox can send: the real holder and lease token."""
     row = conn.execute(
@@ -252,6 +238,22 @@ def spoof_cancel(conn: Conn, work_id: uuid.UUID) -> None:
         "work": [[str(work_id), str(row["lease_token"])]],
     }
     notify(conn, CANCEL_CHANNEL, json.dumps(payload))
+
+
+def spoofed_while_running(
+    pump: Callable[..., Any], role: Callable[..., Conn], topic: str, started: threading.Event
+) -> tuple[uuid.UUID, Any, NotifyGate]:
+    """Send a row of ``topic`` and start a pump; once its handler has ``started``, spoof a
+    cancel of the row as a reader of the work tables and wait until the gate has found
+    it unconfirmed. The row, the pump and its gate."""
+    work_id = workpump.send(topic, {})
+    supervisor = pump()
+    gate = supervisor.gate
+    assert gate is not None
+    assert started.wait(WAIT)
+    spoof_cancel(role(*(c.table for c in CATEGORIES)), work_id)
+    assert wait_until(lambda: gate.cancels_unconfirmed == 1, WAIT)
+    return work_id, supervisor, gate
 
 
 @override_settings(WORKPUMP={**FAST_PUMP, "CONCURRENCY": 2})
@@ -268,16 +270,7 @@ def test_a_spoofed_cancel_leaves_the_handler_running_and_its_outcome_stored(
         return {"finished": True}
 
     outbox_handler("hostile.spoof", handler)
-    work_id = workpump.send("hostile.spoof", {})
-    supervisor = pump()
-    gate = supervisor.gate
-    assert gate is not None
-    assert started.wait(WAIT)
-    reader = role(*(c.table for c in CATEGORIES))
-
-    spoof_cancel(reader, work_id)
-
-    assert wait_until(lambda: gate.cancels_unconfirmed == 1, WAIT)
+    work_id, supervisor, gate = spoofed_while_running(pump, role, "hostile.spoof", started)
     release.set()
     assert wait_until(lambda: models.Outbox.objects.get(work_id=work_id).done_at is not None, WAIT)
     row = models.Outbox.objects.get(work_id=work_id)
@@ -299,14 +292,7 @@ def test_after_a_spoof_a_real_cancel_still_stops_the_handler(pump, role, outbox_
         return "late"
 
     outbox_handler("hostile.real", handler)
-    work_id = workpump.send("hostile.real", {})
-    supervisor = pump()
-    gate = supervisor.gate
-    assert gate is not None
-    assert started.wait(WAIT)
-    reader = role(*(c.table for c in CATEGORIES))
-    spoof_cancel(reader, work_id)
-    assert wait_until(lambda: gate.cancels_unconfirmed == 1, WAIT)
+    work_id, supervisor, gate = spoofed_while_running(pump, role, "hostile.real", started)
     assert not stopped.is_set()
 
     workpump.cancel(work_id)

@@ -11,32 +11,16 @@ import dataclasses
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
 import django_workpump as workpump
 from django_workpump import Work
+from django_workpump.db import ClaimedWork
 from django_workpump.states import FailureReason, StopReason
-from tests.fakes import WAIT, make_row
-from tests.pump.test_control_flow import make_dispatcher
-
-
-@pytest.fixture
-def run() -> Iterator[Any]:
-    """Run rows through a dispatcher; stop it afterwards."""
-    started: list[Any] = []
-
-    def go(func: Any, rows: list[Any], **options: Any) -> Any:
-        dispatcher, coordinator, _, _ = make_dispatcher(func, **options)
-        started.append(dispatcher)
-        dispatcher.start()
-        dispatcher.submit(rows)
-        return dispatcher, coordinator
-
-    yield go
-    for dispatcher in started:
-        dispatcher.stop()
+from tests.fakes import WAIT, make_dispatcher, make_row
 
 
 def stops_when_told(seen: list[Any], started: threading.Event) -> Any:
@@ -53,22 +37,34 @@ def stops_when_told(seen: list[Any], started: threading.Event) -> Any:
     return handle
 
 
-def test_a_release_at_shutdown_gives_the_row_back_with_its_attempt():
+@contextmanager
+def running_until_told(
+    **options: Any,
+) -> Iterator[tuple[list[Any], ClaimedWork, Any, Any, Any, Any]]:
+    """A dispatcher (``make_dispatcher`` options) running ``stops_when_told`` on one row,
+    entered once the handler has started and stopped on exit: what the handler saw, the
+    row, and the dispatcher, coordinator, leases and clock."""
     seen: list[Any] = []
     started = threading.Event()
-    dispatcher, coordinator, _, _ = make_dispatcher(stops_when_told(seen, started))
+    dispatcher, coordinator, leases, clock = make_dispatcher(
+        stops_when_told(seen, started), **options
+    )
     dispatcher.start()
     try:
         row = make_row()
         dispatcher.submit([row])
         assert started.wait(WAIT)
+        yield seen, row, dispatcher, coordinator, leases, clock
+    finally:
+        dispatcher.stop()
 
+
+def test_a_release_at_shutdown_gives_the_row_back_with_its_attempt():
+    with running_until_told() as (seen, row, dispatcher, coordinator, _, _):
         dispatcher.stop_accepting()
 
         assert coordinator.wait_for_call("release")
         assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
     assert seen == [None, StopReason.SHUTDOWN] and seen[1] == "shutdown"
     assert coordinator.tokens == [("release", row.work_id, row.lease_token)]
     assert coordinator.failed == coordinator.completed == []
@@ -76,43 +72,21 @@ def test_a_release_at_shutdown_gives_the_row_back_with_its_attempt():
 
 
 def test_an_operator_cancel_says_operator_and_a_release_writes_nothing():
-    seen: list[Any] = []
-    started = threading.Event()
-    dispatcher, coordinator, _, _ = make_dispatcher(stops_when_told(seen, started))
-    dispatcher.start()
-    try:
-        row = make_row()
-        dispatcher.submit([row])
-        assert started.wait(WAIT)
-
+    with running_until_told() as (seen, row, dispatcher, coordinator, _, _):
         assert dispatcher.cancel_running("outbox", [(row.work_id, row.lease_token)]) == 1
 
         assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
     assert seen == [None, StopReason.OPERATOR] and seen[1] == "operator"
     assert coordinator.tokens == []  # the row ended cancelled; the database fences it anyway
     assert dispatcher.stats.cancelled == 1
 
 
 def test_a_release_at_the_timeout_counts_the_attempt_as_timed_out():
-    seen: list[Any] = []
-    started = threading.Event()
-    dispatcher, coordinator, leases, clock = make_dispatcher(
-        stops_when_told(seen, started), timeout=20
-    )
-    dispatcher.start()
-    try:
-        row = make_row()
-        dispatcher.submit([row])
-        assert started.wait(WAIT)
-
+    with running_until_told(timeout=20) as (seen, row, _, coordinator, leases, clock):
         clock.advance(21)
         assert len(leases.expire_due()) == 1  # the lease monitor's turn: cancelled
 
         assert coordinator.wait_for_call("fail")
-    finally:
-        dispatcher.stop()
     assert seen == [None, StopReason.DEADLINE]
     ((work_id, error, reason),) = coordinator.failed
     assert (work_id, reason) == (row.work_id, FailureReason.TIMEOUT)
@@ -138,22 +112,13 @@ def test_a_release_of_its_own_accord_counts_the_attempt_and_retries_at_once(run)
 
 
 def test_a_lost_lease_says_lease_lost():
-    seen: list[Any] = []
-    started = threading.Event()
-    dispatcher, coordinator, leases, _ = make_dispatcher(stops_when_told(seen, started))
-    dispatcher.start()
-    try:
-        row = make_row()
-        dispatcher.submit([row])
-        assert started.wait(WAIT)
+    with running_until_told() as (seen, row, dispatcher, coordinator, leases, _):
         handle = leases.get("outbox", row.work_id)
         assert handle is not None
         handle.cancel("lost")  # what a refused renewal does
 
         assert coordinator.wait_for_call("release")  # fenced out by the database
         assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
     assert seen == [None, StopReason.LEASE_LOST]
     assert coordinator.failed == []
 

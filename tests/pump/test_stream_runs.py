@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +19,6 @@ from django.test import override_settings
 import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.coordinator import DatabaseCoordinator
-from django_workpump.registry import registry
 from tests.helpers import FAST_PUMP, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -31,17 +30,15 @@ def _all_processed() -> bool:
     return not models.Outbox.objects.filter(done_at__isnull=True).exists()
 
 
-@pytest.fixture
-def outbox_handler() -> Iterator[Callable[..., None]]:
-    registered: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
-        workpump.outbox_handler(topic, **options)(func)
-        registered.append(topic)
-
-    yield register
-    for topic in registered:
-        registry.unregister("outbox", topic)
+def run_stream(pump: Callable[..., Any], topic: str, rows: int, stream: str = "s") -> Any:
+    """Send rows ``{"n": 0..rows-1}`` of ``topic`` in ``stream``, run a pump until every
+    row is processed and shut it down; the pump, for its counters."""
+    for n in range(rows):
+        workpump.send(topic, {"n": n}, stream=stream)
+    supervisor = pump()
+    assert wait_until(_all_processed)
+    supervisor.shutdown()
+    return supervisor
 
 
 @override_settings(WORKPUMP=FAST)
@@ -54,12 +51,7 @@ def test_a_stream_runs_in_order_in_runs_not_a_claim_per_row(outbox_handler, pump
             ran.append((work.payload["n"], threading.get_ident()))
 
     outbox_handler("runs.hot", handle)
-    for n in range(300):
-        workpump.send("runs.hot", {"n": n}, stream="hot")
-
-    supervisor = pump()
-    assert wait_until(_all_processed)
-    supervisor.shutdown()
+    supervisor = run_stream(pump, "runs.hot", 300, stream="hot")
     assert [n for n, _ in ran] == list(range(300))
     # Rows came in runs: fewer claims than rows (a claim per row would need 300 and more),
     # and each run on one thread.
@@ -83,12 +75,7 @@ def test_a_stream_shows_its_owner_while_the_owner_works_through_its_run(outbox_h
             )
 
     outbox_handler("runs.owned", handle)
-    for n in range(40):
-        workpump.send("runs.owned", {"n": n}, stream="owned")
-
-    supervisor = pump()
-    assert wait_until(_all_processed)
-    supervisor.shutdown()
+    supervisor = run_stream(pump, "runs.owned", 40, stream="owned")
     assert len(owners) == 39
     assert set(owners) == {supervisor.identity.instance_id}
     # The last row done, the stream is nobody's.
@@ -107,12 +94,7 @@ def test_a_failure_mid_run_blocks_the_stream_and_releases_the_rest_unspent(outbo
             raise RuntimeError("row 2 fails once")
 
     outbox_handler("runs.fail", handle)
-    for n in range(8):
-        workpump.send("runs.fail", {"n": n}, stream="s")
-
-    supervisor = pump()
-    assert wait_until(_all_processed)
-    supervisor.shutdown()
+    supervisor = run_stream(pump, "runs.fail", 8)
     # Nothing after row 2 ran before its retry; the retry came first.
     assert ran == [0, 1, 2, 2, 3, 4, 5, 6, 7]
     attempts = dict(models.Outbox.objects.values_list("payload__n", "attempts"))
@@ -144,12 +126,7 @@ def test_a_release_cut_off_by_a_connection_error_is_retried_not_left_to_expire(
             raise RuntimeError("row 1 fails once")
 
     outbox_handler("runs.release", handle)
-    for n in range(6):
-        workpump.send("runs.release", {"n": n}, stream="s")
-
-    supervisor = pump()
-    assert wait_until(_all_processed)
-    supervisor.shutdown()
+    run_stream(pump, "runs.release", 6)
     assert calls[:2] == [4, 4]  # rows 2-5, refused once, then released
     attempts = dict(models.Outbox.objects.values_list("payload__n", "attempts"))
     assert attempts == {0: 1, 1: 2, 2: 1, 3: 1, 4: 1, 5: 1}
@@ -180,12 +157,7 @@ def test_a_discard_the_server_rolled_back_to_break_a_deadlock_is_written_again(
             raise workpump.Discard("row 1 is poison")
 
     outbox_handler("runs.discard", handle)
-    for n in range(4):
-        workpump.send("runs.discard", {"n": n}, stream="s")
-
-    supervisor = pump()
-    assert wait_until(_all_processed)
-    supervisor.shutdown()
+    supervisor = run_stream(pump, "runs.discard", 4)
     assert len(calls) == 2 and calls[0] == calls[1]  # refused once, then written
     assert ran == [0, 1, 2, 3]  # the poison row ran once: its lease never ran out
     poison = models.Outbox.objects.get(payload__n=1)
@@ -236,11 +208,7 @@ def test_two_instances_keep_fifo_per_stream_across_runs_and_retries(outbox_handl
 def test_stream_run_max_1_claims_one_row_of_a_stream_at_a_time(outbox_handler, pump):
     ran: list[int] = []
     outbox_handler("runs.single", lambda work: ran.append(work.payload["n"]))
-    for n in range(10):
-        workpump.send("runs.single", {"n": n}, stream="s")
-    supervisor = pump()
-    assert wait_until(_all_processed)
-    supervisor.shutdown()
+    supervisor = run_stream(pump, "runs.single", 10)
     assert ran == list(range(10))
     assert supervisor.claim.claimed_total == 10
     assert supervisor.claim.polls >= 10

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -26,7 +26,7 @@ from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.pump.outcomes import Completion, FailedAttempt
 from django_workpump.pump.renewal import LeaseRenewalWorker
 from django_workpump.pump.supervisor import EXIT_OK
-from django_workpump.registry import Registry, registry
+from django_workpump.registry import Registry
 from django_workpump.storable import (
     NOTE_KEY,
     ascii_text,
@@ -109,23 +109,11 @@ def test_ascii_text_is_plain_printable_ascii():
 # -- the pump end to end, in process -----------------------------------------------------
 
 
-@pytest.fixture
-def handlers() -> Iterator[Callable[..., Any]]:
-    """Register outbox handlers for one test; unregistered afterwards."""
-    topics: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
-        workpump.outbox_handler(topic, **options)(func)
-        topics.append(topic)
-
-    yield register
-    for topic in topics:
-        registry.unregister("outbox", topic)
-
-
 @pytest.mark.django_db(transaction=True)
 @override_settings(WORKPUMP=FAST)
-def test_unstorable_results_and_errors_are_settled_and_every_good_row_completes(handlers, pump):
+def test_unstorable_results_and_errors_are_settled_and_every_good_row_completes(
+    outbox_handler, pump
+):
     def good(work: Any) -> dict[str, Any]:
         return {"n": work.payload["n"]}
 
@@ -144,12 +132,12 @@ def test_unstorable_results_and_errors_are_settled_and_every_good_row_completes(
     def surrogate_error(work: Any) -> None:
         raise ValueError("lone \udc80 surrogate")
 
-    handlers("uo.good", good)
-    handlers("uo.nul_result", nul_result)
-    handlers("uo.surrogate_result", surrogate_result)
-    handlers("uo.not_json", not_json)
-    handlers("uo.nul_error", nul_error, max_attempts=1)
-    handlers("uo.surrogate_error", surrogate_error, max_attempts=1)
+    outbox_handler("uo.good", good)
+    outbox_handler("uo.nul_result", nul_result)
+    outbox_handler("uo.surrogate_result", surrogate_result)
+    outbox_handler("uo.not_json", not_json)
+    outbox_handler("uo.nul_error", nul_error, max_attempts=1)
+    outbox_handler("uo.surrogate_error", surrogate_error, max_attempts=1)
     good_ids = []
     for n in range(30):
         good_ids.append(workpump.send("uo.good", {"n": n}, stream=f"s{n % 3}"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,26 +13,11 @@ from django.test import override_settings
 
 import django_workpump as workpump
 from django_workpump.pump.supervisor import EXIT_OK
-from django_workpump.registry import registry
 from tests.helpers import FAST_PUMP, drain, run_sql
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 FAST = {**FAST_PUMP, "CONCURRENCY": 4}
-
-
-@pytest.fixture
-def outbox() -> Iterator[Callable[..., Any]]:
-    """Register outbox handlers for one test; unregistered afterwards."""
-    topics: list[str] = []
-
-    def register(topic: str, func: Callable[..., Any], **options: Any) -> None:
-        workpump.outbox_handler(topic, **options)(func)
-        topics.append(topic)
-
-    yield register
-    for topic in topics:
-        registry.unregister("outbox", topic)
 
 
 class Log:
@@ -55,10 +40,10 @@ class Log:
 
 
 @override_settings(WORKPUMP=FAST)
-def test_a_batch_sent_in_a_block_calls_back_once_with_its_counts(outbox, pump):
+def test_a_batch_sent_in_a_block_calls_back_once_with_its_counts(outbox_handler, pump):
     log = Log()
-    outbox("wf.member", log.handler("member"))
-    outbox("wf.done", log.handler("done"))
+    outbox_handler("wf.member", log.handler("member"))
+    outbox_handler("wf.done", log.handler("done"))
     with workpump.batch(on_complete=("wf.done", {"report": 1})) as group:
         for n in range(3):
             workpump.send("wf.member", {"n": n})
@@ -89,12 +74,12 @@ def test_a_batch_sent_in_a_block_calls_back_once_with_its_counts(outbox, pump):
 
 
 @override_settings(WORKPUMP=FAST)
-def test_on_failure_runs_when_a_member_is_discarded(outbox, pump):
+def test_on_failure_runs_when_a_member_is_discarded(outbox_handler, pump):
     log = Log()
-    outbox("wf.ok", log.handler("ok"))
-    outbox("wf.bad", log.handler("bad", workpump.Discard("no")))
-    outbox("wf.complete", log.handler("complete"))
-    outbox("wf.failure", log.handler("failure"))
+    outbox_handler("wf.ok", log.handler("ok"))
+    outbox_handler("wf.bad", log.handler("bad", workpump.Discard("no")))
+    outbox_handler("wf.complete", log.handler("complete"))
+    outbox_handler("wf.failure", log.handler("failure"))
     with workpump.batch(on_complete=("wf.complete", {}), on_failure=("wf.failure", {})) as group:
         workpump.send("wf.ok", {})
         workpump.send("wf.bad", {})
@@ -108,7 +93,7 @@ def test_on_failure_runs_when_a_member_is_discarded(outbox, pump):
 
 
 @override_settings(WORKPUMP=FAST)
-def test_a_member_opens_a_nested_batch_and_the_parent_waits_for_it(outbox, pump):
+def test_a_member_opens_a_nested_batch_and_the_parent_waits_for_it(outbox_handler, pump):
     log = Log()
 
     def fan_out(work: Any) -> None:
@@ -116,10 +101,10 @@ def test_a_member_opens_a_nested_batch_and_the_parent_waits_for_it(outbox, pump)
             for n in range(3):
                 workpump.send("wf.leaf", {"n": n})
 
-    outbox("wf.fan_out", fan_out, atomic=True)
-    outbox("wf.leaf", log.handler("leaf"))
-    outbox("wf.child_done", log.handler("child_done"))
-    outbox("wf.parent_done", log.handler("parent_done"))
+    outbox_handler("wf.fan_out", fan_out, atomic=True)
+    outbox_handler("wf.leaf", log.handler("leaf"))
+    outbox_handler("wf.child_done", log.handler("child_done"))
+    outbox_handler("wf.parent_done", log.handler("parent_done"))
     with workpump.batch(on_complete=("wf.parent_done", {})) as parent:
         workpump.send("wf.fan_out", {})
 
@@ -133,10 +118,10 @@ def test_a_member_opens_a_nested_batch_and_the_parent_waits_for_it(outbox, pump)
 
 
 @override_settings(WORKPUMP=FAST)
-def test_a_chain_runs_in_order_and_a_failed_link_cancels_the_rest(outbox, pump):
+def test_a_chain_runs_in_order_and_a_failed_link_cancels_the_rest(outbox_handler, pump):
     log = Log()
-    outbox("wf.step", log.handler("step"))
-    outbox("wf.fail", log.handler("fail", workpump.Discard("no")))
+    outbox_handler("wf.step", log.handler("step"))
+    outbox_handler("wf.fail", log.handler("fail", workpump.Discard("no")))
     previous = workpump.send("wf.step", {"n": 0})
     for n in range(1, 5):
         previous = workpump.send("wf.step", {"n": n}, after=[previous])

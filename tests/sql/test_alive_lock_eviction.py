@@ -18,11 +18,10 @@ from django.db import DataError, transaction
 
 from django_workpump import models
 from tests.factories import ServiceInstanceFactory
-from tests.helpers import T0, at, run_sql, scalar
+from tests.helpers import T0, A, at, run_sql, scalar
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
 H = uuid.UUID("00000000-0000-0000-0000-0000000000ff")  # the instance that probes or beats
 GRACE = 10
 STALE = 30

@@ -19,12 +19,10 @@ from django_workpump import models
 from django_workpump.conf import lock_loss_grace_seconds
 from django_workpump.pump.coordinator import DatabaseCoordinator, InstanceIdentity
 from tests.factories import ServiceInstanceFactory
-from tests.helpers import T0, at, run_sql, scalar
+from tests.helpers import T0, A, B, at, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
 
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
-B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 H = uuid.UUID("00000000-0000-0000-0000-0000000000ff")  # the instance that probes or beats
 GRACE = 10
 

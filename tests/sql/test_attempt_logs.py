@@ -13,12 +13,9 @@ from typing import Any
 import pytest
 
 from django_workpump import db
-from tests.helpers import T0, at, enroll, run_sql, scalar
+from tests.helpers import T0, A, B, at, enroll, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
-
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
-B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 
 
 def records(*messages: str, level: int = 30) -> str:

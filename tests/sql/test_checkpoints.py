@@ -19,7 +19,7 @@ from django.test import override_settings
 
 import django_workpump as workpump
 from django_workpump import db
-from django_workpump.pump.running import store_checkpoint
+from django_workpump.pump.running import claimed_work, store_checkpoint
 from django_workpump.states import OutcomeStatus
 from django_workpump.work import Work, checkpoint_text
 from tests.helpers import T0, WORK_TABLES, at, enroll, run_sql
@@ -59,23 +59,8 @@ def stored_state(work_id: uuid.UUID) -> Any:
 
 
 def work_of(row: db.ClaimedWork, instance: uuid.UUID) -> Work:
-    return Work(
-        row.work_id,
-        row.category,
-        row.topic,
-        row.payload,
-        row.stream,
-        row.attempts,
-        row.max_attempts,
-        row.event_id,
-        row.event_type,
-        row.priority,
-        row.lease_expiry,
-        lease=None,  # type: ignore[arg-type]  (not read by a checkpoint)
-        instance_id=instance,
-        lease_token=row.lease_token,
-        state=row.checkpoint,
-    )
+    # no lease: a checkpoint reads only the row, the instance and the lease token
+    return claimed_work(row, None, instance)  # type: ignore[arg-type]
 
 
 def test_the_next_claim_after_a_crash_resumes_from_the_last_checkpoint():

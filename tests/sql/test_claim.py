@@ -23,19 +23,18 @@ from django.db import DatabaseError, connection, transaction
 
 from tests.helpers import (
     T0,
+    A,
+    B,
     at,
     current_tokens,
     enroll,
+    explaining_connection,
     give_the_planner_statistics,
     run_sql,
     scalar,
 )
 
 pytestmark = pytest.mark.django_db
-
-# Fixed instance ids: rank among live instances is their uuid order (A before B).
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
-B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 
 CATEGORIES = ["outbox", "inbox", "perspective_event", "receptor"]
 # category: (table, key column, ordering-scope column or "")
@@ -755,25 +754,6 @@ def register_on(conn: Any, *instances: uuid.UUID) -> None:
         )
 
 
-def explaining_connection(raw_connect: Any) -> tuple[Any, list[str]]:
-    """A raw connection that reports the plan of every (nested) statement as a NOTICE."""
-    conn = raw_connect()
-    plans: list[str] = []
-    conn.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
-    conn.execute("LOAD 'auto_explain'")
-    conn.execute("SET auto_explain.log_min_duration = 0")
-    conn.execute("SET auto_explain.log_nested_statements = on")
-    conn.execute("SET auto_explain.log_level = 'notice'")
-    conn.execute("SET auto_explain.log_analyze = off")
-    # The plan must not hinge on what earlier tests left in pg_class: an ANALYZE inside a
-    # rolled-back test keeps its reltuples (an in-place update), and a never-analysed
-    # table is sized by a heuristic. With sequential scans priced out, the planner still
-    # picks among the indexes, and a claim predicate that no longer matches a partial
-    # index's shows up here as another index or a Seq Scan.
-    conn.execute("SET enable_seqscan = off")
-    return conn, plans
-
-
 def test_the_guard_probes_use_the_partial_indexes(raw_connect):
     conn, plans = explaining_connection(raw_connect)
     with conn.transaction(force_rollback=True):  # the registration must not outlive the test
@@ -882,29 +862,24 @@ def test_a_fresh_peer_counts_as_live():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_stale_peer_holding_its_alive_lock_still_counts_as_live(raw_connect):
-    heartbeat(B, at(-60))
+@pytest.mark.parametrize(
+    ("beat_seconds_ago", "live"),
+    [(60, True), (400, False)],
+    ids=["stale-peer-still-live", "past-the-definitive-dead-cutoff"],
+)
+def test_an_alive_lock_keeps_a_stale_peer_live_until_the_definitive_dead_cutoff(
+    raw_connect, beat_seconds_ago, live
+):
+    heartbeat(B, at(-beat_seconds_ago))
     assert raw_connect().execute("SELECT workpump.take_alive_lock(%s) AS ok", [B]).fetchone()["ok"]
-    _, mine = rank_probe_rows()
+    earliest, mine = rank_probe_rows()
 
     got = claim(
         A, T0, p_max_rows=1, p_stale_after_seconds=30, p_definitively_dead_after_seconds=300
     )
 
-    assert ids(got) == [mine]
-
-
-@pytest.mark.django_db(transaction=True)
-def test_an_alive_lock_does_not_save_a_peer_past_the_definitive_dead_cutoff(raw_connect):
-    heartbeat(B, at(-400))
-    assert raw_connect().execute("SELECT workpump.take_alive_lock(%s) AS ok", [B]).fetchone()["ok"]
-    earliest, _ = rank_probe_rows()
-
-    got = claim(
-        A, T0, p_max_rows=1, p_stale_after_seconds=30, p_definitively_dead_after_seconds=300
-    )
-
-    assert ids(got) == [earliest]
+    # with B live, A claims only from its own share; with B dead, the earliest row first
+    assert ids(got) == [mine if live else earliest]
 
 
 # --- 12. stream ownership ledger ------------------------------------------------------------

@@ -28,9 +28,8 @@ from django_workpump.registry import (
     claim_prefixes,
     claim_topics,
 )
-from tests.helpers import T0, WORK_TABLES, at, enroll, run_sql, scalar
+from tests.helpers import T0, WORK_TABLES, A, at, enroll, explaining_connection, run_sql, scalar
 
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
 CATEGORIES = sorted(WORK_TABLES)
 db = pytest.mark.django_db
 
@@ -163,17 +162,7 @@ def test_malformed_prefixes_are_refused_with_the_expected_shape(prefixes):
 
 @pytest.mark.django_db(transaction=True)
 def test_the_claim_by_prefix_scans_the_partial_indexes(raw_connect):
-    conn = raw_connect()
-    plans: list[str] = []
-    conn.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
-    for setting in (
-        "LOAD 'auto_explain'",
-        "SET auto_explain.log_min_duration = 0",
-        "SET auto_explain.log_nested_statements = on",
-        "SET auto_explain.log_level = 'notice'",
-        "SET enable_seqscan = off",  # see explaining_connection in test_claim.py
-    ):
-        conn.execute(setting)
+    conn, plans = explaining_connection(raw_connect)
     conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])
     message_id = uuid.uuid4()
     conn.execute("SELECT workpump.receive(%s, 'django.tasks:open:q', '{}'::jsonb)", [message_id])

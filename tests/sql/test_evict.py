@@ -7,12 +7,9 @@ from datetime import timedelta
 
 import pytest
 
-from tests.helpers import T0, at, run_sql, scalar
+from tests.helpers import T0, A, B, at, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
-
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
-B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 
 
 def beat(instance: uuid.UUID, when=T0) -> bool:

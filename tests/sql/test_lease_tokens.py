@@ -24,12 +24,21 @@ from django_workpump import db
 from django_workpump.conf import tombstone_retention_seconds
 from django_workpump.db import InstanceRefused
 from django_workpump.pump.maintenance import MaintenanceWorker
-from tests.helpers import T0, WORK_TABLES, at, enroll, give_the_planner_statistics, run_sql, scalar
+from tests.helpers import (
+    T0,
+    WORK_TABLES,
+    A,
+    B,
+    at,
+    enroll,
+    explaining_connection,
+    give_the_planner_statistics,
+    run_sql,
+    scalar,
+)
 
 pytestmark = pytest.mark.django_db
 
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
-B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 CATEGORIES = sorted(WORK_TABLES)
 SUBSCRIBERS = json.dumps(
     [
@@ -414,17 +423,7 @@ def test_malformed_topics_are_refused_with_the_expected_shape(topics):
 
 @pytest.mark.django_db(transaction=True)
 def test_the_guard_probes_use_the_partial_indexes_with_topics_too(raw_connect):
-    conn = raw_connect()
-    plans: list[str] = []
-    conn.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
-    for setting in (
-        "LOAD 'auto_explain'",
-        "SET auto_explain.log_min_duration = 0",
-        "SET auto_explain.log_nested_statements = on",
-        "SET auto_explain.log_level = 'notice'",
-        "SET enable_seqscan = off",  # see explaining_connection in test_claim.py
-    ):
-        conn.execute(setting)
+    conn, plans = explaining_connection(raw_connect)
     with conn.transaction(force_rollback=True):  # the rows and registration go after
         give_the_planner_statistics(conn)
         conn.execute("SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', 1)", [A])

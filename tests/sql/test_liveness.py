@@ -21,22 +21,24 @@ from django.db import DatabaseError, DataError, IntegrityError, transaction
 
 from django_workpump import models
 from tests.factories import EvictionFactory, OutboxFactory, ServiceInstanceFactory
-from tests.helpers import T0, at, current_tokens, enroll, run_sql, scalar, wait_until
+from tests.helpers import (
+    T0,
+    WORK_TABLES,
+    A,
+    B,
+    at,
+    current_tokens,
+    enroll,
+    run_sql,
+    scalar,
+    wait_until,
+)
 
 pytestmark = pytest.mark.django_db
 
-# Fixed ids, so "returned in id order" and rank-like orderings are predictable.
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
-B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
 C = uuid.UUID("00000000-0000-0000-0000-00000000000c")
 H = uuid.UUID("00000000-0000-0000-0000-0000000000ff")  # the instance that beats
 
-TABLES = {
-    "outbox": ("workpump_outbox", "work_id", "done_at"),
-    "inbox": ("workpump_inbox", "work_id", "done_at"),
-    "perspective_event": ("workpump_perspective_event", "work_id", "done_at"),
-    "receptor": ("workpump_receptor_processing", "work_id", "done_at"),
-}
 SUBSCRIBERS = json.dumps(
     [
         {"category": "perspective_event", "name": "order_totals"},
@@ -103,14 +105,14 @@ def lease_one_of_each(instance_id: uuid.UUID, now: datetime) -> dict[str, uuid.U
         [instance_id, now],
     )
     claimed = {r["category"]: r["work_id"] for r in rows}
-    assert sorted(claimed) == sorted(TABLES)
+    assert sorted(claimed) == sorted(WORK_TABLES)
     return claimed
 
 
 def work_row(category: str, work_id: uuid.UUID, now: datetime = T0) -> dict[str, Any]:
-    table, key, done = TABLES[category]
+    table, key = WORK_TABLES[category]
     rows = run_sql(
-        f"SELECT t.*, workpump.state_of(t.{done}, t.dead_lettered_at, t.instance_id,"
+        f"SELECT t.*, workpump.state_of(t.done_at, t.dead_lettered_at, t.instance_id,"
         f" t.lease_expiry, t.claimed_at, t.scheduled_for, NULL, %s) AS state"
         f" FROM {table} t WHERE t.{key} = %s",
         [now, work_id],
@@ -503,7 +505,7 @@ LOST = {
 }
 
 
-@pytest.mark.parametrize("category", sorted(TABLES))
+@pytest.mark.parametrize("category", sorted(WORK_TABLES))
 def test_evicted_instance_cannot_renew_complete_or_fail_its_released_rows(category):
     beat(A, T0)
     work_id = lease_one_of_each(A, T0)[category]
@@ -516,7 +518,7 @@ def test_evicted_instance_cannot_renew_complete_or_fail_its_released_rows(catego
     assert work_row(category, work_id, now=at(61)) == before
 
 
-@pytest.mark.parametrize("category", sorted(TABLES))
+@pytest.mark.parametrize("category", sorted(WORK_TABLES))
 def test_evicted_instance_cannot_touch_rows_a_peer_reclaimed(category):
     beat(A, T0)
     work_id = lease_one_of_each(A, T0)[category]

@@ -17,9 +17,8 @@ from django.utils import timezone
 import django_workpump as workpump
 from django_workpump import models
 from django_workpump.conf import DEFAULTS
-from django_workpump.pump.maintenance import MaintenanceWorker
 from tests.factories import OutboxFactory
-from tests.helpers import run_sql, scalar
+from tests.helpers import maintenance_worker, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
 
@@ -32,18 +31,6 @@ def purge_dead(category: str, before, batch: int = 100) -> int:
 
 def purge_dedup(before, batch: int = 100) -> int:
     return scalar("SELECT workpump.purge_inbox_dedup(%s, %s)", [before, batch])
-
-
-def maintenance(**overrides) -> MaintenanceWorker:
-    options = {
-        "alias": "default",
-        "interval_seconds": 300,
-        "retention_seconds": DAY,
-        "stale_after_seconds": 30,
-        "definitively_dead_after_seconds": 300,
-        "batch": 2,
-    }
-    return MaintenanceWorker(**{**options, **overrides})
 
 
 # --- dead rows ------------------------------------------------------------------------------
@@ -167,7 +154,7 @@ def test_a_pass_keeps_purging_until_every_backlog_has_caught_up():
         OutboxFactory(dead_lettered_at=old)
     kept_dead = OutboxFactory(dead_lettered_at=timezone.now())
 
-    result = maintenance(dead_retention_seconds=DAY, batch=2).run_once()
+    result = maintenance_worker(dead_retention_seconds=DAY, batch=2).run_once()
 
     # 9 and 5 rows in batches of 2: many batches, one pass
     assert result.purged["outbox"] == 9
@@ -177,7 +164,7 @@ def test_a_pass_keeps_purging_until_every_backlog_has_caught_up():
 
 def test_dead_rows_are_kept_unless_a_dead_retention_is_set():
     OutboxFactory(dead_lettered_at=timezone.now() - timedelta(days=400))
-    result = maintenance().run_once()
+    result = maintenance_worker().run_once()
     assert "dead_outbox" not in result.purged
     assert models.Outbox.objects.count() == 1
 
@@ -190,7 +177,7 @@ def test_a_pass_purges_received_ids_and_task_attempts_not_the_handlers():
     models.TaskAttempt.objects.create(work_id=uuid.uuid4(), attempt=1, instance_id=uuid.uuid4())
     models.TaskAttempt.objects.update(started_at=long_ago)
 
-    result = maintenance(inbox_dedup_retention_seconds=30 * DAY).run_once()
+    result = maintenance_worker(inbox_dedup_retention_seconds=30 * DAY).run_once()
 
     assert result.purged["inbox_dedup"] == 1
     assert result.purged["task_attempt"] == 1

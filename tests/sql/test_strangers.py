@@ -23,11 +23,10 @@ import django_workpump as workpump
 from django_workpump import models
 from django_workpump.pump.maintenance import MaintenanceWorker
 from tests.factories import OutboxFactory
-from tests.helpers import at, conninfo, run_sql, scalar, wait_until
+from tests.helpers import A, at, conninfo, run_sql, scalar, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
 H = uuid.UUID("00000000-0000-0000-0000-0000000000ff")  # the peer that probes
 GRACE, STALE, DEAD = 10, 30, 300
 ALIVE, STREAM, UNIQUE, MAINTENANCE = 1464877377, 1464877395, 1464877403, 1464877421

@@ -19,6 +19,7 @@ from django.db import DatabaseError
 from tests.helpers import (
     T0,
     at,
+    explaining_connection,
     give_the_planner_statistics,
     run_sql,
     scalar,
@@ -31,7 +32,6 @@ from tests.sql.test_claim import (
     B,
     claim,
     complete,
-    explaining_connection,
     fail,
     ids,
     make,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -94,6 +95,63 @@ def row(work_id: uuid.UUID) -> dict[str, Any]:
     )[0]
 
 
+def fail(held: dict[uuid.UUID, uuid.UUID], work_id: uuid.UUID) -> str:
+    """Fail a held row's attempt; the status of its outcome."""
+    return scalar(
+        "SELECT status FROM workpump.fail_work(%s, 'outbox', %s::uuid[], %s::uuid[],"
+        " ARRAY['boom'], p_now => %s)",
+        [INSTANCE, [work_id], [held[work_id]], T0],
+    )
+
+
+def discard(held: dict[uuid.UUID, uuid.UUID], work_id: uuid.UUID) -> str:
+    """Discard a held row; the status of its outcome."""
+    return scalar(
+        "SELECT status FROM workpump.discard_work(%s, 'outbox', %s::uuid[], %s::uuid[],"
+        " ARRAY['no'], p_now => %s)",
+        [INSTANCE, [work_id], [held[work_id]], T0],
+    )
+
+
+def dead_letter(work_id: uuid.UUID) -> None:
+    run_sql(
+        "SELECT * FROM workpump.dead_letter('outbox', %s::uuid[], p_now => %s)", [[work_id], T0]
+    )
+
+
+def requeue(work_id: uuid.UUID) -> None:
+    run_sql(
+        "SELECT * FROM workpump.requeue_dead('outbox', %s::uuid[], p_now => %s)", [[work_id], T0]
+    )
+
+
+def cancel(work_id: uuid.UUID) -> None:
+    run_sql(
+        "SELECT * FROM workpump.cancel_work('outbox', %s::uuid[], p_now => %s)", [[work_id], T0]
+    )
+
+
+def enrolled(raw_connect: Callable[..., Any], count: int) -> tuple[list[Any], list[uuid.UUID]]:
+    """``count`` connections, each with an instance of its own that has beaten."""
+    conns = [raw_connect() for _ in range(count)]
+    instances = [uuid.uuid4() for _ in range(count)]
+    for pid, (conn, instance) in enumerate(zip(conns, instances, strict=True)):
+        conn.execute(
+            "SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', %s, p_now => %s)",
+            (instance, pid, T0),
+        )
+    return conns, instances
+
+
+def run_together(target: Callable[..., None], calls: Iterable[tuple[Any, ...]]) -> None:
+    """Run ``target`` once per argument tuple, each on a thread of its own; wait for all."""
+    threads = [threading.Thread(target=target, args=args) for args in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
 # --- batches -----------------------------------------------------------------------------
 
 
@@ -156,33 +214,18 @@ def test_every_ending_path_is_counted_and_on_failure_is_chosen():
     seal(batch)
     held = claim()
     complete(held, [done])
-    run_sql(
-        "SELECT * FROM workpump.discard_work(%s, 'outbox', %s::uuid[], %s::uuid[],"
-        " ARRAY['no'], p_now => %s)",
-        [INSTANCE, [discarded], [held[discarded]], T0],
-    )
-    assert (
-        scalar(
-            "SELECT status FROM workpump.fail_work(%s, 'outbox', %s::uuid[], %s::uuid[],"
-            " ARRAY['boom'], p_now => %s)",
-            [INSTANCE, [failed], [held[failed]], T0],
-        )
-        == "dead"
-    )
+    assert discard(held, discarded) == "discarded"
+    assert fail(held, failed) == "dead"
     # the claim parks a row whose lease expired after its last attempt
     run_sql(
         "SELECT * FROM workpump.claim_work(p_instance_id => %s, p_max_rows => 1,"
         " p_categories => ARRAY['outbox'], p_now => %s)",
         [INSTANCE, at(10**6)],
     )
-    run_sql(
-        "SELECT * FROM workpump.dead_letter('outbox', %s::uuid[], p_now => %s)", [[lettered], T0]
-    )
+    dead_letter(lettered)
     assert status(batch)["pending"] == 1
     assert callbacks("reports.failed") == []
-    run_sql(
-        "SELECT * FROM workpump.cancel_work('outbox', %s::uuid[], p_now => %s)", [[cancelled], T0]
-    )
+    cancel(cancelled)
 
     assert row(parked)["dead_lettered_at"] is not None
     counts = status(batch)
@@ -202,12 +245,12 @@ def test_a_requeued_dead_member_reopens_an_unfinished_batch_and_cancelling_a_dea
     batch = open_batch()
     first, second = send(batch), send(batch)
     seal(batch)
-    run_sql("SELECT * FROM workpump.dead_letter('outbox', %s::uuid[], p_now => %s)", [[first], T0])
+    dead_letter(first)
     assert (status(batch)["dead"], status(batch)["pending"]) == (1, 1)
-    run_sql("SELECT * FROM workpump.requeue_dead('outbox', %s::uuid[], p_now => %s)", [[first], T0])
+    requeue(first)
     assert (status(batch)["dead"], status(batch)["pending"]) == (0, 2)
-    run_sql("SELECT * FROM workpump.dead_letter('outbox', %s::uuid[], p_now => %s)", [[first], T0])
-    run_sql("SELECT * FROM workpump.cancel_work('outbox', %s::uuid[], p_now => %s)", [[first], T0])
+    dead_letter(first)
+    cancel(first)
     assert (status(batch)["dead"], status(batch)["cancelled"], status(batch)["pending"]) == (
         0,
         1,
@@ -221,11 +264,9 @@ def test_a_finished_batch_takes_no_members_and_a_late_requeue_makes_no_second_ca
     batch = open_batch()
     member = send(batch)
     seal(batch)
-    run_sql("SELECT * FROM workpump.dead_letter('outbox', %s::uuid[], p_now => %s)", [[member], T0])
+    dead_letter(member)
     assert len(callbacks()) == 1
-    run_sql(
-        "SELECT * FROM workpump.requeue_dead('outbox', %s::uuid[], p_now => %s)", [[member], T0]
-    )
+    requeue(member)
     complete(claim(), [member])
     assert len(callbacks()) == 1
     assert status(batch)["done"] == 1  # the counts follow the late change
@@ -259,7 +300,7 @@ def test_a_nested_batch_without_a_callback_counts_in_its_parent_when_it_finishes
     member = send(child)
     seal(child)
     seal(parent)
-    run_sql("SELECT * FROM workpump.cancel_work('outbox', %s::uuid[], p_now => %s)", [[member], T0])
+    cancel(member)
     [callback] = callbacks()
     assert callback["payload"]["batch"]["dead"] == 1  # a child that did not all end done
 
@@ -290,13 +331,7 @@ def test_a_spoiled_stored_spec_costs_the_callback_not_the_ending():
 def test_racing_completions_on_separate_connections_produce_one_callback(raw_connect):
     rounds, members, racers = 15, 8, 4
     setup = raw_connect()
-    instances = [uuid.uuid4() for _ in range(racers)]
-    conns = [raw_connect() for _ in range(racers)]
-    for pid, (conn, instance) in enumerate(zip(conns, instances, strict=True)):
-        conn.execute(
-            "SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', %s, p_now => %s)",
-            (instance, pid, T0),
-        )
+    conns, instances = enrolled(raw_connect, racers)
     for _ in range(rounds):
         batch = setup.execute(
             "SELECT workpump.open_batch(%s::jsonb) AS id", (CALLBACK,)
@@ -338,14 +373,7 @@ def test_racing_completions_on_separate_connections_produce_one_callback(raw_con
                 errors.append(exc)
                 barrier.abort()
 
-        threads = [
-            threading.Thread(target=finish, args=args)
-            for args in zip(conns, instances, held, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_together(finish, zip(conns, instances, held, strict=True))
         assert not errors, errors
         made = setup.execute(
             "SELECT payload FROM workpump_outbox WHERE topic = 'reports.ready'"
@@ -398,11 +426,7 @@ def test_policy_cancel_cancels_the_dependent_and_its_own_dependents():
     b = send(topic="chain.b", after=[a])
     c = send(topic="chain.c", after=[b])
     held = claim()
-    run_sql(
-        "SELECT * FROM workpump.fail_work(%s, 'outbox', %s::uuid[], %s::uuid[],"
-        " ARRAY['boom'], p_now => %s)",
-        [INSTANCE, [a], [held[a]], T0],
-    )
+    assert fail(held, a) == "dead"
     assert row(b)["end_state"] == "cancelled"
     assert row(b)["failure_reason"] == "dependency_failed"
     assert row(b)["last_error"] == f"dependency {a} ended dead"
@@ -415,18 +439,14 @@ def test_policy_run_runs_the_dependent_anyway():
     a = send()
     b = send(topic="anyway", after=[a], policy="run")
     held = claim()
-    run_sql(
-        "SELECT * FROM workpump.discard_work(%s, 'outbox', %s::uuid[], %s::uuid[],"
-        " ARRAY['no'], p_now => %s)",
-        [INSTANCE, [a], [held[a]], T0],
-    )
+    assert discard(held, a) == "discarded"
     assert row(b)["scheduled_for"] is None
     assert set(claim()) == {b}
 
 
 def test_a_dependency_failed_at_send_time_cancels_under_policy_cancel():
     a = send()
-    run_sql("SELECT * FROM workpump.cancel_work('outbox', %s::uuid[], p_now => %s)", [[a], T0])
+    cancel(a)
     b = send(topic="late", after=[a])
     assert row(b)["end_state"] == "cancelled"
     c = send(topic="late", after=[a], policy="run")
@@ -451,7 +471,7 @@ def test_a_member_that_waits_is_counted_when_it_is_cancelled_by_its_dependency()
     a = send(batch, max_attempts=1)
     b = send(batch, after=[a])
     seal(batch)
-    run_sql("SELECT * FROM workpump.dead_letter('outbox', %s::uuid[], p_now => %s)", [[a], T0])
+    dead_letter(a)
     assert row(b)["end_state"] == "cancelled"
     [callback] = callbacks()
     assert callback["payload"]["batch"] | {"id": None} == {
@@ -469,13 +489,7 @@ def test_a_member_that_waits_is_counted_when_it_is_cancelled_by_its_dependency()
 def test_dependencies_ending_on_separate_connections_release_the_dependent(raw_connect):
     setup = raw_connect()
     racers = 4
-    instances = [uuid.uuid4() for _ in range(racers)]
-    conns = [raw_connect() for _ in range(racers)]
-    for pid, (conn, instance) in enumerate(zip(conns, instances, strict=True)):
-        conn.execute(
-            "SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', %s, p_now => %s)",
-            (instance, pid, T0),
-        )
+    conns, instances = enrolled(raw_connect, racers)
     for _ in range(10):
         deps = [
             setup.execute("SELECT workpump.send('dep', '{}') AS id").fetchone()["id"]
@@ -504,14 +518,7 @@ def test_dependencies_ending_on_separate_connections_release_the_dependent(raw_c
                 (instance, r["work_id"], r["lease_token"]),
             )
 
-        threads = [
-            threading.Thread(target=finish, args=args)
-            for args in zip(conns, instances, held, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_together(finish, zip(conns, instances, held, strict=True))
         assert (
             setup.execute(
                 "SELECT scheduled_for FROM workpump_outbox WHERE work_id = %s", (joined,)
@@ -524,13 +531,7 @@ def test_dependencies_ending_on_separate_connections_release_the_dependent(raw_c
 @pytest.mark.django_db(transaction=True)
 def test_endings_of_members_of_the_same_batches_in_opposite_orders_do_not_deadlock(raw_connect):
     setup = raw_connect()
-    instances = [uuid.uuid4(), uuid.uuid4()]
-    conns = [raw_connect(), raw_connect()]
-    for pid, (conn, instance) in enumerate(zip(conns, instances, strict=True)):
-        conn.execute(
-            "SELECT workpump.record_heartbeat(%s, 'tests', 'localhost', %s, p_now => %s)",
-            (instance, pid, T0),
-        )
+    conns, instances = enrolled(raw_connect, 2)
     for _ in range(10):
         batches = [
             setup.execute("SELECT workpump.open_batch(%s::jsonb) AS id", (CALLBACK,)).fetchone()[
@@ -584,14 +585,7 @@ def test_endings_of_members_of_the_same_batches_in_opposite_orders_do_not_deadlo
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)
 
-        threads = [
-            threading.Thread(target=finish, args=args)
-            for args in zip(conns, instances, orders, tokens, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_together(finish, zip(conns, instances, orders, tokens, strict=True))
         assert not errors, errors
         made = setup.execute(
             "SELECT count(*) AS n FROM workpump_outbox WHERE topic = 'reports.ready'"
