@@ -1,4 +1,4 @@
-"""Admin pages and ``workpump_status --json`` at 10k, 1M and 10M outbox rows.
+"""Admin pages, the console and ``workpump_status --json`` at 10k, 1M and 10M outbox rows.
 
 For each size the outbox is rebuilt with set-based SQL (``generate_series``; no ORM):
 90 % processed, then dead, waiting for a retry, past half their attempts, leased by a
@@ -7,7 +7,8 @@ VACUUM ANALYZE. Done, dead-lettered and scheduled times come in batches of 100 r
 10 ms apart, as outcomes written one batch per statement do. Each page is fetched by
 Django's test client logged in as a superuser, once to warm up and then ``--repeat``
 times; the median is reported, and each size's median divided by the smallest size's
-(the target is <= 3x at 1M).
+(the target is <= 3x at 1M). The console's pages read 7 days of series for 200 topics
+(built once, before the sizes); the payload searches look for the newest row's payload.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/workpump_adminbench \\
         python bench/admin_pages.py --sizes 10000 1000000
@@ -60,6 +61,55 @@ CROSS JOIN LATERAL (SELECT make_interval(secs => (%(n)s - g) / 100 * 0.01) AS ba
 HOUR = "1 hour"
 TOPIC = {"topic": "bench.topic.3"}
 DETAIL = "detail"  # the change page of the newest pending row, found after each build
+# The newest row's payload and topic, found after each build: a payload search narrowed
+# by the default time window, and one narrowed by its topic alone.
+PAYLOAD, NEWEST_TOPIC = "payload", {"topic": "newest"}
+CONSOLE = "/admin/workpump/serviceinstance/console/"
+# The console's series: SERIES_DAYS of minutes for SERIES_TOPICS topics on two instances,
+# every topic claimed and done each minute, failing one minute in ten (the counters, and
+# the totals the counting trigger writes beside them); then folded into the rollup by
+# the sampler's own function, 6 hours a call, as a pump catching up would.
+SERIES_TOPICS, SERIES_DAYS = 200, 7
+SERIES_SQL = [
+    """
+INSERT INTO workpump_console_count (minute, category, topic, outcome, instance_id, n, latency)
+SELECT m.minute, 'outbox', 'series.topic.' || t, o.outcome, i.id, 10 + t %% 17,
+       CASE WHEN o.outcome = 'claimed' THEN ARRAY[5, 3, 2, 1, 1, 0, 0, 0, 0, 0] END
+FROM generate_series(date_trunc('minute', now()) - make_interval(days => %(days)s),
+                     date_trunc('minute', now()), interval '1 minute') m(minute)
+CROSS JOIN generate_series(1, %(topics)s) t
+CROSS JOIN (VALUES ('claimed'), ('done'), ('failed')) o(outcome)
+CROSS JOIN (VALUES ('00000000-0000-0000-0000-0000000000a1'::uuid),
+                   ('00000000-0000-0000-0000-0000000000a2'::uuid)) i(id)
+WHERE o.outcome <> 'failed' OR (extract(epoch FROM m.minute)::bigint / 60 + t) %% 10 = 0
+""",
+    """
+INSERT INTO workpump_console_total (minute, outcome, instance_id, n, latency)
+SELECT c.minute, c.outcome, c.instance_id, sum(c.n),
+       CASE WHEN c.outcome = 'claimed' THEN ARRAY[
+           sum(c.latency[1]), sum(c.latency[2]), sum(c.latency[3]), sum(c.latency[4]),
+           sum(c.latency[5]), sum(c.latency[6]), sum(c.latency[7]), sum(c.latency[8]),
+           sum(c.latency[9]), sum(c.latency[10])]::integer[] END
+FROM workpump_console_count c GROUP BY 1, 2, 3
+""",
+    """
+INSERT INTO workpump_console_backlog
+    (minute, category, topic, pending, scheduled, leased, oldest_pending_seconds)
+SELECT m.minute, 'outbox', 'series.topic.' || t, 20, 3, 4, 2
+FROM generate_series(date_trunc('minute', now()) - make_interval(days => %(days)s),
+                     date_trunc('minute', now()), interval '1 minute') m(minute)
+CROSS JOIN generate_series(1, %(topics)s) t
+""",
+    """
+INSERT INTO workpump_console_instance
+    (minute, instance_id, service_name, host_name, process_id, heartbeat_age_seconds, in_flight)
+SELECT m.minute, i.id, 'bench', 'localhost', 1, 1, 5
+FROM generate_series(date_trunc('minute', now()) - make_interval(days => %(days)s),
+                     date_trunc('minute', now()), interval '1 minute') m(minute)
+CROSS JOIN (VALUES ('00000000-0000-0000-0000-0000000000a1'::uuid),
+                   ('00000000-0000-0000-0000-0000000000a2'::uuid)) i(id)
+""",
+]
 PAGES = [
     ("outbox changelist", "/admin/workpump/outbox/", {}),
     ("state=pending", "/admin/workpump/outbox/", {"state": "pending"}),
@@ -77,7 +127,14 @@ PAGES = [
     ("instances", "/admin/workpump/serviceinstance/", {}),
     ("streams", "/admin/workpump/activestream/", {}),
     ("detail page", DETAIL, {}),
-]
+    ("payload search", "/admin/workpump/outbox/", {"q": PAYLOAD}),
+    ("payload search + topic", "/admin/workpump/outbox/", {"q": PAYLOAD, **NEWEST_TOPIC}),
+    ("console overview", CONSOLE, {}),
+    ("console overview, day", CONSOLE, {"window": "day"}),
+    ("console topic", f"{CONSOLE}topic/", {"category": "outbox", "topic": "series.topic.7"}),
+    ("console topic, day", f"{CONSOLE}topic/", {"category": "outbox", "topic": "series.topic.7",
+                                                 "window": "day"}),
+]  # fmt: skip
 
 
 def kinds(live: uuid.UUID) -> dict[str, dict[str, Any]]:
@@ -159,6 +216,39 @@ def build(total: int) -> dict[str, int]:
     return made
 
 
+def build_series() -> int:
+    """Replace the console's series with SERIES_DAYS days for SERIES_TOPICS topics, and
+    fold them; returns the counter rows."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "TRUNCATE workpump_console_count, workpump_console_total, workpump_console_rollup,"
+            " workpump_console_backlog, workpump_console_instance, workpump_console_sample"
+        )
+        for sql in SERIES_SQL:
+            cursor.execute(sql, {"days": SERIES_DAYS, "topics": SERIES_TOPICS})
+        # The sampler's fold, one call a "minute" (a sample row holds where it stopped).
+        folded, minute = None, 0
+        while True:
+            cursor.execute("SELECT workpump.console_fold(now())")
+            (until,) = cursor.fetchone()
+            if until == folded:
+                break
+            folded, minute = until, minute + 1
+            cursor.execute(
+                "INSERT INTO workpump_console_sample (minute, taken_at, folded_until)"
+                " VALUES (date_trunc('minute', now()) - make_interval(mins => 100000 - %s),"
+                " now(), %s)",
+                [minute, until],
+            )
+        cursor.execute("SELECT count(*) FROM workpump_console_count")
+        (rows,) = cursor.fetchone()
+        for table in ("count", "total", "rollup", "backlog", "instance"):
+            cursor.execute(f"VACUUM ANALYZE workpump_console_{table}")
+    return int(rows)
+
+
 def timed(fn: Any, repeat: int) -> float:
     fn()  # warm-up: caches, plans, the session
     samples = []
@@ -190,11 +280,16 @@ def measure(repeat: int) -> dict[str, float]:
     client.force_login(user)
     from django_workpump.models import Outbox
 
-    newest = Outbox.objects.order_by("-seq").values_list("seq", flat=True)[0]
+    newest = Outbox.objects.order_by("-seq").values("seq", "payload", "topic")[0]
+    found = {
+        PAYLOAD: f"i={newest['payload']['i']}",
+        NEWEST_TOPIC["topic"]: newest["topic"],
+    }
     results = {}
-    for name, page, params in PAGES:
+    for name, page, given in PAGES:
         keep_live()
-        url = f"/admin/workpump/outbox/{newest}/change/" if page == DETAIL else page
+        url = f"/admin/workpump/outbox/{newest['seq']}/change/" if page == DETAIL else page
+        params = {key: found.get(value, value) for key, value in given.items()}
 
         def get(url: str = url, params: dict[str, str] = params) -> None:
             response = client.get(url, params)
@@ -234,6 +329,13 @@ def main() -> None:
     django.setup()
     call_command("migrate", verbosity=0)
 
+    start = time.perf_counter()
+    rows = build_series()
+    print(
+        f"# console series: {SERIES_DAYS} days x {SERIES_TOPICS} topics x 2 instances,"
+        f" {rows:,} counter rows, built and folded in {time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
     table: dict[int, dict[str, float]] = {}
     for size in args.sizes:
         start = time.perf_counter()
