@@ -268,7 +268,9 @@ def keep_live() -> None:
         cursor.execute("UPDATE workpump_service_instance SET last_heartbeat_at = now()")
 
 
-def measure(repeat: int) -> dict[str, float]:
+def measure(
+    repeat: int, pages: list[tuple[str, str, dict[str, str]]] | None = None, *, status: bool = True
+) -> dict[str, float]:
     from django.contrib.auth.models import User
     from django.core.management import call_command
     from django.test import Client
@@ -286,7 +288,7 @@ def measure(repeat: int) -> dict[str, float]:
         NEWEST_TOPIC["topic"]: newest["topic"],
     }
     results = {}
-    for name, page, given in PAGES:
+    for name, page, given in PAGES if pages is None else pages:
         keep_live()
         url = f"/admin/workpump/outbox/{newest['seq']}/change/" if page == DETAIL else page
         params = {key: found.get(value, value) for key, value in given.items()}
@@ -296,6 +298,8 @@ def measure(repeat: int) -> dict[str, float]:
             assert response.status_code == 200, (url, params, response.status_code)
 
         results[name] = timed(get, repeat)
+    if not status:
+        return results
     keep_live()
     results["workpump_status --json"] = timed(
         lambda: call_command("workpump_status", "--json", stdout=io.StringIO()), repeat
@@ -311,6 +315,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 1_000_000])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--payload-index",
+        action="store_true",
+        help="after each size, time the payload searches again with the opt-in GIN index",
+    )
     args = parser.parse_args()
 
     import django
@@ -342,6 +351,14 @@ def main() -> None:
         made = build(size)
         print(f"# built {size:,} rows in {time.perf_counter() - start:.1f} s: {made}", flush=True)
         table[size] = measure(args.repeat)
+        if args.payload_index:
+            start = time.perf_counter()
+            call_command("workpump_payload_index", stdout=io.StringIO())
+            print(f"# payload index built in {time.perf_counter() - start:.1f} s", flush=True)
+            searches = [p for p in PAGES if p[0].startswith("payload search")]
+            for page, ms in measure(args.repeat, searches, status=False).items():
+                table[size][f"{page} (GIN index)"] = ms
+            call_command("workpump_payload_index", "--drop", stdout=io.StringIO())
         connection.close()
     base = args.sizes[0]
     header = ["page", *(f"{s:,} rows (ms)" for s in args.sizes)]
@@ -349,8 +366,10 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for page in table[base]:
-        cells = [page, *(f"{table[s][page]:.1f}" for s in args.sizes)]
-        cells += [f"{table[s][page] / table[base][page]:.2f}x" for s in args.sizes[1:]]
+        cells = [page, *(f"{table[s].get(page, float('nan')):.1f}" for s in args.sizes)]
+        cells += [
+            f"{table[s].get(page, float('nan')) / table[base][page]:.2f}x" for s in args.sizes[1:]
+        ]
         print("| " + " | ".join(cells) + " |")
 
 
