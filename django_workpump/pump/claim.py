@@ -133,6 +133,8 @@ class ClaimResult:
     claimed: int
     has_more: bool
     skipped_busy: bool = False
+    # flow control: ms until a rate-limited group may start a row again (poll then)
+    flow_wait_ms: int | None = None
     error: BaseException | None = None
     refused: bool = False  # this instance was evicted (or is not registered): stop
 
@@ -310,7 +312,12 @@ class ClaimWorker(LoopService):
                 self._dead_letter_undecodable([row for row in rows if row.payload_error])
         else:
             self.empty_polls += 1
-        return ClaimResult(claimed=len(rows), has_more=any(row.has_more for row in rows))
+        flow_wait = getattr(self.coordinator, "flow_wait_ms", None)
+        return ClaimResult(
+            claimed=len(rows),
+            has_more=any(row.has_more for row in rows),
+            flow_wait_ms=flow_wait() if flow_wait is not None else None,
+        )
 
     def _dead_letter_undecodable(self, rows: list[ClaimedWork]) -> None:
         """Park rows whose payload cannot be decoded, alone: their batch-mates run.
@@ -468,6 +475,9 @@ class ClaimWorker(LoopService):
                     woken = False
                     continue  # drain mode: more is waiting and we can take it
             wait_ms = None if result.skipped_busy else self.current_wait_ms()
+            if result.flow_wait_ms is not None and not result.skipped_busy:
+                # a rate holds rows back: claim when its bucket has a token again
+                wait_ms = min(result.flow_wait_ms, wait_ms or result.flow_wait_ms)
             # One Event serves wake and stop: stop() sets it too.
             woken = self._wake.wait(None if wait_ms is None else wait_ms / 1000)
 
