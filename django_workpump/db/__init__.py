@@ -24,7 +24,7 @@ callers write ``db.claim_work`` or ``from django_workpump.db import Outcome``:
 
 from __future__ import annotations
 
-from django_workpump.db.claim import ClaimedWork, claim_work, flow_wait_ms
+from django_workpump.db.claim import ClaimedWork, claim_work, flow_fair, flow_wait_ms
 from django_workpump.db.console import console_counting, console_sample, purge_console
 from django_workpump.db.errors import INSTANCE_REFUSED_SQLSTATE, InstanceRefused
 from django_workpump.db.flow import (
@@ -160,6 +160,7 @@ __all__ = [
     "fetch_named",
     "fire_periodic",
     "flag_flow_stragglers",
+    "flow_fair",
     "flow_reason",
     "flow_rule_status",
     "flow_wait_ms",

@@ -130,9 +130,11 @@ def claim_work(
     return claimed
 
 
-# Flow control: the claim says, in a NOTICE, when a group a rate held back has a token
-# again. Kept per thread: each claimer thread has its own connection.
+# Flow control: the claim says, in NOTICEs, when a group a rate held back has a token
+# again, and that it took rows of fairness keys. Kept per thread: each claimer thread has
+# its own connection.
 FLOW_WAIT_NOTICE = "workpump.flow_wait_ms="
+FLOW_FAIR_NOTICE = "workpump.flow_fair"
 _flow_wait = threading.local()
 
 
@@ -142,9 +144,17 @@ def flow_wait_ms() -> int | None:
     return getattr(_flow_wait, "ms", None)
 
 
+def flow_fair() -> bool:
+    """Whether the last claim of this thread reached rows of fairness keys: then the
+    claimer takes no more than its free slots (docs/flow-control.md)."""
+    return getattr(_flow_wait, "fair", False)
+
+
 def _note_flow_wait(diagnostic: Any) -> None:
     text = diagnostic.message_primary or ""
-    if text.startswith(FLOW_WAIT_NOTICE):
+    if text == FLOW_FAIR_NOTICE:
+        _flow_wait.fair = True
+    elif text.startswith(FLOW_WAIT_NOTICE):
         try:
             ms = int(text[len(FLOW_WAIT_NOTICE) :])
         except ValueError:
@@ -166,6 +176,7 @@ def _claim_rows(params: dict[str, Any], using: str | None) -> list[dict[str, Any
     """
     connection = connections[_alias(using)]
     _flow_wait.ms = None
+    _flow_wait.fair = False
     if connection.queries_logged or connection.execute_wrappers:
         return _fetch("claim_work", params, using, set_loaders=_claim_loaders)
     connection.close_if_health_check_failed()

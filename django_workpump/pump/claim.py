@@ -194,6 +194,11 @@ class ClaimWorker(LoopService):
         self.slot_wakes_skipped = 0
         self._last_gate_state: bool | None = None
         self._gate_lost_at: float | None = None
+        # The last claim reached rows of fairness keys (docs/flow-control.md): the next
+        # takes the free slots only, since rows claimed ahead would sit in the local
+        # queue, and a quiet key's row stored meanwhile would wait for them all to start
+        # before a claim could take it.
+        self.fair = False
 
     # -- signals -------------------------------------------------------------------
     def request_immediate_poll(self) -> None:
@@ -313,6 +318,8 @@ class ClaimWorker(LoopService):
         else:
             self.empty_polls += 1
         flow_wait = getattr(self.coordinator, "flow_wait_ms", None)
+        flow_fair = getattr(self.coordinator, "flow_fair", None)
+        self.fair = bool(flow_fair()) if flow_fair is not None else False
         return ClaimResult(
             claimed=len(rows),
             has_more=any(row.has_more for row in rows),
@@ -415,10 +422,14 @@ class ClaimWorker(LoopService):
         those round trips would make small batches look slow, so they would stay small:
         at ``CONCURRENCY`` 1 every claim is such a wait, and the claims (one commit each)
         would outnumber the work.
+
+        After a claim that reached rows of fairness keys, the free slots plus the prefetch
+        only: the claim's round-robin is fair between the rows it takes at once, and a
+        batch sized ahead would make a quiet key's new row wait behind it.
         """
         size = free + self.policy.prefetch
         started = getattr(self.sink, "started_total", None)
-        if started is not None:
+        if started is not None and not self.fair:
             now = self.clock.monotonic()
             if self._rate_sample is None:
                 self._rate_sample = (now, started, self.starved_seconds)

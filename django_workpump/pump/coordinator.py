@@ -202,6 +202,10 @@ class DatabaseCoordinator:
         token), or None."""
         return db.flow_wait_ms()
 
+    def flow_fair(self) -> bool:
+        """Whether the last claim of this thread reached rows of fairness keys."""
+        return db.flow_fair()
+
     def renew(self, leases: Sequence[Lease]) -> dict[uuid.UUID, Any]:
         category, ids, tokens = lease_arrays(leases)
         return self._call(

@@ -383,6 +383,24 @@ def test_a_claim_held_back_by_a_rate_says_when_to_claim_again():
     assert db.flow_wait_ms() == 30
 
 
+def test_a_claim_that_reaches_rows_of_fairness_keys_says_so():
+    from django_workpump import db
+
+    def claim_now() -> int:
+        rows = db.claim_work(instance_id=A, max_rows=10, lease_seconds=60, partition_count=10000)
+        return len(rows)
+
+    send(concurrency_key="partner:acme")
+    assert claim_now() == 1
+    assert db.flow_fair() is False  # flow-controlled, but by a concurrency key only
+    send(fairness_key="tenant:1")
+    assert claim_now() == 1
+    assert db.flow_fair() is True
+    send("plain.topic")
+    assert claim_now() == 1
+    assert db.flow_fair() is False  # said of the last claim only
+
+
 def test_a_paused_topic_leaves_the_claimers_topic_list_even_for_a_row_stored_by_hand():
     rule("topic", "outbox", TOPIC, paused=True)
     # an INSERT that names a partition and no stream skips the trigger: not flagged
