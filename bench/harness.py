@@ -135,7 +135,10 @@ ANALYZE_SQL = {
 LEFT_SQL = {  # each probe ordered by its partial index's key, so no probe is a seq scan
     "workpump": "SELECT EXISTS (SELECT 1 FROM workpump_outbox WHERE done_at IS NULL"
     " AND dead_lettered_at IS NULL AND stream_head AND instance_id IS NULL"
-    " AND scheduled_for IS NULL ORDER BY priority DESC, seq LIMIT 1)"
+    " AND scheduled_for IS NULL AND NOT flow_controlled ORDER BY priority DESC, seq LIMIT 1)"
+    # flow-controlled rows (docs/flow-control.md): the _flow index
+    " OR EXISTS (SELECT 1 FROM workpump_outbox WHERE done_at IS NULL"
+    " AND dead_lettered_at IS NULL AND stream_head AND flow_controlled LIMIT 1)"
     " OR EXISTS (SELECT 1 FROM workpump_outbox WHERE instance_id IS NOT NULL"
     " ORDER BY instance_id LIMIT 1)",
     "pgqueuer": "SELECT EXISTS (SELECT 1 FROM pgqueuer WHERE status = 'queued'"

@@ -18,6 +18,7 @@ import json
 import re
 from typing import Any
 
+from bench import flow
 from bench.harness import LABELS, RESULTS, ROOT
 
 # The page's sections, in order; Footprint (measured by three of them) follows "claim".
@@ -29,6 +30,7 @@ HEADINGS = {
     "profile": "6. Profile of the drain (django-workpump, defaults)",
     "scale": "7. Hot path and scale-out",
     "ordered": "Ordered streams and ORM handlers",
+    "flow": "Flow control",
     "admin_pages": "Admin pages and workpump_status at scale",
     "index_cost": "The admin's indexes on the hot path",
     "cancel_latency": "Cancel latency",
@@ -39,7 +41,7 @@ HEADINGS = {
 # The order of the headline keys and of the targets table.
 SUMMARY_ORDER = (
     "throughput", "latency", "writes", "claim", "scale", "ordered", "console", "workflow",
-    "wait",
+    "wait", "flow",
 )
 
 
@@ -162,6 +164,8 @@ def section_headline(name: str, data: dict[str, Any]) -> dict[str, Any]:
         }
     if name == "wait":
         return {"workflow_wait_vs_pickup_ratio": _round(data.get("workflow_wait_vs_pickup_ratio"))}
+    if name == "flow":
+        return flow.headline(data)
     return {}
 
 
@@ -306,6 +310,8 @@ def section_targets(name: str, data: dict[str, Any]) -> list[Row]:
                 None if ratio is None else ratio <= 2,
             )
         )
+    elif name == "flow":
+        rows += flow.targets(data)
     return rows
 
 
@@ -1042,4 +1048,5 @@ BODIES.update(
     scale=body_scale,
     ordered=body_ordered,
     workflow=body_workflow,
+    flow=flow.body,
 )

@@ -33,6 +33,7 @@ SECTIONS = (
     "workflow",
     "console",
     "wait",
+    "flow",
 )
 
 

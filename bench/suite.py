@@ -372,6 +372,13 @@ def section_workflow(cfg: Config, server: h.Server, workdir: Path) -> dict[str, 
     )
 
 
+def section_flow(cfg: Config, server: h.Server, workdir: Path) -> dict[str, Any]:
+    from bench import flow
+
+    h.install_schema("workpump", server, DATABASES["workpump"])
+    return flow.run(server, DATABASES["workpump"], workdir, quick=cfg.mode == "quick")
+
+
 RUNNERS = {
     "latency": section_latency,
     "throughput": section_throughput,
@@ -383,6 +390,7 @@ RUNNERS = {
     "console": section_console,
     "wait": section_wait,
     "workflow": section_workflow,
+    "flow": section_flow,
 }
 
 
@@ -465,7 +473,8 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
             h.log(f"section {name} done in {time.monotonic() - t0:.0f} s")
     finally:
         # only the databases this run used (the scale section keeps to its own server)
-        if set(chosen) & {"latency", "throughput", "profile", "console", "workflow", "wait"}:
+        uses_shared = {"latency", "throughput", "profile", "console", "workflow", "wait", "flow"}
+        if set(chosen) & uses_shared:
             for database in DATABASES.values():
                 with contextlib.suppress(Exception):
                     server.drop(database)

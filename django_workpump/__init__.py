@@ -5,7 +5,8 @@ and ``emit_many`` for lists); handle it with the decorators, ``periodic`` schedu
 run it with ``manage.py runworkpump``; ``batch`` groups rows under one callback and
 ``send(after=...)`` chains them;
 ``retry_now``, ``requeue_dead``, ``dead_letter``, ``release``, ``cancel`` and ``evict``
-are the operator's actions. A handler raises ``Snooze``, ``Discard`` or ``Release`` to
+are the operator's actions; ``pause``, ``resume`` and ``set_limit`` steer flow control
+(docs/flow-control.md). A handler raises ``Snooze``, ``Discard`` or ``Release`` to
 steer its row, and takes a ``Retry`` policy and a ``timeout`` at registration; it may
 ``work.checkpoint(state)`` to resume there after a crash. ``wait`` (``await_work`` from
 a coroutine) blocks until rows have ended and reports their outcomes.
@@ -21,6 +22,7 @@ from django_workpump.actions import (
     retry_now,
 )
 from django_workpump.control import Discard, Release, Retry, Snooze
+from django_workpump.flow import pause, resume, set_limit
 from django_workpump.periodic import InvalidSchedule, periodic
 from django_workpump.producer import (
     Duplicate,
@@ -64,14 +66,17 @@ __all__ = [
     "evict",
     "inbox_handler",
     "outbox_handler",
+    "pause",
     "periodic",
     "perspective",
     "receive",
     "receptor",
     "release",
     "requeue_dead",
+    "resume",
     "retry_now",
     "send",
     "send_many",
+    "set_limit",
     "wait",
 ]

@@ -6,9 +6,9 @@ outcomes, and gauges of this process (rows in flight, the NOTIFY gate). Without
 ``prometheus_client`` it is a ``NullRecorder`` whose methods do nothing, so the
 instrumentation costs a method call and importing the package needs nothing more.
 
-The database-wide gauges (rows per state, the oldest waiting row, instances) are read by
-``DatabaseCollector`` with the two queries ``workpump_status`` uses for them, at most once
-per ``METRICS_CACHE_SECONDS``, however often Prometheus scrapes.
+The database-wide gauges (rows per state, the oldest waiting row, instances, flow rules)
+are read by ``DatabaseCollector`` with the three queries ``workpump_status`` uses for
+them, at most once per ``METRICS_CACHE_SECONDS``, however often Prometheus scrapes.
 
 Serve them with ``runworkpump --metrics-port PORT`` (or ``WORKPUMP["METRICS_PORT"]``; on
 127.0.0.1 unless ``--metrics-bind``) or route ``metrics_view`` in a project's URLconf. The
@@ -319,9 +319,9 @@ def recorder() -> NullRecorder:
 class DatabaseCollector:
     """The database-wide gauges, read with the status report's queries and cached.
 
-    ``collect()`` runs ``status.state_counts`` and ``status.instances`` (two queries) at
-    most once per ``METRICS_CACHE_SECONDS``; scrapes in between get the cached families,
-    and concurrent scrapes share one read.
+    ``collect()`` runs ``status.state_counts``, ``status.instances`` and
+    ``status.flow_rules`` (three queries) at most once per ``METRICS_CACHE_SECONDS``;
+    scrapes in between get the cached families, and concurrent scrapes share one read.
     """
 
     def __init__(
@@ -394,6 +394,13 @@ class DatabaseCollector:
                 "Registered runworkpump instances, live or stale by the liveness rule.",
                 labels=("state",),
             ),
+            GaugeMetricFamily(
+                "workpump_flow",
+                "Per flow rule (kind topic/key/category, its category and name): rows held "
+                "now (in_flight), whole tokens left (tokens), heads waiting unclaimed "
+                "(waiting), paused (1/0). A value the rule has none of is left out.",
+                labels=("kind", "category", "name", "value"),
+            ),
         ]
 
     def _read(self) -> list[Any]:
@@ -402,7 +409,8 @@ class DatabaseCollector:
         self.reads += 1
         counts = status.state_counts(using=self.using)
         instances = status.instances(using=self.using)
-        pending, ended, oldest, fleet = self._empty()
+        rules = status.flow_rules(using=self.using)
+        pending, ended, oldest, fleet, flow = self._empty()
         for category in counts.categories:
             for state in PENDING_STATES:
                 pending.add_metric((category.category, state), category.counts.get(state, 0))
@@ -412,7 +420,13 @@ class DatabaseCollector:
         live = sum(1 for instance in instances if instance.live)
         fleet.add_metric(("live",), live)
         fleet.add_metric(("stale",), len(instances) - live)
-        return [pending, ended, oldest, fleet]
+        for rule in rules:
+            labels = (rule.kind, rule.category, rule.name)
+            values = {"in_flight": rule.in_flight, "tokens": rule.tokens, "waiting": rule.waiting}
+            for value, number in {**values, "paused": int(rule.paused)}.items():
+                if number is not None:
+                    flow.add_metric((*labels, value), float(number))
+        return [pending, ended, oldest, fleet, flow]
 
 
 _collector: DatabaseCollector | None = None

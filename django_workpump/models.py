@@ -21,7 +21,14 @@ from django.db import models
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
 
-from django_workpump.fields import IntegerArrayField
+from django_workpump.console_models import (  # noqa: F401 (the app's models)
+    ConsoleBacklog,
+    ConsoleCount,
+    ConsoleInstance,
+    ConsoleRollup,
+    ConsoleSample,
+    ConsoleTotal,
+)
 from django_workpump.payloads import decode_or_stored
 
 if TYPE_CHECKING:
@@ -84,6 +91,14 @@ class WorkRow(models.Model):
     batch_id = models.UUIDField(null=True, blank=True, editable=False)
     # Rows sent with after=[this row] wait on it (workpump_dependency).
     has_dependents = models.BooleanField(db_default=False, editable=False)
+    # Flow control (docs/flow-control.md); '' is none, so index row comparisons see no
+    # NULLs. A concurrency key is capped across topics and categories (a partner); a
+    # fairness key is what the claim round-robins over within a topic (a tenant).
+    concurrency_key = models.TextField(db_default="", blank=True, editable=False)
+    fairness_key = models.TextField(db_default="", blank=True, editable=False)
+    # Set at insert when the row has a key or its topic a flow rule: such rows are
+    # claimed by the flow pass only, and never sit in the fast indexes.
+    flow_controlled = models.BooleanField(db_default=False, editable=False)
 
     class Meta:
         abstract = True
@@ -118,13 +133,26 @@ def _lease_pair_check(table: str) -> models.CheckConstraint:
 
 
 def ready_condition() -> Q:
-    """Rows claimable right now: undone, live stream heads, unleased and unscheduled."""
-    return _live_head() & Q(instance_id__isnull=True, scheduled_for__isnull=True)
+    """Rows the fast passes claim right now: undone, live stream heads, unleased and
+    unscheduled, not flow-controlled."""
+    return _live_head() & Q(
+        instance_id__isnull=True, scheduled_for__isnull=True, flow_controlled=False
+    )
 
 
 def timer_condition() -> Q:
-    """Live stream heads waiting for a time: a lease to expire or a retry/deferral."""
-    return _live_head() & (Q(instance_id__isnull=False) | Q(scheduled_for__isnull=False))
+    """Live stream heads waiting for a time (a lease to expire or a retry/deferral), not
+    flow-controlled."""
+    return (
+        _live_head()
+        & (Q(instance_id__isnull=False) | Q(scheduled_for__isnull=False))
+        & Q(flow_controlled=False)
+    )
+
+
+def flow_condition() -> Q:
+    """Live stream heads under flow control (the flow pass's index), held or not."""
+    return _live_head() & Q(flow_controlled=True)
 
 
 def dead_condition() -> Q:
@@ -175,6 +203,19 @@ def _work_indexes(prefix: str, scope: tuple[str, ...] = ()) -> list[models.Index
             Coalesce("lease_expiry", "scheduled_for"),
             name=f"{prefix}_timer",
             condition=timer_condition(),
+        ),
+        # Flow-controlled heads by group (topic, concurrency key, fairness key), each in
+        # claim order: the flow pass's loose index scan and its per-group picks.
+        models.Index(
+            fields=["topic", "concurrency_key", "fairness_key", "-priority", "seq"],
+            name=f"{prefix}_flow",
+            condition=flow_condition(),
+        ),
+        # Flow-controlled rows held now: the in-flight counts of topic and key caps.
+        models.Index(
+            fields=["concurrency_key", "topic"],
+            name=f"{prefix}_flowheld",
+            condition=Q(done_at__isnull=True, instance_id__isnull=False, flow_controlled=True),
         ),
         # Rows held by an instance (eviction, deregistration, admin), newest first per
         # holder: the admin's stuck and owner = not-live pages read a page of each.
@@ -653,118 +694,61 @@ class Subscription(models.Model):
         return f"{self.event_type} -> {self.category} {self.name}"
 
 
-# -- the admin console's per-minute series (docs/console.md) ------------------------------
-# Written only by SQL: the work tables' counting trigger (ConsoleCount, ConsoleTotal) and
-# the maintenance worker's sample (the rest; ConsoleRollup is folded from ConsoleCount);
-# read by the console's pages through db.console.
+FLOW_RULE_KINDS = [
+    ("topic", "topic: a topic of one category"),
+    ("key", "key: a concurrency or fairness key, in every topic and category"),
+    ("category", "category: every topic of one category (pause only)"),
+]
 
 
-class ConsoleCount(models.Model):
-    """Rows that ended one way (or were claimed, renewed) in a minute, per topic and
-    instance; for claims, a pickup-latency histogram (``workpump.console_latency_bounds``)."""
+class FlowRule(models.Model):
+    """A flow-control rule (docs/flow-control.md): a cap, a rate, a weight or a pause of a
+    topic, a key or a category, enforced by the claim on every instance.
 
-    pk = models.CompositePrimaryKey("minute", "category", "topic", "outcome", "instance_id")
-    minute = models.DateTimeField()
-    category = models.TextField()
-    topic = models.TextField()
-    outcome = models.TextField()  # claimed, renewed, done, failed, dead, released, ...
-    instance_id = models.UUIDField()  # the nil uuid: no holder (an operator's action)
-    n = models.BigIntegerField()
-    latency = IntegerArrayField(null=True)
+    ``declared_*`` come from the code (handler declarations, upserted at ``runworkpump``
+    start); ``override_*`` from an operator (``workpump.set_limit``, the admin), and win.
+    The token bucket (``tokens`` at ``tokens_at``) is the claim's own state.
+    """
 
-    class Meta:
-        db_table = "workpump_console_count"
-
-    def __str__(self) -> str:
-        return f"{self.minute} {self.category} {self.topic} {self.outcome}: {self.n}"
-
-
-class ConsoleTotal(models.Model):
-    """ConsoleCount summed over categories and topics: per minute, outcome and instance,
-    so the console's whole-pump charts read a few rows a minute, not one per topic."""
-
-    pk = models.CompositePrimaryKey("minute", "outcome", "instance_id")
-    minute = models.DateTimeField()
-    outcome = models.TextField()
-    instance_id = models.UUIDField()
-    n = models.BigIntegerField()
-    latency = IntegerArrayField(null=True)
+    kind = models.CharField(max_length=10, choices=FLOW_RULE_KINDS)
+    category = models.TextField(blank=True, db_default="")  # '' for a key rule
+    name = models.TextField(blank=True, db_default="")  # the topic or key; '' for a category
+    declared_concurrency = models.IntegerField(null=True, blank=True)
+    declared_rate = models.FloatField(null=True, blank=True)  # starts per second
+    declared_burst = models.IntegerField(null=True, blank=True)
+    declared_key_concurrency = models.IntegerField(null=True, blank=True)
+    override_concurrency = models.IntegerField(null=True, blank=True)
+    override_rate = models.FloatField(null=True, blank=True)
+    override_burst = models.IntegerField(null=True, blank=True)
+    override_key_concurrency = models.IntegerField(null=True, blank=True)
+    weight = models.IntegerField(db_default=1)  # a fairness key's share per round
+    paused = models.BooleanField(db_default=False)
+    tokens = models.FloatField(null=True, blank=True, editable=False)
+    tokens_at = models.DateTimeField(null=True, blank=True, editable=False)
+    updated_at = models.DateTimeField(db_default=Now())
 
     class Meta:
-        db_table = "workpump_console_total"
+        db_table = "workpump_flow_rule"
+        verbose_name = "flow rule"
+        ordering = ["kind", "category", "name"]
+        permissions = [("pause_flow", "Can pause and resume work")]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["kind", "category", "name"], name="workpump_flow_rule_subject"
+            ),
+            models.CheckConstraint(
+                condition=Q(kind__in=["topic", "key", "category"]),
+                name="workpump_flow_rule_kind",
+            ),
+        ]
+        # every claim reads the paused categories and topics
+        indexes = [
+            models.Index(fields=["kind"], name="wp_flow_rule_paused", condition=Q(paused=True))
+        ]
 
     def __str__(self) -> str:
-        return f"{self.minute} {self.outcome}: {self.n}"
-
-
-class ConsoleRollup(models.Model):
-    """ConsoleCount in 10-minute buckets, summed over instances (``minute``: the bucket's
-    first), folded by the sampler once a bucket is complete: the day window reads a
-    sixth of the rows per topic that it would read a minute at a time."""
-
-    pk = models.CompositePrimaryKey("minute", "category", "topic", "outcome")
-    minute = models.DateTimeField()
-    category = models.TextField()
-    topic = models.TextField()
-    outcome = models.TextField()
-    n = models.BigIntegerField()
-    latency = IntegerArrayField(null=True)
-
-    class Meta:
-        db_table = "workpump_console_rollup"
-
-    def __str__(self) -> str:
-        return f"{self.minute} {self.category} {self.topic} {self.outcome}: {self.n}"
-
-
-class ConsoleBacklog(models.Model):
-    """A topic's waiting rows and oldest pending age, sampled once in a minute."""
-
-    pk = models.CompositePrimaryKey("minute", "category", "topic")
-    minute = models.DateTimeField()
-    category = models.TextField()
-    topic = models.TextField()
-    pending = models.BigIntegerField()  # waiting and due (orphaned rows included)
-    scheduled = models.BigIntegerField()  # waiting for a retry, deferral or snooze
-    leased = models.BigIntegerField()
-    oldest_pending_seconds = models.FloatField(null=True)
-
-    class Meta:
-        db_table = "workpump_console_backlog"
-
-    def __str__(self) -> str:
-        return f"{self.minute} {self.category} {self.topic}: {self.pending} pending"
-
-
-class ConsoleInstance(models.Model):
-    """A registered instance's heartbeat age and rows in flight, sampled once in a minute."""
-
-    pk = models.CompositePrimaryKey("minute", "instance_id")
-    minute = models.DateTimeField()
-    instance_id = models.UUIDField()
-    service_name = models.TextField(null=True)
-    host_name = models.TextField(null=True)
-    process_id = models.IntegerField(null=True)
-    heartbeat_age_seconds = models.FloatField(null=True)
-    in_flight = models.BigIntegerField()
-
-    class Meta:
-        db_table = "workpump_console_instance"
-
-    def __str__(self) -> str:
-        return f"{self.minute} {self.instance_id}: {self.in_flight} in flight"
-
-
-class ConsoleSample(models.Model):
-    """A minute the sampler took (its high-water mark: one sample per minute)."""
-
-    minute = models.DateTimeField(primary_key=True)
-    taken_at = models.DateTimeField()
-    # the rollup holds every bucket before this (the fold of this sample)
-    folded_until = models.DateTimeField(null=True)
-
-    class Meta:
-        db_table = "workpump_console_sample"
-
-    def __str__(self) -> str:
-        return f"{self.minute}"
+        if self.kind == "key":
+            return f"key {self.name}"
+        if self.kind == "category":
+            return f"category {self.category}"
+        return f"{self.category} topic {self.name}"

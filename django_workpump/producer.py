@@ -23,6 +23,7 @@ from django_workpump.payloads import MAX_DEPTH
 from django_workpump.producer_validation import (
     InvalidWork,
     checked_bulk_lists,
+    checked_flow_key,
     checked_headers,
     checked_max_attempts,
     checked_name,
@@ -154,6 +155,8 @@ def send(
     batch: Batch | uuid.UUID | None = None,
     after: Iterable[uuid.UUID | str] | None = None,
     after_policy: str = "cancel",
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an outbox message for ``destination`` in the current transaction.
@@ -168,6 +171,8 @@ def send(
     nothing and returns the holder's id, or raises ``Duplicate`` (``on_conflict="raise"``).
     ``headers`` (str to str) are stored with the row and given to its handler as
     ``work.headers``; with tracing on they carry the producer span's context.
+    ``concurrency_key`` (e.g. ``"partner:acme"``) and ``fairness_key`` (e.g. the tenant)
+    put the row under flow control (docs/flow-control.md).
     """
     destination = checked_name("outbox destination", destination)
     what = f"outbox message to {destination!r}"
@@ -198,6 +203,8 @@ def send(
             batch_id=batch_id_for(batch, alias),
             after=_after_ids(what, after),
             after_policy=after_policy,
+            concurrency_key=checked_flow_key(what, "concurrency_key", concurrency_key),
+            fairness_key=checked_flow_key(what, "fairness_key", fairness_key),
             using=alias,
         )
         out.stored(result)
@@ -222,6 +229,8 @@ def receive(
     unique_for: timedelta | None = None,
     on_conflict: str = "return",
     headers: Mapping[str, str] | None = None,
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> bool:
     """Store an inbox message once per ``message_id``; False if it was received before.
@@ -246,6 +255,8 @@ def receive(
         unique_for=unique_for,
         on_conflict=on_conflict,
         headers=headers,
+        concurrency_key=concurrency_key,
+        fairness_key=fairness_key,
         using=using,
     ).stored
 
@@ -264,6 +275,8 @@ def receive_stamped(
     unique_for: timedelta | None = None,
     on_conflict: str = "return",
     headers: Mapping[str, str] | None = None,
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> db.Received:
     """``receive``, also returning the stored row's ``created_at`` from the same statement
@@ -302,6 +315,8 @@ def receive_stamped(
             unique_key=key,
             unique_for=window,
             headers_json=headers_json(what, out.headers),
+            concurrency_key=checked_flow_key(what, "concurrency_key", concurrency_key),
+            fairness_key=checked_flow_key(what, "fairness_key", fairness_key),
             using=alias,
         )
     if not received.stored and key is not None and on_conflict == "raise":
@@ -340,6 +355,8 @@ def emit(
     unique_for: timedelta | None = None,
     on_conflict: str = "return",
     headers: Mapping[str, str] | None = None,
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an event and one work row per perspective and receptor subscribed to it.
@@ -375,6 +392,8 @@ def emit(
             unique_key=key,
             unique_for=window,
             headers_json=headers_json(what, out.headers),
+            concurrency_key=checked_flow_key(what, "concurrency_key", concurrency_key),
+            fairness_key=checked_flow_key(what, "fairness_key", fairness_key),
             using=alias,
         )
         out.stored(result)
@@ -416,6 +435,8 @@ def send_many(
     run_after: datetime | None = None,
     max_attempts: int | None = None,
     batch: Batch | uuid.UUID | None = None,
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Store one outbox message for ``destination`` per payload, in the current transaction.
@@ -440,6 +461,8 @@ def send_many(
     priority = checked_priority(what, priority)
     scheduled_for = checked_run_after(what, run_after)
     max_attempts = checked_max_attempts("outbox", destination, max_attempts)
+    ckey = checked_flow_key(what, "concurrency_key", concurrency_key)
+    fkey = checked_flow_key(what, "fairness_key", fairness_key)
     if not texts:
         return []
     alias = using or setting("DATABASE_ALIAS")
@@ -458,6 +481,8 @@ def send_many(
                 max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
                 max_payload_depth=MAX_DEPTH,
                 batch_id=batch_id_for(batch, alias),
+                concurrency_key=ckey,
+                fairness_key=fkey,
                 using=alias,
             )
     _announce("outbox", alias)
@@ -474,6 +499,8 @@ def emit_many(
     *,
     streams: Iterable[str | int | uuid.UUID | None] | None = None,
     priority: int = 0,
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Store one event of ``event_type`` per payload and its work, in the current transaction.
@@ -493,6 +520,8 @@ def emit_many(
     keys = None if streams is None else each_checked(checked_stream_key, noun, streams)
     priority = checked_priority(what, priority)
     subscribers, categories = _subscribers(event_type)
+    ckey = checked_flow_key(what, "concurrency_key", concurrency_key)
+    fkey = checked_flow_key(what, "fairness_key", fairness_key)
     if not texts:
         return []
     alias = using or setting("DATABASE_ALIAS")
@@ -510,6 +539,8 @@ def emit_many(
                 partition_count=setting("PARTITION_COUNT"),
                 max_payload_bytes=setting("MAX_PAYLOAD_BYTES"),
                 max_payload_depth=MAX_DEPTH,
+                concurrency_key=ckey,
+                fairness_key=fkey,
                 using=alias,
             )
     for category in categories:

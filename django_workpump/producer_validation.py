@@ -180,6 +180,30 @@ def checked_stream_key(what: str, stream: Any) -> str | None:
     return key
 
 
+# Characters of a concurrency or fairness key (docs/flow-control.md); SQL checks the same.
+MAX_FLOW_KEY_CHARS = 200
+
+
+def checked_flow_key(what: str, kind: str, key: Any) -> str | None:
+    """A ``concurrency_key`` or ``fairness_key`` (``kind``) of new work: None or text."""
+    if key is None or key == "":
+        return None
+    if not isinstance(key, str):
+        raise InvalidWork(
+            f"The {kind} of {what} must be a str (or None), not {type(key).__name__}."
+        )
+    if len(key) > MAX_FLOW_KEY_CHARS:
+        raise InvalidWork(
+            f"The {kind} of {what} has {len(key)} characters, over the limit of "
+            f"{MAX_FLOW_KEY_CHARS}. Use a short name such as 'partner:acme' or 'tenant:42'."
+        )
+    if problem := unstorable_character(key) or (
+        "a control character" if any(ord(c) < 32 or ord(c) == 127 for c in key) else None
+    ):
+        raise InvalidWork(f"The {kind} of {what} has {problem}. Use printable text.")
+    return key
+
+
 def checked_name(what: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidWork(f"The {what} must be a non-empty string, not {value!r}.")

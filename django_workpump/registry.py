@@ -13,6 +13,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_workpump import categories
 from django_workpump.control import Retry, check_timeout
+from django_workpump.flow_limits import FlowLimits, flow_limits
 
 # Callables naming what a row runs when its topic is shared (the tasks backend's queue
 # topic runs every task): ``name(row)`` returns e.g. "task 'myapp.tasks.send'" or None.
@@ -47,6 +48,8 @@ class Handler:
     timeout: float | None = None  # seconds one attempt may run; None: the lease settings
     # Perspectives and receptors: called once per stream run with list[Work] in order.
     batch: bool = False
+    # The topic's declared flow limits (docs/flow-control.md), or None.
+    flow: FlowLimits | None = None
 
     @property
     def is_async(self) -> bool:
@@ -259,8 +262,15 @@ def _decorator(
     retry: Retry | None = None,
     timeout: float | None = None,
     batch: bool = False,
+    concurrency: int | None = None,
+    rate: str | float | None = None,
+    burst: int | None = None,
+    key_concurrency: int | None = None,
 ) -> Callable[[F], F]:
     where = f"{TOPIC_NOUNS[category]} {topic!r}"
+    limits = flow_limits(
+        where, concurrency=concurrency, rate=rate, burst=burst, key_concurrency=key_concurrency
+    )
     if retry is not None and not isinstance(retry, Retry):
         raise ImproperlyConfigured(
             f"retry of {where} must be a workpump.Retry(max_attempts=..., backoff=..., "
@@ -294,11 +304,19 @@ def _decorator(
                 retry=retry,
                 timeout=timeout,
                 batch=bool(batch),
+                flow=limits,
             )
         )
         return func
 
     return decorate
+
+
+def _options(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A public decorator's keyword arguments (its ``locals()`` on entry), for
+    ``_decorator``: each decorator spells its options out for its readers, and passes
+    them on without naming each one again."""
+    return {name: value for name, value in arguments.items() if name not in ("name", "destination")}
 
 
 def outbox_handler(
@@ -308,20 +326,20 @@ def outbox_handler(
     atomic: bool = False,
     retry: Retry | None = None,
     timeout: float | None = None,
+    concurrency: int | None = None,
+    rate: str | float | None = None,
+    burst: int | None = None,
+    key_concurrency: int | None = None,
 ) -> Callable[[F], F]:
     """Register the handler of outbox messages sent to ``destination``.
 
     ``retry``: a ``workpump.Retry`` policy; ``timeout``: seconds one attempt may run
-    (drives its lease, renewals and cap instead of the LEASE settings).
+    (drives its lease, renewals and cap instead of the LEASE settings). Flow limits
+    (docs/flow-control.md), enforced on every instance: ``concurrency`` rows at once,
+    ``rate`` (``"100/s"``, ``"6000/m"``) with a ``burst``, ``key_concurrency`` rows at
+    once per concurrency key.
     """
-    return _decorator(
-        "outbox",
-        destination,
-        max_attempts=max_attempts,
-        atomic=atomic,
-        retry=retry,
-        timeout=timeout,
-    )
+    return _decorator("outbox", destination, **_options(locals()))
 
 
 def inbox_handler(
@@ -331,12 +349,14 @@ def inbox_handler(
     atomic: bool = False,
     retry: Retry | None = None,
     timeout: float | None = None,
+    concurrency: int | None = None,
+    rate: str | float | None = None,
+    burst: int | None = None,
+    key_concurrency: int | None = None,
 ) -> Callable[[F], F]:
-    """Register the handler of inbox messages received for ``name`` (``retry`` and
-    ``timeout`` as for ``outbox_handler``)."""
-    return _decorator(
-        "inbox", name, max_attempts=max_attempts, atomic=atomic, retry=retry, timeout=timeout
-    )
+    """Register the handler of inbox messages received for ``name`` (``retry``,
+    ``timeout`` and the flow limits as for ``outbox_handler``)."""
+    return _decorator("inbox", name, **_options(locals()))
 
 
 def perspective(
@@ -348,6 +368,10 @@ def perspective(
     retry: Retry | None = None,
     timeout: float | None = None,
     batch: bool = False,
+    concurrency: int | None = None,
+    rate: str | float | None = None,
+    burst: int | None = None,
+    key_concurrency: int | None = None,
 ) -> Callable[[F], F]:
     """Register a perspective: it sees ``events`` of each stream in strict order
     (``retry`` and ``timeout`` as for ``outbox_handler``).
@@ -356,16 +380,7 @@ def perspective(
     in stream order (with ``atomic=True`` the run's effects and completions commit in one
     transaction); a failure fails the first row and hands the others back unstarted.
     """
-    return _decorator(
-        "perspective_event",
-        name,
-        max_attempts=max_attempts,
-        atomic=atomic,
-        events=events,
-        retry=retry,
-        timeout=timeout,
-        batch=batch,
-    )
+    return _decorator("perspective_event", name, **_options(locals()))
 
 
 def receptor(
@@ -377,16 +392,11 @@ def receptor(
     retry: Retry | None = None,
     timeout: float | None = None,
     batch: bool = False,
+    concurrency: int | None = None,
+    rate: str | float | None = None,
+    burst: int | None = None,
+    key_concurrency: int | None = None,
 ) -> Callable[[F], F]:
     """Register a receptor: it reacts once to each of ``events`` (``retry`` and
     ``timeout`` as for ``outbox_handler``; ``batch``: as ``perspective``)."""
-    return _decorator(
-        "receptor",
-        name,
-        max_attempts=max_attempts,
-        atomic=atomic,
-        events=events,
-        retry=retry,
-        timeout=timeout,
-        batch=batch,
-    )
+    return _decorator("receptor", name, **_options(locals()))

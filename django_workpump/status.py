@@ -179,6 +179,8 @@ class StatusReport:
     tombstones: list[Tombstone]
     unhandled: list[UnhandledTopic] = field(default_factory=list)  # no live handler
     periodic: list[PeriodicStatus] = field(default_factory=list)
+    # flow rules (docs/flow-control.md): limits, rows held, tokens left, rows waiting
+    flow_rules: list[db.FlowRuleStatus] = field(default_factory=list)
     dead_counts: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -382,8 +384,14 @@ def periodic_schedules(
     return result
 
 
+def flow_rules(*, now: datetime | None = None, using: str | None = None) -> list[db.FlowRuleStatus]:
+    """Every flow rule as it stands: its limits, rows held now, whole tokens left, and its
+    heads waiting (counted up to ``EXACT_COUNT_LIMIT`` + 1)."""
+    return db.flow_rule_status(waiting_cap=EXACT_COUNT_LIMIT, now=now, using=using)
+
+
 def collect(*, now: datetime | None = None, using: str | None = None) -> StatusReport:
-    """Gather the whole status report: seven queries in one transaction, without JIT."""
+    """Gather the whole status report: eight queries in one transaction, without JIT."""
     settings = get_settings()
     using = using or settings["DATABASE_ALIAS"]
     with db.without_jit(using=using):
@@ -406,6 +414,7 @@ def _collect(*, now: datetime | None, using: str) -> StatusReport:
         tombstones=tombstones(now=now, using=using),
         unhandled=_unhandled_topics(now=now, using=using),  # collect is without JIT
         periodic=periodic_schedules(using=using),
+        flow_rules=flow_rules(now=now, using=using),
     )
 
 
@@ -440,6 +449,7 @@ def as_json(report: StatusReport) -> dict[str, Any]:
         "tombstones": [_plain(asdict(t)) for t in report.tombstones],
         "no_live_handler": [_plain(asdict(u)) for u in report.unhandled],
         "periodic": [_plain(asdict(p)) for p in report.periodic],
+        "flow_rules": [_plain(asdict(r)) for r in report.flow_rules],
     }
 
 

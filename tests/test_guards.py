@@ -47,6 +47,8 @@ NO_SEARCH_PATH = {
     "instance_evictable",
     "attempt_logs_cte",  # builds text; the statement that runs it has the caller's path
     "outcome_of",  # a CASE over its arguments (the ended trigger's)
+    "flow_tokens",  # a token bucket's arithmetic, inlined into the flow pass
+    "unpaused_topics",  # inlined into claim_work
 }
 
 TIME_DEPENDENT = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import django_workpump as workpump
@@ -20,6 +21,25 @@ def orm(work: Any) -> None:
 
     marks.first_start()
     BenchRecord.objects.create(n=work.payload["i"])
+
+
+@workpump.outbox_handler("bench.flow")
+def flow(work: Any) -> None:
+    """A no-op of the flow-control section (its rows carry keys or rules)."""
+    marks.first_start()
+
+
+@workpump.outbox_handler("bench.flow_hold")
+def flow_hold(work: Any) -> None:
+    """A 50 ms call to a partner: the flow section's capped key."""
+    marks.first_start()
+    time.sleep(0.05)
+
+
+@workpump.outbox_handler("bench.flow_mark")
+def flow_mark(work: Any) -> None:
+    """Mark every start (the flow section's pause latency)."""
+    marks.mark("fstart", work.payload["i"])
 
 
 @workpump.outbox_handler("bench.latency")

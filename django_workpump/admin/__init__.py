@@ -11,6 +11,7 @@ from __future__ import annotations
 from django.contrib import admin
 
 from django_workpump.admin.batches import BatchAdmin
+from django_workpump.admin.flow import FlowRuleAdmin
 from django_workpump.admin.instances import (
     ActiveStreamAdmin,
     EvictionAdmin,
@@ -29,6 +30,7 @@ from django_workpump.models import (
     ActiveStream,
     Batch,
     Eviction,
+    FlowRule,
     Inbox,
     Outbox,
     PeriodicSchedule,
@@ -46,11 +48,13 @@ admin.site.register(Eviction, EvictionAdmin)
 admin.site.register(ActiveStream, ActiveStreamAdmin)
 admin.site.register(PeriodicSchedule, PeriodicScheduleAdmin)
 admin.site.register(Batch, BatchAdmin)
+admin.site.register(FlowRule, FlowRuleAdmin)
 
 __all__ = [
     "ActiveStreamAdmin",
     "BatchAdmin",
     "EvictionAdmin",
+    "FlowRuleAdmin",
     "InboxAdmin",
     "OutboxAdmin",
     "PeriodicScheduleAdmin",

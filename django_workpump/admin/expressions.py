@@ -41,6 +41,7 @@ from django_workpump.models import (
     attempts_high_condition,
     dead_condition,
     ended_condition,
+    flow_condition,
     orphan_condition,
     ready_condition,
     timer_condition,
@@ -279,7 +280,7 @@ def held_seqs(spec: WorkSpec, state: str, topic: str | None = None) -> FilteredS
 def pending_seqs(spec: WorkSpec, topic: str | None = None) -> FilteredSeqs:
     """The pending rows of ``spec``'s table (of ``topic`` only, when given), each arm read
     in the claim's order."""
-    seqs = FilteredSeqs("pending_seqs", spec, 4, cutoffs=False, order=CLAIM_ORDER, topic=topic)
+    seqs = FilteredSeqs("pending_seqs", spec, 5, cutoffs=False, order=CLAIM_ORDER, topic=topic)
     # A pending row is unheld: the owner filter's "nobody" drops none of them.
     seqs.covered = (*seqs.covered, ("instance_id", "isnull", True))
     return seqs
@@ -440,7 +441,10 @@ def state_condition(spec: WorkSpec, state: str) -> Q:
         # one in an ordered stream (the _stream index).
         behind_head = live & Q(stream_head=False, stream__isnull=False) & due
         return unheld & (
-            ready_condition() | (timer_condition() & Q(scheduled_for__lte=now)) | behind_head
+            ready_condition()
+            | (timer_condition() & Q(scheduled_for__lte=now))
+            | (flow_condition() & due)  # the _flow index: flow-controlled heads
+            | behind_head
         )
     raise ValueError(f"Unknown work state {state!r}; states are {', '.join(WorkState)}.")
 

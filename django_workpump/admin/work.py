@@ -20,6 +20,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from django_workpump import db
 from django_workpump.admin import display, work_search
 from django_workpump.admin.base import pump_database
 from django_workpump.admin.expressions import (
@@ -225,7 +226,7 @@ class WorkAdmin(BulkActionsAdmin, WorkActionsAdmin):
         ]
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> list[tuple[Any, Any]]:
-        work = ["work_id_full", "state_detail", "topic", "stream", "priority"]
+        work = ["work_id_full", "state_detail", "flow_detail", "topic", "stream", "priority"]
         if not self.has_own_payload:
             work.insert(3, "event_detail")
         return [
@@ -282,6 +283,30 @@ class WorkAdmin(BulkActionsAdmin, WorkActionsAdmin):
         reasons = stuck_reasons(obj) if obj.wp_stuck else []
         note = f"stuck: {', '.join(reasons)}" if reasons else ""
         return display.badge(obj.wp_state, note)
+
+    @admin.display(description="flow control")
+    def flow_detail(self, obj: Any) -> str:
+        """The row's keys, and why it waits now (docs/flow-control.md), read at display."""
+        if not obj.flow_controlled:
+            return "none"
+        keys = [
+            f"{name} {value}"
+            for name, value in (
+                ("concurrency key", obj.concurrency_key),
+                ("fairness key", obj.fairness_key),
+            )
+            if value
+        ]
+        waiting = None
+        if obj.wp_state == WorkState.PENDING and obj.stream_head:
+            waiting = db.flow_reason(
+                category=self.spec.category,
+                topic=obj.topic,
+                concurrency_key=obj.concurrency_key,
+                fairness_key=obj.fairness_key,
+                using=pump_database(),
+            )
+        return "; ".join([*keys, waiting or "flow-controlled, not held back now"])
 
     @admin.display(description="event")
     def event_detail(self, obj: Any) -> str:

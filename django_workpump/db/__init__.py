@@ -14,6 +14,7 @@ callers write ``db.claim_work`` or ``from django_workpump.db import Outcome``:
 - ``gate``: the NOTIFY gate's own connection (alive-lock, probes, cancelled attempts);
 - ``maintenance``: the schema check, the maintenance lock, retention purges;
 - ``periodic``: periodic schedules;
+- ``flow``: flow rules (caps, rates, weights, pauses) and how each stands;
 - ``operator_actions``: operators' selections and changes, evictions;
 - ``status``: reads of the status report;
 - ``workflows``: batches (open, seal, status);
@@ -23,9 +24,17 @@ callers write ``db.claim_work`` or ``from django_workpump.db import Outcome``:
 
 from __future__ import annotations
 
-from django_workpump.db.claim import ClaimedWork, claim_work
+from django_workpump.db.claim import ClaimedWork, claim_work, flow_fair, flow_wait_ms
 from django_workpump.db.console import console_counting, console_sample, purge_console
 from django_workpump.db.errors import INSTANCE_REFUSED_SQLSTATE, InstanceRefused
+from django_workpump.db.flow import (
+    FlowRuleStatus,
+    flag_flow_stragglers,
+    flow_reason,
+    flow_rule_status,
+    set_flow_rule,
+    sync_flow_rules,
+)
 from django_workpump.db.gate import cancelled_attempts, keepalive, notify_probe, take_alive_lock
 from django_workpump.db.instances import (
     alive_lock_held,
@@ -117,6 +126,7 @@ __all__ = [
     "PAYLOAD_INDEXES",
     "CancelledWork",
     "ClaimedWork",
+    "FlowRuleStatus",
     "FromRow",
     "InstanceRefused",
     "InstanceStanding",
@@ -149,6 +159,11 @@ __all__ = [
     "fail_work",
     "fetch_named",
     "fire_periodic",
+    "flag_flow_stragglers",
+    "flow_fair",
+    "flow_reason",
+    "flow_rule_status",
+    "flow_wait_ms",
     "instance_standing",
     "join_batch",
     "keepalive",
@@ -184,10 +199,12 @@ __all__ = [
     "send",
     "send_many",
     "set_application_name",
+    "set_flow_rule",
     "skip_periodic",
     "snooze_work",
     "stored_times_readable",
     "stuck_rows",
+    "sync_flow_rules",
     "sync_subscriptions",
     "take_alive_lock",
     "try_maintenance_lock",

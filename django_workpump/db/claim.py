@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -129,6 +130,39 @@ def claim_work(
     return claimed
 
 
+# Flow control: the claim says, in NOTICEs, when a group a rate held back has a token
+# again, and that it took rows of fairness keys. Kept per thread: each claimer thread has
+# its own connection.
+FLOW_WAIT_NOTICE = "workpump.flow_wait_ms="
+FLOW_FAIR_NOTICE = "workpump.flow_fair"
+_flow_wait = threading.local()
+
+
+def flow_wait_ms() -> int | None:
+    """Milliseconds until a rate-limited group of the last claim of this thread may start
+    a row again (docs/flow-control.md); None when no rate held one back."""
+    return getattr(_flow_wait, "ms", None)
+
+
+def flow_fair() -> bool:
+    """Whether the last claim of this thread reached rows of fairness keys: then the
+    claimer takes no more than its free slots (docs/flow-control.md)."""
+    return getattr(_flow_wait, "fair", False)
+
+
+def _note_flow_wait(diagnostic: Any) -> None:
+    text = diagnostic.message_primary or ""
+    if text == FLOW_FAIR_NOTICE:
+        _flow_wait.fair = True
+    elif text.startswith(FLOW_WAIT_NOTICE):
+        try:
+            ms = int(text[len(FLOW_WAIT_NOTICE) :])
+        except ValueError:
+            return
+        known = getattr(_flow_wait, "ms", None)
+        _flow_wait.ms = ms if known is None else min(known, ms)
+
+
 def _claim_rows(params: dict[str, Any], using: str | None) -> list[dict[str, Any]]:
     """Run the claim_work query; rows as dicts.
 
@@ -141,6 +175,8 @@ def _claim_rows(params: dict[str, Any], using: str | None) -> list[dict[str, Any
     query counting), the claim goes through a Django cursor, as text, so they see it.
     """
     connection = connections[_alias(using)]
+    _flow_wait.ms = None
+    _flow_wait.fair = False
     if connection.queries_logged or connection.execute_wrappers:
         return _fetch("claim_work", params, using, set_loaders=_claim_loaders)
     connection.close_if_health_check_failed()
@@ -152,6 +188,7 @@ def _claim_rows(params: dict[str, Any], using: str | None) -> list[dict[str, Any
         if held is None or held[0] is not connection.connection or held[1].closed:
             cursor = connection.create_cursor()  # Django's: its time zone, its binding
             _claim_loaders(cursor.adapters)
+            connection.connection.add_notice_handler(_note_flow_wait)
             held = connection._workpump_claim_cursor = (connection.connection, cursor, [])
         cursor, columns = held[1], held[2]
         if setting("PREPARED_STATEMENTS"):

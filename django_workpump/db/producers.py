@@ -32,6 +32,8 @@ def send(
     batch_id: uuid.UUID | None = None,
     after: Sequence[uuid.UUID] | None = None,
     after_policy: str = "cancel",
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an outbox row; with ``unique_key``, the id of the row holding it if any."""
@@ -46,6 +48,8 @@ def send(
         "partition_count": partition_count,
         "max_payload_bytes": max_payload_bytes,
         "max_payload_depth": max_payload_depth,
+        "concurrency_key": concurrency_key,
+        "fairness_key": fairness_key,
         "unique_key": unique_key,
         "unique_for": unique_for,
         "headers": headers_json,
@@ -69,6 +73,8 @@ def send_many(
     max_payload_bytes: int,
     max_payload_depth: int,
     batch_id: uuid.UUID | None = None,
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Store one outbox row per payload, in list order, in one statement; their ids."""
@@ -84,6 +90,8 @@ def send_many(
         "max_payload_bytes": max_payload_bytes,
         "max_payload_depth": max_payload_depth,
         "batch_id": batch_id,
+        "concurrency_key": concurrency_key,
+        "fairness_key": fairness_key,
     }
     return list(_scalar("send_many", params, using))
 
@@ -99,6 +107,8 @@ def emit_many(
     partition_count: int,
     max_payload_bytes: int,
     max_payload_depth: int,
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> list[uuid.UUID]:
     """Store one event per payload and its work, in list order, in one statement."""
@@ -112,6 +122,8 @@ def emit_many(
         "partition_count": partition_count,
         "max_payload_bytes": max_payload_bytes,
         "max_payload_depth": max_payload_depth,
+        "concurrency_key": concurrency_key,
+        "fairness_key": fairness_key,
     }
     return list(_scalar("emit_many", params, using))
 
@@ -140,6 +152,8 @@ def receive(
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
     headers_json: str | None = None,
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> Received:
     params = {
@@ -153,6 +167,8 @@ def receive(
         "partition_count": partition_count,
         "max_payload_bytes": max_payload_bytes,
         "max_payload_depth": max_payload_depth,
+        "concurrency_key": concurrency_key,
+        "fairness_key": fairness_key,
         "deduplicate": deduplicate,
         "unique_key": unique_key,
         "unique_for": unique_for,
@@ -175,6 +191,8 @@ def emit(
     unique_key: str | None = None,
     unique_for: timedelta | None = None,
     headers_json: str | None = None,
+    concurrency_key: str | None = None,
+    fairness_key: str | None = None,
     using: str | None = None,
 ) -> uuid.UUID:
     """Store an event and its work; with ``unique_key``, the id of the event holding it."""
@@ -188,6 +206,8 @@ def emit(
         "partition_count": partition_count,
         "max_payload_bytes": max_payload_bytes,
         "max_payload_depth": max_payload_depth,
+        "concurrency_key": concurrency_key,
+        "fairness_key": fairness_key,
         "unique_key": unique_key,
         "unique_for": unique_for,
         "headers": headers_json,

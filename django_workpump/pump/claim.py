@@ -133,6 +133,8 @@ class ClaimResult:
     claimed: int
     has_more: bool
     skipped_busy: bool = False
+    # flow control: ms until a rate-limited group may start a row again (poll then)
+    flow_wait_ms: int | None = None
     error: BaseException | None = None
     refused: bool = False  # this instance was evicted (or is not registered): stop
 
@@ -192,6 +194,11 @@ class ClaimWorker(LoopService):
         self.slot_wakes_skipped = 0
         self._last_gate_state: bool | None = None
         self._gate_lost_at: float | None = None
+        # The last claim reached rows of fairness keys (docs/flow-control.md): the next
+        # takes the free slots only, since rows claimed ahead would sit in the local
+        # queue, and a quiet key's row stored meanwhile would wait for them all to start
+        # before a claim could take it.
+        self.fair = False
 
     # -- signals -------------------------------------------------------------------
     def request_immediate_poll(self) -> None:
@@ -310,7 +317,14 @@ class ClaimWorker(LoopService):
                 self._dead_letter_undecodable([row for row in rows if row.payload_error])
         else:
             self.empty_polls += 1
-        return ClaimResult(claimed=len(rows), has_more=any(row.has_more for row in rows))
+        flow_wait = getattr(self.coordinator, "flow_wait_ms", None)
+        flow_fair = getattr(self.coordinator, "flow_fair", None)
+        self.fair = bool(flow_fair()) if flow_fair is not None else False
+        return ClaimResult(
+            claimed=len(rows),
+            has_more=any(row.has_more for row in rows),
+            flow_wait_ms=flow_wait() if flow_wait is not None else None,
+        )
 
     def _dead_letter_undecodable(self, rows: list[ClaimedWork]) -> None:
         """Park rows whose payload cannot be decoded, alone: their batch-mates run.
@@ -408,10 +422,14 @@ class ClaimWorker(LoopService):
         those round trips would make small batches look slow, so they would stay small:
         at ``CONCURRENCY`` 1 every claim is such a wait, and the claims (one commit each)
         would outnumber the work.
+
+        After a claim that reached rows of fairness keys, the free slots plus the prefetch
+        only: the claim's round-robin is fair between the rows it takes at once, and a
+        batch sized ahead would make a quiet key's new row wait behind it.
         """
         size = free + self.policy.prefetch
         started = getattr(self.sink, "started_total", None)
-        if started is not None:
+        if started is not None and not self.fair:
             now = self.clock.monotonic()
             if self._rate_sample is None:
                 self._rate_sample = (now, started, self.starved_seconds)
@@ -468,6 +486,9 @@ class ClaimWorker(LoopService):
                     woken = False
                     continue  # drain mode: more is waiting and we can take it
             wait_ms = None if result.skipped_busy else self.current_wait_ms()
+            if result.flow_wait_ms is not None and not result.skipped_busy:
+                # a rate holds rows back: claim when its bucket has a token again
+                wait_ms = min(result.flow_wait_ms, wait_ms or result.flow_wait_ms)
             # One Event serves wake and stop: stop() sets it too.
             woken = self._wake.wait(None if wait_ms is None else wait_ms / 1000)
 

@@ -197,6 +197,15 @@ class DatabaseCoordinator:
             using=self.alias,
         )
 
+    def flow_wait_ms(self) -> int | None:
+        """What the last claim of this thread said of its rate-limited rows (ms until a
+        token), or None."""
+        return db.flow_wait_ms()
+
+    def flow_fair(self) -> bool:
+        """Whether the last claim of this thread reached rows of fairness keys."""
+        return db.flow_fair()
+
     def renew(self, leases: Sequence[Lease]) -> dict[uuid.UUID, Any]:
         category, ids, tokens = lease_arrays(leases)
         return self._call(

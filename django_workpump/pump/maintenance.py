@@ -153,6 +153,9 @@ class MaintenanceWorker(LoopService):
             batch=batch,
             using=using,
         )
+        # not a purge, but batched alike: rows of ruled topics a rule's creation left
+        # unflagged (docs/flow-control.md)
+        purges["flow_stragglers"] = partial(db.flag_flow_stragglers, batch=batch, using=using)
         return purges
 
     def _purge_until_caught_up(self) -> dict[str, int]:

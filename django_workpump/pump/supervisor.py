@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from django.db import connections
 
-from django_workpump import metrics, middleware, subscriptions
+from django_workpump import flow, metrics, middleware, subscriptions
 from django_workpump.clock import Clock, SystemClock
 from django_workpump.conf import (
     get_settings,
@@ -380,6 +380,8 @@ class Supervisor:
             self.periodic.register()  # schedules as the code defines them, before any fires
         # SQL emit fans out from these; upsert only: this process may load part of the code
         subscriptions.sync(replace=False, using=self.alias, handlers=self.handlers)
+        # the handlers' flow limits, as the code declares them now (overrides stay)
+        flow.sync(using=self.alias, handlers=self.handlers)
         self._started = True
         if self.gate is not None:
             self._launch(self.gate)

@@ -195,15 +195,23 @@ UNION ALL
 
 -- name: pending_seqs
 -- Pending rows (workpump.state_of: undone, not dead, unheld, never claimed since its last
--- release, and due), as three disjoint arms, each in the claim's order (arm_order:
+-- release, and due), as four disjoint arms, each in the claim's order (arm_order:
 -- priority, highest first, then seq) and at most the bound: claimable stream heads (the
--- _ready index, read in that order); rows whose retry or deferral fell due (_waiting, the
+-- _ready index, read in that order); flow-controlled heads (the _flow index, sorted); rows whose retry or deferral fell due (_waiting, the
 -- due part: rows the claim takes within a poll, then sorted); and unscheduled rows behind
 -- their stream's head (_stream, then sorted: the ordered streams' backlog). Parameters:
 -- for each arm the topic (only with same_topic) and the bound, then the bound.
 WITH pending AS (
     (SELECT t.seq, t.priority FROM {table} t
      WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+       AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
+       AND t.claimed_at IS NULL
+       {same_topic}
+     {arm_order} LIMIT %s)
+    UNION ALL
+    (SELECT t.seq, t.priority FROM {table} t
+     WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+       AND t.flow_controlled
        AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
        {same_topic}
      {arm_order} LIMIT %s)

@@ -19,7 +19,9 @@ SELECT workpump.send(
     p_headers => %(headers)s::jsonb,
     p_batch_id => %(batch_id)s::uuid,
     p_after => %(after)s::uuid[],
-    p_after_policy => %(after_policy)s)
+    p_after_policy => %(after_policy)s,
+    p_concurrency_key => %(concurrency_key)s,
+    p_fairness_key => %(fairness_key)s)
 
 -- name: send_many
 -- The payloads and the streams travel as one JSON array each: one parameter, no
@@ -38,7 +40,9 @@ SELECT workpump.send_many(
     p_partition_count => %(partition_count)s,
     p_max_payload_bytes => %(max_payload_bytes)s,
     p_max_payload_depth => %(max_payload_depth)s,
-    p_batch_id => %(batch_id)s::uuid)
+    p_batch_id => %(batch_id)s::uuid,
+    p_concurrency_key => %(concurrency_key)s,
+    p_fairness_key => %(fairness_key)s)
 
 -- name: emit_many
 SELECT workpump.emit_many(
@@ -53,7 +57,9 @@ SELECT workpump.emit_many(
     p_priority => %(priority)s,
     p_partition_count => %(partition_count)s,
     p_max_payload_bytes => %(max_payload_bytes)s,
-    p_max_payload_depth => %(max_payload_depth)s)
+    p_max_payload_depth => %(max_payload_depth)s,
+    p_concurrency_key => %(concurrency_key)s,
+    p_fairness_key => %(fairness_key)s)
 
 -- name: receive
 -- stored: false for a duplicate. created_at: the stored row's created_at, whose default
@@ -74,7 +80,9 @@ SELECT workpump.receive(
     p_unique_key => %(unique_key)s,
     p_unique_for => %(unique_for)s::interval,
     p_on_conflict => 'return',
-    p_headers => %(headers)s::jsonb) AS stored,
+    p_headers => %(headers)s::jsonb,
+    p_concurrency_key => %(concurrency_key)s,
+    p_fairness_key => %(fairness_key)s) AS stored,
     statement_timestamp() AS created_at
 
 -- name: emit
@@ -91,7 +99,9 @@ SELECT workpump.emit(
     p_unique_key => %(unique_key)s,
     p_unique_for => %(unique_for)s::interval,
     p_on_conflict => 'return',
-    p_headers => %(headers)s::jsonb)
+    p_headers => %(headers)s::jsonb,
+    p_concurrency_key => %(concurrency_key)s,
+    p_fairness_key => %(fairness_key)s)
 
 -- name: unique_key_holder
 SELECT workpump.unique_key_holder(
@@ -643,3 +653,25 @@ SELECT i.batch_id FROM workpump_inbox i WHERE i.work_id = %(work_id)s::uuid
 
 -- name: join_batch
 SELECT workpump.join_batch(%(category)s, %(batch_id)s::uuid, %(ids)s::uuid[])
+
+-- name: set_flow_rule
+SELECT workpump.set_flow_rule(
+    p_kind => %(kind)s,
+    p_category => %(category)s,
+    p_name => %(name)s,
+    p_set => %(settings)s::jsonb,
+    p_declared => %(declared)s,
+    p_now => %(now)s)
+
+-- name: sync_flow_rules
+SELECT workpump.sync_flow_rules(p_rules => %(rules)s::jsonb, p_now => %(now)s)
+
+-- name: flow_rule_status
+SELECT * FROM workpump.flow_rule_status(p_waiting_cap => %(waiting_cap)s, p_now => %(now)s)
+
+-- name: flag_flow_stragglers
+SELECT workpump.flag_flow_stragglers(%(batch)s)
+
+-- name: flow_reason
+SELECT workpump.flow_reason(%(category)s, %(topic)s, %(concurrency_key)s, %(fairness_key)s,
+                            %(now)s)

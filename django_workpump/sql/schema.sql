@@ -57,6 +57,9 @@ CREATE TYPE workpump.leased_work AS (
     checkpoint jsonb  -- the row's last checkpoint (checkpoint_work); NULL on a parked row
 );
 
+-- A group of flow-controlled rows: the claim's flow pass takes them round-robin.
+CREATE TYPE workpump.flow_group AS (topic text, ckey text, fkey text);
+
 -- --------------------------------------------------------------------------------------
 -- Shared helpers
 -- --------------------------------------------------------------------------------------
@@ -120,6 +123,7 @@ RETURN CASE p_purpose
     WHEN 'alive' THEN 1464877377        -- instance alive-locks; second half: alive_lock_key
     WHEN 'stream' THEN 1464877395       -- producers and completions of one ordered stream
     WHEN 'maintenance' THEN 1464877421  -- one maintenance pass at a time
+    WHEN 'flow' THEN 1464877433         -- a topic's flow rule against its producers
 END;
 
 -- Wait for a contended transaction advisory lock, at most the caller's lock_timeout
@@ -334,6 +338,522 @@ BEGIN
     WHERE l.work_id = ANY (ARRAY(SELECT d.work_id FROM deleted_rows d))
       AND l.category = TG_ARGV[0];
     RETURN NULL;
+END
+$$;
+
+-- --------------------------------------------------------------------------------------
+-- Flow control
+-- --------------------------------------------------------------------------------------
+-- Concurrency caps, rate limits, fairness weights and pauses (docs/flow-control.md), kept
+-- in workpump_flow_rule and enforced by the claim's flow pass on every instance. A row is
+-- flow-controlled (flow_controlled) iff it carries a concurrency or fairness key, or its
+-- topic had a rule when it was stored; such rows never sit in the fast indexes (_ready,
+-- _timer), so a rule costs the rows it does not govern nothing. A rule of a topic that
+-- is created later flags the topic's undone rows in its own transaction (set_flow_rule),
+-- under an exclusive advisory lock of the topic that every producer of the topic takes
+-- shared (flow_flag): a row stored concurrently is either seen by that update or sees the
+-- rule itself.
+
+-- Keys: '' is none; at most 200 characters, no control characters.
+CREATE FUNCTION workpump.check_flow_key(p_what text, p_topic text, p_kind text, p_key text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_key IS NOT NULL AND (length(p_key) > 200 OR p_key ~ '[[:cntrl:]]') THEN
+        RAISE EXCEPTION 'The % of % % must be at most 200 characters without control characters, not %.',
+            p_kind, p_what, quote_literal(p_topic), quote_literal(left(p_key, 60))
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Use a short name such as ''partner:acme'' or ''tenant:42''.';
+    END IF;
+END
+$$;
+
+-- Whether a new row of p_topic with these keys is flow-controlled. A row without keys
+-- takes the topic's flow lock shared until its transaction ends: set_flow_rule takes it
+-- exclusive, so either it flags this row or this lookup sees its rule.
+CREATE FUNCTION workpump.flow_flag(
+    p_category text, p_topic text, p_concurrency_key text, p_fairness_key text
+) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF coalesce(p_concurrency_key, '') <> '' OR coalesce(p_fairness_key, '') <> '' THEN
+        RETURN true;
+    END IF;
+    PERFORM pg_advisory_xact_lock_shared(workpump.lock_namespace('flow'),
+                                         hashtext(p_category || chr(31) || p_topic));
+    RETURN EXISTS (SELECT 1 FROM workpump_flow_rule r
+                   WHERE r.kind = 'topic' AND r.category = p_category AND r.name = p_topic);
+END
+$$;
+
+-- A token bucket's tokens at p_now: refilled at p_rate per second since p_tokens_at, up
+-- to its burst (a full bucket when it was never used). NULL when there is no rate.
+CREATE FUNCTION workpump.flow_tokens(
+    p_tokens double precision, p_tokens_at timestamptz, p_rate double precision,
+    p_burst double precision, p_now timestamptz
+) RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE WHEN p_rate IS NOT NULL THEN
+    least(p_burst, coalesce(p_tokens, p_burst)
+                   + greatest(p_rate, 0)
+                     * greatest(extract(epoch FROM p_now - coalesce(p_tokens_at, p_now)), 0))
+END;
+
+-- The rule's effective limits: an operator's override wins over the code's declaration.
+-- Stored values may be hostile: a negative cap counts as 0, a burst as at least 1.
+CREATE FUNCTION workpump.flow_rule_effective() RETURNS TABLE (
+    id bigint, kind text, category text, name text, paused boolean, weight integer,
+    cap integer, key_cap integer, rate double precision, burst double precision,
+    tokens double precision, tokens_at timestamptz
+)
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+SELECT r.id, r.kind, r.category, r.name, r.paused, greatest(r.weight, 1) AS weight,
+       CASE WHEN coalesce(r.override_concurrency, r.declared_concurrency) IS NOT NULL
+            THEN greatest(coalesce(r.override_concurrency, r.declared_concurrency), 0) END
+           AS cap,
+       CASE WHEN coalesce(r.override_key_concurrency, r.declared_key_concurrency) IS NOT NULL
+            THEN greatest(coalesce(r.override_key_concurrency, r.declared_key_concurrency), 0)
+       END AS key_cap,
+       CASE WHEN coalesce(r.override_rate, r.declared_rate) IS NOT NULL
+            THEN greatest(coalesce(r.override_rate, r.declared_rate), 0) END AS rate,
+       greatest(coalesce(r.override_burst, r.declared_burst,
+                         ceil(coalesce(r.override_rate, r.declared_rate))), 1)::double precision
+           AS burst,
+       r.tokens, r.tokens_at
+FROM workpump_flow_rule r
+$$;
+
+-- Create or change the rule of a topic (p_kind 'topic', p_category, p_name the topic),
+-- a key (p_kind 'key', p_name the key: a concurrency key's cap and rate hold across every
+-- topic and category; a fairness key's weight and pause within each topic) or a category
+-- (p_kind 'category', pause only). p_set names what to set: concurrency, rate (starts
+-- per second), burst, key_concurrency (the cap of each concurrency key of a topic),
+-- weight, paused; a JSON null clears a value. With p_declared the code's declared values
+-- are set (runworkpump start), else the operator's overrides, which win. A new topic
+-- rule flags the topic's undone rows; a change of paused wakes the claimers. Returns the
+-- rule's id.
+CREATE FUNCTION workpump.set_flow_rule(
+    p_kind text,
+    p_category text,
+    p_name text,
+    p_set jsonb,
+    p_declared boolean DEFAULT false,
+    p_now timestamptz DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_category text := CASE WHEN p_kind = 'key' THEN '' ELSE p_category END;
+    v_name text := CASE WHEN p_kind = 'category' THEN '' ELSE p_name END;
+    v_id bigint;
+    v_created boolean := false;
+    v_was_paused boolean;
+    v_was_limited boolean;
+    v_meta record;
+    v_bad text;
+    v_lock integer;
+    v_flagged integer;
+    v_left boolean;
+    v_idle integer;
+BEGIN
+    IF p_kind IS NULL OR p_kind NOT IN ('topic', 'key', 'category') THEN
+        RAISE EXCEPTION 'A flow rule is of a topic, a key or a category, not %.',
+            coalesce(quote_literal(p_kind), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_kind <> 'key' THEN
+        PERFORM workpump.check_category(v_category);
+    END IF;
+    IF p_kind <> 'category' AND (v_name IS NULL OR btrim(v_name) = '') THEN
+        RAISE EXCEPTION 'A flow rule of a % needs its name.', p_kind
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM workpump.check_flow_key('flow rule', v_name, p_kind, v_name);
+    IF p_set IS NULL OR jsonb_typeof(p_set) <> 'object' THEN
+        RAISE EXCEPTION 'p_set must be a JSON object of what to set, not %.', p_set
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT k INTO v_bad FROM jsonb_object_keys(p_set) k
+    WHERE k NOT IN ('concurrency', 'rate', 'burst', 'key_concurrency', 'weight', 'paused')
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'A flow rule has no setting %.', quote_literal(v_bad)
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Settings: concurrency, rate, burst, key_concurrency, weight, paused.';
+    END IF;
+    SELECT e.key INTO v_bad FROM jsonb_each(p_set) e
+    WHERE e.value <> 'null'::jsonb AND CASE
+        WHEN e.key = 'paused' THEN jsonb_typeof(e.value) <> 'boolean'
+        WHEN e.key = 'rate' THEN jsonb_typeof(e.value) <> 'number' OR e.value::numeric <= 0
+        WHEN e.key = 'weight' THEN jsonb_typeof(e.value) <> 'number'
+             OR e.value::numeric <> trunc(e.value::numeric) OR e.value::numeric NOT BETWEEN 1 AND 1000
+        ELSE jsonb_typeof(e.value) <> 'number'
+             OR e.value::numeric <> trunc(e.value::numeric)
+             OR e.value::numeric NOT BETWEEN CASE WHEN e.key = 'burst' THEN 1 ELSE 0 END
+                                         AND 2147483647 END
+    LIMIT 1;
+    IF FOUND OR (p_set ? 'paused' AND p_set -> 'paused' = 'null'::jsonb)
+       OR (p_set ? 'weight' AND p_set -> 'weight' = 'null'::jsonb) THEN
+        RAISE EXCEPTION 'Bad flow rule setting %: %.', quote_literal(coalesce(v_bad, 'paused/weight')),
+            p_set -> coalesce(v_bad, 'paused')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'concurrency, key_concurrency: integers >= 0; burst: an integer >= 1; rate: a number > 0 (per second); weight: 1 to 1000; paused: true or false.';
+    END IF;
+    IF p_kind = 'category' AND EXISTS (SELECT 1 FROM jsonb_object_keys(p_set) k WHERE k <> 'paused') THEN
+        RAISE EXCEPTION 'A category can only be paused or resumed.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+
+    IF p_kind = 'topic' THEN
+        -- producers of the topic hold this lock shared (flow_flag)
+        v_lock := hashtext(v_category || chr(31) || v_name);
+        IF NOT pg_try_advisory_xact_lock(workpump.lock_namespace('flow'), v_lock) THEN
+            PERFORM workpump.wait_for_xact_lock(
+                workpump.lock_namespace('flow'), v_lock,
+                format('the flow rule of %s topic %L', v_category, v_name),
+                current_setting('lock_timeout'));
+        END IF;
+    END IF;
+    INSERT INTO workpump_flow_rule AS r (kind, category, name, weight, paused, updated_at)
+    VALUES (p_kind, v_category, v_name, 1, false, coalesce(p_now, now()))
+    ON CONFLICT (kind, category, name) DO NOTHING
+    RETURNING r.id INTO v_id;
+    v_created := v_id IS NOT NULL;
+    SELECT r.id, r.paused,
+           NOT v_created AND num_nonnulls(r.override_concurrency, r.declared_concurrency,
+                                          r.override_rate, r.declared_rate,
+                                          r.override_key_concurrency,
+                                          r.declared_key_concurrency) > 0
+    INTO v_id, v_was_paused, v_was_limited
+    FROM workpump_flow_rule r
+    WHERE r.kind = p_kind AND r.category = v_category AND r.name = v_name
+    FOR UPDATE;
+    UPDATE workpump_flow_rule r SET
+        declared_concurrency = CASE WHEN p_declared AND p_set ? 'concurrency'
+            THEN (p_set ->> 'concurrency')::integer ELSE r.declared_concurrency END,
+        declared_rate = CASE WHEN p_declared AND p_set ? 'rate'
+            THEN (p_set ->> 'rate')::double precision ELSE r.declared_rate END,
+        declared_burst = CASE WHEN p_declared AND p_set ? 'burst'
+            THEN (p_set ->> 'burst')::integer ELSE r.declared_burst END,
+        declared_key_concurrency = CASE WHEN p_declared AND p_set ? 'key_concurrency'
+            THEN (p_set ->> 'key_concurrency')::integer ELSE r.declared_key_concurrency END,
+        override_concurrency = CASE WHEN NOT p_declared AND p_set ? 'concurrency'
+            THEN (p_set ->> 'concurrency')::integer ELSE r.override_concurrency END,
+        override_rate = CASE WHEN NOT p_declared AND p_set ? 'rate'
+            THEN (p_set ->> 'rate')::double precision ELSE r.override_rate END,
+        override_burst = CASE WHEN NOT p_declared AND p_set ? 'burst'
+            THEN (p_set ->> 'burst')::integer ELSE r.override_burst END,
+        override_key_concurrency = CASE WHEN NOT p_declared AND p_set ? 'key_concurrency'
+            THEN (p_set ->> 'key_concurrency')::integer ELSE r.override_key_concurrency END,
+        weight = CASE WHEN p_set ? 'weight' THEN (p_set ->> 'weight')::integer ELSE r.weight END,
+        paused = CASE WHEN p_set ? 'paused' THEN (p_set ->> 'paused')::boolean ELSE r.paused END,
+        updated_at = coalesce(p_now, now())
+    WHERE r.id = v_id;
+
+    IF p_kind = 'topic' AND NOT v_was_limited AND EXISTS (
+        SELECT 1 FROM workpump_flow_rule r
+        WHERE r.id = v_id
+          AND num_nonnulls(r.override_concurrency, r.declared_concurrency, r.override_rate,
+                           r.declared_rate, r.override_key_concurrency,
+                           r.declared_key_concurrency) > 0) THEN
+        -- The topic's first limit: its rows stored before leave the fast indexes, so the
+        -- flow pass counts them (a pause alone needs no flags: claim_work leaves a paused
+        -- topic out of the claimer's list, and the maintenance pass flags the rows for
+        -- claimers of every topic or of a prefix). In batches
+        -- that skip the rows another transaction holds (a claim leasing them, a
+        -- completion): waiting for those in turn took seconds under load, and could
+        -- deadlock with a completion of rows already flagged here. A skipped row is
+        -- flagged by a later pass once its holder is done (a completed one no longer
+        -- needs it); a pass that flags nothing while such rows remain waits 10 ms, 20
+        -- times at most: a holder may be waiting for this transaction. What is left then
+        -- (rows leased right now) the maintenance pass flags (flag_flow_stragglers).
+        v_meta := workpump.work_table(v_category);
+        v_idle := 0;
+        LOOP
+            EXECUTE format('UPDATE %1$I t SET flow_controlled = true
+                            FROM (SELECT ctid FROM %1$I WHERE %2$I = $1 AND %3$I IS NULL
+                                  AND NOT flow_controlled LIMIT 10000
+                                  FOR UPDATE SKIP LOCKED) c
+                            WHERE t.ctid = c.ctid',
+                           v_meta.tbl, v_meta.topic_col, v_meta.done_col)
+            USING v_name;
+            GET DIAGNOSTICS v_flagged = ROW_COUNT;
+            IF v_flagged = 0 THEN
+                EXECUTE format('SELECT EXISTS (SELECT 1 FROM %I WHERE %I = $1 AND %I IS NULL
+                                               AND NOT flow_controlled)',
+                               v_meta.tbl, v_meta.topic_col, v_meta.done_col)
+                INTO v_left USING v_name;
+                v_idle := v_idle + 1;
+                EXIT WHEN NOT v_left OR v_idle > 20;
+                PERFORM pg_sleep(0.01);
+            END IF;
+        END LOOP;
+    END IF;
+    IF p_set ? 'paused' AND v_was_paused IS DISTINCT FROM (p_set ->> 'paused')::boolean THEN
+        -- wake the claimers: a resumed rule's rows are claimable now (at commit)
+        PERFORM pg_notify('workpump_' || c, c)
+        FROM unnest(CASE WHEN p_kind = 'key'
+                         THEN ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']
+                         ELSE ARRAY[v_category] END) c;
+    END IF;
+    RETURN v_id;
+END
+$$;
+
+-- Flag the undone rows of topics with a rule that are not flagged yet, up to p_batch per
+-- category, skipping rows another transaction holds; returns how many. The maintenance
+-- pass runs it: set_flow_rule leaves a row leased at the very moment its topic's first
+-- rule was created, and a row stored by hand (an INSERT naming a partition and no
+-- stream) is not flagged at all. Reads the fast indexes (_ready, _timer) only.
+CREATE FUNCTION workpump.flag_flow_stragglers(p_batch integer DEFAULT 1000)
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_category text;
+    v_meta record;
+    v_topics text[];
+    v_count integer;
+    v_total integer := 0;
+BEGIN
+    FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
+        v_topics := ARRAY(SELECT r.name FROM workpump_flow_rule r
+                          WHERE r.kind = 'topic' AND r.category = v_category);
+        CONTINUE WHEN cardinality(v_topics) = 0;
+        v_meta := workpump.work_table(v_category);
+        EXECUTE format($q$
+            UPDATE %1$I t SET flow_controlled = true
+            FROM (SELECT s.ctid FROM %1$I s
+                  WHERE s.%2$I IS NULL AND s.dead_lettered_at IS NULL AND s.stream_head
+                    AND NOT s.flow_controlled AND s.%3$I = ANY ($1)
+                  LIMIT $2
+                  FOR UPDATE SKIP LOCKED) c
+            WHERE t.ctid = c.ctid$q$,
+            v_meta.tbl, v_meta.done_col, v_meta.topic_col)
+        USING v_topics, p_batch;
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        v_total := v_total + v_count;
+    END LOOP;
+    RETURN v_total;
+END
+$$;
+
+-- Set the code's declarations (p_rules: a JSON array of {"kind", "category", "name",
+-- "concurrency", "rate", "burst", "key_concurrency"}; absent keys are no limit) and clear
+-- the declared values of every other rule: what the code no longer declares is gone,
+-- while operator overrides, pauses and weights stay. Returns the number of rules declared.
+CREATE FUNCTION workpump.sync_flow_rules(
+    p_rules jsonb,
+    p_now timestamptz DEFAULT NULL
+) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_rule jsonb;
+    v_ids bigint[] := '{}';
+BEGIN
+    IF p_rules IS NULL OR jsonb_typeof(p_rules) <> 'array' THEN
+        RAISE EXCEPTION 'p_rules must be a JSON array of flow rules.'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    FOR v_rule IN SELECT r FROM jsonb_array_elements(p_rules) r
+                  ORDER BY r ->> 'kind', r ->> 'category', r ->> 'name' LOOP
+        v_ids := v_ids || workpump.set_flow_rule(
+            v_rule ->> 'kind', v_rule ->> 'category', v_rule ->> 'name',
+            jsonb_build_object(
+                'concurrency', v_rule -> 'concurrency', 'rate', v_rule -> 'rate',
+                'burst', v_rule -> 'burst', 'key_concurrency', v_rule -> 'key_concurrency'),
+            true, p_now);
+    END LOOP;
+    UPDATE workpump_flow_rule r
+    SET declared_concurrency = NULL, declared_rate = NULL, declared_burst = NULL,
+        declared_key_concurrency = NULL, updated_at = coalesce(p_now, now())
+    WHERE r.id <> ALL (v_ids)
+      AND num_nonnulls(r.declared_concurrency, r.declared_rate, r.declared_burst,
+                       r.declared_key_concurrency) > 0;
+    RETURN cardinality(v_ids);
+END
+$$;
+
+-- The rows of concurrency key p_key held now (leased, lease unexpired, undone), summed
+-- over the four work tables (their _flowheld indexes): a key's cap holds across them.
+DO $build$
+BEGIN
+    EXECUTE format($f$
+CREATE FUNCTION workpump.flow_key_in_flight(p_key text, p_now timestamptz)
+RETURNS bigint
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+RETURN %s$f$,
+        (SELECT string_agg(format(
+            '(SELECT count(*) FROM %I h WHERE h.%I IS NULL AND h.instance_id IS NOT NULL'
+            ' AND h.flow_controlled AND h.concurrency_key = p_key AND h.lease_expiry > p_now)',
+            m.tbl, m.done_col), ' + ' ORDER BY c)
+         FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']) c
+         CROSS JOIN LATERAL workpump.work_table(c) m));
+END
+$build$;
+
+-- Why a flow-controlled row waits now, or NULL when no rule holds it back (admin, status):
+-- e.g. 'waiting: concurrency cap partner:acme 5/5'.
+CREATE FUNCTION workpump.flow_reason(
+    p_category text, p_topic text, p_concurrency_key text, p_fairness_key text,
+    p_now timestamptz DEFAULT NULL
+) RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_meta record := workpump.work_table(p_category);
+    v_rule record;
+    v_held bigint;
+    v_tokens double precision;
+BEGIN
+    IF EXISTS (SELECT 1 FROM workpump_flow_rule r WHERE r.kind = 'category'
+               AND r.category = p_category AND r.paused) THEN
+        RETURN format('waiting: category %s paused', p_category);
+    END IF;
+    SELECT * INTO v_rule FROM workpump.flow_rule_effective() r
+    WHERE r.kind = 'topic' AND r.category = p_category AND r.name = p_topic;
+    IF FOUND THEN
+        IF v_rule.paused THEN
+            RETURN format('waiting: topic %s paused', p_topic);
+        END IF;
+        IF v_rule.cap IS NOT NULL OR (v_rule.key_cap IS NOT NULL AND p_concurrency_key <> '') THEN
+            EXECUTE format('SELECT count(*) FROM %I h WHERE h.%I IS NULL AND h.instance_id IS NOT NULL
+                            AND h.flow_controlled AND h.%I = $1 AND h.lease_expiry > $2
+                            AND ($3 IS NULL OR h.concurrency_key = $3)',
+                           v_meta.tbl, v_meta.done_col, v_meta.topic_col)
+            INTO v_held USING p_topic, v_now, NULL::text;
+            IF v_rule.cap IS NOT NULL AND v_held >= v_rule.cap THEN
+                RETURN format('waiting: concurrency cap %s %s/%s', p_topic, v_held, v_rule.cap);
+            END IF;
+        END IF;
+        v_tokens := workpump.flow_tokens(v_rule.tokens, v_rule.tokens_at, v_rule.rate,
+                                         v_rule.burst, v_now);
+        IF v_tokens < 1 THEN
+            RETURN format('waiting: rate limit %s %s/s', p_topic, v_rule.rate);
+        END IF;
+        IF v_rule.key_cap IS NOT NULL AND p_concurrency_key <> '' THEN
+            EXECUTE format('SELECT count(*) FROM %I h WHERE h.%I IS NULL AND h.instance_id IS NOT NULL
+                            AND h.flow_controlled AND h.%I = $1 AND h.lease_expiry > $2
+                            AND h.concurrency_key = $3',
+                           v_meta.tbl, v_meta.done_col, v_meta.topic_col)
+            INTO v_held USING p_topic, v_now, p_concurrency_key;
+            IF v_held >= v_rule.key_cap THEN
+                RETURN format('waiting: concurrency cap %s %s/%s',
+                              p_concurrency_key, v_held, v_rule.key_cap);
+            END IF;
+        END IF;
+    END IF;
+    IF p_concurrency_key <> '' THEN
+        SELECT * INTO v_rule FROM workpump.flow_rule_effective() r
+        WHERE r.kind = 'key' AND r.name = p_concurrency_key;
+        IF FOUND THEN
+            IF v_rule.paused THEN
+                RETURN format('waiting: key %s paused', p_concurrency_key);
+            END IF;
+            IF v_rule.cap IS NOT NULL THEN
+                v_held := workpump.flow_key_in_flight(p_concurrency_key, v_now);
+                IF v_held >= v_rule.cap THEN
+                    RETURN format('waiting: concurrency cap %s %s/%s',
+                                  p_concurrency_key, v_held, v_rule.cap);
+                END IF;
+            END IF;
+            v_tokens := workpump.flow_tokens(v_rule.tokens, v_rule.tokens_at, v_rule.rate,
+                                             v_rule.burst, v_now);
+            IF v_tokens < 1 THEN
+                RETURN format('waiting: rate limit %s %s/s', p_concurrency_key, v_rule.rate);
+            END IF;
+        END IF;
+    END IF;
+    IF p_fairness_key <> '' AND EXISTS (
+        SELECT 1 FROM workpump_flow_rule r
+        WHERE r.kind = 'key' AND r.name = p_fairness_key AND r.paused) THEN
+        RETURN format('waiting: key %s paused', p_fairness_key);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Every flow rule as it stands now (workpump_status, the metrics, the admin): its
+-- effective limits, its rows held now (a topic's in its table, a concurrency key's in
+-- every table; NULL for a category), its whole tokens left (NULL: no rate), and its
+-- heads waiting unleased (a topic's, flagged or not; a key's), counted up to
+-- p_waiting_cap + 1.
+CREATE FUNCTION workpump.flow_rule_status(
+    p_waiting_cap integer DEFAULT 10000,
+    p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (
+    id bigint, kind text, category text, name text, concurrency integer,
+    key_concurrency integer, rate double precision, burst double precision,
+    weight integer, paused boolean, in_flight bigint, tokens double precision,
+    waiting bigint
+)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_rule record;
+    v_meta record;
+    v_category text;
+    v_count bigint;
+BEGIN
+    FOR v_rule IN SELECT * FROM workpump.flow_rule_effective() r
+                  ORDER BY r.kind, r.category, r.name LOOP
+        id := v_rule.id; kind := v_rule.kind; category := v_rule.category;
+        name := v_rule.name; concurrency := v_rule.cap; key_concurrency := v_rule.key_cap;
+        rate := v_rule.rate; burst := CASE WHEN v_rule.rate IS NOT NULL THEN v_rule.burst END;
+        weight := v_rule.weight; paused := v_rule.paused;
+        tokens := floor(workpump.flow_tokens(v_rule.tokens, v_rule.tokens_at, v_rule.rate,
+                                             v_rule.burst, v_now));
+        in_flight := NULL;
+        waiting := NULL;
+        IF v_rule.kind = 'topic' THEN
+            v_meta := workpump.work_table(v_rule.category);
+            EXECUTE format(
+                'SELECT (SELECT count(*) FROM %1$I h WHERE h.%2$I IS NULL
+                           AND h.instance_id IS NOT NULL AND h.flow_controlled
+                           AND h.%3$I = $1 AND h.lease_expiry > $2),
+                        (SELECT count(*) FROM (
+                            SELECT 1 FROM %1$I t WHERE t.%2$I IS NULL
+                              AND t.dead_lettered_at IS NULL AND t.stream_head
+                              AND t.%3$I = $1
+                              AND (t.instance_id IS NULL OR t.lease_expiry <= $2)
+                            LIMIT $3 + 1) w)',
+                v_meta.tbl, v_meta.done_col, v_meta.topic_col)
+            INTO in_flight, waiting USING v_rule.name, v_now, p_waiting_cap;
+        ELSIF v_rule.kind = 'key' THEN
+            in_flight := workpump.flow_key_in_flight(v_rule.name, v_now);
+            waiting := 0;
+            FOREACH v_category IN ARRAY ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'] LOOP
+                v_meta := workpump.work_table(v_category);
+                EXECUTE format(
+                    'SELECT count(*) FROM (
+                        SELECT 1 FROM %1$I t WHERE t.%2$I IS NULL
+                          AND t.dead_lettered_at IS NULL AND t.stream_head
+                          AND t.flow_controlled
+                          AND (t.concurrency_key = $1 OR t.fairness_key = $1)
+                          AND (t.instance_id IS NULL OR t.lease_expiry <= $2)
+                        LIMIT $3 + 1) w',
+                    v_meta.tbl, v_meta.done_col)
+                INTO v_count USING v_rule.name, v_now, p_waiting_cap;
+                waiting := least(waiting + v_count, p_waiting_cap + 1);
+            END LOOP;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
 END
 $$;
 
@@ -604,6 +1124,8 @@ CREATE FUNCTION workpump.send(
     p_batch_id uuid DEFAULT NULL,
     p_after uuid[] DEFAULT NULL,
     p_after_policy text DEFAULT 'cancel',
+    p_concurrency_key text DEFAULT NULL,
+    p_fairness_key text DEFAULT NULL,
     p_now timestamptz DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
@@ -616,9 +1138,15 @@ DECLARE
     v_failed_id uuid;
     v_failed_outcome text;
     v_scheduled_for timestamptz := p_scheduled_for;
+    v_flow boolean;
 BEGIN
     PERFORM workpump.check_new_work('outbox destination', p_destination, p_payload,
                                     p_priority, p_max_attempts, p_partition_count);
+    PERFORM workpump.check_flow_key('outbox destination', p_destination, 'concurrency_key',
+                                    p_concurrency_key);
+    PERFORM workpump.check_flow_key('outbox destination', p_destination, 'fairness_key',
+                                    p_fairness_key);
+    v_flow := workpump.flow_flag('outbox', p_destination, p_concurrency_key, p_fairness_key);
     IF coalesce(cardinality(p_after), 0) > 0 THEN
         IF p_unique_key IS NOT NULL OR p_scheduled_for IS NOT NULL THEN
             RAISE EXCEPTION 'Outbox message to % cannot combine after with %.',
@@ -648,11 +1176,13 @@ BEGIN
         IF v_holder IS NULL THEN
             INSERT INTO workpump_outbox (work_id, topic, payload, stream,
                                          partition_number, priority, scheduled_for,
-                                         max_attempts, unique_key, headers, batch_id)
+                                         max_attempts, unique_key, headers, batch_id,
+                                         concurrency_key, fairness_key, flow_controlled)
             VALUES (v_id, p_destination, p_payload, p_stream,
                     workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
                     p_priority, p_scheduled_for, p_max_attempts, p_unique_key, p_headers,
-                    p_batch_id)
+                    p_batch_id, coalesce(p_concurrency_key, ''), coalesce(p_fairness_key, ''),
+                    v_flow)
             ON CONFLICT (topic, unique_key)
                 WHERE done_at IS NULL AND unique_key IS NOT NULL DO NOTHING;
             IF FOUND THEN
@@ -678,10 +1208,12 @@ BEGIN
         PERFORM workpump.add_to_batch(p_batch_id, 1);
     END IF;
     INSERT INTO workpump_outbox (work_id, topic, payload, stream, partition_number,
-                                 priority, scheduled_for, max_attempts, headers, batch_id)
+                                 priority, scheduled_for, max_attempts, headers, batch_id,
+                                 concurrency_key, fairness_key, flow_controlled)
     VALUES (v_id, p_destination, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, v_id::text), p_partition_count),
-            p_priority, v_scheduled_for, p_max_attempts, p_headers, p_batch_id);
+            p_priority, v_scheduled_for, p_max_attempts, p_headers, p_batch_id,
+            coalesce(p_concurrency_key, ''), coalesce(p_fairness_key, ''), v_flow);
     IF v_waiting IS NOT NULL THEN
         IF v_failed_id IS NOT NULL AND p_after_policy = 'cancel' THEN
             PERFORM workpump.cancel_dependent(v_id, v_failed_id, v_failed_outcome,
@@ -718,6 +1250,8 @@ CREATE FUNCTION workpump.receive(
     p_unique_for interval DEFAULT NULL,
     p_on_conflict text DEFAULT 'return',
     p_headers jsonb DEFAULT NULL,
+    p_concurrency_key text DEFAULT NULL,
+    p_fairness_key text DEFAULT NULL,
     p_now timestamptz DEFAULT NULL
 ) RETURNS boolean
 LANGUAGE plpgsql
@@ -732,6 +1266,10 @@ BEGIN
     END IF;
     PERFORM workpump.check_new_work('inbox handler', p_handler_name, p_payload,
                                     p_priority, p_max_attempts, p_partition_count);
+    PERFORM workpump.check_flow_key('inbox handler', p_handler_name, 'concurrency_key',
+                                    p_concurrency_key);
+    PERFORM workpump.check_flow_key('inbox handler', p_handler_name, 'fairness_key',
+                                    p_fairness_key);
     PERFORM workpump.check_scheduled_for('inbox handler', p_handler_name, p_scheduled_for);
     PERFORM workpump.check_payload('inbox handler', p_handler_name, p_payload,
                                    p_max_payload_bytes, p_max_payload_depth);
@@ -764,10 +1302,13 @@ BEGIN
     -- a holder of the key this snapshot could not see (REPEATABLE READ) fails the
     -- partial unique index workpump_inbox_unique_key here
     INSERT INTO workpump_inbox (work_id, topic, payload, stream, partition_number,
-                                priority, scheduled_for, max_attempts, unique_key, headers)
+                                priority, scheduled_for, max_attempts, unique_key, headers,
+                                concurrency_key, fairness_key, flow_controlled)
     VALUES (p_message_id, p_handler_name, p_payload, p_stream,
             workpump.partition_of(coalesce(p_stream, p_message_id::text), p_partition_count),
-            p_priority, p_scheduled_for, p_max_attempts, p_unique_key, p_headers);
+            p_priority, p_scheduled_for, p_max_attempts, p_unique_key, p_headers,
+            coalesce(p_concurrency_key, ''), coalesce(p_fairness_key, ''),
+            workpump.flow_flag('inbox', p_handler_name, p_concurrency_key, p_fairness_key));
     RETURN true;
 END
 $$;
@@ -883,6 +1424,8 @@ CREATE FUNCTION workpump.emit(
     p_unique_for interval DEFAULT NULL,
     p_on_conflict text DEFAULT 'return',
     p_headers jsonb DEFAULT NULL,
+    p_concurrency_key text DEFAULT NULL,
+    p_fairness_key text DEFAULT NULL,
     p_now timestamptz DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql
@@ -894,6 +1437,10 @@ DECLARE
     v_subscribers jsonb := p_subscribers;
     v_holder uuid;
 BEGIN
+    PERFORM workpump.check_flow_key('event type', p_event_type, 'concurrency_key',
+                                    p_concurrency_key);
+    PERFORM workpump.check_flow_key('event type', p_event_type, 'fairness_key',
+                                    p_fairness_key);
     PERFORM workpump.check_new_work('event type', p_event_type, p_payload, p_priority, 1,
                                     p_partition_count);
     PERFORM workpump.check_payload('event type', p_event_type, p_payload,
@@ -925,16 +1472,23 @@ BEGIN
 
     -- every subscriber's row carries the event's headers (its trace context)
     INSERT INTO workpump_perspective_event (work_id, topic, event_id, stream,
-                                            partition_number, priority, max_attempts, headers)
+                                            partition_number, priority, max_attempts, headers,
+                                            concurrency_key, fairness_key, flow_controlled)
     SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
-           coalesce((s->>'max_attempts')::integer, 10), p_headers
+           coalesce((s->>'max_attempts')::integer, 10), p_headers,
+           coalesce(p_concurrency_key, ''), coalesce(p_fairness_key, ''),
+           workpump.flow_flag('perspective_event', s->>'name', p_concurrency_key,
+                              p_fairness_key)
     FROM jsonb_array_elements(v_subscribers) s
     WHERE s->>'category' = 'perspective_event';
 
     INSERT INTO workpump_receptor_processing (work_id, topic, event_id, stream,
-                                              partition_number, priority, max_attempts, headers)
+                                              partition_number, priority, max_attempts, headers,
+                                              concurrency_key, fairness_key, flow_controlled)
     SELECT gen_random_uuid(), s->>'name', v_id, p_stream, v_partition, p_priority,
-           coalesce((s->>'max_attempts')::integer, 10), p_headers
+           coalesce((s->>'max_attempts')::integer, 10), p_headers,
+           coalesce(p_concurrency_key, ''), coalesce(p_fairness_key, ''),
+           workpump.flow_flag('receptor', s->>'name', p_concurrency_key, p_fairness_key)
     FROM jsonb_array_elements(v_subscribers) s
     WHERE s->>'category' = 'receptor';
     RETURN v_id;
@@ -1042,14 +1596,21 @@ CREATE FUNCTION workpump.send_many(
     p_partition_count integer DEFAULT 10000,
     p_max_payload_bytes bigint DEFAULT 1048576,
     p_max_payload_depth integer DEFAULT 100,
-    p_batch_id uuid DEFAULT NULL
+    p_batch_id uuid DEFAULT NULL,
+    p_concurrency_key text DEFAULT NULL,
+    p_fairness_key text DEFAULT NULL
 ) RETURNS uuid[]
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_ids uuid[];
+    v_flow boolean;
 BEGIN
+    PERFORM workpump.check_flow_key('outbox destination', p_destination, 'concurrency_key',
+                                    p_concurrency_key);
+    PERFORM workpump.check_flow_key('outbox destination', p_destination, 'fairness_key',
+                                    p_fairness_key);
     PERFORM workpump.check_new_work('outbox destination', p_destination, '{}'::jsonb,
                                     p_priority, p_max_attempts, p_partition_count);
     PERFORM workpump.check_scheduled_for('outbox destination', p_destination, p_scheduled_for);
@@ -1075,6 +1636,7 @@ BEGIN
     IF p_batch_id IS NOT NULL THEN
         PERFORM workpump.add_to_batch(p_batch_id, cardinality(p_payloads));
     END IF;
+    v_flow := workpump.flow_flag('outbox', p_destination, p_concurrency_key, p_fairness_key);
     -- every stream of this call, locked in one order (see the file's head)
     PERFORM workpump.lock_stream('outbox', '', s.stream)
     FROM (SELECT DISTINCT u.stream FROM unnest(p_streams) u(stream)
@@ -1086,10 +1648,12 @@ BEGIN
         FROM unnest(p_payloads, p_streams, p_message_ids) WITH ORDINALITY u(payload, stream, id, i)
     ), inserted AS (
         INSERT INTO workpump_outbox (work_id, topic, payload, stream, partition_number,
-                                     priority, scheduled_for, max_attempts, batch_id)
+                                     priority, scheduled_for, max_attempts, batch_id,
+                                     concurrency_key, fairness_key, flow_controlled)
         SELECT r.id, p_destination, r.payload, r.stream,
                workpump.partition_of(coalesce(r.stream, r.id::text), p_partition_count),
-               p_priority, p_scheduled_for, p_max_attempts, p_batch_id
+               p_priority, p_scheduled_for, p_max_attempts, p_batch_id,
+               coalesce(p_concurrency_key, ''), coalesce(p_fairness_key, ''), v_flow
         FROM new_rows r
         ORDER BY r.i
     )
@@ -1110,7 +1674,9 @@ CREATE FUNCTION workpump.emit_many(
     p_priority integer DEFAULT 0,
     p_partition_count integer DEFAULT 10000,
     p_max_payload_bytes bigint DEFAULT 1048576,
-    p_max_payload_depth integer DEFAULT 100
+    p_max_payload_depth integer DEFAULT 100,
+    p_concurrency_key text DEFAULT NULL,
+    p_fairness_key text DEFAULT NULL
 ) RETURNS uuid[]
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -1129,6 +1695,10 @@ BEGIN
     PERFORM workpump.check_payloads('event type', p_event_type, p_payloads,
                                     p_max_payload_bytes, p_max_payload_depth);
     PERFORM workpump.check_streams('event type', p_event_type, p_payloads, p_streams);
+    PERFORM workpump.check_flow_key('event type', p_event_type, 'concurrency_key',
+                                    p_concurrency_key);
+    PERFORM workpump.check_flow_key('event type', p_event_type, 'fairness_key',
+                                    p_fairness_key);
     IF p_event_ids IS NOT NULL
        AND cardinality(p_event_ids) <> coalesce(cardinality(p_payloads), 0) THEN
         RAISE EXCEPTION 'p_event_ids of event type % must be parallel to p_payloads: got % payloads and % ids.',
@@ -1159,23 +1729,41 @@ BEGIN
     ORDER BY u.i;
 
     INSERT INTO workpump_perspective_event (work_id, topic, event_id, stream,
-                                            partition_number, priority, max_attempts)
+                                            partition_number, priority, max_attempts,
+                                            concurrency_key, fairness_key, flow_controlled)
     SELECT gen_random_uuid(), s.value->>'name', u.id, u.stream,
            workpump.partition_of(coalesce(u.stream, u.id::text), p_partition_count),
-           p_priority, coalesce((s.value->>'max_attempts')::integer, 10)
+           p_priority, coalesce((s.value->>'max_attempts')::integer, 10),
+           coalesce(p_concurrency_key, ''), coalesce(p_fairness_key, ''), s.flow
     FROM unnest(v_ids, p_streams) WITH ORDINALITY u(id, stream, i)
-    CROSS JOIN jsonb_array_elements(v_subscribers) WITH ORDINALITY s(value, n)
-    WHERE s.value->>'category' = 'perspective_event'
+    CROSS JOIN (
+        -- each subscriber's flow flag once, not once per event
+        SELECT s.value, s.n,
+               workpump.flow_flag('perspective_event', s.value->>'name', p_concurrency_key,
+                                  p_fairness_key) AS flow
+        FROM jsonb_array_elements(v_subscribers) WITH ORDINALITY s(value, n)
+        WHERE s.value->>'category' = 'perspective_event'
+        OFFSET 0
+    ) s
     ORDER BY u.i, s.n;
 
     INSERT INTO workpump_receptor_processing (work_id, topic, event_id, stream,
-                                              partition_number, priority, max_attempts)
+                                              partition_number, priority, max_attempts,
+                                              concurrency_key, fairness_key, flow_controlled)
     SELECT gen_random_uuid(), s.value->>'name', u.id, u.stream,
            workpump.partition_of(coalesce(u.stream, u.id::text), p_partition_count),
-           p_priority, coalesce((s.value->>'max_attempts')::integer, 10)
+           p_priority, coalesce((s.value->>'max_attempts')::integer, 10),
+           coalesce(p_concurrency_key, ''), coalesce(p_fairness_key, ''), s.flow
     FROM unnest(v_ids, p_streams) WITH ORDINALITY u(id, stream, i)
-    CROSS JOIN jsonb_array_elements(v_subscribers) WITH ORDINALITY s(value, n)
-    WHERE s.value->>'category' = 'receptor'
+    CROSS JOIN (
+        -- each subscriber's flow flag once, not once per event
+        SELECT s.value, s.n,
+               workpump.flow_flag('receptor', s.value->>'name', p_concurrency_key,
+                                  p_fairness_key) AS flow
+        FROM jsonb_array_elements(v_subscribers) WITH ORDINALITY s(value, n)
+        WHERE s.value->>'category' = 'receptor'
+        OFFSET 0
+    ) s
     ORDER BY u.i, s.n;
     RETURN v_ids;
 END
@@ -1184,8 +1772,9 @@ $$;
 -- --------------------------------------------------------------------------------------
 -- Insert triggers of the work tables
 -- --------------------------------------------------------------------------------------
--- Before each row with a stream or without a partition number: fill partition_number
--- and decide stream_head (an unordered row is a head by the column's default). A row is
+-- Before each row with a stream or without a partition number (or with an unflagged flow
+-- key): flag a flow-controlled row (flow_flag), fill partition_number and decide
+-- stream_head (an unordered row is a head by the column's default). A row is
 -- its stream's head iff no undone row of its ordering scope exists; the stream lock makes that check
 -- and complete_work's promotion of the next head mutually exclusive, so exactly one
 -- undone row per stream is a head, and rows become heads in commit order.
@@ -1200,6 +1789,12 @@ AS $$
 DECLARE
     v_category text := TG_ARGV[0];
 BEGIN
+    IF NOT NEW.flow_controlled THEN
+        -- a row stored without the producer functions (which flag it themselves): its
+        -- keys or its topic's rule make it flow-controlled (flow_flag)
+        NEW.flow_controlled := workpump.flow_flag(v_category, NEW.topic, NEW.concurrency_key,
+                                                  NEW.fairness_key);
+    END IF;
     IF NEW.partition_number IS NULL THEN
         NEW.partition_number := workpump.partition_of(
             coalesce(NEW.stream, NEW.seq::text),
@@ -1253,16 +1848,24 @@ END
 $$;
 
 CREATE TRIGGER workpump_outbox_before_insert BEFORE INSERT ON workpump_outbox
-    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL
+                       OR (NOT NEW.flow_controlled
+                           AND (NEW.concurrency_key <> '' OR NEW.fairness_key <> '')))
     EXECUTE FUNCTION workpump.before_insert_work('outbox');
 CREATE TRIGGER workpump_inbox_before_insert BEFORE INSERT ON workpump_inbox
-    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL
+                       OR (NOT NEW.flow_controlled
+                           AND (NEW.concurrency_key <> '' OR NEW.fairness_key <> '')))
     EXECUTE FUNCTION workpump.before_insert_work('inbox');
 CREATE TRIGGER workpump_perspective_event_before_insert BEFORE INSERT ON workpump_perspective_event
-    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL
+                       OR (NOT NEW.flow_controlled
+                           AND (NEW.concurrency_key <> '' OR NEW.fairness_key <> '')))
     EXECUTE FUNCTION workpump.before_insert_work('perspective_event');
 CREATE TRIGGER workpump_receptor_processing_before_insert BEFORE INSERT ON workpump_receptor_processing
-    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL)
+    FOR EACH ROW WHEN (NEW.stream IS NOT NULL OR NEW.partition_number IS NULL
+                       OR (NOT NEW.flow_controlled
+                           AND (NEW.concurrency_key <> '' OR NEW.fairness_key <> '')))
     EXECUTE FUNCTION workpump.before_insert_work('receptor');
 
 CREATE TRIGGER workpump_outbox_notify AFTER INSERT ON workpump_outbox
@@ -1846,8 +2449,9 @@ DECLARE
                   {t.event_id} AS event_id, t.priority, t.claimed_at, t.lease_token,
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
                   t.created_at, c.due_at, t.checkpoint$columns$;
-    -- whether claim_<category> would find anything: a ready row or a due timer of the
-    -- topics chosen. The ORDER BY of each probe is its index's order: it keeps the planner
+    -- whether claim_<category>'s fast passes would find anything: a ready row or a due
+    -- timer, not flow-controlled, of the topics chosen (flow_ready_<category> answers for
+    -- the flow pass). The ORDER BY of each probe is its index's order: it keeps the planner
     -- on the partial index (an EXISTS may be planned as a scan of the whole table).
     v_probe text := $template$
 CREATE OR REPLACE FUNCTION workpump.claimable_{category}(
@@ -1862,17 +2466,270 @@ AS $$
 BEGIN
     RETURN (SELECT 1 FROM {table} t
             WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
               AND (p_topics IS NULL OR t.topic = ANY (p_topics)
                    OR t.topic ^@ ANY (p_topic_prefixes))
             ORDER BY t.priority DESC, t.seq LIMIT 1) IS NOT NULL
         OR (SELECT 1 FROM {table} t
             WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+              AND NOT t.flow_controlled
               AND coalesce(t.lease_expiry, t.scheduled_for) <= p_now
               AND (p_topics IS NULL OR t.topic = ANY (p_topics)
                    OR t.topic ^@ ANY (p_topic_prefixes))
             ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL;
+END
+$$;
+$template$;
+    -- whether a flow-controlled head of these topics is due: claim_work's probe of a
+    -- category's flow rows, and the claim's guard of its flow pass (the _flow index)
+    v_flow_ready text := $template$
+CREATE OR REPLACE FUNCTION workpump.flow_ready_{category}(
+    p_topics text[], p_topic_prefixes text[], p_now timestamptz
+) RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+SELECT EXISTS (
+    SELECT 1 FROM {table} t
+    WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head AND t.flow_controlled
+      AND (t.instance_id IS NULL OR t.lease_expiry <= p_now)
+      AND (t.scheduled_for IS NULL OR t.scheduled_for <= p_now)
+      AND (p_topics IS NULL OR t.topic = ANY (p_topics) OR t.topic ^@ ANY (p_topic_prefixes))
+)
+$$;
+$template$;
+    -- The flow pass: leases up to p_limit flow-controlled heads, each group (topic,
+    -- concurrency key, fairness key) within what its rules allow now, the groups taken
+    -- round-robin (a fairness key's weight is its rows per round), priority then FIFO
+    -- within a group. Exact across claimers: the rules that limit what it takes are
+    -- locked (in id order) before it counts, so claimers of one limited group take turns.
+    v_flow_claim text := $template$
+CREATE OR REPLACE FUNCTION workpump.flow_claim_{category}(
+    p_instance_id uuid,
+    p_limit integer,
+    p_lease_expiry timestamptz,
+    p_topics text[] DEFAULT NULL,
+    p_topic_prefixes text[] DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
+) RETURNS SETOF workpump.leased_work
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET jit = off
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_lease_expiry timestamptz := p_lease_expiry;
+    v_groups workpump.flow_group[];
+    v_rows workpump.leased_work[];
+    v_topics text[];  -- of each leased row, for the token buckets
+    v_keys text[];
+    v_wait_ms integer;
+    v_one_group boolean;
+BEGIN
+    -- the groups with a due head, one descent of _flow each (a loose index scan)
+    WITH RECURSIVE g AS (
+        (SELECT t.topic AS topic, t.concurrency_key AS ckey, t.fairness_key AS fkey
+         FROM {table} t
+         WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head AND t.flow_controlled AND (t.instance_id IS NULL OR t.lease_expiry <= v_now) AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)
+         ORDER BY t.topic, t.concurrency_key, t.fairness_key LIMIT 1)
+        UNION ALL
+        SELECT n.topic, n.ckey, n.fkey
+        FROM g CROSS JOIN LATERAL (
+            SELECT t.topic AS topic, t.concurrency_key AS ckey, t.fairness_key AS fkey
+            FROM {table} t
+            WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head AND t.flow_controlled AND (t.instance_id IS NULL OR t.lease_expiry <= v_now) AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)
+              AND (t.topic, t.concurrency_key, t.fairness_key) > (g.topic, g.ckey, g.fkey)
+            ORDER BY t.topic, t.concurrency_key, t.fairness_key LIMIT 1
+        ) n
+    )
+    SELECT array_agg(ROW(g.topic, g.ckey, g.fkey)::workpump.flow_group)
+    INTO v_groups
+    FROM g
+    WHERE p_topics IS NULL OR g.topic = ANY (p_topics) OR g.topic ^@ ANY (p_topic_prefixes);
+    IF v_groups IS NULL THEN
+        RETURN;
+    END IF;
+    v_one_group := cardinality(v_groups) = 1;
+
+    -- the rules that cap or rate what these groups may take, locked in one order
+    PERFORM 1 FROM workpump_flow_rule r
+    WHERE ((r.kind = 'topic' AND r.category = '{category}'
+            AND r.name IN (SELECT g.topic FROM unnest(v_groups) g))
+           OR (r.kind = 'key'
+               AND r.name IN (SELECT g.ckey FROM unnest(v_groups) g WHERE g.ckey <> '')))
+      AND num_nonnulls(r.override_concurrency, r.declared_concurrency, r.override_rate,
+                       r.declared_rate, r.override_key_concurrency,
+                       r.declared_key_concurrency) > 0
+    ORDER BY r.id
+    FOR UPDATE OF r;
+
+    WITH
+    grp AS MATERIALIZED (
+        SELECT g.topic, g.ckey, g.fkey FROM unnest(v_groups) g
+    ),
+    rules AS MATERIALIZED (
+        SELECT r.kind, r.name, r.paused, r.weight, r.cap, r.key_cap, r.rate,
+               floor(workpump.flow_tokens(r.tokens, r.tokens_at, r.rate, r.burst, v_now))
+                   AS tokens
+        FROM workpump.flow_rule_effective() r
+        WHERE (r.kind = 'topic' AND r.category = '{category}'
+               AND r.name IN (SELECT grp.topic FROM grp))
+           OR (r.kind = 'key' AND (r.name IN (SELECT grp.ckey FROM grp WHERE grp.ckey <> '')
+                                   OR r.name IN (SELECT grp.fkey FROM grp WHERE grp.fkey <> '')))
+    ),
+    -- what each topic may still start: its cap less its rows held now, its whole tokens
+    -- (least() ignores NULL: no limit)
+    topic_allow AS MATERIALIZED (
+        SELECT d.topic, r.key_cap,
+               CASE WHEN r.paused THEN 0 ELSE least(
+                   r.cap - CASE WHEN r.cap IS NOT NULL THEN (
+                       SELECT count(*) FROM {table} h
+                       WHERE h.done_at IS NULL AND h.instance_id IS NOT NULL AND h.flow_controlled AND h.lease_expiry > v_now AND h.topic = d.topic) END,
+                   r.tokens) END AS allow
+        FROM (SELECT DISTINCT grp.topic FROM grp) d
+        LEFT JOIN rules r ON r.kind = 'topic' AND r.name = d.topic
+    ),
+    -- what each concurrency key may still start, across every topic and category
+    key_allow AS MATERIALIZED (
+        SELECT d.ckey,
+               CASE WHEN r.paused THEN 0 ELSE least(
+                   r.cap - CASE WHEN r.cap IS NOT NULL
+                                THEN workpump.flow_key_in_flight(d.ckey, v_now) END,
+                   r.tokens) END AS allow
+        FROM (SELECT DISTINCT grp.ckey FROM grp WHERE grp.ckey <> '') d
+        LEFT JOIN rules r ON r.kind = 'key' AND r.name = d.ckey
+    ),
+    -- what each concurrency key may still start within a topic (its key_concurrency)
+    topic_key_allow AS MATERIALIZED (
+        SELECT d.topic, d.ckey,
+               ta.key_cap - (SELECT count(*) FROM {table} h
+                             WHERE h.done_at IS NULL AND h.instance_id IS NOT NULL AND h.flow_controlled AND h.lease_expiry > v_now AND h.topic = d.topic
+                               AND h.concurrency_key = d.ckey) AS allow
+        FROM (SELECT DISTINCT grp.topic, grp.ckey FROM grp WHERE grp.ckey <> '') d
+        JOIN topic_allow ta ON ta.topic = d.topic
+        WHERE ta.key_cap IS NOT NULL
+    ),
+    group_allow AS MATERIALIZED (
+        SELECT g.topic, g.ckey, g.fkey, coalesce(f.weight, 1) AS weight,
+               ta.allow AS topic_allow, ka.allow AS key_allow, tk.allow AS topic_key_allow,
+               least(p_limit, ta.allow, ka.allow, tk.allow)::bigint AS allow
+        FROM grp g
+        JOIN topic_allow ta ON ta.topic = g.topic
+        LEFT JOIN key_allow ka ON ka.ckey = g.ckey
+        LEFT JOIN topic_key_allow tk ON tk.topic = g.topic AND tk.ckey = g.ckey
+        LEFT JOIN rules f ON f.kind = 'key' AND f.name = g.fkey AND g.fkey <> ''
+        WHERE NOT coalesce(f.paused, false)
+    ),
+    -- each group's first rows, as many as it may start, numbered into rounds
+    picks AS MATERIALIZED (
+        SELECT p.*, a.topic_allow, a.key_allow, a.topic_key_allow,
+               ceil(row_number() OVER (PARTITION BY a.topic, a.ckey, a.fkey
+                                       ORDER BY p.priority DESC, p.seq)::numeric
+                    / a.weight) AS round
+        FROM group_allow a
+        CROSS JOIN LATERAL (
+            SELECT t.seq, t.ctid, t.priority, t.topic AS topic,
+                   t.concurrency_key AS ckey, t.fairness_key AS fkey,
+                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
+            FROM {table} t
+            WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head AND t.flow_controlled AND (t.instance_id IS NULL OR t.lease_expiry <= v_now) AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)
+              AND t.topic = a.topic AND t.concurrency_key = a.ckey
+              AND t.fairness_key = a.fkey
+            ORDER BY t.priority DESC, t.seq
+            LIMIT a.allow
+            FOR UPDATE OF t SKIP LOCKED
+        ) p
+        WHERE a.allow > 0
+    ),
+    -- the limits groups share (a topic's, a key's), in round order, then the budget
+    within_topic AS (
+        SELECT p.*, row_number() OVER (PARTITION BY p.ckey
+                                       ORDER BY p.round, p.priority DESC, p.seq) AS n1
+        FROM (SELECT p.*, row_number() OVER (PARTITION BY p.topic
+                                             ORDER BY p.round, p.priority DESC, p.seq) AS n0
+              FROM picks p) p
+        WHERE p.topic_allow IS NULL OR p.n0 <= p.topic_allow
+    ),
+    within_key AS (
+        SELECT p.*, row_number() OVER (PARTITION BY p.topic, p.ckey
+                                       ORDER BY p.round, p.priority DESC, p.seq) AS n2
+        FROM within_topic p
+        WHERE p.key_allow IS NULL OR p.n1 <= p.key_allow
+    ),
+    -- one group: its picks are within every limit already, and the shared limits' sorts
+    -- are skipped (a one-time filter)
+    chosen AS (
+        SELECT p.ctid, p.due_at, p.round, p.priority, p.seq FROM picks p WHERE v_one_group
+        UNION ALL
+        SELECT p.ctid, p.due_at, p.round, p.priority, p.seq FROM (
+            SELECT p.*, row_number() OVER (ORDER BY p.round, p.priority DESC, p.seq) AS n3
+            FROM within_key p
+            WHERE p.topic_key_allow IS NULL OR p.n2 <= p.topic_key_allow
+        ) p
+        WHERE NOT v_one_group AND p.n3 <= p_limit
+    ),
+    -- each row by the ctid of the version locked above: TID lookups, never a scan
+    claimed AS (
+        UPDATE {table} t SET
+            {lease_set}
+        FROM chosen c
+        WHERE t.ctid = ANY (ARRAY(SELECT chosen.ctid FROM chosen)) AND t.ctid = c.ctid
+        RETURNING {leased_columns}, c.round, t.last_error, t.concurrency_key
+    )
+    SELECT array_agg(ROW(
+               '{category}'::text, c.work_id, c.topic, {c.payload}, c.stream,
+               c.attempts, c.max_attempts,
+               CASE WHEN NOT c.dead THEN c.lease_expiry END, c.event_id, {c.event_type},
+               c.priority::integer, CASE WHEN NOT c.dead THEN c.claimed_at END,
+               CASE WHEN NOT c.dead THEN c.lease_token END,
+               CASE WHEN NOT c.dead THEN c.headers END, c.created_at, c.due_at,
+               CASE WHEN c.dead THEN c.last_error END,
+               CASE WHEN NOT c.dead THEN c.checkpoint END
+               )::workpump.leased_work ORDER BY c.round, c.priority DESC, c.seq),
+           array_agg(c.topic) FILTER (WHERE NOT c.dead),
+           array_agg(c.concurrency_key) FILTER (WHERE NOT c.dead)
+    INTO v_rows, v_topics, v_keys
+    FROM claimed c{c.event_join};
+
+    IF v_topics IS NOT NULL THEN
+        -- the token buckets pay for the rows started (their rules are locked above)
+        UPDATE workpump_flow_rule r
+        SET tokens = workpump.flow_tokens(e.tokens, e.tokens_at, e.rate, e.burst, v_now)
+                     - d.taken,
+            tokens_at = greatest(coalesce(e.tokens_at, v_now), v_now)
+        FROM (SELECT 'topic' AS kind, '{category}' AS category, u.name, count(*) AS taken
+              FROM unnest(v_topics) u(name) GROUP BY u.name
+              UNION ALL
+              SELECT 'key', '', u.name, count(*)
+              FROM unnest(v_keys) u(name) WHERE u.name <> '' GROUP BY u.name) d,
+             workpump.flow_rule_effective() e
+        WHERE r.kind = d.kind AND r.category = d.category AND r.name = d.name
+          AND e.id = r.id AND e.rate IS NOT NULL;
+    END IF;
+    -- when a rate held a group back, say when its bucket holds a token again: the pump
+    -- polls then (NOTICE workpump.flow_wait_ms), not after its idle backoff
+    SELECT ceil(min((1 - workpump.flow_tokens(e.tokens, e.tokens_at, e.rate, e.burst, v_now))
+                    / e.rate) * 1000)
+    INTO v_wait_ms
+    FROM workpump.flow_rule_effective() e
+    WHERE e.rate > 0
+      AND ((e.kind = 'topic' AND e.category = '{category}'
+            AND e.name IN (SELECT g.topic FROM unnest(v_groups) g))
+           OR (e.kind = 'key'
+               AND e.name IN (SELECT g.ckey FROM unnest(v_groups) g WHERE g.ckey <> '')))
+      AND workpump.flow_tokens(e.tokens, e.tokens_at, e.rate, e.burst, v_now) < 1;
+    IF v_wait_ms IS NOT NULL THEN
+        RAISE NOTICE 'workpump.flow_wait_ms=%', greatest(v_wait_ms, 10);
+    END IF;
+    -- rows of fairness keys were in reach: the pump claims them for its free slots only
+    -- (NOTICE workpump.flow_fair), so another key's row stored meanwhile waits for the
+    -- next claim, not behind a queue of this one's
+    IF EXISTS (SELECT 1 FROM unnest(v_groups) g WHERE g.fkey <> '') THEN
+        RAISE NOTICE 'workpump.flow_fair';
+    END IF;
+    RETURN QUERY SELECT * FROM unnest(v_rows);
 END
 $$;
 $template$;
@@ -1886,6 +2743,7 @@ CREATE OR REPLACE FUNCTION workpump.claim_{category}(
     p_topics text[] DEFAULT NULL,
     p_topic_prefixes text[] DEFAULT NULL,
     p_run_max integer DEFAULT 1,
+    p_paused_topics text[] DEFAULT NULL,
     p_now timestamptz DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
@@ -1902,7 +2760,23 @@ DECLARE
     v_stream_seqs bigint[];  -- of those, the heads of ordered streams, and their passes
     v_stream_passes integer[];
     v_parked workpump.leased_work[];  -- the heads parked as dead instead (NULL: none)
+    v_flow workpump.leased_work[] := '{}';  -- the flow pass's rows, leased or parked
+    v_limit integer := p_limit;  -- the budget the flow pass left to the others
 BEGIN
+    -- The flow pass first (flow_claim_{category}), when a flow-controlled head of these
+    -- topics is due: it takes rows within their limits, and half the budget at most
+    -- while the fast passes have work too, so neither kind starves the other.
+    IF workpump.flow_ready_{category}(p_topics, p_topic_prefixes, v_now) THEN
+        IF p_limit > 1
+           AND workpump.claimable_{category}(p_topics, p_topic_prefixes, v_now) THEN
+            v_limit := ceil(p_limit / 2.0)::integer;
+        END IF;
+        v_flow := ARRAY(SELECT f FROM workpump.flow_claim_{category}(
+            p_instance_id, v_limit, v_lease_expiry, p_topics, p_topic_prefixes, v_now) f);
+        v_limit := p_limit - (SELECT count(*) FROM unnest(v_flow) f
+                              WHERE f.lease_token IS NOT NULL)::integer;
+    END IF;
+
     -- The heads: locked and leased (or parked as dead) in one statement; what is
     -- returned, and what their runs need, is kept in arrays.
     WITH
@@ -1916,11 +2790,13 @@ BEGIN
         FROM {table} t
         WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+          AND NOT t.flow_controlled
           AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
           AND (p_topics IS NULL OR t.topic = ANY (p_topics)
                OR t.topic ^@ ANY (p_topic_prefixes))
+          AND (p_paused_topics IS NULL OR t.topic <> ALL (p_paused_topics))
         ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
-        LIMIT p_limit
+        LIMIT v_limit
         FOR UPDATE OF t SKIP LOCKED
     ),
     -- own_share: with live peers, ready stream heads of this instance's partitions
@@ -1933,12 +2809,13 @@ BEGIN
                    coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM {table} t
             WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
               AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
               AND (p_topics IS NULL OR t.topic = ANY (p_topics)
                    OR t.topic ^@ ANY (p_topic_prefixes))
+              AND (p_paused_topics IS NULL OR t.topic <> ALL (p_paused_topics))
             ORDER BY t.priority DESC, t.seq
-            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+            LIMIT v_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
             FOR UPDATE OF t SKIP LOCKED
         ) share
         LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
@@ -1953,12 +2830,13 @@ BEGIN
                    coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM {table} t
             WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+              AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
               AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
               AND (p_topics IS NULL OR t.topic = ANY (p_topics)
                    OR t.topic ^@ ANY (p_topic_prefixes))
+              AND (p_paused_topics IS NULL OR t.topic <> ALL (p_paused_topics))
             ORDER BY t.priority DESC, t.seq
-            LIMIT p_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+            LIMIT v_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
                           - (SELECT count(*) FROM own_share WHERE own_share.leasable)
             FOR UPDATE OF t SKIP LOCKED
         ) share
@@ -2002,15 +2880,23 @@ BEGIN
                FILTER (WHERE c.dead)
     INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
     FROM claimed_heads c{c.event_join};
-    IF v_parked IS NOT NULL THEN
+    -- Parked rows come first, without a lease token and with the last_error they were
+    -- parked with: claim_work passes them on to a caller that asks, to log them. Then
+    -- the flow pass's leased rows (heads of runs of one), then the others.
+    v_parked := ARRAY(SELECT f FROM unnest(v_flow) f WHERE f.lease_token IS NULL)
+                || coalesce(v_parked, '{}');
+    IF cardinality(v_parked) > 0 THEN
         -- they ended: wake their waiters (workpump.wait)
         PERFORM workpump.notify_ended(ARRAY(SELECT p.work_id FROM unnest(v_parked) p));
-        -- Parked rows come first, without a lease token and with the last_error they
-        -- were parked with: claim_work passes them on to a caller that asks, to log them.
-        FOREACH v_head IN ARRAY v_parked LOOP
-            RETURN NEXT v_head;
-        END LOOP;
     END IF;
+    FOREACH v_head IN ARRAY v_parked LOOP
+        RETURN NEXT v_head;
+    END LOOP;
+    FOREACH v_head IN ARRAY v_flow LOOP
+        IF v_head.lease_token IS NOT NULL THEN
+            RETURN NEXT v_head;
+        END IF;
+    END LOOP;
     IF v_stream_seqs IS NULL THEN
         -- No ordered stream among them: no run to add and no stream to own, so the
         -- statement below (a fifth of a one-row claim, cold) is not run.
@@ -2032,7 +2918,7 @@ BEGIN
     ),
     -- run_budget: the rows the heads left in the budget, and how many runs share them
     run_budget AS MATERIALIZED (
-        SELECT greatest(p_limit - cardinality(v_heads), 0) AS rows_left,
+        SELECT greatest(v_limit - cardinality(v_heads), 0) AS rows_left,
                cardinality(v_stream_seqs) AS runs
     ),
     -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
@@ -2133,6 +3019,8 @@ END
 $$;
 $template$;
 BEGIN
+    -- flow control (docs/flow-control.md): its probe and its pass, built alike
+    v_claim := v_claim || v_flow_ready || v_flow_claim;
     v_claim := replace(v_claim, '{lease_set}', v_lease_set);
     v_claim := replace(v_claim, '{leased_columns}', v_leased_columns);
     FOREACH v_alias IN ARRAY ARRAY['c', 'r'] LOOP
@@ -2182,6 +3070,26 @@ RETURN CASE WHEN p_topics IS NULL THEN NULL
                        WHERE jsonb_typeof(v) = 'string')
             ELSE '{}'::text[]
        END;
+
+-- Flow control (docs/flow-control.md): the paused topics of p_category (NULL: none),
+-- which the claims leave out whatever their flags; whether p_category is paused; and
+-- p_topics (NULL: every topic) without p_paused.
+CREATE FUNCTION workpump.paused_topics(p_category text) RETURNS text[]
+LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path FROM CURRENT
+RETURN (SELECT array_agg(r.name ORDER BY r.name) FROM workpump_flow_rule r
+        WHERE r.paused AND r.kind = 'topic' AND r.category = p_category);
+
+CREATE FUNCTION workpump.category_paused(p_category text) RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path FROM CURRENT
+RETURN EXISTS (SELECT 1 FROM workpump_flow_rule r
+               WHERE r.paused AND r.kind = 'category' AND r.category = p_category);
+
+CREATE FUNCTION workpump.unpaused_topics(p_topics text[], p_paused text[]) RETURNS text[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE WHEN p_topics IS NULL OR p_paused IS NULL THEN p_topics
+            ELSE ARRAY(SELECT t FROM unnest(p_topics) t WHERE t <> ALL (p_paused)) END;
 
 -- Whether a claim of these topics (NULL: every topic) and topic prefixes (NULL: none) can
 -- find anything: false only for an empty choice, so claim_work skips the category's probes.
@@ -2329,11 +3237,14 @@ BEGIN
         (SELECT coalesce(array_agg(ROW(c.category, c.topics, c.prefixes)::workpump.topic_choice
                                    ORDER BY c.position), '{}')
          FROM (SELECT u.category, u.position,
-                      workpump.claim_topics(p_topics, u.category) AS topics,
+                      -- flow control: a paused topic leaves the list at once
+                      workpump.unpaused_topics(workpump.claim_topics(p_topics, u.category),
+                                               workpump.paused_topics(u.category)) AS topics,
                       workpump.claim_topics(p_topic_prefixes, u.category) AS prefixes
                FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'])
                     WITH ORDINALITY u(category, position)
-               WHERE u.category = ANY (v_categories)) c
+               WHERE u.category = ANY (v_categories)
+                 AND NOT workpump.category_paused(u.category)) c
          WHERE workpump.any_topic_chosen(c.topics, c.prefixes)),
         EXISTS (SELECT 1 FROM workpump_eviction e WHERE e.instance_id = p_instance_id),
         live.registered, live.live_count, live.rank
@@ -2369,18 +3280,24 @@ BEGIN
         v_with_work := v_chosen;
     ELSIF cardinality(v_chosen) > 1 THEN
         -- Per-category guards (claimable_<category>: two index probes, ready rows and due
-        -- timers, of the topics the claimer can run), so the budget goes to the
-        -- categories with work.
+        -- timers, of the topics the claimer can run; flow_ready_<category>: a due
+        -- flow-controlled head), so the budget goes to the categories with work.
         FOREACH v_choice IN ARRAY v_chosen LOOP
             IF (CASE v_choice.category
                     WHEN 'outbox' THEN
                         workpump.claimable_outbox(v_choice.topics, v_choice.prefixes, v_now)
+                        OR workpump.flow_ready_outbox(v_choice.topics, v_choice.prefixes, v_now)
                     WHEN 'inbox' THEN
                         workpump.claimable_inbox(v_choice.topics, v_choice.prefixes, v_now)
-                    WHEN 'perspective_event' THEN workpump.claimable_perspective_event(
-                        v_choice.topics, v_choice.prefixes, v_now)
+                        OR workpump.flow_ready_inbox(v_choice.topics, v_choice.prefixes, v_now)
+                    WHEN 'perspective_event' THEN
+                        workpump.claimable_perspective_event(
+                            v_choice.topics, v_choice.prefixes, v_now)
+                        OR workpump.flow_ready_perspective_event(
+                            v_choice.topics, v_choice.prefixes, v_now)
                     ELSE
                         workpump.claimable_receptor(v_choice.topics, v_choice.prefixes, v_now)
+                        OR workpump.flow_ready_receptor(v_choice.topics, v_choice.prefixes, v_now)
                 END) THEN
                 v_with_work := v_with_work || v_choice;
             END IF;
@@ -2415,23 +3332,26 @@ BEGIN
             IF v_choice.category = 'outbox' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_outbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
-                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max, v_now) w
+                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
+                    workpump.paused_topics(v_choice.category), v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_choice.category = 'inbox' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_inbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
-                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max, v_now) w
+                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
+                    workpump.paused_topics(v_choice.category), v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_choice.category = 'perspective_event' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_perspective_event(p_instance_id, v_quota, p_lease_seconds,
                     v_rank, v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
-                    v_now) w
+                    workpump.paused_topics(v_choice.category), v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSE
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_receptor(p_instance_id, v_quota, p_lease_seconds, v_rank,
-                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max, v_now) w
+                    v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
+                    workpump.paused_topics(v_choice.category), v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             END IF;
             GET DIAGNOSTICS v_count = ROW_COUNT;
@@ -2690,6 +3610,7 @@ DECLARE
     v_ended_tokens uuid[];
     v_scopes text[];
     v_streams text[];
+    v_flow_ended boolean;
 BEGIN
     IF p_outcome IS NULL OR p_outcome NOT IN ('done', 'discarded') THEN
         RAISE EXCEPTION 'end_held_work ends rows as done or discarded, not %.',
@@ -2708,10 +3629,12 @@ BEGIN
                  AS i(id, token, value, logs)
             WHERE t.work_id = i.id AND t.lease_token = i.token AND t.instance_id = $2
               AND t.done_at IS NULL
-            RETURNING t.work_id AS id, i.token, t.stream, %2$s AS scope, t.attempts, i.logs
+            RETURNING t.work_id AS id, i.token, t.stream, %2$s AS scope, t.attempts, i.logs,
+                      t.flow_controlled
         )%4$s
         SELECT coalesce(array_agg(e.id), '{}'), coalesce(array_agg(e.token), '{}'),
-               coalesce(array_agg(e.scope), '{}'), coalesce(array_agg(e.stream), '{}')
+               coalesce(array_agg(e.scope), '{}'), coalesce(array_agg(e.stream), '{}'),
+               coalesce(bool_or(e.flow_controlled), false)
         FROM ended e$q$,
         v_meta.tbl,
         CASE WHEN v_meta.scope_col IS NULL THEN $s$''$s$
@@ -2723,9 +3646,13 @@ BEGIN
         END,
         -- no logs, no insert: the common completion pays nothing for them
         CASE WHEN p_logs IS NOT NULL THEN workpump.attempt_logs_cte(p_category, 'ended') ELSE '' END)
-    INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams
+    INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
     USING p_ids, p_instance_id, v_now, p_values, p_lease_tokens, p_logs;
     PERFORM workpump.notify_ended(v_ended_ids);
+    IF v_flow_ended THEN
+        -- a flow-controlled row ended: a capped row may start now, on any instance
+        PERFORM pg_notify('workpump_' || p_category, p_category);
+    END IF;
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN
         PERFORM workpump.promote_stream_heads(p_category, v_scopes, v_streams);

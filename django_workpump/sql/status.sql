@@ -40,9 +40,17 @@ holders_{category} AS (
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
         FROM (SELECT t.created_at FROM {table} t
               WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
-                AND t.stream_head
+                AND t.stream_head AND NOT t.flow_controlled
                 AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               ORDER BY t.priority DESC, t.seq
+              LIMIT %(exact_limit)s + 1) x
+        UNION ALL
+        -- flow-controlled heads (_flow; docs/flow-control.md)
+        SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
+        FROM (SELECT t.created_at FROM {table} t
+              WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL
+                AND t.stream_head AND t.flow_controlled
+                AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND t.claimed_at IS NULL
               LIMIT %(exact_limit)s + 1) x
         UNION ALL
         SELECT 'pending' AS state, count(*) AS capped, min(x.created_at) AS oldest_created_at
@@ -350,14 +358,23 @@ WITH clock AS (
      WHERE '{category}' NOT IN (SELECT e.category FROM everything e)
        AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
        AND t.stream_head AND t.instance_id IS NULL AND t.scheduled_for IS NULL
+       AND NOT t.flow_controlled
        ORDER BY t.priority DESC, t.seq
+     LIMIT %(exact_limit)s + 1)
+    UNION ALL
+    (SELECT '{category}' AS category, 'flow' AS arm, t.topic, t.created_at
+     FROM {table} t, clock c
+     WHERE '{category}' NOT IN (SELECT e.category FROM everything e)
+       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
+       AND t.stream_head AND t.flow_controlled
+       AND (t.instance_id IS NULL OR t.lease_expiry <= c.now)
      LIMIT %(exact_limit)s + 1)
     UNION ALL
     (SELECT '{category}' AS category, 'timer' AS arm, t.topic, t.created_at
      FROM {table} t, clock c
      WHERE '{category}' NOT IN (SELECT e.category FROM everything e)
        AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND t.stream_head
+       AND t.stream_head AND NOT t.flow_controlled
        AND ((t.instance_id IS NULL AND t.scheduled_for IS NOT NULL)
             OR (t.instance_id IS NOT NULL AND t.lease_expiry <= c.now))
        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)

@@ -73,7 +73,7 @@ OUTBOX_CHANGELIST_QUERIES = 7  # session, user, SET LOCAL jit, count, page, topi
 OPERATOR_EXTRA_QUERIES = 3  # user perms, group perms, per-model workpump perms (non-superuser)
 INSTANCES_CHANGELIST_QUERIES = 7  # session, user, SET LOCAL jit, count, page, service, host
 STREAMS_CHANGELIST_QUERIES = 6  # session, user, SET LOCAL jit, count, page, category filter
-SUMMARY_QUERIES = 10  # session, user, SET LOCAL jit and status.collect()'s seven
+SUMMARY_QUERIES = 11  # session, user, SET LOCAL jit and status.collect()'s eight
 DETAIL_QUERIES = 7  # session, user, SET LOCAL jit, row, neighbours before and after, logs
 
 

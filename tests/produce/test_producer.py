@@ -197,7 +197,8 @@ def test_produced_work_wakes_in_process_listeners_only_after_commit(
         "DROP SCHEMA workpump CASCADE",  # never migrated
         # not current
         "DROP FUNCTION workpump.receive(uuid, text, jsonb, text, integer, timestamptz, integer,"
-        " integer, bigint, integer, boolean, text, interval, text, jsonb, timestamptz)",
+        " integer, bigint, integer, boolean, text, interval, text, jsonb, text, text,"
+        " timestamptz)",
     ],
     ids=["no-schema", "old-schema"],
 )

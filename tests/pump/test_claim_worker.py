@@ -496,6 +496,33 @@ def test_slow_work_is_claimed_for_the_free_slots_only():
     assert worker.start_rate == pytest.approx(2.0)
 
 
+class FairClaims(FakeCoordinator):
+    """Claims whose flow pass reached rows of fairness keys (or not)."""
+
+    def __init__(self, fair: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fair = fair
+
+    def flow_fair(self) -> bool:
+        return self.fair
+
+
+def test_after_a_claim_that_reached_fairness_keys_the_batch_is_the_free_slots_only():
+    # 10,000 rows/s would claim max_rows ahead: rows a quiet key stores meanwhile would
+    # wait for them all to start before a claim could take them
+    clock = FrozenClock()
+    sink = CountingSink(free=4)
+    coordinator = FairClaims(True, claims=[[]] * 4)
+    worker = make_worker(coordinator, sink, ClaimPolicy(max_rows=1000, prefetch=2), clock=clock)
+    for fair in (True, True, False, False):
+        coordinator.fair = fair
+        worker.run_once()
+        clock.advance(0.1)
+        sink.started_total += 1000
+    # the third claim follows the second's answer (fair); the fourth the third's (not)
+    assert coordinator.claims == [6, 6, 6, 1000]
+
+
 class SlowClaims(FakeCoordinator):
     """Claims that take ``seconds`` of the injected clock: the round trip to the database."""
 

@@ -154,9 +154,9 @@ def test_scrapes_within_the_cache_window_read_the_database_once():
     with CaptureQueriesContext(connection) as third:
         list(collector.collect())
 
-    assert len(first.captured_queries) == 2  # state counts, instances
+    assert len(first.captured_queries) == 3  # state counts, instances, flow rules
     assert len(second.captured_queries) == 0
-    assert len(third.captured_queries) == 2  # the window passed
+    assert len(third.captured_queries) == 3  # the window passed
     assert collector.reads == 2
     assert families.keys() == again.keys()
     pending = {tuple(s.labels.values()): s.value for s in families["workpump_pending"].samples}
@@ -201,7 +201,7 @@ def test_two_scrapes_of_the_view_within_the_window_issue_no_second_query():
         assert client.get("/metrics").status_code == 200
     with CaptureQueriesContext(connection) as second:
         assert client.get("/metrics").status_code == 200
-    assert len(first.captured_queries) == 2
+    assert len(first.captured_queries) == 3  # state counts, instances, flow rules
     assert second.captured_queries == []
 
 

@@ -6,6 +6,9 @@ evict.
     manage.py workpump_action requeue --category outbox --topic emails.welcome --state dead
     manage.py workpump_action release --state orphaned --older-than 3600 --dry-run
     manage.py workpump_action evict 6d2e...
+    manage.py workpump_action pause --topic partner.sync      (resume: the same)
+    manage.py workpump_action pause --key partner:acme
+    manage.py workpump_action pause --category outbox
 
 Rows are chosen by id and/or filters, flags before or after the ids. ``--dry-run`` runs
 the action in a transaction that is rolled back, so what it prints is exactly what the
@@ -19,6 +22,11 @@ the report counts only what was changed.
 Work that may be running is protected: ``dead-letter`` leaves leased rows alone and
 ``evict`` refuses an instance that is live or holds unexpired leases, unless ``--force``
 (which always asks first, naming what runs).
+
+``pause`` and ``resume`` act on flow control (docs/flow-control.md), not on rows: a
+topic (``--topic``, with ``--category`` when the name is in several), a concurrency or
+fairness key (``--key``) or a whole ``--category``. A pause is persisted and in effect
+at every instance's next claim; rows keep their attempts and order.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from django_workpump import actions, db, status
+from django_workpump import actions, db, flow, status
 from django_workpump.conf import get_settings
 from django_workpump.management.database import ensure_reachable
 from django_workpump.pump.supervisor import MISSING_MIGRATIONS
@@ -47,7 +55,8 @@ SELECTION_CAP = 1_000  # rows one run acts on unless --limit or --all
 MAX_OLDER_THAN_SECONDS = 100 * 365 * 24 * 3600
 MAX_EVICT_REASON_CHARS = 200
 RUNNING_SHOWN = 5  # running rows named in a prompt or a refusal
-ACTIONS = ("retry", "requeue", "dead-letter", "release", "cancel", "evict")
+ACTIONS = ("retry", "requeue", "dead-letter", "release", "cancel", "evict", "pause", "resume")
+FLOW_ACTIONS = ("pause", "resume")
 FORCEABLE = ("release", "dead-letter", "evict")
 # A state each action applies to, for the hint of a command that names no rows.
 EXAMPLE_STATE = {
@@ -101,6 +110,9 @@ class Command(BaseCommand):
         parser.add_argument("--topic", help="Rows of this destination/handler/perspective/...")
         parser.add_argument("--state", choices=status.STATES, help="Rows in this state.")
         parser.add_argument(
+            "--key", help="pause/resume: a concurrency or fairness key (every topic)."
+        )
+        parser.add_argument(
             "--older-than", metavar="SECONDS", help="Rows created more than SECONDS ago."
         )
         parser.add_argument("--reason", help="Reason recorded by dead-letter and evict.")
@@ -137,6 +149,11 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         self.stdin = options.get("stdin") or sys.stdin
         action = options["action"]
+        if action in FLOW_ACTIONS:
+            self._flow(action, options)
+            return
+        if options["key"] is not None:
+            raise CommandError("--key is for pause and resume; rows are chosen by id or filter.")
         older_than = self._older_than(options["older_than"])
         options["topic"] = self._text("--topic", options["topic"])
         options["reason"] = self._reason(action, options["reason"])
@@ -156,6 +173,34 @@ class Command(BaseCommand):
             self._evict(options, using)
         else:
             self._work(action, options, filters, limit, using)
+
+    def _flow(self, action: str, options: dict[str, Any]) -> None:
+        """Pause or resume a topic, a key or a category (flow control)."""
+        extra = [
+            f"--{name.replace('_', '-')}"
+            for name in ("state", "older_than", "reason", "limit")
+            if options[name] is not None
+        ] + (["ids"] if options["ids"] else [])
+        if extra:
+            raise CommandError(
+                f"{action} takes --topic, --key or --category, not {', '.join(extra)}."
+            )
+        topic = self._text("--topic", options["topic"])
+        key = self._text("--key", options["key"])
+        using = self._database(options["database"])
+        ensure_reachable(using)
+        if not status.schema_ready(using=using):
+            raise CommandError(MISSING_MIGRATIONS)
+        change = flow.pause if action == "pause" else flow.resume
+        try:
+            with transaction.atomic(using=using):
+                change(topic=topic, category=options["category"], key=key, using=using)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        subject = (
+            f"key {key!r}" if key else f"topic {topic!r}" if topic else f"{options['category']}"
+        )
+        self.stdout.write(f"{'Paused' if action == 'pause' else 'Resumed'} {subject}.")
 
     # -- checks ------------------------------------------------------------------------
 

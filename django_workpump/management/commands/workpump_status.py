@@ -264,7 +264,32 @@ def render_text(report: status.StatusReport) -> list[str]:
                 for p in report.periodic
             ],
         )
+
+    lines += ["", f"flow rules: {len(report.flow_rules)}"]
+    if report.flow_rules:
+        lines += _table(
+            ["rule", "paused", "in flight", "concurrency", "rate", "tokens", "waiting"],
+            [
+                [
+                    r.subject,
+                    _yes(r.paused),
+                    "-" if r.in_flight is None else str(r.in_flight),
+                    _limit(r.concurrency, r.key_concurrency),
+                    "-" if r.rate is None else f"{r.rate:g}/s (burst {r.burst:g})",
+                    "-" if r.tokens is None else f"{r.tokens:g}",
+                    "-" if r.waiting is None else str(r.waiting),
+                ]
+                for r in report.flow_rules
+            ],
+        )
     return lines
+
+
+def _limit(concurrency: int | None, key_concurrency: int | None) -> str:
+    parts = [] if concurrency is None else [str(concurrency)]
+    if key_concurrency is not None:
+        parts.append(f"{key_concurrency} per key")
+    return ", ".join(parts) or "-"
 
 
 def _flushers(stalled: dict[str, Any]) -> str:

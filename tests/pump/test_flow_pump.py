@@ -1,0 +1,141 @@
+"""Flow control through the pump and the Python API (docs/flow-control.md).
+
+Covers: a handler's declared ``concurrency`` held by the running pump (never more rows
+running at once) and written to the database at start; a pause persisted across a
+restart (a drained pump runs nothing of a paused topic, the next one after ``resume``
+runs it all, with no attempt spent in between); ``workpump_action pause/resume``; the
+Python API's checks; producers' keys reaching the row.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import uuid
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+
+import django_workpump as workpump
+from django_workpump import flow, models
+from django_workpump.producer_validation import InvalidWork
+from django_workpump.pump.supervisor import EXIT_OK
+from tests.helpers import FAST_PUMP, drain, run_sql
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FAST = {**FAST_PUMP, "CONCURRENCY": 8}
+
+
+@override_settings(WORKPUMP=FAST)
+def test_a_declared_concurrency_holds_in_the_running_pump(outbox_handler, pump):
+    running = {"now": 0, "most": 0}
+    lock = threading.Lock()
+    released = threading.Event()
+
+    def handle(work: Any) -> None:
+        with lock:
+            running["now"] += 1
+            running["most"] = max(running["most"], running["now"])
+            if running["now"] == 2:
+                released.set()
+        released.wait(5)  # the first two overlap: the cap is reached, not just obeyed
+        with lock:
+            running["now"] -= 1
+
+    outbox_handler("flow.partner", handle, concurrency=2, rate="1000/s")
+    for n in range(12):
+        workpump.send("flow.partner", {"n": n})
+    assert drain(pump(drain=True)) == EXIT_OK
+    assert running["most"] == 2
+    assert models.Outbox.objects.filter(done_at__isnull=False).count() == 12
+    rule = models.FlowRule.objects.get(kind="topic", name="flow.partner")
+    assert (rule.declared_concurrency, rule.declared_rate) == (2, 1000.0)
+
+
+@override_settings(WORKPUMP=FAST)
+def test_a_pause_survives_a_restart_and_resume_runs_the_rows(outbox_handler, pump):
+    seen: list[int] = []
+    outbox_handler("flow.paused", lambda work: seen.append(work.payload["n"]))
+    for n in range(3):
+        workpump.send("flow.paused", {"n": n})
+    workpump.pause(topic="flow.paused")
+    assert drain(pump(drain=True)) == EXIT_OK  # a pump that starts: nothing to run
+    assert seen == []
+    assert list(models.Outbox.objects.values_list("attempts", flat=True)) == [0, 0, 0]
+    statuses = {r.subject: r for r in flow.rules()}
+    assert statuses["outbox flow.paused"].paused
+    assert statuses["outbox flow.paused"].waiting == 3
+
+    workpump.resume(topic="flow.paused")
+    assert drain(pump(drain=True)) == EXIT_OK  # the next start runs them, in order
+    assert seen == [0, 1, 2]
+
+
+def test_workpump_action_pauses_and_resumes(outbox_handler):
+    outbox_handler("flow.cmd", lambda work: None)
+    out = io.StringIO()
+    call_command("workpump_action", "pause", "--topic", "flow.cmd", stdout=out)
+    assert out.getvalue().strip() == "Paused topic 'flow.cmd'."
+    assert models.FlowRule.objects.get(name="flow.cmd").paused
+    call_command("workpump_action", "pause", "--key", "partner:acme", stdout=out)
+    assert models.FlowRule.objects.get(kind="key", name="partner:acme").paused
+    call_command("workpump_action", "resume", "--topic", "flow.cmd", stdout=out)
+    assert not models.FlowRule.objects.get(name="flow.cmd").paused
+    with pytest.raises(CommandError, match="pause takes --topic, --key or --category"):
+        call_command("workpump_action", "pause", "--topic", "flow.cmd", "--state", "pending")
+    with pytest.raises(CommandError, match=r"pass category=\.\.\. too"):
+        call_command("workpump_action", "pause", "--topic", "flow.unknown")
+    with pytest.raises(CommandError, match="--key is for pause and resume"):
+        call_command("workpump_action", "retry", "--key", "k")
+
+
+def test_set_limit_and_its_checks():
+    workpump.set_limit(topic="flow.api", category="outbox", concurrency=5, rate="50/s")
+    workpump.set_limit(key="tenant:big", weight=3)
+    rules = {r.subject: r for r in flow.rules()}
+    assert (rules["outbox flow.api"].concurrency, rules["outbox flow.api"].rate) == (5, 50.0)
+    assert rules["key tenant:big"].weight == 3
+    with pytest.raises(ValueError, match=r"rate of topic 'flow\.api' must be like '100/s'"):
+        workpump.set_limit(topic="flow.api", category="outbox", rate="fast")
+    with pytest.raises(ValueError, match="weight of key 'tenant:big' must be 1 to 1000"):
+        workpump.set_limit(key="tenant:big", weight=5000)
+    with pytest.raises(ValueError, match="Name a key alone"):
+        workpump.pause(key="k", topic="t")
+    with pytest.raises(ValueError, match="Pass a limit to set"):
+        workpump.set_limit(key="k")
+
+
+def test_handler_declarations_are_checked():
+    with pytest.raises(ImproperlyConfigured, match="rate of outbox destination 'x' must be"):
+        workpump.outbox_handler("x", rate="100 per second")
+    with pytest.raises(ImproperlyConfigured, match="concurrency of inbox handler 'y'"):
+        workpump.inbox_handler("y", concurrency=-1)
+    with pytest.raises(ImproperlyConfigured, match="burst of outbox destination 'z' needs"):
+        workpump.outbox_handler("z", burst=10)
+    assert flow.parse_rate("6000/m", "t") == 100.0
+
+
+def test_producers_store_the_keys_and_refuse_bad_ones():
+    message_id = workpump.send("flow.keys", {}, concurrency_key="partner:acme", fairness_key="t1")
+    received = uuid.uuid4()
+    workpump.receive(received, "flow.keys", {}, fairness_key="t2")
+    ids = workpump.send_many("flow.keys", [{}, {}], concurrency_key="partner:b")
+    rows = run_sql(
+        "SELECT concurrency_key, fairness_key, flow_controlled FROM workpump_outbox"
+        " WHERE work_id = ANY (%s) ORDER BY seq",
+        [[message_id, *ids]],
+    )
+    assert rows == [
+        {"concurrency_key": "partner:acme", "fairness_key": "t1", "flow_controlled": True},
+        {"concurrency_key": "partner:b", "fairness_key": "", "flow_controlled": True},
+        {"concurrency_key": "partner:b", "fairness_key": "", "flow_controlled": True},
+    ]
+    assert models.Inbox.objects.get(work_id=received).fairness_key == "t2"
+    with pytest.raises(InvalidWork, match="The concurrency_key of outbox message to 'x' has"):
+        workpump.send("x", {}, concurrency_key="a" * 201)
+    with pytest.raises(InvalidWork, match="The fairness_key of outbox message to 'x' must be"):
+        workpump.send("x", {}, fairness_key=42)  # type: ignore[arg-type]

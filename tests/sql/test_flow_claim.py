@@ -1,0 +1,415 @@
+"""Flow control in the claim (docs/flow-control.md), one session, time from p_now.
+
+Covers: a topic cap and a key cap (across topics and categories) and a topic's per-key
+cap, with capped rows waiting unclaimed and no attempt spent; the rate limit's token
+bucket under an injected clock; round-robin across fairness keys (weighted) with priority
+inside a key; a stream under a cap keeping FIFO; limits changed at runtime; pauses of a
+topic, a key and a category, and the waiting reason; a new rule flagging rows stored
+before it; declarations against operator overrides; refused input.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime
+from typing import Any
+
+import pytest
+from django.db import DatabaseError, transaction
+
+from tests.helpers import T0, at, enroll, run_sql, scalar
+
+pytestmark = pytest.mark.django_db
+
+A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
+TOPIC = "partner.call"
+
+
+@pytest.fixture(autouse=True)
+def instance() -> None:
+    enroll(A)
+
+
+def rule(kind: str, category: str, name: str, now: datetime = T0, **settings: Any) -> None:
+    run_sql(
+        "SELECT workpump.set_flow_rule(%s, %s, %s, %s::jsonb, p_now => %s)",
+        [kind, category, name, json.dumps(settings), now],
+    )
+
+
+def send(topic: str = TOPIC, n: int = 1, **kwargs: Any) -> list[uuid.UUID]:
+    args = "".join(f", p_{key} => %s" for key in kwargs)
+    return [
+        scalar(f"SELECT workpump.send(%s, '{{}}'::jsonb{args})", [topic, *kwargs.values()])
+        for _ in range(n)
+    ]
+
+
+def receive(topic: str, n: int = 1, **kwargs: Any) -> list[uuid.UUID]:
+    args = "".join(f", p_{key} => %s" for key in kwargs)
+    ids = [uuid.uuid4() for _ in range(n)]
+    for message_id in ids:
+        run_sql(
+            f"SELECT workpump.receive(%s, %s, '{{}}'::jsonb{args})",
+            [message_id, topic, *kwargs.values()],
+        )
+    return ids
+
+
+def claim(
+    max_rows: int = 100, now: datetime = T0, categories: list[str] | None = None, **kwargs: Any
+) -> list[dict[str, Any]]:
+    args = "".join(f", p_{key} => %s" for key in kwargs)
+    return run_sql(
+        "SELECT category, work_id, topic, priority, lease_token, attempts"
+        " FROM workpump.claim_work(%s, %s, p_categories => %s" + args + ", p_now => %s)",
+        [A, max_rows, categories, *kwargs.values(), now],
+    )
+
+
+def complete(rows: list[dict[str, Any]], now: datetime = T0) -> None:
+    for row in rows:
+        done = run_sql(
+            "SELECT status FROM workpump.complete_work(%s, %s, %s::uuid[], %s::uuid[],"
+            " p_now => %s)",
+            [A, row["category"], [row["work_id"]], [row["lease_token"]], now],
+        )
+        assert [r["status"] for r in done] == ["done"]
+
+
+def outbox(ids: list[uuid.UUID]) -> list[dict[str, Any]]:
+    return run_sql(
+        "SELECT work_id, attempts, instance_id, flow_controlled FROM workpump_outbox"
+        " WHERE work_id = ANY (%s) ORDER BY seq",
+        [ids],
+    )
+
+
+def reason(topic: str = TOPIC, ckey: str = "", fkey: str = "", now: datetime = T0) -> Any:
+    return scalar("SELECT workpump.flow_reason('outbox', %s, %s, %s, %s)", [topic, ckey, fkey, now])
+
+
+# --- caps ---------------------------------------------------------------------------------
+
+
+def test_a_topic_cap_holds_rows_back_unclaimed_with_no_attempt_spent():
+    rule("topic", "outbox", TOPIC, concurrency=2)
+    ids = send(n=5)
+    plain = send("other.topic", n=3)
+    first = claim()
+    assert sorted(r["topic"] for r in first) == ["other.topic"] * 3 + [TOPIC] * 2
+    assert claim() == []
+    rows = outbox(ids)
+    assert [r["attempts"] for r in rows] == [1, 1, 0, 0, 0]  # FIFO; the capped spent none
+    assert all(r["flow_controlled"] for r in rows)
+    assert not any(r["flow_controlled"] for r in outbox(plain))
+    assert reason() == f"waiting: concurrency cap {TOPIC} 2/2"
+
+    complete([r for r in first if r["topic"] == TOPIC][:1])
+    again = claim()
+    assert [r["work_id"] for r in again] == [ids[2]]
+    assert reason() == f"waiting: concurrency cap {TOPIC} 2/2"
+
+
+def test_an_expired_lease_no_longer_counts_against_the_cap():
+    rule("topic", "outbox", TOPIC, concurrency=1)
+    ids = send(n=2)
+    assert [r["work_id"] for r in claim(lease_seconds=10)] == [ids[0]]
+    assert claim(now=at(5)) == []
+    # the holder is gone: its row is claimable again, and counts once
+    again = claim(now=at(11), lease_seconds=10)
+    assert [r["work_id"] for r in again] == [ids[0]]
+    assert [r["attempts"] for r in outbox(ids)] == [2, 0]
+
+
+def test_a_concurrency_key_is_capped_across_topics_and_categories():
+    rule("key", "", "partner:acme", concurrency=3)
+    acme_out = send("a.topic", n=3, concurrency_key="partner:acme")
+    acme_in = receive("b.handler", n=3, concurrency_key="partner:acme")
+    other = send("a.topic", n=2, concurrency_key="partner:other")
+    rows = claim()
+    taken = {r["work_id"] for r in rows}
+    assert len(taken & (set(acme_out) | set(acme_in))) == 3
+    assert set(other) <= taken
+    assert claim() == []
+    assert reason("a.topic", "partner:acme") == "waiting: concurrency cap partner:acme 3/3"
+
+
+def test_key_concurrency_caps_each_key_of_a_topic():
+    rule("topic", "outbox", TOPIC, key_concurrency=1)
+    k1 = send(n=3, concurrency_key="k1")
+    k2 = send(n=3, concurrency_key="k2")
+    assert {r["work_id"] for r in claim()} == {k1[0], k2[0]}
+    assert claim() == []
+
+
+# --- rates --------------------------------------------------------------------------------
+
+
+def test_the_rate_limit_starts_rate_per_second_after_a_burst_under_an_injected_clock():
+    rule("topic", "outbox", TOPIC, rate=10, burst=5)
+    send(n=200)
+    assert len(claim()) == 5  # a full bucket: the burst
+    assert claim() == []
+    assert reason() == f"waiting: rate limit {TOPIC} 10/s"
+    assert len(claim(now=at(0.5))) == 5
+    assert claim(now=at(0.55)) == []
+    # claims every 100 ms for 10 s: 10 a second, the burst at most in any one second
+    starts: dict[int, int] = {}
+    for tick in range(6, 106):
+        starts[tick // 10] = starts.get(tick // 10, 0) + len(claim(now=at(tick / 10)))
+    assert sum(starts.values()) == 100
+    assert max(starts.values()) <= 10 + 5
+    # an idle minute refills the bucket to its burst, no more
+    assert len(claim(now=at(70))) == 5
+
+
+def test_a_key_rate_limits_the_key_in_every_topic():
+    rule("key", "", "partner:acme", rate=2, burst=2)
+    send("a.topic", n=5, concurrency_key="partner:acme")
+    send("b.topic", n=5, concurrency_key="partner:acme")
+    assert len(claim()) == 2
+    assert len(claim(now=at(1))) == 2
+    assert claim(now=at(1.2)) == []
+
+
+# --- fairness -----------------------------------------------------------------------------
+
+
+def test_the_claim_takes_fairness_keys_round_robin_with_priority_inside_a_key():
+    noisy = send(n=50, fairness_key="tenant:noisy")
+    quiet_low = send(fairness_key="tenant:quiet")
+    quiet_high = send(fairness_key="tenant:quiet", priority=5)
+    rows = claim(4)
+    assert [r["work_id"] for r in rows] == [quiet_high[0], noisy[0], noisy[1], quiet_low[0]]
+
+
+def test_a_fairness_weight_is_its_rows_per_round():
+    rule("key", "", "tenant:big", weight=3)
+    big = send(n=10, fairness_key="tenant:big")
+    small = send(n=10, fairness_key="tenant:small")
+    rows = [r["work_id"] for r in claim(8)]
+    assert rows == [big[0], big[1], big[2], small[0], big[3], big[4], big[5], small[1]]
+
+
+def test_fairness_rows_and_plain_rows_share_the_budget():
+    send(n=20, fairness_key="tenant:a")
+    plain = send("plain.topic", n=20)
+    rows = claim(10)
+    assert len(rows) == 10
+    assert len([r for r in rows if r["work_id"] in set(plain)]) == 5
+
+
+# --- streams ------------------------------------------------------------------------------
+
+
+def test_a_stream_under_a_cap_keeps_fifo_and_runs_one_row_at_a_time():
+    rule("topic", "outbox", TOPIC, concurrency=5)
+    s1 = send(n=3, stream="s1")
+    s2 = send(n=2, stream="s2")
+    rows = claim(stream_run_max=10)
+    assert {r["work_id"] for r in rows} == {s1[0], s2[0]}  # heads only, no runs
+    assert claim(stream_run_max=10) == []
+    complete([r for r in rows if r["work_id"] == s1[0]])
+    assert [r["work_id"] for r in claim(stream_run_max=10)] == [s1[1]]
+
+
+def test_a_capped_stream_head_blocks_its_stream():
+    rule("topic", "outbox", TOPIC, concurrency=1)
+    other = send()
+    s1 = send(n=2, stream="s1")
+    assert [r["work_id"] for r in claim()] == other
+    assert claim() == []
+    assert [r["attempts"] for r in outbox(s1)] == [0, 0]
+
+
+# --- runtime changes, pauses --------------------------------------------------------------
+
+
+def test_limits_changed_at_runtime_take_effect_at_the_next_claim():
+    rule("topic", "outbox", TOPIC, concurrency=1)
+    send(n=6)
+    assert len(claim()) == 1
+    rule("topic", "outbox", TOPIC, concurrency=3)
+    assert len(claim()) == 2
+    rule("topic", "outbox", TOPIC, concurrency=1)
+    assert claim() == []
+    rule("topic", "outbox", TOPIC, concurrency=None)  # the override cleared: no cap
+    assert len(claim()) == 3
+
+
+def test_a_paused_topic_keeps_its_rows_attempts_and_order_until_resumed():
+    ids = send(n=3)
+    rule("topic", "outbox", TOPIC, paused=True)  # a pause alone flags nothing
+    assert not any(r["flow_controlled"] for r in outbox(ids))
+    assert claim() == []  # claim_work leaves the topic out, every topic claimed or not
+    assert reason() == f"waiting: topic {TOPIC} paused"
+    assert [r["attempts"] for r in outbox(ids)] == [0, 0, 0]
+    rule("topic", "outbox", TOPIC, paused=False)
+    assert [r["work_id"] for r in claim()] == ids
+
+
+def test_a_topics_first_limit_flags_its_rows_and_the_maintenance_pass_the_rest():
+    ids = send(n=3)
+    rule("topic", "outbox", TOPIC, paused=True)
+    assert scalar("SELECT workpump.flag_flow_stragglers(2)") == 2  # in batches
+    assert scalar("SELECT workpump.flag_flow_stragglers(2)") == 1
+    assert scalar("SELECT workpump.flag_flow_stragglers(2)") == 0
+    more = send("other.topic", n=2)
+    held = send("other.topic", stream="s")  # a stream row goes through the trigger
+    rule("topic", "outbox", "other.topic", concurrency=1)
+    assert all(r["flow_controlled"] for r in outbox([*ids, *more, *held]))
+
+
+def test_a_paused_key_and_a_paused_category():
+    rule("key", "", "tenant:a", paused=True)
+    held = send(fairness_key="tenant:a")
+    free = send(fairness_key="tenant:b")
+    assert [r["work_id"] for r in claim()] == free
+    assert reason(fkey="tenant:a") == "waiting: key tenant:a paused"
+    rule("key", "", "tenant:a", paused=False)
+    assert [r["work_id"] for r in claim()] == held
+
+    rule("category", "outbox", "", paused=True)
+    plain = send("plain.topic")
+    inbox = receive("some.handler")
+    assert [r["work_id"] for r in claim()] == inbox  # the outbox is paused, even fast rows
+    rule("category", "outbox", "", paused=False)
+    assert [r["work_id"] for r in claim()] == plain
+
+
+def test_pausing_and_resuming_notifies_the_claimers():
+    rule("topic", "outbox", TOPIC, paused=True)
+    with transaction.atomic():
+        rule("topic", "outbox", TOPIC, paused=False)
+        pending = run_sql("SELECT pg_notification_queue_usage() AS usage")
+    assert pending  # the NOTIFY is delivered at commit; sent here without an error
+
+
+def test_declarations_and_overrides():
+    run_sql(
+        "SELECT workpump.sync_flow_rules(%s::jsonb, %s)",
+        [
+            json.dumps([{"kind": "topic", "category": "outbox", "name": TOPIC, "concurrency": 2}]),
+            T0,
+        ],
+    )
+    send(n=5)
+    assert len(claim()) == 2
+    rule("topic", "outbox", TOPIC, concurrency=3)  # the operator's value wins
+    assert len(claim()) == 1
+    # the code no longer declares it: the declaration goes, the override stays
+    run_sql("SELECT workpump.sync_flow_rules('[]'::jsonb, %s)", [T0])
+    row = run_sql(
+        "SELECT declared_concurrency, override_concurrency FROM workpump_flow_rule"
+        " WHERE kind = 'topic' AND name = %s",
+        [TOPIC],
+    )
+    assert row == [{"declared_concurrency": None, "override_concurrency": 3}]
+
+
+# --- input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            "SELECT workpump.send('t', '{}'::jsonb, p_concurrency_key => repeat('k', 201))",
+            "The concurrency_key of outbox destination 't' must be at most 200 characters",
+        ),
+        (
+            "SELECT workpump.send('t', '{}'::jsonb, p_fairness_key => E'a\\nb')",
+            "The fairness_key of outbox destination 't' must be at most 200 characters",
+        ),
+        (
+            "SELECT workpump.set_flow_rule('topic', 'outbox', 't', '{\"concurrency\": -1}')",
+            "Bad flow rule setting 'concurrency'",
+        ),
+        (
+            "SELECT workpump.set_flow_rule('topic', 'outbox', 't', '{\"rate\": 0}')",
+            "Bad flow rule setting 'rate'",
+        ),
+        (
+            "SELECT workpump.set_flow_rule('topic', 'outbox', 't', '{\"speed\": 1}')",
+            "A flow rule has no setting 'speed'",
+        ),
+        (
+            "SELECT workpump.set_flow_rule('lane', 'outbox', 't', '{}')",
+            "A flow rule is of a topic, a key or a category, not 'lane'",
+        ),
+        (
+            "SELECT workpump.set_flow_rule('category', 'outbox', '', '{\"concurrency\": 1}')",
+            "A category can only be paused or resumed",
+        ),
+    ],
+)
+def test_bad_keys_and_rules_are_refused_with_a_clear_error(call, message):
+    with pytest.raises(DatabaseError, match=message.replace("(", r"\(")), transaction.atomic():
+        run_sql(call)
+
+
+def test_hostile_rule_values_affect_their_rule_alone():
+    rule("topic", "outbox", TOPIC, concurrency=1)
+    run_sql(
+        "UPDATE workpump_flow_rule SET override_concurrency = -5, weight = -3,"
+        " override_burst = -1, tokens = 'NaN' WHERE name = %s",
+        [TOPIC],
+    )
+    send(n=2)
+    plain = send("plain.topic")
+    assert [r["work_id"] for r in claim()] == plain  # a negative cap is 0
+
+
+def test_a_claim_held_back_by_a_rate_says_when_to_claim_again():
+    from django_workpump import db
+
+    rule("topic", "outbox", TOPIC, rate=10, burst=1)
+    send(n=3)
+
+    def claim_now(now: datetime) -> int:
+        rows = db.claim_work(
+            instance_id=A, max_rows=10, lease_seconds=60, partition_count=10000, now=now
+        )
+        return len(rows)
+
+    assert claim_now(T0) == 1
+    assert db.flow_wait_ms() == 100  # one token every 100 ms
+    assert claim_now(at(0.06)) == 0
+    assert db.flow_wait_ms() == 40
+    send("plain.topic")
+    assert claim_now(at(0.07)) == 1
+    assert db.flow_wait_ms() == 30
+
+
+def test_a_claim_that_reaches_rows_of_fairness_keys_says_so():
+    from django_workpump import db
+
+    def claim_now() -> int:
+        rows = db.claim_work(instance_id=A, max_rows=10, lease_seconds=60, partition_count=10000)
+        return len(rows)
+
+    send(concurrency_key="partner:acme")
+    assert claim_now() == 1
+    assert db.flow_fair() is False  # flow-controlled, but by a concurrency key only
+    send(fairness_key="tenant:1")
+    assert claim_now() == 1
+    assert db.flow_fair() is True
+    send("plain.topic")
+    assert claim_now() == 1
+    assert db.flow_fair() is False  # said of the last claim only
+
+
+def test_a_paused_topic_leaves_the_claimers_topic_list_even_for_a_row_stored_by_hand():
+    rule("topic", "outbox", TOPIC, paused=True)
+    # an INSERT that names a partition and no stream skips the trigger: not flagged
+    run_sql(
+        "INSERT INTO workpump_outbox (work_id, topic, payload, partition_number)"
+        " VALUES (gen_random_uuid(), %s, '{}', 1)",
+        [TOPIC],
+    )
+    named = json.dumps({"outbox": [TOPIC, "plain.topic"]})
+    assert claim(topics=named) == []
+    rule("topic", "outbox", TOPIC, paused=False)
+    assert len(claim(topics=named)) == 1
