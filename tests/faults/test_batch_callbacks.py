@@ -2,8 +2,8 @@
 
 B batches of M outbox members each (no stream; every tenth member fails once, and every
 other batch has members that end dead) are drained by four ``runworkpump`` processes.
-Once some batches finished and others have not, the instance running a callback handler
-is killed. When everything drained: each batch finished with its counts summing to M,
+Once a quarter of the batches finished, the instance running a callback handler is
+killed. When everything drained: each batch finished with its counts summing to M,
 each has exactly one callback row (``on_failure`` where a member ended dead, else
 ``on_complete``), whose payload counts sum to M, and each callback ran to done once;
 a callback runs a second time only when the kill cut its attempt short.
@@ -86,11 +86,11 @@ def test_each_batch_calls_back_exactly_once_when_an_instance_is_killed(db, make_
     run = Stopwatch()
 
     def callback_runner() -> harness.Pump | None:
-        # Kill mid-run: some batches have finished (their callbacks run), others not.
+        # Kill mid-run: a quarter of the batches finished (their callbacks run), the rest not.
         finished = finished_batches(db)
         if finished >= BATCHES:
             raise AssertionError("every batch finished before an instance could be killed")
-        if finished == 0:
+        if finished < BATCHES // 4:
             return None
         for pump in fleet.alive():
             if db.scalar(
