@@ -77,6 +77,9 @@ CREATE INDEX fx_execution_work ON fx_execution (work_id);
 CREATE TABLE fx_effect (
     work_id uuid NOT NULL, attempt integer NOT NULL, pid integer NOT NULL,
     finished boolean NOT NULL DEFAULT false);
+CREATE TABLE fx_callback (
+    work_id uuid NOT NULL, topic text NOT NULL, attempt integer NOT NULL,
+    pid integer NOT NULL, payload jsonb NOT NULL);
 """
 
 # Every work row with the fields the invariant needs (n comes from the payload).

@@ -9,15 +9,20 @@ was lost. The payload steers the behaviour:
 - ``hang_seconds`` with ``hang_attempts``: attempts up to that number hang, deaf to the
   lease's cancellation (a hung handler);
 - ``fail``: raise (a plain failing handler);
+- ``flaky``: raise on attempts up to that number, then succeed;
 - ``bad_error`` (``nul`` or ``surrogate``): raise with that character in the message on
   attempts up to ``fail_attempts`` (1 unless given);
 - ``bad_result`` (``nul``, ``surrogate`` or ``unjson``): return that in the result.
 
 Handlers return ``{"attempt": n, "instance": id}``, stored as the row's result.
+
+The batch callback handlers (``fx.batch_done``, ``fx.batch_failed``) also log each
+execution with the payload it got in fx_callback.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from typing import Any
@@ -88,7 +93,7 @@ def _run(work: Any) -> dict[str, Any]:
             _pause.wait(payload["hang_seconds"])  # ignores work.cancelled on purpose
         else:
             _pause.wait(payload.get("seconds", 0))
-        if payload.get("fail"):
+        if payload.get("fail") or work.attempts <= payload.get("flaky", 0):
             raise RuntimeError(f"fx: failing on purpose (attempt {work.attempts})")
         if payload.get("bad_error") and work.attempts <= payload.get("fail_attempts", 1):
             raise RuntimeError(f"fx: {BAD_TEXT[payload['bad_error']]} (attempt {work.attempts})")
@@ -142,6 +147,25 @@ def fx_poison(work: Any) -> dict[str, Any]:
 @workpump.outbox_handler("fx.atomic", atomic=True)
 def fx_atomic(work: Any) -> dict[str, Any]:
     return _run(work)
+
+
+def _callback(work: Any) -> dict[str, Any]:
+    _log_sql(
+        "INSERT INTO fx_callback (work_id, topic, attempt, pid, payload) "
+        "VALUES (%s, %s, %s, %s, %s::jsonb)",
+        [work.id, work.topic, work.attempts, os.getpid(), json.dumps(work.payload)],
+    )
+    return _run(work)
+
+
+@workpump.outbox_handler("fx.batch_done")
+def fx_batch_done(work: Any) -> dict[str, Any]:
+    return _callback(work)
+
+
+@workpump.outbox_handler("fx.batch_failed")
+def fx_batch_failed(work: Any) -> dict[str, Any]:
+    return _callback(work)
 
 
 # New code in a rolling deploy: only processes started with FX_NEW_CODE=1 have a handler
