@@ -252,6 +252,13 @@ def _work_indexes(prefix: str, scope: tuple[str, ...] = ()) -> list[models.Index
         models.Index(fields=["seq"], name=f"{prefix}_retried", condition=attempts_high_condition()),
         # Rows that ended cancelled or discarded (admin state filter, status counts).
         models.Index(fields=["done_at"], name=f"{prefix}_ended", condition=ended_condition()),
+        # Undone rows with an error, per topic (the console's failure reasons): a row
+        # enters it when an attempt fails, never on a claim or a first-time success.
+        models.Index(
+            fields=["topic", "seq"],
+            name=f"{prefix}_failing",
+            condition=Q(done_at__isnull=True, last_error__isnull=False),
+        ),
     ]
 
 

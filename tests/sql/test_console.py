@@ -326,3 +326,29 @@ def test_the_purge_removes_minutes_before_the_cutoff_in_batches():
     assert [r["minute"] for r in run_sql("SELECT minute FROM workpump_console_rollup")] == [kept]
     assert scalar("SELECT count(*) FROM workpump_console_sample WHERE minute < %s", [cutoff]) == 0
     assert scalar("SELECT count(*) FROM workpump_console_sample WHERE minute = %s", [kept]) == 1
+
+
+def test_a_topics_failure_reasons_are_read_by_the_failing_rows_index():
+    # many undone rows without an error, of another topic: the failing index leaves
+    # them out, where a scan by seq would read them all
+    run_sql(
+        "INSERT INTO workpump_outbox (work_id, topic, payload, attempts)"
+        " SELECT gen_random_uuid(), 'console.noise', '{}'::jsonb, 1"
+        " FROM generate_series(1, 20000)"
+    )
+    for n in range(3):
+        make(1, attempts=1, failure_reason="handler_error", last_error=f"E{n}: boom")
+    make(1, attempts=1, done_at=T0, last_error="E9: done rows are not failing")
+    run_sql("ANALYZE workpump_outbox")
+
+    (plan,) = scalar(
+        "EXPLAIN (FORMAT JSON) SELECT t.seq FROM workpump_outbox t"
+        " WHERE t.topic = %s AND t.done_at IS NULL AND t.last_error IS NOT NULL"
+        " ORDER BY t.seq DESC LIMIT 10000",
+        [TOPIC],
+    )
+    assert "wp_outbox_failing" in str(plan), plan
+    rows = run_sql("SELECT * FROM workpump.console_failures('outbox', %s)", [TOPIC])
+    assert [(r["failure_reason"], r["n"], r["last_error"]) for r in rows] == [
+        ("handler_error", 3, "E2: boom")
+    ]
