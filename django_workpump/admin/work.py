@@ -11,12 +11,11 @@ from typing import Any, Literal, cast
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import QuerySet, TextField
+from django.db.models import Max, QuerySet, TextField
 from django.db.models.expressions import Combinable
 from django.db.models.functions import Cast
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
-from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
@@ -198,11 +197,18 @@ class WorkAdmin(BulkActionsAdmin, WorkActionsAdmin):
         except work_search.SearchError as exc:
             messages.error(request, f"Search: {exc}")
             return queryset.none(), False
+        newest_seq = None
+        spec = category(self.spec.category)
+        # the opt-in GIN index of the payloads: the outbox's, the inbox's or the events'
+        index = f"{spec.index_prefix}_payload" if spec.payload_on_row else "wp_event_payload"
+        if search.payload is not None and not db.payload_index_ready(index, using=queryset.db):
+            newest_seq = queryset.model._default_manager.using(queryset.db).aggregate(
+                newest=Max("seq")
+            )["newest"]
         lookup, note = work_search.condition(
             search,
             payload_field="payload" if self.has_own_payload else "event__payload",
-            narrowed=bool(request.GET.get(TopicFilter.parameter_name)),
-            now=timezone.now(),
+            newest_seq=newest_seq,
         )
         if note is not None:
             messages.info(request, note)

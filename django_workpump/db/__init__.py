@@ -110,7 +110,7 @@ from django_workpump.db.queries import (
     without_jit,
 )
 from django_workpump.db.rows import FromRow, Row
-from django_workpump.db.search import payload_indexes
+from django_workpump.db.search import payload_index_ready, payload_indexes
 from django_workpump.db.status import StuckRow, stuck_rows
 from django_workpump.db.workflows import (
     batch_of,
@@ -173,6 +173,7 @@ __all__ = [
     "notify_probe",
     "open_batch",
     "pause_periodic",
+    "payload_index_ready",
     "payload_indexes",
     "periodic_states",
     "purge_console",

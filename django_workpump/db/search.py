@@ -20,3 +20,12 @@ def payload_indexes(*, create: bool, using: str | None = None) -> list[str]:
         for statement in statements:
             cursor.execute(statement)
     return [re.findall(r"wp_\w+_payload", s)[0] for s in statements]
+
+
+def payload_index_ready(name: str, *, using: str | None = None) -> bool:
+    """Whether the payload index ``name`` exists and is valid (a build CONCURRENTLY that
+    failed leaves an invalid one, which serves no search)."""
+    with connections[_alias(using)].cursor() as cursor:
+        cursor.execute(named_queries("admin.sql")["payload_index_ready"], {"name": name})
+        (ready,) = cursor.fetchone()
+    return bool(ready)

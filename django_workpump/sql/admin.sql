@@ -235,6 +235,11 @@ SELECT s.seq FROM pending s {in_order} LIMIT %s
 -- paginator's capped count).
 SELECT count(*) FROM ({rows}) s
 
+-- name: payload_index_ready
+-- Whether the payload index %(name)s exists (in the search_path) and is valid.
+SELECT EXISTS (SELECT 1 FROM pg_index i
+               WHERE i.indexrelid = to_regclass(%(name)s) AND i.indisvalid) AS ready
+
 -- name: payload_index_ddl
 -- The statements that create (or drop) the opt-in payload indexes, to run one by one
 -- outside a transaction (CONCURRENTLY): manage.py workpump_payload_index.

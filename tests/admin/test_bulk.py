@@ -14,7 +14,7 @@ from django.contrib.contenttypes.models import ContentType
 from django.test import Client
 
 from django_workpump import models
-from django_workpump.admin import work_bulk
+from django_workpump.admin import work_bulk, work_search
 from tests import factories
 from tests.helpers import scalar
 
@@ -91,13 +91,17 @@ def test_the_page_counts_the_search_result_and_names_the_running_rows(admin_clie
     assert str(running.work_id) in html
 
 
-def test_the_page_of_a_payload_search_says_once_that_it_was_narrowed(admin_client, now):
+def test_the_page_of_a_payload_search_says_once_that_it_was_narrowed(
+    admin_client, now, monkeypatch
+):
+    monkeypatch.setattr(work_search, "PAYLOAD_SCAN_ROWS", 1)
+    factories.OutboxFactory(topic="bulk.mail", payload={"tenant": "acme"}, created_at=now)
     factories.OutboxFactory(topic="bulk.mail", payload={"tenant": "acme"}, created_at=now)
 
     html = admin_client.get(f"{BULK}retry/?q=tenant%3Dacme").content.decode()
 
     assert re.search(r"<strong>1</strong> outbox message", html), html
-    assert html.count("The payload search was narrowed") == 1
+    assert html.count("The payload search read the newest 1 rows only") == 1
 
 
 def test_a_bulk_retry_changes_only_the_scheduled_rows_of_the_search(admin_client, now):

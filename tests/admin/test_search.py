@@ -14,7 +14,7 @@ from django.contrib.messages import get_messages
 from django.db import connection, transaction
 from django.utils import timezone
 
-from django_workpump import models
+from django_workpump import db, models
 from django_workpump.admin import work_search
 from tests import factories
 
@@ -30,25 +30,30 @@ def listed(admin_client, query: dict[str, str]) -> tuple[set[str], list[str]]:
     return ids, [str(m) for m in get_messages(response.wsgi_request)]
 
 
-def test_a_payload_search_by_key_value_and_by_json_finds_the_rows_that_contain_it(admin_client):
+def test_a_payload_search_by_key_value_and_by_json_finds_the_rows_that_contain_it(
+    admin_client, monkeypatch
+):
+    monkeypatch.setattr(work_search, "PAYLOAD_SCAN_ROWS", 3)
     now = timezone.now()
+    # older than the newest 3 rows: a payload search without the index does not read it
+    older = factories.OutboxFactory(topic="s.mail", payload={"user_id": 7}, created_at=now)
     seven = factories.OutboxFactory(
         topic="s.mail", payload={"user_id": 7, "plan": {"tier": "pro"}}, created_at=now
     )
     eight = factories.OutboxFactory(topic="s.mail", payload={"user_id": 8}, created_at=now)
     text = factories.OutboxFactory(topic="s.mail", payload={"user_id": "7"}, created_at=now)
-    # older than the default window: found only with the topic filter (or after:)
-    older = factories.OutboxFactory(
-        topic="s.mail", payload={"user_id": 7}, created_at=now - timedelta(days=3)
-    )
 
     found, notes = listed(admin_client, {"q": "user_id=7"})
     assert str(seven.work_id) in found and str(eight.work_id) not in found
     assert str(text.work_id) not in found  # 7 is JSON: the number, not the text
-    assert any("narrowed to rows created in the last 24 hours" in n for n in notes)
+    assert any("read the newest 3 rows only" in n for n in notes), notes
     assert str(older.work_id) not in found
+    # with the topic filter too: still the newest rows (there is no index on the topic)
     found, notes = listed(admin_client, {"q": "user_id=7", "topic": "s.mail"})
-    assert str(older.work_id) in found and not notes
+    assert str(older.work_id) not in found and notes
+    monkeypatch.setattr(work_search, "PAYLOAD_SCAN_ROWS", 100)
+    found, notes = listed(admin_client, {"q": "user_id=7"})
+    assert str(older.work_id) in found and not notes  # all of a small table is read
 
     found, _ = listed(admin_client, {"q": 'user_id="7"'})
     assert str(text.work_id) in found and str(seven.work_id) not in found
@@ -97,20 +102,21 @@ def explain(queryset) -> str:
 
 
 def test_explain_an_id_prefix_is_a_range_of_the_work_id_index_and_a_payload_search_is_narrowed():
-    now = timezone.now()
     prefix, _ = work_search.condition(
-        work_search.parse("id:3f2a9c"), payload_field="payload", narrowed=False, now=now
+        work_search.parse("id:3f2a9c"), payload_field="payload", newest_seq=None
     )
     plan = explain(models.Outbox.objects.filter(prefix))
     assert "workpump_outbox_work_id" in plan and "Index" in plan, plan
     assert "3f2a9c00-0000-0000-0000-000000000000" in plan, plan
 
     payload, note = work_search.condition(
-        work_search.parse("user_id=7"), payload_field="payload", narrowed=False, now=now
+        work_search.parse("user_id=7"), payload_field="payload", newest_seq=10**7
     )
     assert note is not None
     plan = explain(models.Outbox.objects.filter(payload))
-    assert "created_at >=" in plan and "payload @>" in plan, plan
+    # the newest rows only: a range of the primary key, then the containment
+    assert "workpump_outbox_pkey" in plan and "seq > 9900000" in plan, plan
+    assert "payload @>" in plan, plan
 
 
 def test_a_uuid_search_still_finds_the_exact_row(admin_client):
@@ -125,10 +131,14 @@ def test_the_opt_in_payload_index_serves_a_payload_search_over_the_whole_table()
     from django.core.management import call_command
 
     search, _ = work_search.condition(
-        work_search.parse("user_id=7"), payload_field="payload", narrowed=True, now=timezone.now()
+        work_search.parse("user_id=7"), payload_field="payload", newest_seq=None
     )
+    assert not db.payload_index_ready("wp_outbox_payload")
     call_command("workpump_payload_index", stdout=io.StringIO())
     try:
+        # the admin then searches the whole table: no narrowing, no note
+        assert db.payload_index_ready("wp_outbox_payload")
+        assert db.payload_index_ready("wp_event_payload")
         with transaction.atomic():
             plan = explain(models.Outbox.objects.filter(search))
         assert "wp_outbox_payload" in plan, plan
