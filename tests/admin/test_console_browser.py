@@ -125,6 +125,7 @@ def test_the_overview_draws_its_charts_and_its_refresh_shows_new_completions(
     tmp_path: Path,
 ) -> None:
     _require_browser()
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
@@ -154,22 +155,31 @@ def test_the_overview_draws_its_charts_and_its_refresh_shows_new_completions(
     complete_new_work(2)
 
     browser.set_window_size(1500, 2300)
-    wait = WebDriverWait(browser, 30)
+    # the page's refresh replaces its parts: an element read as it does is tried again
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
     browser.get(f"{admin_server.url}/admin/login/?next=/admin/workpump/serviceinstance/console/")
     browser.find_element(By.NAME, "username").send_keys("admin")
     browser.find_element(By.NAME, "password").send_keys("admin-pw")
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
     wait.until(expected_conditions.presence_of_element_located((By.ID, "wp-console-live")))
 
-    charts = {
-        f.get_attribute("data-chart"): f for f in browser.find_elements(By.CSS_SELECTOR, "figure")
-    }
+    def charts(b: Any) -> dict[str, tuple[int, int]]:
+        """Each chart's lines and height, read in one go (a refresh mid-read: again)."""
+        return {
+            f.get_attribute("data-chart"): (
+                len(f.find_elements(By.CSS_SELECTOR, "svg polyline")),
+                f.find_element(By.TAG_NAME, "svg").size["height"],
+            )
+            for f in b.find_elements(By.CSS_SELECTOR, "figure")
+        }
+
+    drawn = wait.until(charts)
     assert {"throughput-hour", "throughput-day", "topics-done", "latency", "backlog",
-            "oldest", "instances", "heartbeats"} <= set(charts)  # fmt: skip
+            "oldest", "instances", "heartbeats"} <= set(drawn)  # fmt: skip
     for name in ("throughput-hour", "topics-done", "latency", "backlog", "heartbeats"):
-        lines = charts[name].find_elements(By.CSS_SELECTOR, "svg polyline")
+        lines, height = drawn[name]
         assert lines, f"{name} drew no line"
-        assert charts[name].find_element(By.TAG_NAME, "svg").size["height"] > 100
+        assert height > 100
 
     def done_of(topic: str) -> int | None:
         cells = browser.find_elements(
@@ -177,7 +187,7 @@ def test_the_overview_draws_its_charts_and_its_refresh_shows_new_completions(
         )
         return int(cells[0].text) if cells else None
 
-    assert done_of(LIVE_TOPIC) == 2
+    assert wait.until(lambda b: done_of(LIVE_TOPIC)) == 2
     save(browser, tmp_path, "console-overview.png")
 
     # New work completes: the page's refresh shows it, with no reload.
