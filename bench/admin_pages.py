@@ -86,10 +86,7 @@ WHERE o.outcome <> 'failed' OR (extract(epoch FROM m.minute)::bigint / 60 + t) %
     """
 INSERT INTO workpump_console_total (minute, outcome, instance_id, n, latency)
 SELECT c.minute, c.outcome, c.instance_id, sum(c.n),
-       CASE WHEN c.outcome = 'claimed' THEN ARRAY[
-           sum(c.latency[1]), sum(c.latency[2]), sum(c.latency[3]), sum(c.latency[4]),
-           sum(c.latency[5]), sum(c.latency[6]), sum(c.latency[7]), sum(c.latency[8]),
-           sum(c.latency[9]), sum(c.latency[10])]::integer[] END
+       workpump.console_latency_total(c.latency)
 FROM workpump_console_count c GROUP BY 1, 2, 3
 """,
     """

@@ -5191,6 +5191,12 @@ RETURN CASE
                FROM unnest(p_a, p_b) WITH ORDINALITY u(a, b, i)
                ORDER BY u.i) END;
 
+-- The sum of latency histograms, bucket by bucket (NULL: none had one).
+CREATE AGGREGATE workpump.console_latency_total(integer[]) (
+    SFUNC = workpump.console_latency_sum,
+    STYPE = integer[]
+);
+
 -- p_at, or now() where it is NULL or not finite: a stored time anyone with table access
 -- may have written ('infinity') counts at the minute of the change.
 CREATE FUNCTION workpump.console_finite(p_at timestamptz) RETURNS timestamptz
@@ -5281,10 +5287,7 @@ BEGIN
     -- the same summed over topics: the whole pump's charts read these few rows a minute
     INSERT INTO workpump_console_total AS t (minute, outcome, instance_id, n, latency)
     SELECT g.minute, g.outcome, g.instance_id, sum(g.n),
-           CASE WHEN g.outcome = 'claimed' THEN ARRAY[
-               sum(g.latency[1]), sum(g.latency[2]), sum(g.latency[3]), sum(g.latency[4]),
-               sum(g.latency[5]), sum(g.latency[6]), sum(g.latency[7]), sum(g.latency[8]),
-               sum(g.latency[9]), sum(g.latency[10])]::integer[] END
+           workpump.console_latency_total(g.latency)
     FROM grouped g
     GROUP BY 1, 2, 3
     ORDER BY 1, 2, 3
@@ -5361,10 +5364,7 @@ BEGIN
     END IF;
     INSERT INTO workpump_console_rollup AS r (minute, category, topic, outcome, n, latency)
     SELECT date_bin('10 minutes', c.minute, v_origin), c.category, c.topic, c.outcome, sum(c.n),
-           CASE WHEN c.outcome = 'claimed' THEN ARRAY[
-               sum(c.latency[1]), sum(c.latency[2]), sum(c.latency[3]), sum(c.latency[4]),
-               sum(c.latency[5]), sum(c.latency[6]), sum(c.latency[7]), sum(c.latency[8]),
-               sum(c.latency[9]), sum(c.latency[10])]::integer[] END
+           workpump.console_latency_total(c.latency)
     FROM workpump_console_count c
     WHERE c.minute >= v_from AND c.minute < v_to
     GROUP BY 1, 2, 3, 4

@@ -211,11 +211,12 @@ def test_schema_sql_is_what_the_migrations_build(scratch_database):
     assert not found, "\n".join([f"{DISAGREE}.", *found])
 
 
-# What schema.sql declares, by kind and name.
+# What schema.sql declares, by kind and name (an aggregate is a function in pg_proc).
 DECLARED = {
     # claim_{category} is a template define_claim builds once per category
     "function": re.compile(
-        r"^CREATE (?:OR REPLACE )?FUNCTION workpump\.(\w+(?:\{category\}\w*)?)\(", re.MULTILINE
+        r"^CREATE (?:OR REPLACE )?(?:FUNCTION|AGGREGATE) workpump\.(\w+(?:\{category\}\w*)?)\(",
+        re.MULTILINE,
     ),
     "type": re.compile(r"^CREATE TYPE workpump\.(\w+)\b", re.MULTILINE),
     "sequence": re.compile(r"^CREATE SEQUENCE workpump\.(\w+)\b", re.MULTILINE),
