@@ -60,15 +60,15 @@ def test_a_declared_concurrency_holds_in_the_running_pump(outbox_handler, pump):
 def test_a_pause_survives_a_restart_and_resume_runs_the_rows(outbox_handler, pump):
     seen: list[int] = []
     outbox_handler("flow.paused", lambda work: seen.append(work.payload["n"]))
-    for n in range(3):
-        workpump.send("flow.paused", {"n": n})
+    for n in range(3):  # one stream: the order they run in is the order they keep
+        workpump.send("flow.paused", {"n": n}, stream="paused-stream")
     workpump.pause(topic="flow.paused")
     assert drain(pump(drain=True)) == EXIT_OK  # a pump that starts: nothing to run
     assert seen == []
     assert list(models.Outbox.objects.values_list("attempts", flat=True)) == [0, 0, 0]
     statuses = {r.subject: r for r in flow.rules()}
     assert statuses["outbox flow.paused"].paused
-    assert statuses["outbox flow.paused"].waiting == 3
+    assert statuses["outbox flow.paused"].waiting == 1  # the head: the others queue behind it
 
     workpump.resume(topic="flow.paused")
     assert drain(pump(drain=True)) == EXIT_OK  # the next start runs them, in order

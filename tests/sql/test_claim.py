@@ -981,8 +981,10 @@ def test_claiming_only_the_named_categories():
 
 
 # --- claims on a connection of their own ---------------------------------------------------
+# Each on a scratch database migrated for it (a session's plans start empty): slow tests.
 
 
+@pytest.mark.slow  # a database of its own, built and dropped: 10 s
 @pytest.mark.django_db(transaction=True)
 def test_the_claims_are_planned_once_per_session_and_claim_every_shape(scratch_database):
     claims = ["claim_inbox", "claim_outbox", "claim_perspective_event", "claim_receptor"]
@@ -1034,6 +1036,7 @@ def test_the_claims_are_planned_once_per_session_and_claim_every_shape(scratch_d
     assert claims_in_one_session() == expected
 
 
+@pytest.mark.slow  # a database of its own, built and dropped: 10 s
 @pytest.mark.django_db(transaction=True)
 def test_claim_work_claims_and_refuses_in_order_of_calls(scratch_database):
     """The claims, has_more and refusals of a sequence of calls on the same rows, with the
@@ -1123,6 +1126,7 @@ def test_claim_work_claims_and_refuses_in_order_of_calls(scratch_database):
     assert evicted[1].startswith(f"claim_work refused instance {B}: it was evicted at ")
 
 
+@pytest.mark.slow  # a database of its own, built and dropped: 10 s
 @pytest.mark.django_db(transaction=True)
 def test_claim_work_leases_heads_and_runs_in_order_across_calls(scratch_database):
     """Plain rows, stream runs, dead heads, expired leases and peers over a sequence of
