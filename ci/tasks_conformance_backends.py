@@ -46,8 +46,8 @@ class StoredWorkPumpBackend(WorkPumpBackend):
     @property
     def results(self) -> list[Any]:
         """The results of this alias's task rows, oldest first."""
-        ids = self._rows().order_by("seq").values_list("message_id", flat=True)
-        return [self.get_result(str(message_id)) for message_id in ids]
+        ids = self._rows().order_by("seq").values_list("work_id", flat=True)
+        return [self.get_result(str(work_id)) for work_id in ids]
 
     def clear(self) -> None:
         """Delete this alias's task rows."""
@@ -57,5 +57,5 @@ class StoredWorkPumpBackend(WorkPumpBackend):
         from django_workpump.models import Inbox
 
         return Inbox.objects.using(setting("DATABASE_ALIAS")).filter(
-            handler_name__startswith=topic_of(self.alias, "")
+            topic__startswith=topic_of(self.alias, "")
         )
