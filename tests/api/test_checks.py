@@ -18,10 +18,9 @@ from django.test import override_settings
 from django_workpump.checks import validate_settings
 from django_workpump.conf import DEFAULTS
 
-# Django's SQLite backend, named after SQLite's major version: a database that is not
-# PostgreSQL and needs no server.
-SQLITE_MAJOR = 3
-SQLITE = {"ENGINE": f"django.db.backends.sqlite{SQLITE_MAJOR}", "NAME": ":memory:"}
+# A backend of another vendor that is never connected to: Django's placeholder for an
+# unconfigured database. The check reads the vendor, so any non-PostgreSQL one stands in.
+OTHER_DATABASE = {"ENGINE": "django.db.backends.dummy"}
 
 
 def check(**workpump: Any) -> list[CheckMessage]:
@@ -518,14 +517,14 @@ def test_database_alias_must_be_a_string():
 @pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
 def test_database_alias_must_be_postgresql():
     # The engine is a real backend, of another vendor: not merely a name that fails to import.
-    assert import_module(f"{SQLITE['ENGINE']}.base").DatabaseWrapper.vendor == "sqlite"
-    databases = {**settings.DATABASES, "legacy": SQLITE}
+    assert import_module(f"{OTHER_DATABASE['ENGINE']}.base").DatabaseWrapper.vendor == "unknown"
+    databases = {**settings.DATABASES, "legacy": OTHER_DATABASE}
     with override_settings(DATABASES=databases, WORKPUMP={"DATABASE_ALIAS": "legacy"}):
         messages = run_checks(tags=["workpump"])
     assert messages == [
         Error(
             "WORKPUMP['DATABASE_ALIAS'] ('legacy') must name a PostgreSQL database, "
-            f"not {SQLITE['ENGINE']!r}.",
+            f"not {OTHER_DATABASE['ENGINE']!r}.",
             hint=(
                 "Point DATABASE_ALIAS at a database whose ENGINE is "
                 "'django.db.backends.postgresql'."
@@ -536,8 +535,8 @@ def test_database_alias_must_be_postgresql():
 
 
 @pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
-def test_default_alias_on_sqlite_is_rejected_with_default_settings():
-    with override_settings(DATABASES={"default": SQLITE}, WORKPUMP={}):
+def test_default_alias_on_another_database_is_rejected_with_default_settings():
+    with override_settings(DATABASES={"default": OTHER_DATABASE}, WORKPUMP={}):
         messages = run_checks(tags=["workpump"])
     assert [m.id for m in messages] == ["workpump.E012"]
 
