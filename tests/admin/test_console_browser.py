@@ -225,31 +225,17 @@ def test_a_bulk_retry_from_a_search_result_changes_its_rows(
 
     now = scalar("SELECT now()")  # a payload search reads the last day's rows
     later = scalar("SELECT now() + interval '1 hour'")
-    waiting = [
-        factories.OutboxFactory(
-            topic="emails.welcome",
-            payload={"tenant": "acme", "n": n},
-            created_at=now,
-            scheduled_for=later,
-            attempts=2,
-            failure_reason="handler_error",
-        ).work_id
-        for n in range(3)
-    ]
-    other_tenant = factories.OutboxFactory(
-        topic="emails.welcome",
-        payload={"tenant": "globex"},
-        created_at=now,
-        scheduled_for=later,
-        attempts=2,
-    ).work_id
-    other_topic = factories.OutboxFactory(
-        topic="billing.invoice",
-        payload={"tenant": "acme"},
-        created_at=now,
-        scheduled_for=later,
-        attempts=2,
-    ).work_id
+
+    def retrying(topic: str, payload: dict[str, Any]) -> uuid.UUID:
+        """A row waiting an hour for its retry, created now (a payload search reads it)."""
+        row = factories.OutboxFactory(
+            topic=topic, payload=payload, created_at=now, scheduled_for=later, attempts=2
+        )
+        return row.work_id  # type: ignore[no-any-return]
+
+    waiting = [retrying("emails.welcome", {"tenant": "acme", "n": n}) for n in range(3)]
+    other_tenant = retrying("emails.welcome", {"tenant": "globex"})
+    other_topic = retrying("billing.invoice", {"tenant": "acme"})
     User.objects.create_superuser("bulk", "bulk@example.com", "bulk-pw")
 
     browser.set_window_size(1300, 640)
