@@ -66,9 +66,9 @@ DETAIL = "detail"  # the change page of the newest pending row, found after each
 PAYLOAD, NEWEST_TOPIC = "payload", {"topic": "newest"}
 CONSOLE = "/admin/workpump/serviceinstance/console/"
 # The console's series: SERIES_DAYS of minutes for SERIES_TOPICS topics on two instances,
-# every topic claimed and done each minute, failing one minute in ten (the counters, and
-# the totals the counting trigger writes beside them); then folded into the rollup by
-# the sampler's own function, 6 hours a call, as a pump catching up would.
+# every topic claimed and done each minute, failing one minute in ten (the counters); then
+# folded into the rollup and the totals by the sampler's own function, 6 hours a call, as
+# a pump catching up would.
 SERIES_TOPICS, SERIES_DAYS = 200, 7
 SERIES_SQL = [
     """
@@ -82,12 +82,6 @@ CROSS JOIN (VALUES ('claimed'), ('done'), ('failed')) o(outcome)
 CROSS JOIN (VALUES ('00000000-0000-0000-0000-0000000000a1'::uuid),
                    ('00000000-0000-0000-0000-0000000000a2'::uuid)) i(id)
 WHERE o.outcome <> 'failed' OR (extract(epoch FROM m.minute)::bigint / 60 + t) %% 10 = 0
-""",
-    """
-INSERT INTO workpump_console_total (minute, outcome, instance_id, n, latency)
-SELECT c.minute, c.outcome, c.instance_id, sum(c.n),
-       workpump.console_latency_total(c.latency)
-FROM workpump_console_count c GROUP BY 1, 2, 3
 """,
     """
 INSERT INTO workpump_console_backlog

@@ -35,7 +35,9 @@ class ConsoleCount(models.Model):
 
 class ConsoleTotal(models.Model):
     """ConsoleCount summed over categories and topics: per minute, outcome and instance,
-    so the console's whole-pump charts read a few rows a minute, not one per topic."""
+    so the console's whole-pump charts read a few rows a minute, not one per topic. Folded
+    by the sampler once a 10-minute bucket is complete; ``workpump.console_totals`` reads
+    the counters after it."""
 
     pk = models.CompositePrimaryKey("minute", "outcome", "instance_id")
     minute = models.DateTimeField()

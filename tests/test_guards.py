@@ -36,9 +36,7 @@ SQL_DIR = PACKAGE / "sql"
 NO_SEARCH_PATH = {
     "console_latency_bounds",  # inlined into the console's counting trigger
     "console_finite",  # likewise
-    "console_latency_sum",  # adds two histograms, in the trigger's upserts
-    "any_topic_chosen",  # inlined into claim_work
-    "claim_topics",  # likewise
+    "console_latency_sum",  # adds two histograms: console_latency_total's step
     "partition_of",
     "lock_namespace",
     "lock_stream",
@@ -48,7 +46,6 @@ NO_SEARCH_PATH = {
     "attempt_logs_cte",  # builds text; the statement that runs it has the caller's path
     "outcome_of",  # a CASE over its arguments (the ended trigger's)
     "flow_tokens",  # a token bucket's arithmetic, inlined into the flow pass
-    "unpaused_topics",  # inlined into claim_work
 }
 
 TIME_DEPENDENT = {

@@ -43,9 +43,7 @@ ORDER BY 1, 2
 -- totals).
 SELECT date_bin(make_interval(mins => %(step)s), c.minute, '2000-01-01 00:00:00+00') AS minute,
        c.outcome, sum(c.n)::bigint AS n
-FROM workpump_console_total c
-WHERE c.minute >= %(since)s AND c.minute <= %(until)s AND isfinite(c.minute)
-  AND (%(instance_id)s::uuid IS NULL OR c.instance_id = %(instance_id)s)
+FROM workpump.console_totals(%(since)s, %(until)s, %(instance_id)s::uuid) c
 GROUP BY 1, 2
 ORDER BY 1, 2
 
@@ -86,11 +84,9 @@ ORDER BY 1, 2
 -- until], of every topic.
 SELECT date_bin(make_interval(mins => %(step)s), c.minute, '2000-01-01 00:00:00+00') AS minute,
        u.bucket::integer AS bucket, sum(u.rows)::bigint AS n
-FROM workpump_console_total c
+FROM workpump.console_totals(%(since)s, %(until)s, %(instance_id)s::uuid) c
 CROSS JOIN LATERAL unnest(c.latency) WITH ORDINALITY AS u(rows, bucket)
-WHERE c.minute >= %(since)s AND c.minute <= %(until)s AND isfinite(c.minute)
-  AND c.outcome = 'claimed'
-  AND (%(instance_id)s::uuid IS NULL OR c.instance_id = %(instance_id)s)
+WHERE c.outcome = 'claimed'
 GROUP BY 1, 2
 ORDER BY 1, 2
 

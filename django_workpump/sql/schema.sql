@@ -24,11 +24,13 @@ CREATE SCHEMA workpump;
 -- The second half of each instance's alive-lock key, drawn when it registers.
 CREATE SEQUENCE workpump.alive_lock_key_seq AS integer MINVALUE 1 CYCLE;
 
--- Round-robin start of claim_work's category loop, so a small budget starves none.
 -- One category a claim takes rows of, with the topics and topic prefixes chosen of it
--- (claim_work).
-CREATE TYPE workpump.topic_choice AS (category text, topics text[], prefixes text[]);
+-- and its paused topics (NULL: none) (claim_work).
+CREATE TYPE workpump.topic_choice AS (
+    category text, topics text[], prefixes text[], paused text[]
+);
 
+-- Round-robin start of claim_work's category loop, so a small budget starves none.
 CREATE SEQUENCE workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 CYCLE;
 
 -- --------------------------------------------------------------------------------------
@@ -2442,6 +2444,12 @@ DECLARE
                     'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
                     || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
                 ELSE t.last_error END$lease$;
+    -- a flow-controlled stream head (of a row t) that may be leased at v_now (the _flow
+    -- index's predicate and more)
+    v_flow_due text := $due$t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+          AND t.flow_controlled
+          AND (t.instance_id IS NULL OR t.lease_expiry <= v_now)
+          AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)$due$;
     -- what a leased row reports (then: its pass and last_error, or its run's head)
     v_leased_columns text := $columns$t.seq, t.work_id AS work_id, t.topic AS topic,
                   {t.payload} AS payload, t.stream, {t.scope} AS scope,
@@ -2450,13 +2458,15 @@ DECLARE
                   t.dead_lettered_at IS NOT NULL AS dead, t.headers,
                   t.created_at, c.due_at, t.checkpoint$columns$;
     -- whether claim_<category>'s fast passes would find anything: a ready row or a due
-    -- timer, not flow-controlled, of the topics chosen (flow_ready_<category> answers for
-    -- the flow pass). The ORDER BY of each probe is its index's order: it keeps the planner
-    -- on the partial index (an EXISTS may be planned as a scan of the whole table).
+    -- timer, not flow-controlled, of the topics chosen; with p_flow, or a due flow-
+    -- controlled head (flow_ready_<category>, which alone answers for the flow pass).
+    -- The ORDER BY of each probe is its index's order: it keeps the planner on the
+    -- partial index (an EXISTS may be planned as a scan of the whole table).
     v_probe text := $template$
 CREATE OR REPLACE FUNCTION workpump.claimable_{category}(
     p_topics text[],
     p_topic_prefixes text[],
+    p_flow boolean,
     p_now timestamptz
 ) RETURNS boolean
 LANGUAGE plpgsql STABLE
@@ -2464,7 +2474,8 @@ SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
-    RETURN (SELECT 1 FROM {table} t
+    RETURN (p_flow AND workpump.flow_ready_{category}(p_topics, p_topic_prefixes, p_now))
+        OR (SELECT 1 FROM {table} t
             WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
               AND (p_topics IS NULL OR t.topic = ANY (p_topics)
@@ -2482,21 +2493,26 @@ END
 $$;
 $template$;
     -- whether a flow-controlled head of these topics is due: claim_work's probe of a
-    -- category's flow rows, and the claim's guard of its flow pass (the _flow index)
+    -- category's flow rows, and the claim's guard of its flow pass (the _flow index).
+    -- PL/pgSQL, so its plan is kept: it runs in every claim, and a SQL function of its
+    -- own would be planned anew each time.
     v_flow_ready text := $template$
 CREATE OR REPLACE FUNCTION workpump.flow_ready_{category}(
     p_topics text[], p_topic_prefixes text[], p_now timestamptz
 ) RETURNS boolean
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
 AS $$
-SELECT EXISTS (
-    SELECT 1 FROM {table} t
-    WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head AND t.flow_controlled
-      AND (t.instance_id IS NULL OR t.lease_expiry <= p_now)
-      AND (t.scheduled_for IS NULL OR t.scheduled_for <= p_now)
-      AND (p_topics IS NULL OR t.topic = ANY (p_topics) OR t.topic ^@ ANY (p_topic_prefixes))
-)
+DECLARE
+    v_now timestamptz := p_now;
+BEGIN
+    RETURN EXISTS (
+        SELECT 1 FROM {table} t
+        WHERE {flow_due}
+          AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+               OR t.topic ^@ ANY (p_topic_prefixes)));
+END
 $$;
 $template$;
     -- The flow pass: leases up to p_limit flow-controlled heads, each group (topic,
@@ -2532,14 +2548,14 @@ BEGIN
     WITH RECURSIVE g AS (
         (SELECT t.topic AS topic, t.concurrency_key AS ckey, t.fairness_key AS fkey
          FROM {table} t
-         WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head AND t.flow_controlled AND (t.instance_id IS NULL OR t.lease_expiry <= v_now) AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)
+         WHERE {flow_due}
          ORDER BY t.topic, t.concurrency_key, t.fairness_key LIMIT 1)
         UNION ALL
         SELECT n.topic, n.ckey, n.fkey
         FROM g CROSS JOIN LATERAL (
             SELECT t.topic AS topic, t.concurrency_key AS ckey, t.fairness_key AS fkey
             FROM {table} t
-            WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head AND t.flow_controlled AND (t.instance_id IS NULL OR t.lease_expiry <= v_now) AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)
+            WHERE {flow_due}
               AND (t.topic, t.concurrency_key, t.fairness_key) > (g.topic, g.ckey, g.fkey)
             ORDER BY t.topic, t.concurrency_key, t.fairness_key LIMIT 1
         ) n
@@ -2634,7 +2650,7 @@ BEGIN
                    t.concurrency_key AS ckey, t.fairness_key AS fkey,
                    coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM {table} t
-            WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head AND t.flow_controlled AND (t.instance_id IS NULL OR t.lease_expiry <= v_now) AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)
+            WHERE {flow_due}
               AND t.topic = a.topic AND t.concurrency_key = a.ckey
               AND t.fairness_key = a.fkey
             ORDER BY t.priority DESC, t.seq
@@ -2766,9 +2782,12 @@ BEGIN
     -- The flow pass first (flow_claim_{category}), when a flow-controlled head of these
     -- topics is due: it takes rows within their limits, and half the budget at most
     -- while the fast passes have work too, so neither kind starves the other.
-    IF workpump.flow_ready_{category}(p_topics, p_topic_prefixes, v_now) THEN
+    IF EXISTS (SELECT 1 FROM {table} t  -- flow_ready_{category}, inline: no call per claim
+               WHERE {flow_due}
+                 AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+                      OR t.topic ^@ ANY (p_topic_prefixes))) THEN
         IF p_limit > 1
-           AND workpump.claimable_{category}(p_topics, p_topic_prefixes, v_now) THEN
+           AND workpump.claimable_{category}(p_topics, p_topic_prefixes, false, v_now) THEN
             v_limit := ceil(p_limit / 2.0)::integer;
         END IF;
         v_flow := ARRAY(SELECT f FROM workpump.flow_claim_{category}(
@@ -2883,15 +2902,17 @@ BEGIN
     -- Parked rows come first, without a lease token and with the last_error they were
     -- parked with: claim_work passes them on to a caller that asks, to log them. Then
     -- the flow pass's leased rows (heads of runs of one), then the others.
-    v_parked := ARRAY(SELECT f FROM unnest(v_flow) f WHERE f.lease_token IS NULL)
-                || coalesce(v_parked, '{}');
-    IF cardinality(v_parked) > 0 THEN
+    IF cardinality(v_flow) > 0 THEN
+        v_parked := ARRAY(SELECT f FROM unnest(v_flow) f WHERE f.lease_token IS NULL)
+                    || coalesce(v_parked, '{}');
+    END IF;
+    IF v_parked IS NOT NULL THEN
         -- they ended: wake their waiters (workpump.wait)
         PERFORM workpump.notify_ended(ARRAY(SELECT p.work_id FROM unnest(v_parked) p));
+        FOREACH v_head IN ARRAY v_parked LOOP
+            RETURN NEXT v_head;
+        END LOOP;
     END IF;
-    FOREACH v_head IN ARRAY v_parked LOOP
-        RETURN NEXT v_head;
-    END LOOP;
     FOREACH v_head IN ARRAY v_flow LOOP
         IF v_head.lease_token IS NOT NULL THEN
             RETURN NEXT v_head;
@@ -3022,6 +3043,7 @@ BEGIN
     -- flow control (docs/flow-control.md): its probe and its pass, built alike
     v_claim := v_claim || v_flow_ready || v_flow_claim;
     v_claim := replace(v_claim, '{lease_set}', v_lease_set);
+    v_claim := replace(v_claim, '{flow_due}', v_flow_due);
     v_claim := replace(v_claim, '{leased_columns}', v_leased_columns);
     FOREACH v_alias IN ARRAY ARRAY['c', 'r'] LOOP
         v_claim := replace(v_claim, '{' || v_alias || '.payload}',
@@ -3056,47 +3078,6 @@ $define$;
 
 SELECT workpump.define_claim(category)
 FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']) category;
-
--- The topics of p_category that p_topics names (NULL: every topic). p_topics maps each
--- category to the topics the claimer has handlers for; a category it leaves out, or maps
--- to an empty list, has none. What is not a string is skipped, so that reading a
--- malformed object cannot fail before claim_work reports it. No search_path of its own:
--- PostgreSQL inlines it.
-CREATE FUNCTION workpump.claim_topics(p_topics jsonb, p_category text) RETURNS text[]
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-RETURN CASE WHEN p_topics IS NULL THEN NULL
-            WHEN jsonb_typeof(p_topics -> p_category) = 'array'
-            THEN ARRAY(SELECT v #>> '{}' FROM jsonb_array_elements(p_topics -> p_category) v
-                       WHERE jsonb_typeof(v) = 'string')
-            ELSE '{}'::text[]
-       END;
-
--- Flow control (docs/flow-control.md): the paused topics of p_category (NULL: none),
--- which the claims leave out whatever their flags; whether p_category is paused; and
--- p_topics (NULL: every topic) without p_paused.
-CREATE FUNCTION workpump.paused_topics(p_category text) RETURNS text[]
-LANGUAGE sql STABLE PARALLEL SAFE
-SET search_path FROM CURRENT
-RETURN (SELECT array_agg(r.name ORDER BY r.name) FROM workpump_flow_rule r
-        WHERE r.paused AND r.kind = 'topic' AND r.category = p_category);
-
-CREATE FUNCTION workpump.category_paused(p_category text) RETURNS boolean
-LANGUAGE sql STABLE PARALLEL SAFE
-SET search_path FROM CURRENT
-RETURN EXISTS (SELECT 1 FROM workpump_flow_rule r
-               WHERE r.paused AND r.kind = 'category' AND r.category = p_category);
-
-CREATE FUNCTION workpump.unpaused_topics(p_topics text[], p_paused text[]) RETURNS text[]
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-RETURN CASE WHEN p_topics IS NULL OR p_paused IS NULL THEN p_topics
-            ELSE ARRAY(SELECT t FROM unnest(p_topics) t WHERE t <> ALL (p_paused)) END;
-
--- Whether a claim of these topics (NULL: every topic) and topic prefixes (NULL: none) can
--- find anything: false only for an empty choice, so claim_work skips the category's probes.
--- No search_path of its own: PostgreSQL inlines it.
-CREATE FUNCTION workpump.any_topic_chosen(p_topics text[], p_topic_prefixes text[]) RETURNS boolean
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-RETURN p_topics IS NULL OR cardinality(p_topics) + coalesce(cardinality(p_topic_prefixes), 0) > 0;
 
 -- Lease up to p_max_rows claimable rows of the given categories (all when NULL) and of
 -- the topics p_topics names (all when NULL; e.g. '{"outbox": ["emails.welcome"],
@@ -3234,18 +3215,40 @@ BEGIN
                                OR jsonb_typeof(e.value) <> 'array'
                                OR EXISTS (SELECT 1 FROM jsonb_array_elements(e.value) v
                                           WHERE jsonb_typeof(v) <> 'string' OR v #>> '{}' = ''))),
-        (SELECT coalesce(array_agg(ROW(c.category, c.topics, c.prefixes)::workpump.topic_choice
-                                   ORDER BY c.position), '{}')
-         FROM (SELECT u.category, u.position,
-                      -- flow control: a paused topic leaves the list at once
-                      workpump.unpaused_topics(workpump.claim_topics(p_topics, u.category),
-                                               workpump.paused_topics(u.category)) AS topics,
-                      workpump.claim_topics(p_topic_prefixes, u.category) AS prefixes
+        (SELECT coalesce(array_agg(ROW(c.category, c.topics, c.prefixes, c.paused)
+                                   ::workpump.topic_choice ORDER BY c.position), '{}')
+         FROM (SELECT u.category, u.position, x.paused,
+                      -- the topics chosen of the category (NULL: every topic), less its
+                      -- paused ones (flow control: a paused topic leaves the list at once)
+                      CASE WHEN p_topics IS NULL THEN NULL
+                           WHEN jsonb_typeof(p_topics -> u.category) = 'array' THEN
+                               ARRAY(SELECT v #>> '{}'
+                                     FROM jsonb_array_elements(p_topics -> u.category) v
+                                     WHERE jsonb_typeof(v) = 'string'
+                                       AND (x.paused IS NULL
+                                            OR v #>> '{}' <> ALL (x.paused)))
+                           ELSE '{}' END AS topics,
+                      CASE WHEN p_topic_prefixes IS NULL THEN NULL
+                           WHEN jsonb_typeof(p_topic_prefixes -> u.category) = 'array' THEN
+                               ARRAY(SELECT v #>> '{}'
+                                     FROM jsonb_array_elements(p_topic_prefixes -> u.category) v
+                                     WHERE jsonb_typeof(v) = 'string')
+                           ELSE '{}' END AS prefixes
                FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor'])
                     WITH ORDINALITY u(category, position)
-               WHERE u.category = ANY (v_categories)
-                 AND NOT workpump.category_paused(u.category)) c
-         WHERE workpump.any_topic_chosen(c.topics, c.prefixes)),
+               -- its paused topics; a paused category is not claimed at all
+               CROSS JOIN LATERAL (
+                   SELECT array_agg(r.name ORDER BY r.name) FILTER (WHERE r.kind = 'topic'),
+                          bool_or(r.kind = 'category')
+                   FROM workpump_flow_rule r
+                   WHERE r.paused AND r.category = u.category
+                     AND r.kind IN ('topic', 'category')) x(paused, category_paused)
+               WHERE u.category = ANY (v_categories) AND x.category_paused IS NOT TRUE
+               OFFSET 0) c  -- each category's lists built once, not once per use below
+         -- expressions, not functions: a SQL function with a subquery is not inlined,
+         -- and would be planned anew on every claim
+         WHERE c.topics IS NULL
+            OR cardinality(c.topics) + coalesce(cardinality(c.prefixes), 0) > 0),
         EXISTS (SELECT 1 FROM workpump_eviction e WHERE e.instance_id = p_instance_id),
         live.registered, live.live_count, live.rank
     INTO v_topics_valid, v_prefixes_valid, v_chosen, v_evicted, v_registered, v_live_count,
@@ -3279,25 +3282,23 @@ BEGIN
         -- statement to every claim that has work.
         v_with_work := v_chosen;
     ELSIF cardinality(v_chosen) > 1 THEN
-        -- Per-category guards (claimable_<category>: two index probes, ready rows and due
-        -- timers, of the topics the claimer can run; flow_ready_<category>: a due
-        -- flow-controlled head), so the budget goes to the categories with work.
+        -- Per-category guards (claimable_<category>: three index probes, ready rows, due
+        -- timers and due flow-controlled heads, of the topics the claimer can run), so
+        -- the budget goes to the categories with work.
         FOREACH v_choice IN ARRAY v_chosen LOOP
             IF (CASE v_choice.category
                     WHEN 'outbox' THEN
-                        workpump.claimable_outbox(v_choice.topics, v_choice.prefixes, v_now)
-                        OR workpump.flow_ready_outbox(v_choice.topics, v_choice.prefixes, v_now)
+                        workpump.claimable_outbox(v_choice.topics, v_choice.prefixes, true,
+                                                  v_now)
                     WHEN 'inbox' THEN
-                        workpump.claimable_inbox(v_choice.topics, v_choice.prefixes, v_now)
-                        OR workpump.flow_ready_inbox(v_choice.topics, v_choice.prefixes, v_now)
+                        workpump.claimable_inbox(v_choice.topics, v_choice.prefixes, true,
+                                                 v_now)
                     WHEN 'perspective_event' THEN
                         workpump.claimable_perspective_event(
-                            v_choice.topics, v_choice.prefixes, v_now)
-                        OR workpump.flow_ready_perspective_event(
-                            v_choice.topics, v_choice.prefixes, v_now)
+                            v_choice.topics, v_choice.prefixes, true, v_now)
                     ELSE
-                        workpump.claimable_receptor(v_choice.topics, v_choice.prefixes, v_now)
-                        OR workpump.flow_ready_receptor(v_choice.topics, v_choice.prefixes, v_now)
+                        workpump.claimable_receptor(v_choice.topics, v_choice.prefixes, true,
+                                                    v_now)
                 END) THEN
                 v_with_work := v_with_work || v_choice;
             END IF;
@@ -3333,25 +3334,25 @@ BEGIN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_outbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
                     v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
-                    workpump.paused_topics(v_choice.category), v_now) w
+                    v_choice.paused, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_choice.category = 'inbox' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_inbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
                     v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
-                    workpump.paused_topics(v_choice.category), v_now) w
+                    v_choice.paused, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_choice.category = 'perspective_event' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_perspective_event(p_instance_id, v_quota, p_lease_seconds,
                     v_rank, v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
-                    workpump.paused_topics(v_choice.category), v_now) w
+                    v_choice.paused, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSE
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_receptor(p_instance_id, v_quota, p_lease_seconds, v_rank,
                     v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
-                    workpump.paused_topics(v_choice.category), v_now) w
+                    v_choice.paused, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             END IF;
             GET DIAGNOSTICS v_count = ROW_COUNT;
@@ -5166,13 +5167,17 @@ $$;
 -- the models ConsoleCount, ConsoleTotal, ConsoleRollup, ConsoleBacklog, ConsoleInstance
 -- and ConsoleSample, written and purged only by the functions below.
 --
--- Counters (workpump_console_count per topic; workpump_console_total, the same summed
--- over topics, for the whole pump's charts) are written by a statement-level trigger on
--- each work table: one statement of two upserts per UPDATE statement (a claim, a flush of
--- outcomes, a renewal, an operator's action), never one per row, in the transaction of the change
--- itself, so a rolled-back flush counts nothing and a restart cannot count twice. Each
--- instance writes counter rows of its own (instance_id is in both keys), so peers never
--- wait on each other's. Gauges (backlog and oldest pending age per topic, instances with
+-- Counters (workpump_console_count, per minute, topic, outcome and instance) are written
+-- by a statement-level trigger on each work table: one upsert per UPDATE statement (a
+-- claim, a flush of outcomes, a renewal, an operator's action), never one per row, in the
+-- transaction of the change itself, so a rolled-back flush counts nothing and a restart
+-- cannot count twice. Each instance writes counter rows of its own (instance_id is in
+-- the key), so peers never wait on each other's. The sampler folds complete 10-minute
+-- buckets (console_fold) into the rollup (per topic, 10 minutes a row) and into
+-- workpump_console_total (summed over topics, a minute a row, for the whole pump's
+-- charts); the readers (console_counts, console_totals) take the counters after the fold.
+-- The totals are not a second upsert in the trigger: on a one-row claim that doubled the
+-- counting's cost, which the pickup latency pays. Gauges (backlog and oldest pending age per topic, instances with
 -- their heartbeat age and in-flight rows) are sampled once a minute by the maintenance
 -- worker (console_sample).
 
@@ -5181,7 +5186,9 @@ CREATE FUNCTION workpump.console_latency_bounds() RETURNS double precision[]
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 RETURN '{0.1,0.5,1,2,5,10,30,60,300}'::double precision[];
 
--- Two latency histograms added bucket by bucket (NULL: none yet).
+-- Two latency histograms added bucket by bucket (NULL: none yet): the step of
+-- console_latency_total. The counting trigger writes the same sum inline: a SQL function
+-- with a subquery is not inlined, and would be planned anew on every claim and flush.
 CREATE FUNCTION workpump.console_latency_sum(p_a integer[], p_b integer[]) RETURNS integer[]
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 RETURN CASE
@@ -5220,46 +5227,41 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM console_new) THEN
         RETURN NULL;
     END IF;
-    WITH pairs AS (
-        SELECT coalesce(n.topic, '') AS topic,
-               o.instance_id AS old_holder, n.instance_id AS new_holder,
-               o.lease_token AS old_token, n.lease_token AS new_token,
-               o.attempts AS old_attempts, n.attempts AS new_attempts,
-               o.lease_renewals AS old_renewals, n.lease_renewals AS new_renewals,
-               o.done_at AS old_done, n.done_at AS new_done, n.end_state,
-               o.dead_lettered_at AS old_dead, n.dead_lettered_at AS new_dead,
-               n.claimed_at, coalesce(o.lease_expiry, o.scheduled_for, o.created_at) AS due_at
-        FROM console_old o JOIN console_new n ON n.seq = o.seq
-    ), events AS (
-        SELECT p.topic, coalesce(p.old_holder, '00000000-0000-0000-0000-000000000000') AS instance_id,
-               e.outcome,
-               workpump.console_finite(CASE
-                   WHEN e.outcome = 'dead' THEN p.new_dead
-                   WHEN e.outcome IN ('done', 'cancelled', 'discarded') THEN p.new_done
-                   END) AS at,
-               NULL::double precision AS latency
-        FROM pairs p CROSS JOIN LATERAL (SELECT CASE
-            WHEN p.old_done IS NULL AND p.new_done IS NOT NULL THEN coalesce(p.end_state, 'done')
-            WHEN p.old_dead IS NULL AND p.new_dead IS NOT NULL THEN 'dead'
-            WHEN p.old_holder IS NOT NULL AND p.new_holder IS NULL THEN
-                CASE WHEN p.new_attempts < p.old_attempts THEN 'released'
-                     WHEN p.claimed_at IS NULL THEN 'failed'  -- fail_work ends the attempt
+    -- one pass over the changed rows: each gives up to two events, what became of the
+    -- attempt it had (if anything did) and a claim (a new lease token)
+    WITH events AS (
+        SELECT coalesce(n.topic, '') AS topic, e.instance_id, e.outcome,
+               workpump.console_finite(e.at) AS at,
+               -- bucket b holds [bounds[b - 1], bounds[b]): 1 to 10 for the 9 bounds
+               width_bucket(e.latency, workpump.console_latency_bounds()) + 1 AS b
+        FROM console_old o
+        JOIN console_new n ON n.seq = o.seq
+        CROSS JOIN LATERAL (SELECT CASE
+            WHEN o.done_at IS NULL AND n.done_at IS NOT NULL THEN coalesce(n.end_state, 'done')
+            WHEN o.dead_lettered_at IS NULL AND n.dead_lettered_at IS NOT NULL THEN 'dead'
+            WHEN o.instance_id IS NOT NULL AND n.instance_id IS NULL THEN
+                CASE WHEN n.attempts < o.attempts THEN 'released'
+                     WHEN n.claimed_at IS NULL THEN 'failed'  -- fail_work ends the attempt
                      ELSE 'orphaned' END                      -- the attempt stays open
-            WHEN p.old_holder IS NOT NULL AND p.new_token IS DISTINCT FROM p.old_token THEN 'expired'
-            WHEN p.new_token = p.old_token AND p.new_renewals > p.old_renewals THEN 'renewed'
-            END AS outcome) e
+            WHEN o.instance_id IS NOT NULL AND n.lease_token IS DISTINCT FROM o.lease_token
+                THEN 'expired'
+            WHEN n.lease_token = o.lease_token AND n.lease_renewals > o.lease_renewals
+                THEN 'renewed'
+            END AS ended,
+            coalesce(o.lease_expiry, o.scheduled_for, o.created_at) AS due_at) x
+        CROSS JOIN LATERAL (VALUES
+            (coalesce(o.instance_id, '00000000-0000-0000-0000-000000000000'), x.ended,
+             CASE WHEN x.ended = 'dead' THEN n.dead_lettered_at
+                  WHEN x.ended IN ('done', 'cancelled', 'discarded') THEN n.done_at END,
+             NULL::double precision),
+            (n.instance_id,
+             CASE WHEN n.instance_id IS NOT NULL AND n.lease_token IS NOT NULL
+                       AND n.lease_token IS DISTINCT FROM o.lease_token THEN 'claimed' END,
+             n.claimed_at,
+             CASE WHEN isfinite(x.due_at) THEN greatest(extract(epoch FROM
+                 workpump.console_finite(n.claimed_at) - x.due_at), 0) END)
+        ) e(instance_id, outcome, at, latency)
         WHERE e.outcome IS NOT NULL
-        UNION ALL
-        SELECT p.topic, p.new_holder, 'claimed', workpump.console_finite(p.claimed_at),
-               CASE WHEN isfinite(p.due_at) THEN greatest(extract(epoch FROM
-                   workpump.console_finite(p.claimed_at) - p.due_at), 0) END
-        FROM pairs p
-        WHERE p.new_holder IS NOT NULL AND p.new_token IS NOT NULL
-          AND p.new_token IS DISTINCT FROM p.old_token
-    ), bucketed AS (
-        -- bucket b holds [bounds[b - 1], bounds[b]): 1 to 10 for the 9 bounds
-        SELECT e.*, width_bucket(e.latency, workpump.console_latency_bounds()) + 1 AS b
-        FROM events e
     ), grouped AS (
         -- the statement's counts per minute, topic, outcome and instance
         SELECT date_trunc('minute', e.at) AS minute, e.topic, e.outcome, e.instance_id,
@@ -5271,29 +5273,23 @@ BEGIN
                    count(*) FILTER (WHERE e.b = 7), count(*) FILTER (WHERE e.b = 8),
                    count(*) FILTER (WHERE e.b = 9), count(*) FILTER (WHERE e.b = 10)]::integer[]
                END AS latency
-        FROM bucketed e
+        FROM events e
         GROUP BY 1, 2, 3, 4
-    ), counted AS (
-        -- per topic; rows locked in one order by every writer (then the totals, below)
-        INSERT INTO workpump_console_count AS c
-            (minute, category, topic, outcome, instance_id, n, latency)
-        SELECT g.minute, TG_ARGV[0], g.topic, g.outcome, g.instance_id, g.n, g.latency
-        FROM grouped g
-        ORDER BY 1, 3, 4, 5
-        ON CONFLICT (minute, category, topic, outcome, instance_id) DO UPDATE
-        SET n = c.n + excluded.n,
-            latency = workpump.console_latency_sum(c.latency, excluded.latency)
     )
-    -- the same summed over topics: the whole pump's charts read these few rows a minute
-    INSERT INTO workpump_console_total AS t (minute, outcome, instance_id, n, latency)
-    SELECT g.minute, g.outcome, g.instance_id, sum(g.n),
-           workpump.console_latency_total(g.latency)
+    -- rows locked in one order by every writer
+    INSERT INTO workpump_console_count AS c
+        (minute, category, topic, outcome, instance_id, n, latency)
+    SELECT g.minute, TG_ARGV[0], g.topic, g.outcome, g.instance_id, g.n, g.latency
     FROM grouped g
-    GROUP BY 1, 2, 3
-    ORDER BY 1, 2, 3
-    ON CONFLICT (minute, outcome, instance_id) DO UPDATE
-    SET n = t.n + excluded.n,
-        latency = workpump.console_latency_sum(t.latency, excluded.latency);
+    ORDER BY 1, 3, 4, 5
+    ON CONFLICT (minute, category, topic, outcome, instance_id) DO UPDATE
+    SET n = c.n + excluded.n,
+        latency = CASE WHEN excluded.latency IS NULL THEN c.latency
+                       WHEN c.latency IS NULL THEN excluded.latency
+                       ELSE ARRAY(SELECT coalesce(u.a, 0) + coalesce(u.b, 0)
+                                  FROM unnest(c.latency, excluded.latency)
+                                       WITH ORDINALITY u(a, b, i)
+                                  ORDER BY u.i) END;
     RETURN NULL;
 END
 $$;
@@ -5336,7 +5332,7 @@ END
 $$;
 
 -- Fold the counters of complete 10-minute buckets into workpump_console_rollup (summed
--- over instances), from where the last fold stopped up to the bucket that ended 2
+-- over instances) and into workpump_console_total (summed over topics), from where the last fold stopped up to the bucket that ended 2
 -- minutes before p_now (a grace for flushes that commit after their minute), at most 6
 -- hours a call so a long gap catches up over several samples. Returns where it stopped:
 -- the rollup holds every bucket before it. Refolding a bucket replaces its sums.
@@ -5370,6 +5366,14 @@ BEGIN
     GROUP BY 1, 2, 3, 4
     ON CONFLICT (minute, category, topic, outcome) DO UPDATE
     SET n = excluded.n, latency = excluded.latency;
+    INSERT INTO workpump_console_total AS t (minute, outcome, instance_id, n, latency)
+    SELECT c.minute, c.outcome, c.instance_id, sum(c.n),
+           workpump.console_latency_total(c.latency)
+    FROM workpump_console_count c
+    WHERE c.minute >= v_from AND c.minute < v_to
+    GROUP BY 1, 2, 3
+    ON CONFLICT (minute, outcome, instance_id) DO UPDATE
+    SET n = excluded.n, latency = excluded.latency;
     RETURN v_to;
 END
 $$;
@@ -5402,6 +5406,33 @@ AS $$
     FROM workpump_console_count c, folded f
     WHERE c.minute >= p_since AND c.minute >= f.until AND c.minute <= p_until
       AND isfinite(c.minute)
+$$;
+
+-- The whole pump's counters in [p_since, p_until], a row per minute, outcome and
+-- instance (of p_instance_id alone unless NULL): the totals where they have been folded,
+-- the counters after (callers sum). A minute that is not finite is left out.
+CREATE FUNCTION workpump.console_totals(
+    p_since timestamptz, p_until timestamptz, p_instance_id uuid DEFAULT NULL
+) RETURNS TABLE (minute timestamptz, outcome text, instance_id uuid, n bigint,
+                 latency integer[])
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    WITH folded AS (
+        SELECT coalesce((SELECT s.folded_until FROM workpump_console_sample s
+                         WHERE s.folded_until IS NOT NULL AND isfinite(s.folded_until)
+                         ORDER BY s.minute DESC LIMIT 1), '-infinity') AS until
+    )
+    SELECT t.minute, t.outcome, t.instance_id, t.n, t.latency
+    FROM workpump_console_total t, folded f
+    WHERE t.minute >= p_since AND t.minute <= p_until AND t.minute < f.until
+      AND (p_instance_id IS NULL OR t.instance_id = p_instance_id)
+    UNION ALL
+    SELECT c.minute, c.outcome, c.instance_id, c.n, c.latency
+    FROM workpump_console_count c, folded f
+    WHERE c.minute >= p_since AND c.minute >= f.until AND c.minute <= p_until
+      AND isfinite(c.minute)
+      AND (p_instance_id IS NULL OR c.instance_id = p_instance_id)
 $$;
 
 -- Sample the gauges of the minute of p_now, once: per topic the rows waiting (pending,

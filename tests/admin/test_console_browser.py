@@ -54,14 +54,6 @@ CROSS JOIN (VALUES ('claimed', 1.06), ('done', 1.0), ('failed', 0.05), ('dead', 
                    ('renewed', 0.3)) o(outcome, share)
 CROSS JOIN unnest(%(instances)s::uuid[]) i(id)
 """
-# The same summed over topics, as the counting trigger writes them beside the counters.
-SEED_TOTALS = """
-INSERT INTO workpump_console_total (minute, outcome, instance_id, n, latency)
-SELECT c.minute, c.outcome, c.instance_id, sum(c.n),
-       workpump.console_latency_total(c.latency)
-FROM workpump_console_count c
-GROUP BY 1, 2, 3
-"""
 SEED_BACKLOG = """
 INSERT INTO workpump_console_backlog
     (minute, category, topic, pending, scheduled, leased, oldest_pending_seconds)
@@ -84,7 +76,6 @@ CROSS JOIN unnest(%(instances)s::uuid[]) WITH ORDINALITY i(id, n)
 @pytest.fixture
 def seeded_series() -> Iterator[None]:
     run_sql(SEED_COUNTS, {"instances": INSTANCES})
-    run_sql(SEED_TOTALS)
     run_sql(SEED_BACKLOG)
     run_sql(SEED_INSTANCES, {"instances": INSTANCES})
     yield

@@ -75,7 +75,8 @@ def test_the_console_counters_equal_the_rows_after_a_kill(db, make_fleet):
     totals = {
         r["outcome"]: r["n"]
         for r in db.sql(
-            "SELECT outcome, sum(n)::bigint AS n FROM workpump_console_total GROUP BY 1"
+            "SELECT outcome, sum(n)::bigint AS n"
+            " FROM workpump.console_totals('-infinity', 'infinity') GROUP BY 1"
         )
     }
     summed: dict[str, int] = defaultdict(int)

@@ -102,6 +102,19 @@ def test_counters_equal_what_the_claims_and_outcomes_did_per_instance():
     assert histogram[bounds.index(10) + 1] == 5 and sum(histogram) == 5  # [10, 30)
 
 
+def summed(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Counter rows summed per (minute, outcome, instance), histograms bucket by bucket."""
+    sums: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["minute"], row["outcome"], row["instance_id"])
+        one = sums.setdefault(key, {"n": 0, "latency": None})
+        one["n"] += row["n"]
+        if row["latency"] is not None:
+            before = one["latency"] or [0] * len(row["latency"])
+            one["latency"] = [a + b for a, b in zip(before, row["latency"], strict=True)]
+    return sums
+
+
 def test_the_totals_are_the_counts_summed_over_topics_histograms_too():
     make(3)
     make(2, topic="console.sms")
@@ -110,40 +123,34 @@ def test_the_totals_are_the_counts_summed_over_topics_histograms_too():
     complete(A, claimed[:4], T0 + timedelta(seconds=1))
     fail(A, claimed[4:], T0 + timedelta(seconds=1))
     complete(B, claim(B, T0 + timedelta(seconds=61)), T0 + timedelta(seconds=62))
-
-    per_topic: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for row in run_sql(
-        "SELECT minute, outcome, instance_id, n, latency FROM workpump_console_count"
-    ):
-        key = (row["minute"], row["outcome"], row["instance_id"])
-        summed = per_topic.setdefault(key, {"n": 0, "latency": None})
-        summed["n"] += row["n"]
-        if row["latency"] is not None:
-            before = summed["latency"] or [0] * len(row["latency"])
-            summed["latency"] = [a + b for a, b in zip(before, row["latency"], strict=True)]
-    totals = run_sql(
-        "SELECT minute, outcome, instance_id, n, latency FROM workpump_console_total"
-        " ORDER BY 1, 2, 3"
+    per_topic = summed(
+        run_sql("SELECT minute, outcome, instance_id, n, latency FROM workpump_console_count")
     )
-    assert {
-        (t["minute"], t["outcome"], t["instance_id"]): t for t in totals
-    }.keys() == per_topic.keys()
-    for t in totals:
-        assert per_topic[t["minute"], t["outcome"], t["instance_id"]] == {
-            "n": t["n"],
-            "latency": t["latency"],
-        }
-    assert {(t["outcome"], t["instance_id"]): t["n"] for t in totals} == {
+
+    def totals() -> dict[tuple[Any, ...], dict[str, Any]]:
+        return summed(run_sql("SELECT * FROM workpump.console_totals('-infinity', 'infinity')"))
+
+    # before a fold the totals are read from the counters; the fold stores those of whole
+    # buckets (12:00 to 12:10 here: failures count at the database's own minute, later)
+    assert totals() == per_topic
+    assert scalar("SELECT count(*) FROM workpump_console_total") == 0
+    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=20)])
+    stored = run_sql("SELECT minute, outcome, instance_id, n, latency FROM workpump_console_total")
+    folded = {k: v for k, v in per_topic.items() if k[0] < T0 + timedelta(minutes=10)}
+    assert summed(stored) == folded and len(stored) == len(folded) == 4
+    assert totals() == per_topic  # the folded totals, and the counters after them
+    assert {(k[1], k[2]): v["n"] for k, v in per_topic.items()} == {
         ("claimed", A): 6,
         ("done", A): 4,
         ("failed", A): 2,
         ("claimed", B): 2,
         ("done", B): 2,
     }
-    (claims_of_a,) = [
-        t["latency"] for t in totals if (t["outcome"], t["instance_id"]) == ("claimed", A)
-    ]
+    (claims_of_a,) = [v["latency"] for k, v in per_topic.items() if k[1:] == ("claimed", A)]
     assert sum(claims_of_a) == 6 and claims_of_a[-2] == 1  # one waited [60, 300) s
+    # an instance's totals alone
+    mine = run_sql("SELECT * FROM workpump.console_totals('-infinity', 'infinity', %s)", [B])
+    assert {(r["outcome"], r["n"]) for r in mine} == {("claimed", 2), ("done", 2)}
 
 
 def test_counts_add_up_across_statements_of_the_same_minute():
