@@ -38,6 +38,12 @@ CREATE SEQUENCE workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 
 -- --------------------------------------------------------------------------------------
 -- The row a claim leases, or parks as dead (claim_work adds has_more).
 
+-- What one statement changed of one batch's counts (count_batch_changes), and when.
+CREATE TYPE workpump.batch_delta AS (
+    batch_id uuid, pending bigint, done bigint, dead bigint, discarded bigint,
+    cancelled bigint, at timestamptz
+);
+
 CREATE TYPE workpump.leased_work AS (
     category text,
     work_id uuid,
@@ -3617,7 +3623,6 @@ BEGIN
         RAISE EXCEPTION 'end_held_work ends rows as done or discarded, not %.',
             coalesce(p_outcome, 'NULL') USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    PERFORM workpump.lock_batches_of(p_category, p_ids);
     EXECUTE format($q$
         WITH ended AS (
             -- fenced: only undone rows the caller holds under the attempt's token
@@ -3728,8 +3733,6 @@ BEGIN
     IF coalesce(cardinality(p_ids), 0) = 0 THEN
         RETURN;
     END IF;
-    PERFORM workpump.lock_batches_of(p_category, p_ids);
-
     RETURN QUERY EXECUTE format($q$
         WITH input AS (
             SELECT i.n, i.id, i.token, i.error, coalesce(i.reason, 'handler_error') AS reason,
@@ -4149,37 +4152,16 @@ $$;
 -- A batch (workpump_batch) counts its members' endings; a dependency edge
 -- (workpump_dependency) keeps an outbox row waiting for another. Both are driven by the
 -- transaction that ends a row, whatever ends it (complete, discard, fail_work or the
--- claim parking it dead, dead_letter, cancel_work, requeue_dead): the AFTER UPDATE row
--- trigger below fires only for rows with a batch or dependents whose ending changed, so
--- rows with neither pay one WHEN test in C.
+-- claim parking it dead, dead_letter, cancel_work, requeue_dead): a statement trigger
+-- counts a statement's batch members (count_batch_changes; a statement without any pays
+-- one scan of what it changed), and an AFTER UPDATE row trigger fires only for rows with
+-- dependents whose ending changed, so rows without pay one WHEN test in C.
 --
--- Exactly once: an ending locks its batch row (count_in_batch), so endings of members on
--- separate connections are counted one after the other, and only the one that takes
--- pending to 0 of a sealed, unfinished batch finishes it (finish_batch), in its own
--- transaction. A dependent's row is locked before its readiness is decided
+-- Exactly once: an ending locks its batch row (count_batch_changes, count_in_batch), so
+-- endings of members on separate connections are counted one after the other, and only
+-- the one that takes pending to 0 of a sealed, unfinished batch finishes it
+-- (finish_batch), in its own transaction. A dependent's row is locked before its readiness is decided
 -- (resolve_dependents), so the last of its dependencies to end sees the others' edges gone.
-
--- Lock the open batches of rows p_ids of p_category in id order, before a statement
--- ends several of them: the ended trigger then finds each batch row locked already, so
--- two transactions ending members of the same batches cannot deadlock on them. Costs
--- one probe of an empty index while no batch is open.
-CREATE FUNCTION workpump.lock_batches_of(p_category text, p_ids uuid[]) RETURNS void
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-AS $$
-BEGIN
-    IF coalesce(cardinality(p_ids), 0) < 2 OR p_category NOT IN ('outbox', 'inbox')
-       OR NOT EXISTS (SELECT 1 FROM workpump_batch WHERE finished_at IS NULL) THEN
-        RETURN;
-    END IF;
-    EXECUTE format($q$
-        SELECT 1 FROM workpump_batch b
-        WHERE b.id IN (SELECT t.batch_id FROM %I t
-                       WHERE t.work_id = ANY ($1) AND t.batch_id IS NOT NULL)
-        ORDER BY b.id FOR UPDATE OF b$q$, (workpump.work_table(p_category)).tbl)
-    USING p_ids;
-END
-$$;
 
 -- How a work row stands: NULL while undone and not dead, else 'done', 'dead',
 -- 'discarded' or 'cancelled'.
@@ -4506,8 +4488,85 @@ BEGIN
 END
 $$;
 
--- After a row of a work table with a batch or dependents changed how it stands (ended,
--- parked dead, re-queued); TG_ARGV[0] is its category.
+-- After a statement on a work table with batches (TG_ARGV[0]: its category) changed how
+-- rows stand (ended, parked dead, re-queued): each batch's counts move by the sum of its
+-- members' changes, in one UPDATE per statement, the batch rows locked in id order; a
+-- sealed batch this took to no pending member is finished. One call per statement, not
+-- one per member: a flush of a hundred members of one batch updates its row once.
+CREATE FUNCTION workpump.count_batch_changes() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_deltas workpump.batch_delta[];
+    v_batch record;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM batch_new n WHERE n.batch_id IS NOT NULL) THEN
+        RETURN NULL;
+    END IF;
+    SELECT array_agg(ROW(d.batch_id, d.pending, d.done, d.dead, d.discarded, d.cancelled,
+                         d.at)::workpump.batch_delta ORDER BY d.batch_id)
+    INTO v_deltas
+    FROM (
+        SELECT c.batch_id,
+               sum((c.new IS NULL)::integer - (c.old IS NULL)::integer) AS pending,
+               sum((c.new IS NOT DISTINCT FROM 'done')::integer
+                   - (c.old IS NOT DISTINCT FROM 'done')::integer) AS done,
+               sum((c.new IS NOT DISTINCT FROM 'dead')::integer
+                   - (c.old IS NOT DISTINCT FROM 'dead')::integer) AS dead,
+               sum((c.new IS NOT DISTINCT FROM 'discarded')::integer
+                   - (c.old IS NOT DISTINCT FROM 'discarded')::integer) AS discarded,
+               sum((c.new IS NOT DISTINCT FROM 'cancelled')::integer
+                   - (c.old IS NOT DISTINCT FROM 'cancelled')::integer) AS cancelled,
+               max(c.at) AS at
+        FROM (SELECT n.batch_id,
+                     workpump.outcome_of(o.done_at, o.dead_lettered_at, o.end_state) AS old,
+                     workpump.outcome_of(n.done_at, n.dead_lettered_at, n.end_state) AS new,
+                     coalesce(n.done_at, n.dead_lettered_at, now()) AS at
+              FROM batch_old o JOIN batch_new n ON n.seq = o.seq
+              WHERE n.batch_id IS NOT NULL) c
+        WHERE c.old IS DISTINCT FROM c.new
+        GROUP BY c.batch_id
+    ) d;
+    IF v_deltas IS NULL THEN
+        RETURN NULL;
+    END IF;
+    -- one lock order for every statement: two that end members of the same batches
+    -- take their rows one after the other, never crosswise
+    PERFORM 1 FROM workpump_batch b
+    WHERE b.id IN (SELECT d.batch_id FROM unnest(v_deltas) d)
+    ORDER BY b.id
+    FOR UPDATE OF b;
+    FOR v_batch IN
+        UPDATE workpump_batch b SET
+            pending = b.pending + d.pending,
+            done = b.done + d.done,
+            dead = b.dead + d.dead,
+            discarded = b.discarded + d.discarded,
+            cancelled = b.cancelled + d.cancelled
+        FROM unnest(v_deltas) d
+        WHERE b.id = d.batch_id
+        RETURNING b.id, b.sealed, b.pending, b.finished_at, d.at
+    LOOP
+        -- a purged batch counts nothing; a finished one keeps counting late changes (a
+        -- requeued dead member) but never produces a second callback
+        IF v_batch.sealed AND v_batch.pending <= 0 AND v_batch.finished_at IS NULL THEN
+            PERFORM workpump.finish_batch(v_batch.id, v_batch.at);
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER workpump_outbox_batch_count AFTER UPDATE ON workpump_outbox
+    REFERENCING OLD TABLE AS batch_old NEW TABLE AS batch_new
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.count_batch_changes('outbox');
+CREATE TRIGGER workpump_inbox_batch_count AFTER UPDATE ON workpump_inbox
+    REFERENCING OLD TABLE AS batch_old NEW TABLE AS batch_new
+    FOR EACH STATEMENT EXECUTE FUNCTION workpump.count_batch_changes('inbox');
+
+-- After an outbox row with dependents ended (done, dead, discarded or cancelled) for the
+-- first time: its dependents resolve (a requeue after that changes nothing).
 CREATE FUNCTION workpump.after_work_ended() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -4515,17 +4574,10 @@ AS $$
 DECLARE
     v_old text := workpump.outcome_of(OLD.done_at, OLD.dead_lettered_at, OLD.end_state);
     v_new text := workpump.outcome_of(NEW.done_at, NEW.dead_lettered_at, NEW.end_state);
-    v_now timestamptz := coalesce(NEW.done_at, NEW.dead_lettered_at, now());
 BEGIN
-    IF v_old IS NOT DISTINCT FROM v_new THEN
-        RETURN NULL;
-    END IF;
-    IF NEW.batch_id IS NOT NULL THEN
-        PERFORM workpump.count_in_batch(NEW.batch_id, v_old, v_new, v_now);
-    END IF;
-    -- dependents resolve on the first ending only (a requeue after that changes nothing)
-    IF NEW.has_dependents AND v_old IS NULL AND TG_ARGV[0] = 'outbox' THEN
-        PERFORM workpump.resolve_dependents(NEW.work_id, v_new, v_now);
+    IF v_old IS NULL AND v_new IS NOT NULL THEN
+        PERFORM workpump.resolve_dependents(
+            NEW.work_id, v_new, coalesce(NEW.done_at, NEW.dead_lettered_at, now()));
     END IF;
     RETURN NULL;
 END
@@ -4533,16 +4585,10 @@ $$;
 
 CREATE TRIGGER workpump_outbox_ended AFTER UPDATE OF done_at, dead_lettered_at ON workpump_outbox
     FOR EACH ROW
-    WHEN ((NEW.batch_id IS NOT NULL OR NEW.has_dependents)
+    WHEN (NEW.has_dependents
           AND (OLD.done_at IS DISTINCT FROM NEW.done_at
                OR OLD.dead_lettered_at IS DISTINCT FROM NEW.dead_lettered_at))
-    EXECUTE FUNCTION workpump.after_work_ended('outbox');
-CREATE TRIGGER workpump_inbox_ended AFTER UPDATE OF done_at, dead_lettered_at ON workpump_inbox
-    FOR EACH ROW
-    WHEN ((NEW.batch_id IS NOT NULL OR NEW.has_dependents)
-          AND (OLD.done_at IS DISTINCT FROM NEW.done_at
-               OR OLD.dead_lettered_at IS DISTINCT FROM NEW.dead_lettered_at))
-    EXECUTE FUNCTION workpump.after_work_ended('inbox');
+    EXECUTE FUNCTION workpump.after_work_ended();
 
 -- --------------------------------------------------------------------------------------
 -- Maintenance and retention
