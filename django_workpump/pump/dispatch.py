@@ -578,7 +578,13 @@ class Dispatcher:
             run.slot_freed = True
         with self._lock:
             self._in_flight -= 1
+            idle = self._in_flight == 0
             self._idle.notify_all()
+        if idle:
+            # Nothing else runs or waits here, so no completion will join the buffered
+            # ones within the window: write them now (a dependent, a waiter or a
+            # stream's next row may be waiting on them).
+            self.completions.hurry()
         if self.on_slot_free is not None:
             self.on_slot_free()
 
