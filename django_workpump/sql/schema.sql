@@ -413,15 +413,19 @@ END;
 
 -- The rule's effective limits: an operator's override wins over the code's declaration.
 -- Stored values may be hostile: a negative cap counts as 0, a burst as at least 1.
+-- PL/pgSQL, so its plan is kept: each flow claim reads it three times, and a SQL
+-- function with a search_path of its own is never inlined (it was planned per call).
 CREATE FUNCTION workpump.flow_rule_effective() RETURNS TABLE (
     id bigint, kind text, category text, name text, paused boolean, weight integer,
     cap integer, key_cap integer, rate double precision, burst double precision,
     tokens double precision, tokens_at timestamptz
 )
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 AS $$
-SELECT r.id, r.kind, r.category, r.name, r.paused, greatest(r.weight, 1) AS weight,
+BEGIN
+RETURN QUERY
+SELECT r.id, r.kind::text, r.category::text, r.name::text, r.paused, greatest(r.weight, 1) AS weight,
        CASE WHEN coalesce(r.override_concurrency, r.declared_concurrency) IS NOT NULL
             THEN greatest(coalesce(r.override_concurrency, r.declared_concurrency), 0) END
            AS cap,
@@ -434,7 +438,8 @@ SELECT r.id, r.kind, r.category, r.name, r.paused, greatest(r.weight, 1) AS weig
                          ceil(coalesce(r.override_rate, r.declared_rate))), 1)::double precision
            AS burst,
        r.tokens, r.tokens_at
-FROM workpump_flow_rule r
+FROM workpump_flow_rule r;
+END
 $$;
 
 -- Create or change the rule of a topic (p_kind 'topic', p_category, p_name the topic),
@@ -2456,6 +2461,14 @@ DECLARE
           AND t.flow_controlled
           AND (t.instance_id IS NULL OR t.lease_expiry <= v_now)
           AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)$due$;
+    -- whether a flow-controlled head of these topics may be leased at v_now; ordered by
+    -- the _flow index's key, which keeps the planner on that index (an EXISTS was
+    -- planned as a scan of the whole table)
+    v_flow_ready_probe text := $probe$(SELECT 1 FROM {table} t
+         WHERE {flow_due}
+           AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+                OR t.topic ^@ ANY (p_topic_prefixes))
+         ORDER BY t.topic, t.concurrency_key, t.fairness_key LIMIT 1) IS NOT NULL$probe$;
     -- what a leased row reports (then: its pass and last_error, or its run's head)
     v_leased_columns text := $columns$t.seq, t.work_id AS work_id, t.topic AS topic,
                   {t.payload} AS payload, t.stream, {t.scope} AS scope,
@@ -2513,11 +2526,7 @@ AS $$
 DECLARE
     v_now timestamptz := p_now;
 BEGIN
-    RETURN EXISTS (
-        SELECT 1 FROM {table} t
-        WHERE {flow_due}
-          AND (p_topics IS NULL OR t.topic = ANY (p_topics)
-               OR t.topic ^@ ANY (p_topic_prefixes)));
+    RETURN {flow_ready};
 END
 $$;
 $template$;
@@ -2788,10 +2797,7 @@ BEGIN
     -- The flow pass first (flow_claim_{category}), when a flow-controlled head of these
     -- topics is due: it takes rows within their limits, and half the budget at most
     -- while the fast passes have work too, so neither kind starves the other.
-    IF EXISTS (SELECT 1 FROM {table} t  -- flow_ready_{category}, inline: no call per claim
-               WHERE {flow_due}
-                 AND (p_topics IS NULL OR t.topic = ANY (p_topics)
-                      OR t.topic ^@ ANY (p_topic_prefixes))) THEN
+    IF {flow_ready} THEN  -- flow_ready_{category}, inline: no call per claim
         IF p_limit > 1
            AND workpump.claimable_{category}(p_topics, p_topic_prefixes, false, v_now) THEN
             v_limit := ceil(p_limit / 2.0)::integer;
@@ -2912,7 +2918,7 @@ BEGIN
         v_parked := ARRAY(SELECT f FROM unnest(v_flow) f WHERE f.lease_token IS NULL)
                     || coalesce(v_parked, '{}');
     END IF;
-    IF v_parked IS NOT NULL THEN
+    IF cardinality(v_parked) > 0 THEN
         -- they ended: wake their waiters (workpump.wait)
         PERFORM workpump.notify_ended(ARRAY(SELECT p.work_id FROM unnest(v_parked) p));
         FOREACH v_head IN ARRAY v_parked LOOP
@@ -3049,6 +3055,7 @@ BEGIN
     -- flow control (docs/flow-control.md): its probe and its pass, built alike
     v_claim := v_claim || v_flow_ready || v_flow_claim;
     v_claim := replace(v_claim, '{lease_set}', v_lease_set);
+    v_claim := replace(v_claim, '{flow_ready}', v_flow_ready_probe);
     v_claim := replace(v_claim, '{flow_due}', v_flow_due);
     v_claim := replace(v_claim, '{leased_columns}', v_leased_columns);
     FOREACH v_alias IN ARRAY ARRAY['c', 'r'] LOOP
