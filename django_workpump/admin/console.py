@@ -139,7 +139,7 @@ def _latency_chart(chart_id: str, g: data.Grid, **filters: Any) -> Any:
 
 
 def _backlog_charts(g: data.Grid, **filters: Any) -> list[Any]:
-    rows = series.console_backlog(g.since, g.until, using=pump_database(), **filters)
+    rows = series.console_backlog(g.since, g.until, step=g.step, using=pump_database(), **filters)
     waiting = data.backlog(rows, g)
     return [
         line_chart(

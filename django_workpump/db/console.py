@@ -117,11 +117,21 @@ def console_backlog(
     since: datetime,
     until: datetime,
     *,
+    step: int = 1,
     category: str | None = None,
     topic: str | None = None,
     using: str | None = None,
 ) -> list[dict[str, Any]]:
-    params = {"since": since, "until": until, "category": category, "topic": topic}
+    """Rows (minute, pending, scheduled, leased, oldest_pending_seconds): per bin of
+    ``step`` minutes its last sampled minute, summed over the topics (of ``category`` and
+    ``topic`` when given)."""
+    params = {
+        "since": since,
+        "until": until,
+        "step": step,
+        "category": category,
+        "topic": topic,
+    }
     # finite minutes by its own filter: no slow loader
     return fetch_sql(
         named_queries(QUERIES)["console_backlog"], params, using=using, readable_times=False

@@ -91,12 +91,25 @@ GROUP BY 1, 2
 ORDER BY 1, 2
 
 -- name: console_backlog
--- Sampled backlog per minute in [since, until]: rows waiting, and the oldest pending age.
-SELECT b.minute, sum(b.pending)::bigint AS pending, sum(b.scheduled)::bigint AS scheduled,
+-- Sampled backlog in [since, until], for each bin of %(step)s minutes its last sampled
+-- minute (what the chart draws for the bin): rows waiting, and the oldest pending age. A
+-- backward probe of the key per bin finds that minute, so a day in 10-minute bins reads
+-- a tenth of the day's samples.
+SELECT m.minute, sum(b.pending)::bigint AS pending, sum(b.scheduled)::bigint AS scheduled,
        sum(b.leased)::bigint AS leased, max(b.oldest_pending_seconds) AS oldest_pending_seconds
-FROM workpump_console_backlog b
-WHERE b.minute >= %(since)s AND b.minute <= %(until)s AND isfinite(b.minute)
-  AND (%(category)s::text IS NULL OR b.category = %(category)s)
+FROM generate_series(date_bin(make_interval(mins => %(step)s), %(since)s::timestamptz,
+                              '2000-01-01 00:00:00+00'),
+                     %(until)s::timestamptz, make_interval(mins => %(step)s)) bin(start)
+CROSS JOIN LATERAL (
+    SELECT l.minute FROM workpump_console_backlog l
+    WHERE l.minute >= greatest(bin.start, %(since)s::timestamptz)
+      AND l.minute < bin.start + make_interval(mins => %(step)s)
+      AND l.minute <= %(until)s AND isfinite(l.minute)
+      AND (%(category)s::text IS NULL OR l.category = %(category)s)
+      AND (%(topic)s::text IS NULL OR l.topic = %(topic)s)
+    ORDER BY l.minute DESC LIMIT 1) m
+JOIN workpump_console_backlog b ON b.minute = m.minute
+WHERE (%(category)s::text IS NULL OR b.category = %(category)s)
   AND (%(topic)s::text IS NULL OR b.topic = %(topic)s)
 GROUP BY 1
 ORDER BY 1

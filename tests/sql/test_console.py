@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from django.db import transaction
 
+from django_workpump.db import console as series
 from tests.factories import OutboxFactory
 from tests.helpers import T0, current_tokens, enroll, run_sql, scalar
 
@@ -289,6 +290,34 @@ def test_the_sample_folds_whole_buckets_into_the_rollup_and_the_reads_join_it_to
     assert binned(10, T0, T0 + timedelta(minutes=30)) == before
     # a step of one minute reads the counters alone
     assert binned(1, T0, T0 + timedelta(minutes=30))[T0 + timedelta(minutes=3), TOPIC, "done"] == 5
+
+
+def test_the_backlog_of_each_bin_is_its_last_sampled_minute_summed_over_topics():
+    def sample(minutes: int, topic: str, pending: int, oldest: float) -> None:
+        run_sql(
+            "INSERT INTO workpump_console_backlog VALUES (%s, 'outbox', %s, %s, 1, 0, %s)",
+            [T0 + timedelta(minutes=minutes), topic, pending, oldest],
+        )
+
+    # T0 is 12:00: bin 12:00 sampled at :03 and :07, bin 12:10 not at all, bin 12:20 at :21
+    for minutes, topic, pending, oldest in [
+        (3, TOPIC, 5, 9.0), (3, "console.sms", 50, 2.0), (7, TOPIC, 6, 4.0),
+        (7, "console.sms", 60, 8.0), (21, TOPIC, 7, 1.0),
+    ]:  # fmt: skip
+        sample(minutes, topic, pending, oldest)
+    until = T0 + timedelta(minutes=29)
+
+    binned = series.console_backlog(T0, until, step=10)
+    assert [
+        (r["minute"], r["pending"], r["scheduled"], r["oldest_pending_seconds"]) for r in binned
+    ] == [
+        (T0 + timedelta(minutes=7), 66, 2, 8.0),  # the bin's last sample, both topics
+        (T0 + timedelta(minutes=21), 7, 1, 1.0),
+    ]
+    one = series.console_backlog(T0, until, step=10, category="outbox", topic="console.sms")
+    assert [(r["minute"], r["pending"]) for r in one] == [(T0 + timedelta(minutes=7), 60)]
+    # a minute at a time: every sampled minute
+    assert [r["pending"] for r in series.console_backlog(T0, until)] == [55, 66, 7]
 
 
 def test_a_long_gap_is_folded_a_few_hours_a_sample_and_a_stored_infinity_is_skipped():
