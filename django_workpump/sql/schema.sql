@@ -38,11 +38,8 @@ CREATE SEQUENCE workpump.claim_rotation_seq AS integer MINVALUE 0 MAXVALUE 1023 
 -- --------------------------------------------------------------------------------------
 -- The row a claim leases, or parks as dead (claim_work adds has_more).
 
--- What one statement changed of one batch's counts (count_batch_changes), and when.
-CREATE TYPE workpump.batch_delta AS (
-    batch_id uuid, pending bigint, done bigint, dead bigint, discarded bigint,
-    cancelled bigint, at timestamptz
-);
+-- A batch member's change of outcome (NULL: pending), and when (count_batch_changes).
+CREATE TYPE workpump.batch_change AS (batch_id uuid, old text, new text, at timestamptz);
 
 CREATE TYPE workpump.leased_work AS (
     category text,
@@ -4164,11 +4161,12 @@ $$;
 -- one scan of what it changed), and an AFTER UPDATE row trigger fires only for rows with
 -- dependents whose ending changed, so rows without pay one WHEN test in C.
 --
--- Exactly once: an ending locks its batch row (count_batch_changes, count_in_batch), so
--- endings of members on separate connections are counted one after the other, and only
--- the one that takes pending to 0 of a sealed, unfinished batch finishes it
--- (finish_batch), in its own transaction. A dependent's row is locked before its readiness is decided
--- (resolve_dependents), so the last of its dependencies to end sees the others' edges gone.
+-- Exactly once: an ending locks its batch row (count_batch_members), so endings of
+-- members on separate connections are counted one after the other, and only the one
+-- that takes pending to 0 of a sealed, unfinished batch finishes it (finish_batch), in
+-- its own transaction. A dependent's row is locked before its readiness is decided
+-- (resolve_dependents), so the last of its dependencies to end sees the others' edges
+-- gone.
 
 -- How a work row stands: NULL while undone and not dead, else 'done', 'dead',
 -- 'discarded' or 'cancelled'.
@@ -4314,35 +4312,66 @@ BEGIN
 END
 $$;
 
--- A member of p_batch_id went from outcome p_old to p_new (NULL: pending). Under the
--- batch row's lock; finishes the batch when this took its last pending member.
-CREATE FUNCTION workpump.count_in_batch(
-    p_batch_id uuid, p_old text, p_new text, p_now timestamptz
-) RETURNS void
+-- Count members' changes of outcome in their batches: each batch's counts move by the
+-- sum of its members' changes in one UPDATE, the batch rows locked in id order (two
+-- transactions that end members of the same batches take their rows one after the
+-- other, never crosswise); a sealed batch this took to no pending member is finished.
+-- A purged batch counts nothing; a finished one keeps counting late changes (a requeued
+-- dead member) but never produces a second callback.
+CREATE FUNCTION workpump.count_batch_members(p_changes workpump.batch_change[])
+RETURNS void
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_batch record;
 BEGIN
-    UPDATE workpump_batch SET
-        pending = pending + (p_new IS NULL)::integer - (p_old IS NULL)::integer,
-        done = done + (p_new IS NOT DISTINCT FROM 'done')::integer
-                    - (p_old IS NOT DISTINCT FROM 'done')::integer,
-        dead = dead + (p_new IS NOT DISTINCT FROM 'dead')::integer
-                    - (p_old IS NOT DISTINCT FROM 'dead')::integer,
-        discarded = discarded + (p_new IS NOT DISTINCT FROM 'discarded')::integer
-                    - (p_old IS NOT DISTINCT FROM 'discarded')::integer,
-        cancelled = cancelled + (p_new IS NOT DISTINCT FROM 'cancelled')::integer
-                    - (p_old IS NOT DISTINCT FROM 'cancelled')::integer
-    WHERE id = p_batch_id
-    RETURNING sealed, pending, finished_at INTO v_batch;
-    -- a purged batch counts nothing; a finished one keeps counting late changes (a
-    -- requeued dead member) but never produces a second callback
-    IF FOUND AND v_batch.sealed AND v_batch.pending <= 0 AND v_batch.finished_at IS NULL THEN
-        PERFORM workpump.finish_batch(p_batch_id, p_now);
-    END IF;
+    PERFORM 1 FROM workpump_batch b
+    WHERE b.id IN (SELECT c.batch_id FROM unnest(p_changes) c)
+    ORDER BY b.id
+    FOR UPDATE OF b;
+    FOR v_batch IN
+        UPDATE workpump_batch b SET
+            pending = b.pending + d.pending,
+            done = b.done + d.done,
+            dead = b.dead + d.dead,
+            discarded = b.discarded + d.discarded,
+            cancelled = b.cancelled + d.cancelled
+        FROM (
+            SELECT c.batch_id,
+                   sum((c.new IS NULL)::integer - (c.old IS NULL)::integer) AS pending,
+                   sum((c.new IS NOT DISTINCT FROM 'done')::integer
+                       - (c.old IS NOT DISTINCT FROM 'done')::integer) AS done,
+                   sum((c.new IS NOT DISTINCT FROM 'dead')::integer
+                       - (c.old IS NOT DISTINCT FROM 'dead')::integer) AS dead,
+                   sum((c.new IS NOT DISTINCT FROM 'discarded')::integer
+                       - (c.old IS NOT DISTINCT FROM 'discarded')::integer) AS discarded,
+                   sum((c.new IS NOT DISTINCT FROM 'cancelled')::integer
+                       - (c.old IS NOT DISTINCT FROM 'cancelled')::integer) AS cancelled,
+                   max(c.at) AS at
+            FROM unnest(p_changes) c
+            WHERE c.old IS DISTINCT FROM c.new
+            GROUP BY c.batch_id
+        ) d
+        WHERE b.id = d.batch_id
+        RETURNING b.id, b.sealed, b.pending, b.finished_at, d.at
+    LOOP
+        IF v_batch.sealed AND v_batch.pending <= 0 AND v_batch.finished_at IS NULL THEN
+            PERFORM workpump.finish_batch(v_batch.id, v_batch.at);
+        END IF;
+    END LOOP;
 END
+$$;
+
+-- A member of p_batch_id went from outcome p_old to p_new (NULL: pending), at p_now.
+CREATE FUNCTION workpump.count_in_batch(
+    p_batch_id uuid, p_old text, p_new text, p_now timestamptz
+) RETURNS void
+LANGUAGE sql
+SET search_path FROM CURRENT
+AS $$
+SELECT workpump.count_batch_members(
+    ARRAY[ROW(p_batch_id, p_old, p_new, p_now)::workpump.batch_change]);
 $$;
 
 -- Finish a batch once: stamp it and store its callback row (on_failure when a member
@@ -4496,71 +4525,26 @@ END
 $$;
 
 -- After a statement on a work table with batches (TG_ARGV[0]: its category) changed how
--- rows stand (ended, parked dead, re-queued): each batch's counts move by the sum of its
--- members' changes, in one UPDATE per statement, the batch rows locked in id order; a
--- sealed batch this took to no pending member is finished. One call per statement, not
--- one per member: a flush of a hundred members of one batch updates its row once.
+-- rows stand (ended, parked dead, re-queued): its members' changes are counted together
+-- (count_batch_members). One call per statement, not one per member: a flush of a
+-- hundred members of one batch updates its row once.
 CREATE FUNCTION workpump.count_batch_changes() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
-DECLARE
-    v_deltas workpump.batch_delta[];
-    v_batch record;
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM batch_new n WHERE n.batch_id IS NOT NULL) THEN
         RETURN NULL;
     END IF;
-    SELECT array_agg(ROW(d.batch_id, d.pending, d.done, d.dead, d.discarded, d.cancelled,
-                         d.at)::workpump.batch_delta ORDER BY d.batch_id)
-    INTO v_deltas
-    FROM (
-        SELECT c.batch_id,
-               sum((c.new IS NULL)::integer - (c.old IS NULL)::integer) AS pending,
-               sum((c.new IS NOT DISTINCT FROM 'done')::integer
-                   - (c.old IS NOT DISTINCT FROM 'done')::integer) AS done,
-               sum((c.new IS NOT DISTINCT FROM 'dead')::integer
-                   - (c.old IS NOT DISTINCT FROM 'dead')::integer) AS dead,
-               sum((c.new IS NOT DISTINCT FROM 'discarded')::integer
-                   - (c.old IS NOT DISTINCT FROM 'discarded')::integer) AS discarded,
-               sum((c.new IS NOT DISTINCT FROM 'cancelled')::integer
-                   - (c.old IS NOT DISTINCT FROM 'cancelled')::integer) AS cancelled,
-               max(c.at) AS at
-        FROM (SELECT n.batch_id,
-                     workpump.outcome_of(o.done_at, o.dead_lettered_at, o.end_state) AS old,
-                     workpump.outcome_of(n.done_at, n.dead_lettered_at, n.end_state) AS new,
-                     coalesce(n.done_at, n.dead_lettered_at, now()) AS at
-              FROM batch_old o JOIN batch_new n ON n.seq = o.seq
-              WHERE n.batch_id IS NOT NULL) c
-        WHERE c.old IS DISTINCT FROM c.new
-        GROUP BY c.batch_id
-    ) d;
-    IF v_deltas IS NULL THEN
-        RETURN NULL;
-    END IF;
-    -- one lock order for every statement: two that end members of the same batches
-    -- take their rows one after the other, never crosswise
-    PERFORM 1 FROM workpump_batch b
-    WHERE b.id IN (SELECT d.batch_id FROM unnest(v_deltas) d)
-    ORDER BY b.id
-    FOR UPDATE OF b;
-    FOR v_batch IN
-        UPDATE workpump_batch b SET
-            pending = b.pending + d.pending,
-            done = b.done + d.done,
-            dead = b.dead + d.dead,
-            discarded = b.discarded + d.discarded,
-            cancelled = b.cancelled + d.cancelled
-        FROM unnest(v_deltas) d
-        WHERE b.id = d.batch_id
-        RETURNING b.id, b.sealed, b.pending, b.finished_at, d.at
-    LOOP
-        -- a purged batch counts nothing; a finished one keeps counting late changes (a
-        -- requeued dead member) but never produces a second callback
-        IF v_batch.sealed AND v_batch.pending <= 0 AND v_batch.finished_at IS NULL THEN
-            PERFORM workpump.finish_batch(v_batch.id, v_batch.at);
-        END IF;
-    END LOOP;
+    PERFORM workpump.count_batch_members(ARRAY(
+        SELECT ROW(n.batch_id,
+                   workpump.outcome_of(o.done_at, o.dead_lettered_at, o.end_state),
+                   workpump.outcome_of(n.done_at, n.dead_lettered_at, n.end_state),
+                   coalesce(n.done_at, n.dead_lettered_at, now()))::workpump.batch_change
+        FROM batch_old o JOIN batch_new n ON n.seq = o.seq
+        WHERE n.batch_id IS NOT NULL
+          AND (o.done_at IS DISTINCT FROM n.done_at
+               OR o.dead_lettered_at IS DISTINCT FROM n.dead_lettered_at)));
     RETURN NULL;
 END
 $$;
@@ -5384,6 +5368,17 @@ BEGIN
 END
 $$;
 
+-- Where the last fold stopped (the rollup and the totals hold every bucket before it);
+-- '-infinity' before the first.
+CREATE FUNCTION workpump.console_folded_until() RETURNS timestamptz
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+SELECT coalesce((SELECT s.folded_until FROM workpump_console_sample s
+                 WHERE s.folded_until IS NOT NULL AND isfinite(s.folded_until)
+                 ORDER BY s.minute DESC LIMIT 1), '-infinity');
+$$;
+
 -- Fold the counters of complete 10-minute buckets into workpump_console_rollup (summed
 -- over instances) and into workpump_console_total (summed over topics), from where the last fold stopped up to the bucket that ended 2
 -- minutes before p_now (a grace for flushes that commit after their minute), at most 6
@@ -5398,11 +5393,8 @@ DECLARE
     v_from timestamptz;
     v_to timestamptz := date_bin('10 minutes', p_now - interval '2 minutes', v_origin);
 BEGIN
-    SELECT s.folded_until INTO v_from
-    FROM workpump_console_sample s
-    WHERE s.folded_until IS NOT NULL AND isfinite(s.folded_until)
-    ORDER BY s.minute DESC LIMIT 1;
-    IF v_from IS NULL THEN  -- the first fold: from the oldest counter
+    v_from := workpump.console_folded_until();
+    IF NOT isfinite(v_from) THEN  -- the first fold: from the oldest counter
         v_from := date_bin('10 minutes', coalesce(
             (SELECT min(c.minute) FROM workpump_console_count c WHERE isfinite(c.minute)),
             v_to), v_origin);
@@ -5443,10 +5435,7 @@ LANGUAGE sql STABLE
 SET search_path FROM CURRENT
 AS $$
     WITH folded AS (
-        SELECT CASE WHEN p_step % 10 = 0 THEN coalesce(
-                   (SELECT s.folded_until FROM workpump_console_sample s
-                    WHERE s.folded_until IS NOT NULL AND isfinite(s.folded_until)
-                    ORDER BY s.minute DESC LIMIT 1), '-infinity')
+        SELECT CASE WHEN p_step % 10 = 0 THEN workpump.console_folded_until()
                ELSE '-infinity'::timestamptz END AS until
     )
     SELECT date_bin(make_interval(mins => p_step), r.minute, '2000-01-01 00:00:00+00'),
@@ -5472,9 +5461,7 @@ LANGUAGE sql STABLE
 SET search_path FROM CURRENT
 AS $$
     WITH folded AS (
-        SELECT coalesce((SELECT s.folded_until FROM workpump_console_sample s
-                         WHERE s.folded_until IS NOT NULL AND isfinite(s.folded_until)
-                         ORDER BY s.minute DESC LIMIT 1), '-infinity') AS until
+        SELECT workpump.console_folded_until() AS until
     )
     SELECT t.minute, t.outcome, t.instance_id, t.n, t.latency
     FROM workpump_console_total t, folded f
