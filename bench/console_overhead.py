@@ -1,5 +1,6 @@
-"""What the console's counting costs the pump: quick-bench throughput with the counting
-triggers on over off, in the same run (key ``console_overhead_ratio``).
+"""What the console's counting costs the pump: quick-bench throughput and pickup latency
+with the counting triggers on over off, in the same run (key ``console_overhead_ratio``:
+the lower of the two ratios).
 
 The series' counters are written by one statement trigger per work table
 (django_workpump/sql/schema.sql, "The console's time series"): every claim, flush of
@@ -8,6 +9,10 @@ backlog with the triggers enabled and disabled (``workpump.console_counting``), 
 within each repetition (which goes first alternates), and reports the median of the
 per-repetition ratios, on / off. The sampler runs in the maintenance worker, once a
 minute, off the hot path: it is not timed here.
+
+Latency is measured as the latency section does (an idle, listening worker; single
+enqueues at a fixed gap), in pairs alternated the same way; its ratio is speed on over
+off, p50 off / p50 on, so that for both ratios 1.0 means no cost and less is a cost.
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as h
-from bench import throughput
+from bench import latency, throughput
 
 # At least this many pairs of drains: one ratio is at the mercy of a noisy machine.
-REPS = 5
+REPS = 3
+# Pairs of latency runs (each LATENCY_N single enqueues LATENCY_GAP_MS apart).
+LATENCY_REPS = 4
+LATENCY_N = 200
+LATENCY_GAP_MS = 20.0
 
 
 def counting(server: h.Server, database: str, on: bool) -> None:
@@ -30,7 +39,8 @@ def counting(server: h.Server, database: str, on: bool) -> None:
 
 def run(cfg: Any, server: h.Server, database: str, workdir: Path) -> dict[str, Any]:
     h.install_schema("workpump", server, database)
-    case = throughput.Case("workpump", 1, None, cfg.jobs["workpump"], {}, "default")
+    # enqueued with send_many: the backlog per row would take longer than its drain
+    case = throughput.Case("workpump", 1, None, cfg.jobs["workpump"], {}, "default", variant="many")
     runs: list[dict[str, Any]] = []
 
     def drain(c: throughput.Case, rep: int, on: bool) -> dict[str, Any]:
@@ -56,12 +66,46 @@ def run(cfg: Any, server: h.Server, database: str, workdir: Path) -> dict[str, A
             rates[on] = result.get("rate")
         if rates[True] and rates[False]:
             ratios.append(rates[True] / rates[False])
+    lat = latency_pairs(server, database, workdir)
     counting(server, database, True)
+    throughput_ratio = h.median(ratios) if ratios else None
+    latency_ratio = lat["ratio"]
+    both = [r for r in (throughput_ratio, latency_ratio) if r is not None]
     return {
         "jobs": case.jobs,
         "runs": runs,
         "by_rep": ratios,
-        "console_overhead_ratio": h.median(ratios) if ratios else None,
+        "console_overhead_ratio": min(both) if len(both) == 2 else None,
+        "throughput_ratio": throughput_ratio,
+        "latency_ratio": latency_ratio,
+        "latency": lat,
         "rate_on_median": h.median([r["rate"] for r in runs if r["counting"] and "rate" in r]),
         "rate_off_median": h.median([r["rate"] for r in runs if not r["counting"] and "rate" in r]),
+    }
+
+
+def latency_pairs(server: h.Server, database: str, workdir: Path) -> dict[str, Any]:
+    """Pickup latency p50 with counting on and off, in alternated pairs; the ratio is the
+    median of each pair's p50 off / p50 on."""
+    by_rep: list[float] = []
+    p50: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(LATENCY_REPS):
+        got: dict[bool, float] = {}
+        for on in (True, False) if rep % 2 == 0 else (False, True):
+            counting(server, database, on)
+            result = latency.run(
+                "workpump", server, database, LATENCY_N, LATENCY_GAP_MS, workdir, 100 + rep
+            )
+            got[on] = result["p50"]
+            p50[on].append(result["p50"])
+            h.log(f"console overhead latency rep {rep + 1} counting {'on' if on else 'off'}: "
+                  f"p50 {result['p50']:.2f} ms")  # fmt: skip
+        by_rep.append(got[False] / got[True])
+    return {
+        "n": LATENCY_N,
+        "gap_ms": LATENCY_GAP_MS,
+        "p50_on_ms": p50[True],
+        "p50_off_ms": p50[False],
+        "by_rep": by_rep,
+        "ratio": h.median(by_rep),
     }
