@@ -25,11 +25,11 @@ from bench import harness as h
 from bench import latency, throughput
 
 # At least this many pairs of drains: one ratio is at the mercy of a noisy machine.
-REPS = 3
+REPS = 4  # even: which of a pair goes first is balanced against any drift
 # Pairs of latency runs (each LATENCY_N single enqueues LATENCY_GAP_MS apart).
 LATENCY_REPS = 4
-LATENCY_N = 200
-LATENCY_GAP_MS = 20.0
+LATENCY_N = 150
+LATENCY_GAP_MS = 15.0
 
 
 def counting(server: h.Server, database: str, on: bool) -> None:

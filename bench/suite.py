@@ -62,7 +62,7 @@ QUICK = Config(
     calibrate=False,
     latency_rounds=1,
     latency_n=200,
-    latency_gap_ms=50,
+    latency_gap_ms=25,  # still idle between two sends: a pickup takes a few ms
     # a renewal round of the in-flight instances (one every ~20 s) falls in the window
     writes_window=30,
     writes_warmup=10,
