@@ -290,8 +290,8 @@ SETTINGS: tuple[Setting, ...] = (
         "int",
         minimum=0,
         meaning=(
-            "processed rows and the attempts of purged tasks are kept this long (admin "
-            "history, results), then purged"
+            "processed rows, finished batches and the attempts of purged tasks are kept "
+            "this long (admin history, results), then purged"
         ),
     ),
     Setting(

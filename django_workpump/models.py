@@ -569,7 +569,7 @@ class Batch(models.Model):
         verbose_name_plural = "batches"
         indexes = [
             models.Index(fields=["-created_at"], name="wp_batch_created"),
-            # open batches only: what an ending of several rows probes (lock_batches_of)
+            # open batches only: what counting a statement's member endings probes
             models.Index(
                 fields=["id"], name="wp_batch_open", condition=Q(finished_at__isnull=True)
             ),
@@ -577,6 +577,12 @@ class Batch(models.Model):
                 fields=["parent_batch_id"],
                 name="wp_batch_parent",
                 condition=Q(parent_batch_id__isnull=False),
+            ),
+            # finished batches, oldest first: what the retention purge takes
+            models.Index(
+                fields=["finished_at"],
+                name="wp_batch_finished",
+                condition=Q(finished_at__isnull=False),
             ),
         ]
 

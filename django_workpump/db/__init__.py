@@ -48,6 +48,7 @@ from django_workpump.db.instances import (
 from django_workpump.db.loaders import PARSED_ONCE_MAX, StoredTime
 from django_workpump.db.maintenance import (
     maintenance_lock_holders,
+    purge_batches,
     purge_dead,
     purge_events,
     purge_evictions,
@@ -176,6 +177,7 @@ __all__ = [
     "payload_index_ready",
     "payload_indexes",
     "periodic_states",
+    "purge_batches",
     "purge_console",
     "purge_dead",
     "purge_events",

@@ -63,6 +63,12 @@ def purge_events(*, retention_seconds: int, batch: int, using: str | None = None
     return int(_scalar("purge_events", params, using))
 
 
+def purge_batches(*, retention_seconds: int, batch: int, using: str | None = None) -> int:
+    """Delete up to ``batch`` batches finished longer than ``retention_seconds`` ago."""
+    params = {"retention_seconds": retention_seconds, "batch": batch}
+    return int(_scalar("purge_batches", params, using))
+
+
 def purge_evictions(*, retention_seconds: int, using: str | None = None) -> int:
     return int(_scalar("purge_evictions", {"retention_seconds": retention_seconds}, using))
 

@@ -95,7 +95,7 @@ class Migration(migrations.Migration):
             options={
                 'verbose_name_plural': 'batches',
                 'db_table': 'workpump_batch',
-                'indexes': [models.Index(fields=['-created_at'], name='wp_batch_created'), models.Index(condition=models.Q(('finished_at__isnull', True)), fields=['id'], name='wp_batch_open'), models.Index(condition=models.Q(('parent_batch_id__isnull', False)), fields=['parent_batch_id'], name='wp_batch_parent')],
+                'indexes': [models.Index(fields=['-created_at'], name='wp_batch_created'), models.Index(condition=models.Q(('finished_at__isnull', True)), fields=['id'], name='wp_batch_open'), models.Index(condition=models.Q(('parent_batch_id__isnull', False)), fields=['parent_batch_id'], name='wp_batch_parent'), models.Index(condition=models.Q(('finished_at__isnull', False)), fields=['finished_at'], name='wp_batch_finished')],
             },
         ),
         migrations.CreateModel(

@@ -4,9 +4,9 @@ Each pass takes the maintenance advisory lock (skipped when a peer holds it; aft
 MAX_SKIPPED_PASSES skipped in a row, run without it, since any role that may connect can
 take an advisory lock and hold it for ever), then:
 reaps stale instances (a backstop for the heartbeat's reap); purges, in small batches
-taken in turn until every purge has caught up, processed rows and unreferenced events
-past RETENTION_SECONDS, dead rows past DEAD_RETENTION_SECONDS (when set), received
-message ids past INBOX_DEDUP_RETENTION_SECONDS, the attempts of purged tasks and idle
+taken in turn until every purge has caught up, processed rows, unreferenced events and
+finished batches past RETENTION_SECONDS, dead rows past DEAD_RETENTION_SECONDS (when
+set), received message ids past INBOX_DEDUP_RETENTION_SECONDS, the attempts of purged tasks and idle
 stream-ownership rows, and the console's series past CONSOLE_RETENTION_SECONDS; purges
 old tombstones; and logs rows that are using up their attempts. Handler threads never
 purge.
@@ -132,6 +132,9 @@ class MaintenanceWorker(LoopService):
                 )
         purges["event"] = partial(
             db.purge_events, retention_seconds=self.retention_seconds, batch=batch, using=using
+        )
+        purges["batch"] = partial(
+            db.purge_batches, retention_seconds=self.retention_seconds, batch=batch, using=using
         )
         purges["task_attempt"] = partial(
             db.purge_task_attempts,

@@ -344,6 +344,9 @@ SELECT count(*) AS purged FROM purged
 -- name: purge_events
 SELECT workpump.purge_events(now() - make_interval(secs => %(retention_seconds)s), %(batch)s)
 
+-- name: purge_batches
+SELECT workpump.purge_batches(now() - make_interval(secs => %(retention_seconds)s), %(batch)s)
+
 -- name: purge_evictions
 SELECT workpump.purge_evictions(now() - make_interval(secs => %(retention_seconds)s))
 

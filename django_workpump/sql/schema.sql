@@ -4654,6 +4654,29 @@ BEGIN
 END
 $$;
 
+-- Delete up to p_batch batches that finished before p_finished_before, oldest first. A
+-- finished batch is history: its callback row was produced (or its failure recorded) and
+-- its members' later requeues count nowhere, so it goes with the processed rows' retention.
+CREATE FUNCTION workpump.purge_batches(
+    p_finished_before timestamptz,
+    p_batch integer DEFAULT 1000
+) RETURNS integer
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    DELETE FROM workpump_batch b WHERE b.id = ANY (ARRAY(
+        SELECT o.id FROM workpump_batch o
+        WHERE o.finished_at < p_finished_before
+        ORDER BY o.finished_at LIMIT p_batch
+        FOR UPDATE SKIP LOCKED));
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
+$$;
+
 -- Delete tombstones older than p_evicted_before.
 CREATE FUNCTION workpump.purge_evictions(p_evicted_before timestamptz) RETURNS integer
 LANGUAGE plpgsql

@@ -185,6 +185,22 @@ def test_a_pass_purges_received_ids_and_task_attempts_not_the_handlers():
     assert not models.TaskAttempt.objects.exists()
 
 
+def test_finished_batches_are_purged_after_retention_and_open_ones_never():
+    long_ago = timezone.now() - timedelta(days=9)
+    old_finished, recent_finished, old_open = (uuid.uuid4() for _ in range(3))
+    models.Batch.objects.create(id=old_finished, sealed=True, finished_at=long_ago)
+    models.Batch.objects.create(id=recent_finished, sealed=True, finished_at=timezone.now())
+    models.Batch.objects.create(id=old_open, sealed=True, pending=1, total=1)
+    models.Batch.objects.filter(id=old_open).update(created_at=long_ago)
+
+    result = maintenance_worker(batch=1).run_once()
+
+    assert result.purged["batch"] == 1
+    assert set(models.Batch.objects.values_list("id", flat=True)) == {recent_finished, old_open}
+    assert workpump.batch_status(old_finished) is None
+    assert workpump.batch_status(old_open).pending == 1
+
+
 def test_the_retention_settings_are_documented_defaults_and_checked():
     assert DEFAULTS["DEAD_RETENTION_SECONDS"] is None  # opt-in
     assert DEFAULTS["INBOX_DEDUP_RETENTION_SECONDS"] == 30 * DAY
