@@ -68,6 +68,10 @@ class ConsoleRollup(models.Model):
 
     class Meta:
         db_table = "workpump_console_rollup"
+        # a topic's buckets in a window: the console's per-topic lines and topic page
+        indexes = [
+            models.Index(fields=["category", "topic", "minute"], name="wp_console_rollup_topic")
+        ]
 
     def __str__(self) -> str:
         return f"{self.minute} {self.category} {self.topic} {self.outcome}: {self.n}"

@@ -46,6 +46,8 @@ NO_SEARCH_PATH = {
     "attempt_logs_cte",  # builds text; the statement that runs it has the caller's path
     "outcome_of",  # a CASE over its arguments (the ended trigger's)
     "flow_tokens",  # a token bucket's arithmetic, inlined into the flow pass
+    "console_counts",  # inlined into the console's queries (names bound at creation)
+    "console_totals",  # likewise
 }
 
 TIME_DEPENDENT = {

@@ -189,14 +189,13 @@ def overview(request: HttpRequest) -> dict[str, Any]:
     per_topic = series.console_topic_outcomes(
         g.since, g.until, [(t["category"], t["topic"]) for t in busiest], step=g.step, using=using
     )
+    of_topic: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in per_topic:
+        of_topic.setdefault((r["category"], r["topic"]), []).append(r)
     for outcome, title in (("done", "Done per topic"), ("failed", "Failed (to retry) per topic")):
         lines = []
         for t in busiest:
-            rows = [
-                {"minute": r["minute"], "outcome": r["outcome"], "n": r["n"]}
-                for r in per_topic
-                if (r["category"], r["topic"]) == (t["category"], t["topic"])
-            ]
+            rows = of_topic.get((t["category"], t["topic"]), [])
             rate = data.rates(rows, g, keys=(outcome,))[outcome]
             lines.append(Line(f"{t['topic']} ({t['category']})", rate, href=t["url"]))
         charts.append(line_chart(f"topics-{outcome}", f"{title} (per minute)", g.points, lines))

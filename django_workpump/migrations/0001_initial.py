@@ -383,6 +383,7 @@ class Migration(migrations.Migration):
             ],
             options={
                 'db_table': 'workpump_console_rollup',
+                'indexes': [models.Index(fields=['category', 'topic', 'minute'], name='wp_console_rollup_topic')],
             },
         ),
         migrations.CreateModel(

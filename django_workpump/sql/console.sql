@@ -48,11 +48,18 @@ GROUP BY 1, 2
 ORDER BY 1, 2
 
 -- name: console_topic_outcomes
--- Counts per bin, topic and outcome in [since, until], for the topics asked for.
+-- Counts per bin, topic and outcome in [since, until], for the topics asked for: one
+-- probe of each topic's key (the rollup's wp_console_rollup_topic index; OFFSET 0 keeps
+-- the probes apart, which the planner would otherwise merge into one scan of the window
+-- for every topic).
 SELECT c.minute, c.category, c.topic, c.outcome, sum(c.n)::bigint AS n
-FROM {counts} c
-WHERE (c.category, c.topic) IN (SELECT * FROM unnest(%(categories)s::text[], %(topics)s::text[]))
-  AND c.outcome IN ('done', 'failed', 'dead')
+FROM unnest(%(categories)s::text[], %(topics)s::text[]) t(category, topic)
+CROSS JOIN LATERAL (
+    SELECT c.minute, c.category, c.topic, c.outcome, c.n
+    FROM {counts} c
+    WHERE c.category = t.category AND c.topic = t.topic
+      AND c.outcome IN ('done', 'failed', 'dead')
+    OFFSET 0) c
 GROUP BY 1, 2, 3, 4
 ORDER BY 1
 

@@ -5455,53 +5455,52 @@ $$;
 -- from 2000-01-01 UTC: a 10-minute bin is a rollup bucket), a row per bin, topic,
 -- outcome and instance (callers sum). A step of a multiple of 10 minutes reads the
 -- rollup where it has been folded (a row per topic there), and the counters after. A
--- minute that is not finite (written through SQL) is left out.
+-- minute that is not finite (written through SQL) is left out. A standard SQL body
+-- (its names bound when it is created) without a SET clause, so the planner inlines it:
+-- the caller's filters and grouping reach the tables' scans, where a function scan would
+-- first store the window's every row (a day of 200 topics: 86,000 of them).
 CREATE FUNCTION workpump.console_counts(p_since timestamptz, p_until timestamptz, p_step integer)
 RETURNS TABLE (minute timestamptz, category text, topic text, outcome text, n bigint,
                latency integer[])
 LANGUAGE sql STABLE
-SET search_path FROM CURRENT
-AS $$
-    WITH folded AS (
-        SELECT CASE WHEN p_step % 10 = 0 THEN workpump.console_folded_until()
-               ELSE '-infinity'::timestamptz END AS until
-    )
+BEGIN ATOMIC
     SELECT date_bin(make_interval(mins => p_step), r.minute, '2000-01-01 00:00:00+00'),
            r.category, r.topic, r.outcome, r.n, r.latency
-    FROM workpump_console_rollup r, folded f
-    WHERE r.minute >= p_since AND r.minute <= p_until AND r.minute < f.until
+    FROM workpump_console_rollup r
+    WHERE r.minute >= p_since AND r.minute <= p_until
+      AND r.minute < CASE WHEN p_step % 10 = 0 THEN workpump.console_folded_until()
+                          ELSE '-infinity'::timestamptz END
     UNION ALL
     SELECT date_bin(make_interval(mins => p_step), c.minute, '2000-01-01 00:00:00+00'),
            c.category, c.topic, c.outcome, c.n, c.latency
-    FROM workpump_console_count c, folded f
-    WHERE c.minute >= p_since AND c.minute >= f.until AND c.minute <= p_until
-      AND isfinite(c.minute)
-$$;
+    FROM workpump_console_count c
+    WHERE c.minute >= p_since AND c.minute <= p_until AND isfinite(c.minute)
+      AND c.minute >= CASE WHEN p_step % 10 = 0 THEN workpump.console_folded_until()
+                           ELSE '-infinity'::timestamptz END;
+END;
 
 -- The whole pump's counters in [p_since, p_until], a row per minute, outcome and
 -- instance (of p_instance_id alone unless NULL): the totals where they have been folded,
--- the counters after (callers sum). A minute that is not finite is left out.
+-- the counters after (callers sum). A minute that is not finite is left out. Inlined as
+-- console_counts is.
 CREATE FUNCTION workpump.console_totals(
     p_since timestamptz, p_until timestamptz, p_instance_id uuid DEFAULT NULL
 ) RETURNS TABLE (minute timestamptz, outcome text, instance_id uuid, n bigint,
                  latency integer[])
 LANGUAGE sql STABLE
-SET search_path FROM CURRENT
-AS $$
-    WITH folded AS (
-        SELECT workpump.console_folded_until() AS until
-    )
+BEGIN ATOMIC
     SELECT t.minute, t.outcome, t.instance_id, t.n, t.latency
-    FROM workpump_console_total t, folded f
-    WHERE t.minute >= p_since AND t.minute <= p_until AND t.minute < f.until
+    FROM workpump_console_total t
+    WHERE t.minute >= p_since AND t.minute <= p_until
+      AND t.minute < workpump.console_folded_until()
       AND (p_instance_id IS NULL OR t.instance_id = p_instance_id)
     UNION ALL
     SELECT c.minute, c.outcome, c.instance_id, c.n, c.latency
-    FROM workpump_console_count c, folded f
-    WHERE c.minute >= p_since AND c.minute >= f.until AND c.minute <= p_until
-      AND isfinite(c.minute)
-      AND (p_instance_id IS NULL OR c.instance_id = p_instance_id)
-$$;
+    FROM workpump_console_count c
+    WHERE c.minute >= p_since AND c.minute <= p_until AND isfinite(c.minute)
+      AND c.minute >= workpump.console_folded_until()
+      AND (p_instance_id IS NULL OR c.instance_id = p_instance_id);
+END;
 
 -- Sample the gauges of the minute of p_now, once: per topic the rows waiting (pending,
 -- scheduled), leased, and the age of the oldest pending row; per registered instance

@@ -15,6 +15,7 @@ import pytest
 from django.db import transaction
 
 from django_workpump.db import console as series
+from django_workpump.sql import named_queries
 from tests.factories import OutboxFactory
 from tests.helpers import T0, current_tokens, enroll, run_sql, scalar
 
@@ -388,3 +389,46 @@ def test_a_topics_failure_reasons_are_read_by_the_failing_rows_index():
     assert [(r["failure_reason"], r["n"], r["last_error"]) for r in rows] == [
         ("handler_error", 3, "E2: boom")
     ]
+
+
+def test_a_topics_lines_read_its_own_buckets_by_the_topic_index():
+    # a day of folded buckets for 60 topics: each topic's line probes its own key
+    run_sql(
+        "INSERT INTO workpump_console_rollup (minute, category, topic, outcome, n)"
+        " SELECT %s + make_interval(mins => 10 * b), 'outbox', 'console.t' || t, o, t + 1"
+        " FROM generate_series(0, 143) b, generate_series(1, 60) t,"
+        " unnest(ARRAY['claimed', 'done', 'failed']) o",
+        [T0],
+    )
+    until = T0 + timedelta(days=1)
+    run_sql(
+        "INSERT INTO workpump_console_sample (minute, taken_at, folded_until) VALUES (%s, %s, %s)",
+        [until, until, until],
+    )
+    run_sql("ANALYZE workpump_console_rollup")
+    asked = [("outbox", "console.t7"), ("outbox", "console.t42")]
+    params = {
+        "since": T0,
+        "until": until - timedelta(minutes=1),
+        "step": 10,
+        "categories": [c for c, _ in asked],
+        "topics": [t for _, t in asked],
+    }
+    queries = named_queries("console.sql")
+    sql = queries["console_topic_outcomes"].replace("{counts}", queries["counts_binned"])
+    with transaction.atomic():
+        run_sql("SET LOCAL max_parallel_workers_per_gather = 0")
+        (plan,) = scalar("EXPLAIN (FORMAT JSON) " + sql, params)
+    assert "wp_console_rollup_topic" in str(plan), plan
+
+    rows = series.console_topic_outcomes(params["since"], params["until"], asked, step=10)
+    got: dict[tuple[str, str], int] = {}
+    for r in rows:
+        got[(r["topic"], r["outcome"])] = got.get((r["topic"], r["outcome"]), 0) + r["n"]
+    # claimed is not a line: done and failed, 144 buckets each of t + 1
+    assert got == {
+        ("console.t7", "done"): 144 * 8,
+        ("console.t7", "failed"): 144 * 8,
+        ("console.t42", "done"): 144 * 43,
+        ("console.t42", "failed"): 144 * 43,
+    }
