@@ -3594,6 +3594,77 @@ BEGIN
 END
 $$;
 
+-- The statement of end_held_work for one category, as a function of its own per
+-- category (end_held_<category>, made by define_end_held below): end the undone rows
+-- p_instance_id holds under p_lease_tokens[i] as p_outcome ('done': p_values[i] is the
+-- result; 'discarded': the reason, kept as last_error), release their leases and store
+-- their attempt logs; return the ids and tokens ended, their ordering scopes and
+-- streams, and whether a flow-controlled row was among them.
+CREATE FUNCTION workpump.define_end_held(p_category text) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $define$
+DECLARE
+    v_meta record := workpump.work_table(p_category);
+    v_function text := $template$
+CREATE OR REPLACE FUNCTION workpump.end_held_{category}(
+    p_outcome text,
+    p_instance_id uuid,
+    p_ids uuid[],
+    p_lease_tokens uuid[],
+    p_values jsonb[],
+    p_logs jsonb[],
+    p_now timestamptz,
+    OUT ended_ids uuid[], OUT ended_tokens uuid[], OUT scopes text[], OUT streams text[],
+    OUT flow_ended boolean
+)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    WITH ended AS (
+        -- fenced: only undone rows the caller holds under the attempt's token
+        UPDATE {table} t
+        SET done_at = p_now, instance_id = NULL, lease_expiry = NULL, lease_token = NULL,
+            result = CASE WHEN p_outcome = 'done' THEN i.value ELSE t.result END,
+            end_state = CASE WHEN p_outcome = 'discarded' THEN 'discarded' ELSE t.end_state END,
+            failure_reason = CASE WHEN p_outcome = 'discarded' THEN 'discarded'
+                                  ELSE t.failure_reason END,
+            last_error = CASE WHEN p_outcome = 'discarded' THEN i.value #>> '{}'
+                              ELSE t.last_error END,
+            scheduled_for = CASE WHEN p_outcome = 'discarded' THEN NULL ELSE t.scheduled_for END
+        FROM unnest(p_ids, p_lease_tokens,
+                    coalesce(p_values, array_fill(NULL::jsonb, ARRAY[cardinality(p_ids)])),
+                    coalesce(p_logs, array_fill(NULL::jsonb, ARRAY[cardinality(p_ids)])))
+             AS i(id, token, value, logs)
+        WHERE t.work_id = i.id AND t.lease_token = i.token AND t.instance_id = p_instance_id
+          AND t.done_at IS NULL
+        RETURNING t.work_id AS id, i.token, t.stream, {t.scope} AS scope, t.attempts, i.logs,
+                  t.flow_controlled
+    ){logged}
+    SELECT coalesce(array_agg(e.id), '{}'), coalesce(array_agg(e.token), '{}'),
+           coalesce(array_agg(e.scope), '{}'), coalesce(array_agg(e.stream), '{}'),
+           coalesce(bool_or(e.flow_controlled), false)
+    INTO ended_ids, ended_tokens, scopes, streams, flow_ended
+    FROM ended e;
+END
+$$;
+$template$;
+BEGIN
+    -- the attempt logs' insert is in every call: with p_logs NULL it finds no record
+    v_function := replace(v_function, '{logged}', workpump.attempt_logs_cte(p_category, 'ended'));
+    v_function := replace(v_function, '{t.scope}', CASE WHEN v_meta.scope_col IS NULL
+        THEN $s$''::text$s$ ELSE 't.' || quote_ident(v_meta.scope_col) END);
+    v_function := replace(v_function, '{table}', quote_ident(v_meta.tbl));
+    v_function := replace(v_function, '{category}', p_category);
+    EXECUTE v_function;
+END
+$define$;
+
+SELECT workpump.define_end_held(category)
+FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']) category;
+
 -- The body of complete_work (p_outcome 'done': each row's value is its result) and of
 -- discard_work ('discarded': each value is the reason, a JSON string, kept as its
 -- last_error): end the undone rows p_instance_id holds under p_lease_tokens[i], release
@@ -3615,7 +3686,6 @@ SET search_path FROM CURRENT
 AS $$
 #variable_conflict use_column
 DECLARE
-    v_meta record := workpump.work_table(p_category);
     v_now timestamptz := coalesce(p_now, now());
     v_ended_ids uuid[];
     v_ended_tokens uuid[];
@@ -3623,41 +3693,31 @@ DECLARE
     v_streams text[];
     v_flow_ended boolean;
 BEGIN
+    PERFORM workpump.check_category(p_category);
     IF p_outcome IS NULL OR p_outcome NOT IN ('done', 'discarded') THEN
         RAISE EXCEPTION 'end_held_work ends rows as done or discarded, not %.',
             coalesce(p_outcome, 'NULL') USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    EXECUTE format($q$
-        WITH ended AS (
-            -- fenced: only undone rows the caller holds under the attempt's token
-            UPDATE %1$I t
-            SET done_at = $3, instance_id = NULL, lease_expiry = NULL, lease_token = NULL,
-                %3$s
-            FROM unnest($1::uuid[], $5::uuid[],
-                        coalesce($4::jsonb[], array_fill(NULL::jsonb, ARRAY[cardinality($1)])),
-                        coalesce($6::jsonb[], array_fill(NULL::jsonb, ARRAY[cardinality($1)])))
-                 AS i(id, token, value, logs)
-            WHERE t.work_id = i.id AND t.lease_token = i.token AND t.instance_id = $2
-              AND t.done_at IS NULL
-            RETURNING t.work_id AS id, i.token, t.stream, %2$s AS scope, t.attempts, i.logs,
-                      t.flow_controlled
-        )%4$s
-        SELECT coalesce(array_agg(e.id), '{}'), coalesce(array_agg(e.token), '{}'),
-               coalesce(array_agg(e.scope), '{}'), coalesce(array_agg(e.stream), '{}'),
-               coalesce(bool_or(e.flow_controlled), false)
-        FROM ended e$q$,
-        v_meta.tbl,
-        CASE WHEN v_meta.scope_col IS NULL THEN $s$''$s$
-             ELSE 't.' || quote_ident(v_meta.scope_col) END,
-        CASE p_outcome
-            WHEN 'done' THEN 'result = i.value'
-            WHEN 'discarded' THEN $s$end_state = 'discarded', failure_reason = 'discarded',
-                last_error = i.value #>> '{}', scheduled_for = NULL$s$
-        END,
-        -- no logs, no insert: the common completion pays nothing for them
-        CASE WHEN p_logs IS NOT NULL THEN workpump.attempt_logs_cte(p_category, 'ended') ELSE '' END)
-    INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
-    USING p_ids, p_instance_id, v_now, p_values, p_lease_tokens, p_logs;
+    -- each category's statement is static SQL of its own (end_held_<category>), so
+    -- its plan is kept: built with EXECUTE format it was planned anew on every flush
+    CASE p_category
+        WHEN 'outbox' THEN
+            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
+            FROM workpump.end_held_outbox(p_outcome, p_instance_id, p_ids, p_lease_tokens,
+                                          p_values, p_logs, v_now);
+        WHEN 'inbox' THEN
+            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
+            FROM workpump.end_held_inbox(p_outcome, p_instance_id, p_ids, p_lease_tokens,
+                                         p_values, p_logs, v_now);
+        WHEN 'perspective_event' THEN
+            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
+            FROM workpump.end_held_perspective_event(p_outcome, p_instance_id, p_ids,
+                                                     p_lease_tokens, p_values, p_logs, v_now);
+        ELSE
+            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
+            FROM workpump.end_held_receptor(p_outcome, p_instance_id, p_ids, p_lease_tokens,
+                                            p_values, p_logs, v_now);
+    END CASE;
     PERFORM workpump.notify_ended(v_ended_ids);
     IF v_flow_ended THEN
         -- a flow-controlled row ended: a capped row may start now, on any instance
