@@ -3638,8 +3638,11 @@ BEGIN
                     coalesce(p_values, array_fill(NULL::jsonb, ARRAY[cardinality(p_ids)])),
                     coalesce(p_logs, array_fill(NULL::jsonb, ARRAY[cardinality(p_ids)])))
              AS i(id, token, value, logs)
-        WHERE t.work_id = i.id AND t.lease_token = i.token AND t.instance_id = p_instance_id
-          AND t.done_at IS NULL
+        -- IS NOT DISTINCT FROM: not indexable, so the kept (generic) plan probes each id
+        -- by its key; with "=" it scanned the caller's held rows (estimated at one) and
+        -- matched every id against each of them, quadratic in the flush
+        WHERE t.work_id = i.id AND t.lease_token = i.token
+          AND t.instance_id IS NOT DISTINCT FROM p_instance_id AND t.done_at IS NULL
         RETURNING t.work_id AS id, i.token, t.stream, {t.scope} AS scope, t.attempts, i.logs,
                   t.flow_controlled
     ){logged}
