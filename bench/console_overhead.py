@@ -51,10 +51,11 @@ def run(cfg: Any, server: h.Server, database: str, workdir: Path) -> dict[str, A
               f"{result.get('rate') or 0:,.0f} jobs/s")  # fmt: skip
         return result
 
-    # Size the backlog once (counting on), so every drain lasts long enough.
-    _, case = throughput.drain_long_enough(
-        cfg.min_drain_seconds, case, lambda c: drain(c, -1, True)
-    )
+    if cfg.calibrate:
+        # Size the backlog once (counting on), so every drain lasts long enough.
+        _, case = throughput.drain_long_enough(
+            cfg.min_drain_seconds, case, lambda c: drain(c, -1, True)
+        )
     ratios: list[float] = []
     reps = max(cfg.reps, REPS)
     for rep in range(reps):

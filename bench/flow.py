@@ -323,7 +323,7 @@ def run(server: h.Server, database: str, workdir: Path, quick: bool) -> dict[str
     h.log("flow: a key capped at 5 over 4 instances")
     out["cap_exact"] = cap_exact(server, database, 300 if quick else 1_000, workdir)
     h.log("flow: a 200/s rate")
-    out["rate"] = rate_error(server, database, 15.0 if quick else 60.0, workdir)
+    out["rate"] = rate_error(server, database, 10.0 if quick else 60.0, workdir)
     h.log("flow: a quiet tenant beside a noisy one")
     # 300 quiet rows in either mode: the p99 of 100 is their largest, and varied fourfold
     out["fair"] = fair_quiet(server, database, 100_000, 300, workdir)
