@@ -4718,8 +4718,9 @@ END
 $$;
 
 -- Delete up to p_batch batches that finished before p_finished_before, oldest first. A
--- finished batch is history: its callback row was produced (or its failure recorded) and
--- its members' later requeues count nowhere, so it goes with the processed rows' retention.
+-- finished batch is history: its callback row was produced (or its failure recorded), and
+-- a member re-queued later only moves its counts, so it goes with the processed rows'
+-- retention. An open batch is never deleted.
 CREATE FUNCTION workpump.purge_batches(
     p_finished_before timestamptz,
     p_batch integer DEFAULT 1000
