@@ -5353,8 +5353,8 @@ BEGIN
     END IF;
     -- each changed row gives up to two events: what became of the attempt it had (if
     -- anything did) and a claim (a new lease token). Two plain scans of the rows, not a
-    -- lateral VALUES list per row: that cost three times as much per row, and a claim
-    -- or flush of 50 rows paid it on the pickup path.
+    -- lateral VALUES list per row, which cost several times as much per row, paid by
+    -- every claim and flush on the pickup path.
     WITH changed AS (
         SELECT coalesce(n.topic, '') AS topic,
                o.instance_id AS old_instance, n.instance_id AS new_instance,
@@ -5522,7 +5522,7 @@ $$;
 -- minute that is not finite (written through SQL) is left out. A standard SQL body
 -- (its names bound when it is created) without a SET clause, so the planner inlines it:
 -- the caller's filters and grouping reach the tables' scans, where a function scan would
--- first store the window's every row (a day of 200 topics: 86,000 of them).
+-- first store the window's every row.
 CREATE FUNCTION workpump.console_counts(p_since timestamptz, p_until timestamptz, p_step integer)
 RETURNS TABLE (minute timestamptz, category text, topic text, outcome text, n bigint,
                latency integer[])
