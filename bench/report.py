@@ -198,8 +198,6 @@ def section_targets(name: str, data: dict[str, Any]) -> list[Row]:
             ("Pickup p50 with the console's counting off / on (same run)", "latency_ratio"),
         ):
             ratio = data.get(key)
-            if key == "throughput_ratio" and ratio is None:  # recorded before latency was
-                ratio = data.get("console_overhead_ratio")
             add(_target(label, ">= 0.95", _f(ratio, 2), None if ratio is None else ratio >= 0.95))
     if name == "throughput":
         ratios = data.get("ratios", {})
@@ -1026,7 +1024,7 @@ def body_console(section: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         "",
         f"Throughput ratio on / off per repetition: "
         f"{', '.join(_f(r, 3) for r in section.get('by_rep', []))}"
-        f"; median {_f(section.get('throughput_ratio', section.get('console_overhead_ratio')), 3)}"
+        f"; median {_f(section.get('throughput_ratio'), 3)}"
         f". {section.get('jobs', 0):,} no-op jobs per drain, one "
         "process at the defaults; the counting triggers switched by "
         "`workpump.console_counting` between drains.\n",

@@ -423,9 +423,11 @@ def instances(server: h.Server, workdir: Path, quick: bool) -> dict[str, Any]:
         "repeats": repeats,
         "scale_8_vs_1_ratio": of("p8c4", "rate")[0] / one,
         "scale_32_vs_1_ratio": h.median(of("p32c1", "rate")) / one if of("p32c1", "rate") else None,
-        "scale_32_vs_1_ratio_by_repeat": [
-            a / b for a, b in zip(of("p32c1", "rate"), of("p1c4", "rate"), strict=False)
-        ],
+        "scale_32_vs_1_ratio_by_repeat": (
+            [a / b for a, b in zip(of("p32c1", "rate"), of("p1c4", "rate"), strict=True)]
+            if of("p32c1", "rate")
+            else []
+        ),
         "scale_32_share_spread": (
             h.median(of("p32c1", "share_spread")) if of("p32c1", "rate") else None
         ),

@@ -17,13 +17,18 @@ from django_workpump.sql import named_queries
 QUERIES = "console.sql"
 
 
-def _counts(name: str, params: dict[str, Any], using: str | None) -> list[dict[str, Any]]:
-    """Query ``name``, with its ``{counts}`` read a minute at a time (a step of 1) or in
-    bins of ``params["step"]`` minutes (the rollup where it is folded). Its minutes are
-    finite by its own filters, so no slow loader for the rare time Python cannot hold."""
+def counts_sql(name: str, step: int) -> str:
+    """Query ``name`` with its ``{counts}`` read a minute at a time (a step of 1) or in
+    bins of ``step`` minutes (the rollup where it is folded)."""
     queries = named_queries(QUERIES)
-    part = queries["counts_by_minute" if params["step"] == 1 else "counts_binned"]
-    sql = queries[name].replace("{counts}", part)
+    part = queries["counts_by_minute" if step == 1 else "counts_binned"]
+    return queries[name].replace("{counts}", part)
+
+
+def _counts(name: str, params: dict[str, Any], using: str | None) -> list[dict[str, Any]]:
+    """Rows of query ``name`` (counts_sql). Its minutes are finite by its own filters, so
+    no slow loader for the rare time Python cannot hold."""
+    sql = counts_sql(name, params["step"])
     return fetch_sql(sql, params, using=using, readable_times=False)
 
 

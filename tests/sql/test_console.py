@@ -15,7 +15,6 @@ import pytest
 from django.db import transaction
 
 from django_workpump.db import console as series
-from django_workpump.sql import named_queries
 from tests.factories import OutboxFactory
 from tests.helpers import T0, current_tokens, enroll, run_sql, scalar
 
@@ -414,8 +413,7 @@ def test_a_topics_lines_read_its_own_buckets_by_the_topic_index():
         "categories": [c for c, _ in asked],
         "topics": [t for _, t in asked],
     }
-    queries = named_queries("console.sql")
-    sql = queries["console_topic_outcomes"].replace("{counts}", queries["counts_binned"])
+    sql = series.counts_sql("console_topic_outcomes", 10)
     with transaction.atomic():
         run_sql("SET LOCAL max_parallel_workers_per_gather = 0")
         (plan,) = scalar("EXPLAIN (FORMAT JSON) " + sql, params)
