@@ -250,6 +250,8 @@ def test_a_timeout_on_the_last_attempt_is_stored_and_logged_as_timeout(pump, cap
             lambda: models.Outbox.objects.get(work_id=work_id).dead_lettered_at is not None,
             20,
         )
+        # The record is written after the failure commits: wait for it too.
+        assert wait_until(lambda: dead_letter_logs(caplog), 20)
     finally:
         release.set()
         registry.unregister("outbox", "logs.timeout")
