@@ -3621,6 +3621,10 @@ CREATE OR REPLACE FUNCTION workpump.end_held_{category}(
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan
+-- a plan kept from a near-empty table (a fresh install, a truncate) would scan the
+-- whole table once it grew, on every flush until the next ANALYZE: the statement
+-- always ends rows by their key
+SET enable_seqscan = off
 AS $$
 BEGIN
     WITH ended AS (

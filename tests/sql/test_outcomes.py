@@ -489,6 +489,31 @@ def test_completion_without_an_instance_id_is_refused():
         complete(None, "outbox", [uuid.uuid4()])
 
 
+def test_a_completion_planned_on_a_near_empty_table_still_ends_rows_by_their_key():
+    """The ending statement's plan is kept for the session: one made while the table held
+    a few rows must not scan the whole table once it has grown (until the next ANALYZE)."""
+    me = uuid.uuid4()
+    first = [produce("outbox") for _ in range(3)]
+    claim(me)
+    run_sql("DISCARD PLANS")  # whatever an earlier test left: planned here, on 3 rows
+    assert set(complete(me, "outbox", first).values()) == {"done"}
+    run_sql(
+        "SELECT workpump.send_many('emails.welcome', array_agg(jsonb_build_object('n', g)))"
+        " FROM generate_series(1, 2000) g"
+    )
+    grown = [r["work_id"] for r in claim(me)][:5]
+
+    def seq_scans() -> int:
+        # this transaction's own counts: the test's statements share one
+        return scalar(
+            "SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'workpump_outbox'"
+        )
+
+    before = seq_scans()
+    assert set(complete(me, "outbox", grown).values()) == {"done"}
+    assert seq_scans() == before
+
+
 @pytest.mark.django_db(transaction=True)
 def test_promoting_a_new_stream_head_notifies_the_category_channel(raw_connect):
     worker, listener = raw_connect(), raw_connect()
