@@ -149,6 +149,12 @@ def scalar(query: str, params: dict[str, Any] | tuple[Any, ...] | None = None) -
     return next(iter(rows[0].values()))
 
 
+def seq_scans(table: str) -> int:
+    """Sequential scans of ``table`` in this transaction so far (the test's statements
+    share one): how a test sees that a kept plan reached its rows through an index."""
+    return scalar("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = %s", [table])
+
+
 # category -> (table, key column) of the four work tables
 WORK_TABLES = {
     "outbox": ("workpump_outbox", "work_id"),

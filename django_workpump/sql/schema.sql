@@ -2545,6 +2545,10 @@ LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan
 SET jit = off
+-- a plan kept from a near-empty table (a fresh install, a truncate) would scan the
+-- whole table for the rows it leases once the table grew, on every claim until the
+-- next ANALYZE: every table is reached through its indexes
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
@@ -2778,6 +2782,7 @@ LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan
 SET jit = off
+SET enable_seqscan = off  -- as in flow_claim_{category}: never a kept scan
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from django.db import DatabaseError, transaction
 
-from tests.helpers import T0, at, enroll, run_sql, scalar
+from tests.helpers import T0, at, enroll, run_sql, scalar, seq_scans
 
 pytestmark = pytest.mark.django_db
 
@@ -172,6 +172,29 @@ def test_a_key_rate_limits_the_key_in_every_topic():
     assert len(claim()) == 2
     assert len(claim(now=at(1))) == 2
     assert claim(now=at(1.2)) == []
+
+
+# --- kept plans ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fairness_key", [None, "tenant:a"], ids=["fast", "flow"])
+def test_a_claim_planned_on_a_near_empty_table_leases_rows_without_scanning_it(fairness_key):
+    """The claim's plans are kept for the session: ones made while the table held a few
+    rows must not scan the whole table once it has grown (until the next ANALYZE)."""
+    run_sql("TRUNCATE workpump_outbox CASCADE")  # physically empty (rolled back after)
+    flow = {"fairness_key": fairness_key} if fairness_key else {}
+    send(n=3, **flow)
+    run_sql("DISCARD PLANS")  # whatever an earlier test left: planned here, on 3 rows
+    complete(claim(max_rows=3))
+    run_sql(
+        "SELECT workpump.send_many(%s, array_agg(jsonb_build_object('n', g)),"
+        " p_fairness_key => %s) FROM generate_series(1, 2000) g",
+        [TOPIC, fairness_key],
+    )
+
+    before = seq_scans("workpump_outbox")
+    assert len(claim(max_rows=5)) == 5
+    assert seq_scans("workpump_outbox") == before
 
 
 # --- fairness -----------------------------------------------------------------------------
