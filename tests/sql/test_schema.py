@@ -195,7 +195,7 @@ def differences(
     return found
 
 
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db  # the test database only hosts the scratch ones: nothing to flush
 def test_schema_sql_is_what_the_migrations_build(scratch_database):
     by_migrations = scratch_database()
     by_schema_sql = scratch_database()
