@@ -126,6 +126,11 @@ class FakeCoordinator:
         with self._cond:
             return self._cond.wait_for(lambda: self.calls.count(name) >= count, timeout)
 
+    def wait_for_any_call(self, *names: str, timeout: float = WAIT) -> bool:
+        """Wait until one of the methods ``names`` was called; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: any(n in self.calls for n in names), timeout)
+
     def _record(self, name: str) -> None:
         with self._cond:
             self.calls.append(name)

@@ -88,7 +88,7 @@ def run_sql(
 
 
 # Done rows per work table that give the planner a table worth reading by index.
-PLAN_STATISTICS_ROWS = 5_000
+PLAN_STATISTICS_ROWS = 2_000
 
 
 PLAN_STATISTICS_SQL = [

@@ -83,7 +83,7 @@ def run(handler: Any, middleware: list[Any]) -> FakeCoordinator:
     dispatcher.start()
     try:
         dispatcher.submit([make_row()])
-        assert coordinator.wait_for_call("complete") or coordinator.wait_for_call("fail")
+        assert coordinator.wait_for_any_call("complete", "fail")
     finally:
         dispatcher.stop()
     return coordinator

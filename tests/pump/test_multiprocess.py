@@ -81,7 +81,10 @@ def assert_stream_order() -> None:
 
 
 def test_two_processes_share_a_backlog_and_every_row_runs_exactly_once(executions, spawn):
-    total = produce_backlog(streams=6, per_stream=5, seconds=0.01, instances=2)
+    # 50 ms a row: the first instance holds at most a few streams' runs at a time, so the
+    # backlog outlasts the second one's start (at 10 ms, a loaded machine's second
+    # instance could find the first had taken every stream)
+    total = produce_backlog(streams=6, per_stream=5, seconds=0.05, instances=2)
 
     first = spawn("--drain", "--concurrency", "3")
     second = spawn("--drain", "--concurrency", "3")

@@ -1030,7 +1030,10 @@ def test_the_claims_are_planned_once_per_session_and_claim_every_shape(scratch_d
         [("billing.charge", "acct-1")] * 2,
         [("emails.welcome", None)] * 2,
     ]
-    once_per_session = {name: ["plan_cache_mode=force_generic_plan", "jit=off"] for name in claims}
+    once_per_session = {
+        name: ["plan_cache_mode=force_generic_plan", "jit=off", "enable_seqscan=off"]
+        for name in claims
+    }
     scratch_database.migrate()
     assert settings() == once_per_session
     assert claims_in_one_session() == expected
