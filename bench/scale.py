@@ -417,20 +417,17 @@ def instances(server: h.Server, workdir: Path, quick: bool) -> dict[str, Any]:
         return [r[key] for r in runs if f"p{r['processes']}c{r['concurrency']}" == tag]
 
     one = h.median(of("p1c4", "rate"))
+    p32 = of("p32c1", "rate")  # none in quick mode
     idle = next((r for r in runs if "idle_write_statements" in r), {})
     return {
         "runs": runs,
         "repeats": repeats,
         "scale_8_vs_1_ratio": of("p8c4", "rate")[0] / one,
-        "scale_32_vs_1_ratio": h.median(of("p32c1", "rate")) / one if of("p32c1", "rate") else None,
+        "scale_32_vs_1_ratio": h.median(p32) / one if p32 else None,
         "scale_32_vs_1_ratio_by_repeat": (
-            [a / b for a, b in zip(of("p32c1", "rate"), of("p1c4", "rate"), strict=True)]
-            if of("p32c1", "rate")
-            else []
+            [a / b for a, b in zip(p32, of("p1c4", "rate"), strict=True)] if p32 else []
         ),
-        "scale_32_share_spread": (
-            h.median(of("p32c1", "share_spread")) if of("p32c1", "rate") else None
-        ),
+        "scale_32_share_spread": h.median(of("p32c1", "share_spread")) if p32 else None,
         "idle_row_writes_per_instance_per_min": idle.get("idle_row_writes_per_instance_per_min"),
         "idle_write_statements_per_instance_per_min": idle.get(
             "idle_write_statements_per_instance_per_min"

@@ -6,10 +6,10 @@ take an advisory lock and hold it for ever), then:
 reaps stale instances (a backstop for the heartbeat's reap); purges, in small batches
 taken in turn until every purge has caught up, processed rows, unreferenced events and
 finished batches past RETENTION_SECONDS, dead rows past DEAD_RETENTION_SECONDS (when
-set), received message ids past INBOX_DEDUP_RETENTION_SECONDS, the attempts of purged tasks and idle
-stream-ownership rows, and the console's series past CONSOLE_RETENTION_SECONDS; purges
-old tombstones; and logs rows that are using up their attempts. Handler threads never
-purge.
+set), received message ids past INBOX_DEDUP_RETENTION_SECONDS, the attempts of purged
+tasks and idle stream-ownership rows, and the console's series past
+CONSOLE_RETENTION_SECONDS; purges old tombstones; and logs rows that are using up their
+attempts. Handler threads never purge.
 
 Between passes, every CONSOLE_SAMPLE_SECONDS, it samples the console's gauges of the
 current minute (backlog, instances: ``db.console_sample``); the first sample of a minute,
