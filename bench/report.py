@@ -329,7 +329,7 @@ def workflow_targets(summary: dict[str, Any]) -> list[Row]:
     fanin = summary.get("workflow_fanin_overhead")
     return [
         _target(
-            "A chain vs one stream (each hop one claim)",
+            "A chain vs one stream (each link leased, started after the one before)",
             ">= 0.5x",
             "-" if chain is None else f"{chain:.2f}x",
             None if chain is None else chain >= 0.5,

@@ -1,11 +1,12 @@
 """Workflows: what a chain and a batch callback cost against the same rows without them.
 
-A chain of N rows (each sent with ``after=[the previous]``, so each hop is one claim of
-a row made ready by its predecessor's completion) is drained by one fresh
-``runworkpump`` and compared with N rows on one stream (also strictly one after
-another). A fan-out of M rows sent with ``send_many`` inside ``workpump.batch()`` with a
-callback is compared with the same fan-out without a batch: the overhead is the ratio
-of drain times minus one (the batch's counts are kept by every member's completion).
+A chain of N rows (each sent with ``after=[the previous]``: a claim leases a link with
+the links behind it, each started once the one before it completed, as a stream's run
+is) is drained by one fresh ``runworkpump`` and compared with N rows on one stream (also
+strictly one after another). A fan-out of M rows sent with ``send_many`` inside
+``workpump.batch()`` with a callback is compared with the same fan-out without a batch:
+the overhead is the ratio of drain times minus one (the batch's counts are kept by every
+member's completion).
 """
 
 from __future__ import annotations

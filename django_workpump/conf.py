@@ -220,7 +220,8 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1,
         meaning=(
             "most rows of one ordered stream a claim leases together (its head and the rows "
-            "after it), run in order in one dispatch slot; 1: one row per claim"
+            "after it), or of one chain of rows sent with after=, run in order in one "
+            "dispatch slot; 1: one row per claim"
         ),
     ),
     Setting("CONCURRENCY", 4, "int", minimum=1, meaning="dispatch threads"),

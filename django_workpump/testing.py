@@ -122,7 +122,7 @@ def run_pending(
                 stream_run_max=setting("STREAM_RUN_MAX"),
                 using=alias,
             )
-            runs.extend(_runs_of(rows))
+            runs.extend(_runs_of(rows, alias))
         rows = db.claim_work(
             instance_id=TEST_INSTANCE_ID,
             max_rows=1_000,
@@ -275,11 +275,25 @@ def _raised(
     report.failures.append(Failure(row.category, row.work_id, row.topic, exc))
 
 
-def _runs_of(rows: list[Any]) -> list[list[Any]]:
-    """Claimed rows as the pump runs them: a stream's rows together, in stream order."""
+def _runs_of(rows: list[Any], alias: str) -> list[list[Any]]:
+    """Claimed rows as the pump runs them: a stream's rows together, in stream order.
+
+    The rows of a chain leased behind their dependency are released unstarted, as the
+    pump releases them for a batch handler: they wait for it to complete.
+    """
     runs: dict[Any, list[Any]] = {}
     for row in rows:
-        runs.setdefault(stream_run_key(row), []).append(row)
+        if row.after_id is None:
+            runs.setdefault(stream_run_key(row), []).append(row)
+    chained = [row for row in rows if row.after_id is not None]
+    if chained:
+        db.release_work(
+            instance_id=TEST_INSTANCE_ID,
+            category=chained[0].category,  # the outbox: chains are of the outbox alone
+            ids=[row.work_id for row in chained],
+            lease_tokens=[row.lease_token for row in chained],
+            using=alias,
+        )
     return list(runs.values())
 
 

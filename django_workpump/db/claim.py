@@ -63,6 +63,9 @@ class ClaimedWork(FromRow):
     due_at: datetime | None = None
     # The checkpoint the row's last attempt stored (work.checkpoint): None when none.
     checkpoint: Any = None
+    # In a chain's run (send(after=...)): the row of this claim it waits for, which must
+    # complete here before it starts; None on every other row.
+    after_id: uuid.UUID | None = None
 
 
 def claim_work(

@@ -7,9 +7,10 @@ replacement thread starts), the attempt is failed with reason ``lease_expired``,
 whatever it reports later is dropped here and would be fenced out by the database.
 
 The rows of one ordered stream that a claim leased together (a stream run: the head and
-the rows after it) run in order in one slot, on one thread. A row that does not complete
-ends its run: the rows after it are released unstarted (their attempt given back), so
-the stream waits for the row's retry and nothing runs out of order. A batch handler gets
+the rows after it), or of one chain (send(after=...)), run in order in one slot, on one
+thread. A row that does not complete ends its run: the rows after it are released
+unstarted (their attempt given back), so they wait for the row's retry and nothing runs
+out of order (a chain's rows never join a batch handler's call). A batch handler gets
 the run in one call; its ``Snooze``/``Discard`` name the row they mean, and a batch given
 up on (its deadline, or a shutdown) is given up whole: its first row failed, every other
 row released at once (docs/control-flow.md, "Batch handlers").
@@ -51,7 +52,7 @@ from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.middleware import Middleware
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.handler_connections import PERSISTENT, between_jobs
-from django_workpump.pump.jobs import DispatchStats, Job, Run, queue_wait, stream_run_key
+from django_workpump.pump.jobs import ClaimRuns, DispatchStats, Job, Run, queue_wait
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.outcomes import (
@@ -173,13 +174,10 @@ class Dispatcher:
         return self.outcomes.pending
 
     def submit(self, rows: list[ClaimedWork]) -> None:
-        """Take claimed rows: one lease handle each, queued for the workers by run.
-
-        The rows of one ordered stream (the claim returns them in stream order) form one
-        run; every other row is a run of its own.
-        """
+        """Take claimed rows: one lease handle each, queued for the workers by run
+        (``ClaimRuns``: a stream's or a chain's rows together, in the claim's order)."""
         received_at = self.clock.monotonic()
-        runs: dict[tuple[str, str, str] | uuid.UUID, Run] = {}
+        runs = ClaimRuns(self.handlers)
         # One look at the rows in flight here for the whole claim (each row is looked up
         # and entered once; a claim holds up to hundreds).
         with self._lock:
@@ -187,7 +185,7 @@ class Dispatcher:
         jobs: list[Job] = []
         held: dict[str, int] = {}
         for row, previous in zip(rows, previous_jobs, strict=True):
-            run = runs.setdefault(stream_run_key(row), Run([]))
+            run = runs.join(row)
             # Local deadline from the DB's own lease length, so clock skew cannot matter.
             lease_length = (row.lease_expiry - row.claimed_at).total_seconds()
             deadline = received_at + lease_length - self.lease_grace_seconds
@@ -228,8 +226,12 @@ class Dispatcher:
             self._in_flight += len(runs)
         for category, count in held.items():
             self.metrics.held(category, count)
-        for run in runs.values():
-            self._queue.put(run)
+        for run in runs:
+            if not run.unchained:
+                self._queue.put(run)
+                continue
+            self._release_rest(run, 0)  # never run here: given back, to wait as before
+            self._free_slot(run)
 
     # -- workers -------------------------------------------------------------------
     def start(self) -> None:
@@ -284,8 +286,8 @@ class Dispatcher:
                 # Not completed: the rows after it must wait for its retry.
                 self._release_rest(run, index)
                 break
-        if first.stream is not None:
-            self.completions.hurry()  # the stream's next row waits on these completions
+        if run.ordered:
+            self.completions.hurry()  # the stream's or chain's next row waits on these
         self._free_slot(run)
         if ran and run.jobs[-1].committed and self.on_stream_ready is not None:
             # The handler's transaction wrote the run's last completion: the stream's next
@@ -294,8 +296,8 @@ class Dispatcher:
         return True
 
     def _ends_stream_run(self, job: Job) -> bool:
-        """Whether ``job`` is the last row of an ordered stream's run."""
-        return job.row.stream is not None and job.run is not None and job.run.jobs[-1] is job
+        """Whether ``job`` ends a run whose next row waits on it (a stream's, a chain's)."""
+        return job.run is not None and job.run.jobs[-1] is job and job.run.ordered
 
     def _run(self, job: Job, tidy_before: bool = True, traced: bool | None = None) -> bool | None:
         """Run one job: True when it completed (the next row of its run may start), False

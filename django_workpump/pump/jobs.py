@@ -1,21 +1,36 @@
 """The dispatcher's bookkeeping: a claimed row in flight (``Job``), the rows of one
-stream that a claim leased together (``Run``), and the dispatcher's counters."""
+stream or chain that a claim leased together (``Run``, grouped by ``ClaimRuns``), and
+the dispatcher's counters."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from django_workpump.categories import category as category_meta
 from django_workpump.db import ClaimedWork
 from django_workpump.pump.lease import LeaseHandle
+from django_workpump.registry import Registry
 from django_workpump.states import CancelReason, JobState
 from django_workpump.work import Lease, LeaseLost
 
-__all__ = ["DispatchStats", "Job", "LeaseLost", "Run", "stream_run_key"]
+__all__ = [
+    "ClaimRuns",
+    "DispatchStats",
+    "Job",
+    "LeaseLost",
+    "Run",
+    "RunKey",
+    "Unchained",
+    "stream_run_key",
+]
+
+logger = logging.getLogger("django_workpump.dispatch")
 
 
 @dataclass(eq=False)
@@ -46,19 +61,37 @@ class Job:
 
 @dataclass(eq=False)
 class Run:
-    """Rows of one stream leased by one claim, in stream order (a lone row: a run of one).
+    """Rows of one stream, or of one chain (send(after=...)), leased by one claim, in
+    their order (a lone row: a run of one).
 
     A run takes one dispatch slot, freed once when the run ends, is abandoned or is
     failed at shutdown.
     """
 
     jobs: list[Job]
+    # Rows of a chain that may not run here (Dispatcher._run_key): released unstarted.
+    unchained: bool = False
     slot_freed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     # The rows a batch handler runs in one call: given up on together (give_up_batch).
     batch: list[Job] | None = None
     # An async batch handler's loop and task while it runs, so giving up can cancel it.
     task: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
+
+    @property
+    def ordered(self) -> bool:
+        """Whether a row after its last waits on it: a stream's run, or a chain's."""
+        return self.jobs[0].row.stream is not None or self.jobs[-1].row.after_id is not None
+
+
+@dataclass(frozen=True)
+class Unchained:
+    """The key of a run of chain rows that may not run here (Dispatcher._run_key)."""
+
+    after_id: uuid.UUID
+
+
+RunKey = tuple[str, str, str] | uuid.UUID | Unchained
 
 
 def stream_run_key(row: ClaimedWork) -> tuple[str, str, str] | uuid.UUID:
@@ -67,6 +100,52 @@ def stream_run_key(row: ClaimedWork) -> tuple[str, str, str] | uuid.UUID:
         return row.work_id
     scoped = category_meta(row.category).topic_scopes_streams
     return (row.category, row.topic if scoped else "", row.stream)
+
+
+class ClaimRuns:
+    """The runs of one claim's rows (``join`` each in the order the claim returned them),
+    iterated in the order they began."""
+
+    def __init__(self, handlers: Registry) -> None:
+        self.handlers = handlers
+        self.runs: dict[RunKey, Run] = {}
+        self.run_of: dict[uuid.UUID, RunKey] = {}  # the run each row joined
+
+    def __iter__(self) -> Iterator[Run]:
+        return iter(self.runs.values())
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def join(self, row: ClaimedWork) -> Run:
+        """The run ``row`` joins (before its job is added to it)."""
+        key = self.run_of[row.work_id] = self.key(row)
+        return self.runs.setdefault(key, Run([], unchained=isinstance(key, Unchained)))
+
+    def key(self, row: ClaimedWork) -> RunKey:
+        """Its stream's run, the run of the row it waits for (a chain), or its own.
+
+        A chain's row must start after the row it waits for completed: it cannot join
+        the one call of a batch handler, nor run without that row here. Such a row (and
+        the rest of its chain) joins an unchained run instead, released unstarted.
+        """
+        if row.after_id is None:
+            return stream_run_key(row)
+        key = self.run_of.get(row.after_id)
+        if key is None or self.runs[key].unchained:
+            return key or Unchained(row.after_id)
+        first = self.runs[key].jobs[0].row
+        handlers = [self.handlers.get(r.category, r.topic) for r in (first, row)]
+        if not any(handler is not None and handler.batch for handler in handlers):
+            return key
+        logger.info(
+            "%s %s waits for %s; a batch handler cannot run the two in turn: released",
+            row.category,
+            row.work_id,
+            row.after_id,
+            extra={"action": "chain_released"},
+        )
+        return Unchained(row.after_id)
 
 
 @dataclass

@@ -124,7 +124,8 @@ SELECT workpump.sync_subscriptions(
 -- A one-row function scan: evaluated once.
 SELECT c.category, c.work_id, c.topic, c.payload, c.stream, c.attempts, c.max_attempts,
        c.lease_expiry, c.event_id, c.event_type, c.priority, c.claimed_at, c.lease_token,
-       c.headers, c.created_at, c.due_at, c.last_error, c.has_more, c.checkpoint
+       c.headers, c.created_at, c.due_at, c.last_error, c.has_more, c.checkpoint,
+       c.after_id
 FROM set_config('synchronous_commit',
                 coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
                 true) AS commit_setting

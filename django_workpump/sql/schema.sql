@@ -59,7 +59,10 @@ CREATE TYPE workpump.leased_work AS (
     created_at timestamptz,
     due_at timestamptz,
     last_error text,  -- NULL but on a row the claim parked as dead (see claim_work)
-    checkpoint jsonb  -- the row's last checkpoint (checkpoint_work); NULL on a parked row
+    checkpoint jsonb,  -- the row's last checkpoint (checkpoint_work); NULL on a parked row
+    -- in a chain's run (send(after=...)): the row of this claim it waits for, which
+    -- must complete on the claimer first; NULL on every other row
+    after_id uuid
 );
 
 -- A group of flow-controlled rows: the claim's flow pass takes them round-robin.
@@ -2502,6 +2505,7 @@ BEGIN
               AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
               AND NOT t.flow_controlled
               AND coalesce(t.lease_expiry, t.scheduled_for) <= p_now
+              AND (t.scheduled_for IS NULL OR t.scheduled_for <= p_now)
               AND (p_topics IS NULL OR t.topic = ANY (p_topics)
                    OR t.topic ^@ ANY (p_topic_prefixes))
             ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL;
@@ -2718,7 +2722,7 @@ BEGIN
                CASE WHEN NOT c.dead THEN c.lease_token END,
                CASE WHEN NOT c.dead THEN c.headers END, c.created_at, c.due_at,
                CASE WHEN c.dead THEN c.last_error END,
-               CASE WHEN NOT c.dead THEN c.checkpoint END
+               CASE WHEN NOT c.dead THEN c.checkpoint END, NULL::uuid
                )::workpump.leased_work ORDER BY c.round, c.priority DESC, c.seq),
            array_agg(c.topic) FILTER (WHERE NOT c.dead),
            array_agg(c.concurrency_key) FILTER (WHERE NOT c.dead)
@@ -2765,6 +2769,84 @@ BEGIN
 END
 $$;
 $template$;
+    -- chain_runs: an outbox row leased above that is the only dependency of its only
+    -- dependent (send(after=...)) takes that dependent along, leased right behind it,
+    -- and so on down the chain, in the budget left and up to p_run_max rows a run. The
+    -- claimer starts each once the row before it completed there, and releases the
+    -- rest unstarted when one does not (docs/architecture.md, "Chains").
+    v_chain_runs text := $chain$
+    IF v_chain_heads IS NOT NULL AND p_run_max > 1 AND v_limit > v_returned THEN
+        RETURN QUERY
+        WITH RECURSIVE
+        -- chain: each head's dependents down the chain, up to its share of the budget
+        chain AS (
+            SELECT h.id AS head_id, h.id, NULL::uuid AS after_id, 0 AS depth,
+                   least(p_run_max - 1, ceil((v_limit - v_returned)::numeric
+                                             / cardinality(v_chain_heads)))::integer AS room
+            FROM unnest(v_chain_heads) h(id)
+            UNION ALL
+            SELECT c.head_id, d.dependent_id, c.id, c.depth + 1, c.room
+            FROM chain c
+            JOIN workpump_dependency d ON d.category = 'outbox' AND d.dependency_id = c.id
+            WHERE c.depth < c.room
+              AND NOT EXISTS (SELECT 1 FROM workpump_dependency o
+                              WHERE o.category = 'outbox' AND o.dependency_id = c.id
+                                AND o.dependent_id <> d.dependent_id)
+              AND NOT EXISTS (SELECT 1 FROM workpump_dependency o
+                              WHERE o.category = 'outbox' AND o.dependent_id = d.dependent_id
+                                AND o.dependency_id <> c.id)
+        ),
+        -- locked: those rows locked, as they are now; one that may not be leased (taken,
+        -- ended, no longer waiting, of a topic not claimed here) ends its run there
+        locked AS MATERIALIZED (
+            SELECT c.head_id, c.after_id, c.depth, l.ctid,
+                   coalesce(l.leasable, false) AS leasable
+            FROM chain c
+            LEFT JOIN LATERAL (
+                SELECT n.ctid,
+                       n.done_at IS NULL AND n.dead_lettered_at IS NULL
+                       AND n.instance_id IS NULL AND n.scheduled_for = 'infinity'
+                       AND n.stream IS NULL AND NOT n.flow_controlled
+                       AND n.attempts < n.max_attempts
+                       AND (p_topics IS NULL OR n.topic = ANY (p_topics)
+                            OR n.topic ^@ ANY (p_topic_prefixes))
+                       AND (p_paused_topics IS NULL OR n.topic <> ALL (p_paused_topics))
+                       AS leasable
+                FROM workpump_outbox n
+                WHERE n.work_id = c.id
+                FOR UPDATE OF n SKIP LOCKED
+            ) l ON true
+            WHERE c.depth > 0
+        ),
+        followers AS (
+            SELECT r.ctid, r.after_id, r.head_id, r.depth
+            FROM (SELECT l.*, bool_and(l.leasable)
+                                  OVER (PARTITION BY l.head_id ORDER BY l.depth) AS in_run
+                  FROM locked l) r
+            WHERE r.in_run
+        ),
+        -- claimed_chains: each follower leased (one attempt more, a new token). It keeps
+        -- waiting (scheduled_for 'infinity'), so a lease that runs out does not make it
+        -- claimable before its dependency ends.
+        claimed_chains AS (
+            UPDATE workpump_outbox t SET
+                attempts = t.attempts + 1, instance_id = p_instance_id,
+                lease_expiry = v_lease_expiry, lease_token = gen_random_uuid(),
+                claimed_at = v_now, lease_renewals = 0
+            FROM followers f WHERE t.ctid = f.ctid
+            RETURNING t.work_id, t.topic, t.payload, t.attempts, t.max_attempts,
+                      t.lease_expiry, t.priority, t.claimed_at, t.lease_token, t.headers,
+                      t.created_at, t.checkpoint, f.after_id, f.head_id, f.depth
+        )
+        -- each chain's rows in chain order, after every head (due: now, when it may run)
+        SELECT 'outbox'::text, c.work_id, c.topic, c.payload, NULL::text, c.attempts,
+               c.max_attempts, c.lease_expiry, NULL::uuid, NULL::text, c.priority::integer,
+               c.claimed_at, c.lease_token, c.headers, c.created_at, v_now, NULL::text,
+               c.checkpoint, c.after_id
+        FROM claimed_chains c
+        ORDER BY array_position(v_chain_heads, c.head_id), c.depth;
+    END IF;
+$chain$;
     v_claim text := $template$
 CREATE OR REPLACE FUNCTION workpump.claim_{category}(
     p_instance_id uuid,
@@ -2795,6 +2877,8 @@ DECLARE
     v_parked workpump.leased_work[];  -- the heads parked as dead instead (NULL: none)
     v_flow workpump.leased_work[] := '{}';  -- the flow pass's rows, leased or parked
     v_limit integer := p_limit;  -- the budget the flow pass left to the others
+    v_chain_heads uuid[];  -- the leased heads that may start a chain's run (or NULL)
+    v_returned integer;  -- the heads and stream runs returned
 BEGIN
     -- The flow pass first (flow_claim_{category}), when a flow-controlled head of these
     -- topics is due: it takes rows within their limits, and half the budget at most
@@ -2814,7 +2898,8 @@ BEGIN
     -- returned, and what their runs need, is kept in arrays.
     WITH
     -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
-    -- longest due first (the table's _timer index)
+    -- longest due first (the table's _timer index); a row of a chain's run keeps
+    -- waiting for its dependency even when its lease ran out
     timers AS MATERIALIZED (
         SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
                t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
@@ -2825,6 +2910,7 @@ BEGIN
           AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
           AND NOT t.flow_controlled
           AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+          AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)
           AND (p_topics IS NULL OR t.topic = ANY (p_topics)
                OR t.topic ^@ ANY (p_topic_prefixes))
           AND (p_paused_topics IS NULL OR t.topic <> ALL (p_paused_topics))
@@ -2889,13 +2975,13 @@ BEGIN
         UPDATE {table} t SET
             {lease_set}
         FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING {leased_columns}, c.pass, t.last_error
+        RETURNING {leased_columns}, c.pass, t.last_error, {t.chains} AS chains
     )
     SELECT coalesce(array_agg(ROW(
                '{category}'::text, c.work_id, c.topic, {c.payload}, c.stream,
                c.attempts, c.max_attempts, c.lease_expiry, c.event_id, {c.event_type},
                c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
-               c.due_at, NULL::text, c.checkpoint
+               c.due_at, NULL::text, c.checkpoint, NULL::uuid
                )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
                FILTER (WHERE NOT c.dead), '{}'),
            coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
@@ -2908,10 +2994,12 @@ BEGIN
                '{category}'::text, c.work_id, c.topic, NULL::jsonb, c.stream,
                c.attempts, c.max_attempts, NULL::timestamptz, c.event_id, {c.event_type},
                c.priority::integer, NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at,
-               c.due_at, c.last_error, NULL::jsonb
+               c.due_at, c.last_error, NULL::jsonb, NULL::uuid
                )::workpump.leased_work ORDER BY c.seq)
-               FILTER (WHERE c.dead)
-    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked
+               FILTER (WHERE c.dead),
+           array_agg(c.work_id ORDER BY c.pass, c.priority DESC, c.seq)
+               FILTER (WHERE NOT c.dead AND c.chains)
+    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked, v_chain_heads
     FROM claimed_heads c{c.event_join};
     -- Parked rows come first, without a lease token and with the last_error they were
     -- parked with: claim_work passes them on to a caller that asks, to log them. Then
@@ -2938,119 +3026,120 @@ BEGIN
         FOREACH v_head IN ARRAY v_heads LOOP
             RETURN NEXT v_head;
         END LOOP;
-        RETURN;
-    END IF;
-
-    -- The runs of the stream heads, and the streams this instance now owns.
-    RETURN QUERY
-    WITH
-    -- heads: the leased heads of ordered streams, with what their runs need
-    heads AS MATERIALIZED (
-        SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
-               {t.scope} AS run_scope, t.partition_number
-        FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
-        JOIN {table} t ON t.seq = u.seq
-    ),
-    -- run_budget: the rows the heads left in the budget, and how many runs share them
-    run_budget AS MATERIALIZED (
-        SELECT greatest(v_limit - cardinality(v_heads), 0) AS rows_left,
-               cardinality(v_stream_seqs) AS runs
-    ),
-    -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
-    -- in stream order, no more per head than its share of the budget
-    upcoming AS MATERIALIZED (
-        SELECT c.seq AS head_seq, n.seq,
-               row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
-        FROM heads c
-        CROSS JOIN run_budget b
-        CROSS JOIN LATERAL (
-            SELECT n.seq FROM {table} n
-            WHERE {n.scope_match}n.stream = c.run_stream AND n.done_at IS NULL
-              AND n.stream IS NOT NULL AND n.seq > c.seq
-            ORDER BY {n.scope_order}n.stream, n.seq
-            LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
-        ) n
-        WHERE p_run_max > 1 AND b.rows_left > 0
-    ),
-    -- locked: those rows locked, as they are now (a row someone else is writing is
-    -- skipped, and ends its run there)
-    locked AS MATERIALIZED (
-        SELECT l.seq, l.ctid, l.leasable, l.due_at
-        FROM upcoming u
-        CROSS JOIN LATERAL (
-            -- one primary key lookup per row
-            SELECT n.seq, n.ctid,
-                   coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
-                   n.done_at IS NULL AND n.dead_lettered_at IS NULL
-                   AND n.attempts < n.max_attempts
-                   AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
-                   AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
-            FROM {table} n
-            WHERE n.seq = u.seq
-            FOR UPDATE OF n SKIP LOCKED
-        ) l
-    ),
-    -- followers: each head's run, the consecutive leasable rows right after it (the
-    -- first row that is not ends the run), in the budget the heads left
-    followers AS (
-        SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
-               c.run_priority, c.run_stream, c.run_scope, r.due_at
+        v_returned := cardinality(v_heads);
+    ELSE
+        -- The runs of the stream heads, and the streams this instance now owns.
+        RETURN QUERY
+        WITH
+        -- heads: the leased heads of ordered streams, with what their runs need
+        heads AS MATERIALIZED (
+            SELECT t.seq, u.pass, t.priority AS run_priority, t.stream AS run_stream,
+                   {t.scope} AS run_scope, t.partition_number
+            FROM unnest(v_stream_seqs, v_stream_passes) u(seq, pass)
+            JOIN {table} t ON t.seq = u.seq
+        ),
+        -- run_budget: the rows the heads left in the budget, and how many runs share them
+        run_budget AS MATERIALIZED (
+            SELECT greatest(v_limit - cardinality(v_heads), 0) AS rows_left,
+                   cardinality(v_stream_seqs) AS runs
+        ),
+        -- upcoming: with p_run_max > 1, the undone rows that follow each stream head,
+        -- in stream order, no more per head than its share of the budget
+        upcoming AS MATERIALIZED (
+            SELECT c.seq AS head_seq, n.seq,
+                   row_number() OVER (PARTITION BY c.seq ORDER BY n.seq) AS position
+            FROM heads c
+            CROSS JOIN run_budget b
+            CROSS JOIN LATERAL (
+                SELECT n.seq FROM {table} n
+                WHERE {n.scope_match}n.stream = c.run_stream AND n.done_at IS NULL
+                  AND n.stream IS NOT NULL AND n.seq > c.seq
+                ORDER BY {n.scope_order}n.stream, n.seq
+                LIMIT least(p_run_max - 1, ceil(b.rows_left::numeric / greatest(b.runs, 1)))
+            ) n
+            WHERE p_run_max > 1 AND b.rows_left > 0
+        ),
+        -- locked: those rows locked, as they are now (a row someone else is writing is
+        -- skipped, and ends its run there)
+        locked AS MATERIALIZED (
+            SELECT l.seq, l.ctid, l.leasable, l.due_at
+            FROM upcoming u
+            CROSS JOIN LATERAL (
+                -- one primary key lookup per row
+                SELECT n.seq, n.ctid,
+                       coalesce(n.lease_expiry, n.scheduled_for, n.created_at) AS due_at,
+                       n.done_at IS NULL AND n.dead_lettered_at IS NULL
+                       AND n.attempts < n.max_attempts
+                       AND (n.instance_id IS NULL OR n.lease_expiry <= v_now)
+                       AND (n.scheduled_for IS NULL OR n.scheduled_for <= v_now) AS leasable
+                FROM {table} n
+                WHERE n.seq = u.seq
+                FOR UPDATE OF n SKIP LOCKED
+            ) l
+        ),
+        -- followers: each head's run, the consecutive leasable rows right after it (the
+        -- first row that is not ends the run), in the budget the heads left
+        followers AS (
+            SELECT r.seq, r.ctid, c.pass, true AS leasable, c.seq AS run_seq,
+                   c.run_priority, c.run_stream, c.run_scope, r.due_at
+            FROM (
+                SELECT u.head_seq, u.seq, u.position, l.ctid, l.due_at,
+                       bool_and(coalesce(l.leasable, false))
+                           OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
+                FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
+            ) r
+            JOIN heads c ON c.seq = r.head_seq
+            WHERE r.in_run
+            ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
+            LIMIT (SELECT b.rows_left FROM run_budget b)
+        ),
+        -- claimed_runs: each follower leased the same way (it has attempts left)
+        claimed_runs AS (
+            UPDATE {table} t SET
+                {lease_set}
+            FROM followers c WHERE t.ctid = c.ctid
+            RETURNING {leased_columns}, c.run_seq
+        ),
+        -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
+        -- order for all claimers)
+        pinned AS (
+            INSERT INTO workpump_active_stream AS s
+                (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
+                 created_at, last_activity_at)
+            SELECT DISTINCT ON (c.run_scope, c.run_stream)
+                   '{category}', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
+                   v_lease_expiry, v_now, v_now
+            FROM heads c
+            ORDER BY c.run_scope, c.run_stream
+            ON CONFLICT (category, scope, stream) DO UPDATE
+                SET owner_instance_id = excluded.owner_instance_id,
+                    lease_expiry = excluded.lease_expiry,
+                    last_activity_at = excluded.last_activity_at
+        )
+        -- the heads as leased above, each run right after its head, in stream order
+        SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
+               o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
+               o.lease_token, o.headers, o.created_at, o.due_at, o.last_error,
+               o.checkpoint, o.after_id
         FROM (
-            SELECT u.head_seq, u.seq, u.position, l.ctid, l.due_at,
-                   bool_and(coalesce(l.leasable, false))
-                       OVER (PARTITION BY u.head_seq ORDER BY u.position) AS in_run
-            FROM upcoming u LEFT JOIN locked l ON l.seq = u.seq
-        ) r
-        JOIN heads c ON c.seq = r.head_seq
-        WHERE r.in_run
-        ORDER BY r.position, c.pass, c.run_priority DESC, c.seq
-        LIMIT (SELECT b.rows_left FROM run_budget b)
-    ),
-    -- claimed_runs: each follower leased the same way (it has attempts left)
-    claimed_runs AS (
-        UPDATE {table} t SET
-            {lease_set}
-        FROM followers c WHERE t.ctid = c.ctid
-        RETURNING {leased_columns}, c.run_seq
-    ),
-    -- pinned: the claimer owns each ordered stream it now works on (sorted: one lock
-    -- order for all claimers)
-    pinned AS (
-        INSERT INTO workpump_active_stream AS s
-            (category, scope, stream, partition_number, owner_instance_id, lease_expiry,
-             created_at, last_activity_at)
-        SELECT DISTINCT ON (c.run_scope, c.run_stream)
-               '{category}', c.run_scope, c.run_stream, c.partition_number, p_instance_id,
-               v_lease_expiry, v_now, v_now
-        FROM heads c
-        ORDER BY c.run_scope, c.run_stream
-        ON CONFLICT (category, scope, stream) DO UPDATE
-            SET owner_instance_id = excluded.owner_instance_id,
-                lease_expiry = excluded.lease_expiry,
-                last_activity_at = excluded.last_activity_at
-    )
-    -- the heads as leased above, each run right after its head, in stream order
-    SELECT o.category, o.work_id, o.topic, o.payload, o.stream, o.attempts, o.max_attempts,
-           o.lease_expiry, o.event_id, o.event_type, o.priority, o.claimed_at,
-           o.lease_token, o.headers, o.created_at, o.due_at, o.last_error,
-           o.checkpoint
-    FROM (
-        SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
-        FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
-             attempts, max_attempts, lease_expiry, event_id, event_type, priority,
-             claimed_at, lease_token, headers, created_at, due_at, last_error, checkpoint,
-             seq_position)
-        UNION ALL
-        SELECT '{category}'::text, r.work_id, r.topic, {r.payload}, r.stream,
-               r.attempts, r.max_attempts, r.lease_expiry, r.event_id, {r.event_type},
-               r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
-               r.due_at, NULL::text, r.checkpoint, p.position, p.position, r.seq
-        FROM claimed_runs r
-{r.event_join}        JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
-        WHERE NOT r.dead
-    ) o
-    ORDER BY o.run_position, o.seq;
-END
+            SELECT h.*, h.seq_position AS run_position, 0::bigint AS seq
+            FROM unnest(v_heads) WITH ORDINALITY h(category, work_id, topic, payload, stream,
+                 attempts, max_attempts, lease_expiry, event_id, event_type, priority,
+                 claimed_at, lease_token, headers, created_at, due_at, last_error, checkpoint,
+                 after_id, seq_position)
+            UNION ALL
+            SELECT '{category}'::text, r.work_id, r.topic, {r.payload}, r.stream,
+                   r.attempts, r.max_attempts, r.lease_expiry, r.event_id, {r.event_type},
+                   r.priority::integer, r.claimed_at, r.lease_token, r.headers, r.created_at,
+                   r.due_at, NULL::text, r.checkpoint, NULL::uuid, p.position, p.position, r.seq
+            FROM claimed_runs r
+{r.event_join}            JOIN unnest(v_head_seqs) WITH ORDINALITY p(seq, position) ON p.seq = r.run_seq
+            WHERE NOT r.dead
+        ) o
+        ORDER BY o.run_position, o.seq;
+        GET DIAGNOSTICS v_returned = ROW_COUNT;
+    END IF;
+{chain_runs}END
 $$;
 $template$;
 BEGIN
@@ -3060,6 +3149,11 @@ BEGIN
     v_claim := replace(v_claim, '{flow_ready}', v_flow_ready_probe);
     v_claim := replace(v_claim, '{flow_due}', v_flow_due);
     v_claim := replace(v_claim, '{leased_columns}', v_leased_columns);
+    -- chains (send(after=...)) are of the outbox alone
+    v_claim := replace(v_claim, '{chain_runs}',
+        CASE WHEN p_category = 'outbox' THEN v_chain_runs ELSE '' END);
+    v_claim := replace(v_claim, '{t.chains}', CASE WHEN p_category = 'outbox'
+        THEN '(t.has_dependents AND t.stream IS NULL)' ELSE 'false' END);
     FOREACH v_alias IN ARRAY ARRAY['c', 'r'] LOOP
         v_claim := replace(v_claim, '{' || v_alias || '.payload}',
             CASE WHEN v_from_event THEN 'e.payload' ELSE v_alias || '.payload' END);
@@ -3069,7 +3163,7 @@ BEGIN
     v_claim := replace(v_claim, '{c.event_join}', CASE WHEN v_from_event
         THEN E'\n    JOIN workpump_event e ON e.event_id = c.event_id' ELSE '' END);
     v_claim := replace(v_claim, '{r.event_join}', CASE WHEN v_from_event
-        THEN E'        JOIN workpump_event e ON e.event_id = r.event_id\n' ELSE '' END);
+        THEN E'            JOIN workpump_event e ON e.event_id = r.event_id\n' ELSE '' END);
     v_claim := replace(v_claim, '{t.payload}',
         CASE WHEN v_from_event THEN 'NULL::jsonb' ELSE 't.payload' END);
     v_claim := replace(v_claim, '{t.event_id}',
@@ -3153,6 +3247,7 @@ CREATE FUNCTION workpump.claim_work(
     due_at timestamptz,
     last_error text,
     checkpoint jsonb,
+    after_id uuid,
     has_more boolean
 )
 LANGUAGE plpgsql
@@ -3642,7 +3737,8 @@ BEGIN
                                   ELSE t.failure_reason END,
             last_error = CASE WHEN p_outcome = 'discarded' THEN i.value #>> '{}'
                               ELSE t.last_error END,
-            scheduled_for = CASE WHEN p_outcome = 'discarded' THEN NULL ELSE t.scheduled_for END
+            scheduled_for = CASE WHEN p_outcome = 'discarded' OR t.scheduled_for = 'infinity'
+                                 THEN NULL ELSE t.scheduled_for END
         FROM unnest(p_ids, p_lease_tokens,
                     coalesce(p_values, array_fill(NULL::jsonb, ARRAY[cardinality(p_ids)])),
                     coalesce(p_logs, array_fill(NULL::jsonb, ARRAY[cardinality(p_ids)])))
@@ -4571,6 +4667,8 @@ AS $$
 DECLARE
     v_edge record;
     v_ready boolean := false;
+    v_waiting boolean;  -- the dependent still waits ('infinity')
+    v_free boolean;  -- the dependent is undone and leased by nobody
 BEGIN
     FOR v_edge IN
         DELETE FROM workpump_dependency
@@ -4579,15 +4677,21 @@ BEGIN
     LOOP
         -- the dependent's lock first: of two dependencies ending at once, the later
         -- sees the earlier's edge gone
-        PERFORM 1 FROM workpump_outbox WHERE work_id = v_edge.dependent_id FOR UPDATE;
+        SELECT t.scheduled_for = 'infinity', t.done_at IS NULL AND t.instance_id IS NULL
+        INTO v_waiting, v_free
+        FROM workpump_outbox t WHERE t.work_id = v_edge.dependent_id
+        FOR UPDATE;
         IF p_outcome <> 'done' AND v_edge.policy = 'cancel' THEN
             PERFORM workpump.cancel_dependent(v_edge.dependent_id, p_id, p_outcome, p_now);
-        ELSIF NOT EXISTS (SELECT 1 FROM workpump_dependency d
-                          WHERE d.category = 'outbox' AND d.dependent_id = v_edge.dependent_id) THEN
+        ELSIF v_waiting AND NOT EXISTS (
+                SELECT 1 FROM workpump_dependency d
+                WHERE d.category = 'outbox' AND d.dependent_id = v_edge.dependent_id) THEN
+            -- its wait is over. A row of a chain's run, leased behind this one, needs no
+            -- claimer woken; one that ended with it (one flush) no longer waits at all,
+            -- and costs no statement here.
             UPDATE workpump_outbox SET scheduled_for = NULL
-            WHERE work_id = v_edge.dependent_id AND done_at IS NULL
-              AND scheduled_for = 'infinity';
-            v_ready := v_ready OR FOUND;
+            WHERE work_id = v_edge.dependent_id;
+            v_ready := v_ready OR v_free;
         END IF;
     END LOOP;
     IF v_ready THEN

@@ -403,6 +403,174 @@ def test_a_chain_runs_one_link_at_a_time():
     assert set(claim()) == {third}
 
 
+def claim_runs(
+    run_max: int, now: Any = T0, max_rows: int = 100, topics: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """claim_work with runs of up to ``run_max`` rows: each row's id, token and after_id,
+    in the order returned."""
+    enroll(INSTANCE)
+    return run_sql(
+        "SELECT work_id, lease_token, after_id FROM workpump.claim_work(p_instance_id => %s,"
+        " p_max_rows => %s, p_categories => ARRAY['outbox'], p_stream_run_max => %s,"
+        " p_topics => %s::jsonb, p_now => %s) WHERE lease_token IS NOT NULL",
+        [
+            INSTANCE,
+            max_rows,
+            run_max,
+            None if topics is None else json.dumps({"outbox": topics}),
+            now,
+        ],
+    )
+
+
+def chain(length: int, topic: str = "chain.step") -> list[uuid.UUID]:
+    ids = [send(topic=topic)]
+    for _ in range(length - 1):
+        ids.append(send(topic=topic, after=[ids[-1]]))
+    return ids
+
+
+def held_by_claim(work_id: uuid.UUID) -> dict[str, Any]:
+    return run_sql(
+        "SELECT instance_id, attempts, scheduled_for::text AS scheduled_for"
+        " FROM workpump_outbox WHERE work_id = %s",
+        [work_id],
+    )[0]
+
+
+def test_a_claim_leases_a_chain_behind_its_first_row_and_each_row_still_waits():
+    a, b, c, d = chain(4)
+    rows = claim_runs(run_max=3)
+    # the first row, then its chain in order, each naming the row it waits for
+    assert [(r["work_id"], r["after_id"]) for r in rows] == [(a, None), (b, a), (c, b)]
+    for work_id in (b, c):
+        assert held_by_claim(work_id) == {
+            "instance_id": INSTANCE,
+            "attempts": 1,
+            "scheduled_for": "infinity",
+        }
+    assert held_by_claim(d)["instance_id"] is None  # past the run's length
+
+
+def test_without_runs_a_chain_is_claimed_one_row_at_a_time():
+    a, _, _ = chain(3)
+    assert [r["work_id"] for r in claim_runs(run_max=1)] == [a]
+
+
+def test_the_chain_runs_share_the_claims_budget():
+    first = chain(5, topic="chain.one")
+    second = chain(5, topic="chain.two")
+    rows = claim_runs(run_max=100, max_rows=6)
+    assert len(rows) == 6
+    # each chain's run gets its share of what the two first rows left
+    assert {r["work_id"] for r in rows} == {*first[:3], *second[:3]}
+
+
+def test_a_chain_run_stops_at_a_fan_out_a_join_and_a_topic_not_claimed():
+    fan = send(topic="fan")
+    send(topic="fan.a", after=[fan])
+    send(topic="fan.b", after=[fan])
+    left, right = send(topic="join.left"), send(topic="join.right")
+    send(topic="join", after=[left, right])
+    head = send(topic="mine")
+    send(topic="theirs", after=[head])
+    rows = claim_runs(
+        run_max=10, topics=["fan", "fan.a", "fan.b", "join.left", "join.right", "join", "mine"]
+    )
+    assert {r["work_id"] for r in rows} == {fan, left, right, head}
+    assert all(r["after_id"] is None for r in rows)
+
+
+def test_a_chain_row_whose_lease_ran_out_waits_for_its_dependency_all_the_same():
+    a, b, c = chain(3)
+    claim_runs(run_max=3)
+    later = at(3_600)  # every lease of that claim ran out; the claimer is alive
+    run_sql(
+        "UPDATE workpump_service_instance SET last_heartbeat_at = %s WHERE instance_id = %s",
+        [later, INSTANCE],
+    )
+    assert [r["work_id"] for r in claim_runs(run_max=1, now=later)] == [a]
+    held = {r["work_id"]: r["lease_token"] for r in claim_runs(run_max=1, now=later)}
+    assert held == {}  # b and c still wait for a, whose new attempt runs
+    [taken] = run_sql("SELECT lease_token FROM workpump_outbox WHERE work_id = %s", [a])
+    complete({a: taken["lease_token"]}, [a])
+    # b's wait is over: its expired lease is taken over, as any other
+    assert [r["work_id"] for r in claim_runs(run_max=1, now=later)] == [b]
+    assert held_by_claim(c)["scheduled_for"] == "infinity"
+
+
+def test_released_chain_rows_get_their_attempt_back_and_keep_waiting():
+    a, b, c = chain(3)
+    tokens = {r["work_id"]: r["lease_token"] for r in claim_runs(run_max=3)}
+    statuses = run_sql(
+        "SELECT status FROM workpump.release_work(%s, 'outbox', %s::uuid[], %s::uuid[],"
+        " p_now => %s)",
+        [INSTANCE, [b, c], [tokens[b], tokens[c]], T0],
+    )
+    assert [r["status"] for r in statuses] == ["released", "released"]
+    for work_id in (b, c):
+        assert held_by_claim(work_id) == {
+            "instance_id": None,
+            "attempts": 0,
+            "scheduled_for": "infinity",
+        }
+    assert claim_runs(run_max=3) == []  # a is held; b and c wait for it
+    complete(tokens, [a])
+    assert [(r["work_id"], r["after_id"]) for r in claim_runs(run_max=3)] == [(b, None), (c, b)]
+
+
+def test_a_chain_run_completed_in_one_statement_ends_every_row_and_every_wait():
+    ids = chain(4)
+    tokens = {r["work_id"]: r["lease_token"] for r in claim_runs(run_max=4)}
+    assert set(tokens) == set(ids)
+    # the later rows first: the statement ends them all before any row's dependents resolve
+    complete(tokens, list(reversed(ids)))
+    states = run_sql(
+        "SELECT work_id, done_at IS NOT NULL AS done, scheduled_for FROM workpump_outbox"
+        " WHERE work_id = ANY (%s::uuid[])",
+        [ids],
+    )
+    assert {r["work_id"]: (r["done"], r["scheduled_for"]) for r in states} == {
+        work_id: (True, None) for work_id in ids
+    }
+    assert run_sql("SELECT * FROM workpump_dependency") == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_ending_dependency_wakes_claimers_only_for_a_dependent_nobody_holds(raw_connect):
+    a, b, _ = chain(3)
+    tokens = {r["work_id"]: r["lease_token"] for r in claim_runs(run_max=3)}
+    listener = raw_connect()
+    listener.execute("LISTEN workpump_outbox")
+
+    complete(tokens, [a])
+    assert row(b)["scheduled_for"] is None  # its wait is over; its holder runs it next
+    assert list(listener.notifies(timeout=0.3)) == []
+
+    x = send(topic="free")
+    y = send(topic="free.next", after=[x])
+    list(listener.notifies(timeout=0.3))  # the inserts' own
+    assert [r["work_id"] for r in claim_runs(run_max=1, topics=["free"])] == [x]
+    [taken] = run_sql("SELECT lease_token FROM workpump_outbox WHERE work_id = %s", [x])
+    complete({x: taken["lease_token"]}, [x])
+    got = list(listener.notifies(timeout=5, stop_after=1))
+    assert [(n.channel, n.payload) for n in got] == [("workpump_outbox", "outbox")]
+    assert row(y)["scheduled_for"] is None
+
+
+def test_a_dead_chain_row_cancels_the_leased_rows_behind_it():
+    a = send(max_attempts=1)
+    b = send(topic="chain.b", after=[a])
+    c = send(topic="chain.c", after=[b])
+    tokens = {r["work_id"]: r["lease_token"] for r in claim_runs(run_max=3)}
+    assert set(tokens) == {a, b, c}
+    assert fail(tokens, a) == "dead"
+    assert row(b)["end_state"] == "cancelled"
+    assert row(c)["last_error"] == f"dependency {b} ended cancelled"
+    # their attempts were cancelled under the claimer: its later writes are fenced out
+    assert fail(tokens, b) == "lost"
+
+
 def test_a_dependent_waits_for_every_dependency():
     a, b = send(), send()
     joined = send(topic="join", after=[a, b])
