@@ -80,6 +80,9 @@ CREATE TABLE fx_effect (
 CREATE TABLE fx_callback (
     work_id uuid NOT NULL, topic text NOT NULL, attempt integer NOT NULL,
     pid integer NOT NULL, payload jsonb NOT NULL);
+CREATE TABLE fx_step (
+    work_id uuid NOT NULL, attempt integer NOT NULL, step integer NOT NULL,
+    pid integer NOT NULL, started_at timestamptz NOT NULL);
 """
 
 # Every work row with the fields the invariant needs (n comes from the payload).

@@ -17,7 +17,9 @@ was lost. The payload steers the behaviour:
 Handlers return ``{"attempt": n, "instance": id}``, stored as the row's result.
 
 The batch callback handlers (``fx.batch_done``, ``fx.batch_failed``) also log each
-execution with the payload it got in fx_callback.
+execution with the payload it got in fx_callback. ``fx.steps`` runs ``steps`` steps of
+``seconds`` each, from the step its last checkpoint names, checkpointing after each; it
+logs every step it starts in fx_step.
 """
 
 from __future__ import annotations
@@ -61,9 +63,8 @@ def _log_sql(query: str, params: list[Any]) -> None:
         _log_connection().execute(query, params)
 
 
-def _run(work: Any) -> dict[str, Any]:
+def _log_start(work: Any) -> None:
     payload = work.payload
-    key = [work.id, work.attempts, os.getpid()]
     _log_sql(
         "INSERT INTO fx_execution (work_id, category, topic, stream, n, instance_id, pid, "
         "attempt, started_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, clock_timestamp())",
@@ -78,6 +79,20 @@ def _run(work: Any) -> dict[str, Any]:
             work.attempts,
         ],
     )
+
+
+def _log_end(work: Any, outcome: str) -> None:
+    _log_sql(
+        "UPDATE fx_execution SET finished_at = clock_timestamp(), outcome = %s "
+        "WHERE work_id = %s AND attempt = %s AND pid = %s",
+        [outcome, work.id, work.attempts, os.getpid()],
+    )
+
+
+def _run(work: Any) -> dict[str, Any]:
+    payload = work.payload
+    key = [work.id, work.attempts, os.getpid()]
+    _log_start(work)
     if payload.get("exit"):
         os._exit(70)
     outcome = "done"
@@ -108,11 +123,7 @@ def _run(work: Any) -> dict[str, Any]:
         outcome = "error"
         raise
     finally:
-        _log_sql(
-            "UPDATE fx_execution SET finished_at = clock_timestamp(), outcome = %s "
-            "WHERE work_id = %s AND attempt = %s AND pid = %s",
-            [outcome, *key],
-        )
+        _log_end(work, outcome)
     result: dict[str, Any] = {"attempt": work.attempts, "instance": str(work.instance_id)}
     if payload.get("bad_result"):
         result["bad"] = BAD_RESULT[payload["bad_result"]]
@@ -137,6 +148,28 @@ def fx_perspective(work: Any) -> dict[str, Any]:
 @workpump.receptor("fx.receptor", events=["fx.event"])
 def fx_receptor(work: Any) -> dict[str, Any]:
     return _run(work)
+
+
+@workpump.outbox_handler("fx.steps")
+def fx_steps(work: Any) -> dict[str, Any]:
+    """A long import: each step checkpointed, a new attempt resumed where it stopped."""
+    _log_start(work)
+    outcome = "done"
+    try:
+        for step in range((work.state or {}).get("next", 0), work.payload["steps"]):
+            _log_sql(
+                "INSERT INTO fx_step (work_id, attempt, step, pid, started_at)"
+                " VALUES (%s, %s, %s, %s, clock_timestamp())",
+                [work.id, work.attempts, step, os.getpid()],
+            )
+            _pause.wait(work.payload.get("seconds", 0))
+            work.checkpoint({"next": step + 1})
+    except BaseException:
+        outcome = "error"
+        raise
+    finally:
+        _log_end(work, outcome)
+    return {"attempt": work.attempts, "instance": str(work.instance_id)}
 
 
 @workpump.outbox_handler("fx.poison", max_attempts=3)
