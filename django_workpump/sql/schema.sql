@@ -2463,12 +2463,21 @@ DECLARE
           AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)$due$;
     -- whether a flow-controlled head of these topics may be leased at v_now; ordered by
     -- the _flow index's key, which keeps the planner on that index (an EXISTS was
-    -- planned as a scan of the whole table)
-    v_flow_ready_probe text := $probe$(SELECT 1 FROM {table} t
-         WHERE {flow_due}
-           AND (p_topics IS NULL OR t.topic = ANY (p_topics)
-                OR t.topic ^@ ANY (p_topic_prefixes))
-         ORDER BY t.topic, t.concurrency_key, t.fairness_key LIMIT 1) IS NOT NULL$probe$;
+    -- planned as a scan of the whole table). Named topics are looked up one by one,
+    -- each a descent of the index: filtered in one walk, a claimer of other topics read
+    -- every flow-controlled row queued (8.6 ms a claim behind 30,000 of them).
+    v_flow_ready_probe text := $probe$(CASE WHEN p_topics IS NULL
+         THEN (SELECT 1 FROM {table} t WHERE {flow_due}
+               ORDER BY t.topic, t.concurrency_key, t.fairness_key LIMIT 1) IS NOT NULL
+         ELSE EXISTS (SELECT 1 FROM unnest(p_topics) u(topic)
+                      WHERE (SELECT 1 FROM {table} t WHERE {flow_due} AND t.topic = u.topic
+                             ORDER BY t.topic, t.concurrency_key, t.fairness_key
+                             LIMIT 1) IS NOT NULL)
+              OR (p_topic_prefixes IS NOT NULL
+                  AND (SELECT 1 FROM {table} t
+                       WHERE {flow_due} AND t.topic ^@ ANY (p_topic_prefixes)
+                       ORDER BY t.topic, t.concurrency_key, t.fairness_key
+                       LIMIT 1) IS NOT NULL) END)$probe$;
     -- what a leased row reports (then: its pass and last_error, or its run's head)
     v_leased_columns text := $columns$t.seq, t.work_id AS work_id, t.topic AS topic,
                   {t.payload} AS payload, t.stream, {t.scope} AS scope,

@@ -200,6 +200,29 @@ def test_a_claim_planned_on_a_near_empty_table_leases_rows_without_scanning_it(f
 # --- fairness -----------------------------------------------------------------------------
 
 
+def flow_index_reads() -> int:
+    """Index entries of the outbox's _flow index read in this transaction so far."""
+    return scalar("SELECT pg_stat_get_xact_tuples_returned('wp_outbox_flow'::regclass)")
+
+
+def test_a_claimer_of_other_topics_does_not_read_a_flow_controlled_backlog():
+    rule("topic", "outbox", TOPIC, concurrency=100_000)
+    run_sql(
+        "SELECT workpump.send_many(%s, array_agg(jsonb_build_object('n', g)))"
+        " FROM generate_series(1, 2000) g",
+        [TOPIC],
+    )
+    ready = "SELECT workpump.flow_ready_outbox(%s, %s, %s)"
+    before = flow_index_reads()
+    assert scalar(ready, [["other.a", "other.b"], None, T0]) is False
+    # each named topic is one descent of the index, not a walk past the backlog
+    assert flow_index_reads() - before <= 4
+    assert scalar(ready, [["other.a", TOPIC], None, T0]) is True
+    assert scalar(ready, [None, None, T0]) is True
+    assert scalar(ready, [[], [TOPIC[:3]], T0]) is True
+    assert scalar(ready, [[], ["other."], T0]) is False
+
+
 def test_the_claim_takes_fairness_keys_round_robin_with_priority_inside_a_key():
     noisy = send(n=50, fairness_key="tenant:noisy")
     quiet_low = send(fairness_key="tenant:quiet")
