@@ -390,6 +390,32 @@ def running(service: Any, timeout: float = WAIT) -> Iterator[ServiceThread]:
     thread.finish(0)
 
 
+def drain_rows(
+    rows: Sequence[ClaimedWork],
+    handlers: Registry,
+    coordinator: FakeCoordinator | None = None,
+    **dispatcher_options: Any,
+) -> FakeCoordinator:
+    """Run ``rows`` on a dispatcher of ``handlers`` (one thread unless ``concurrency`` says
+    otherwise) on a fake coordinator and a frozen clock until it is idle, then stop it."""
+    coordinator = coordinator or FakeCoordinator()
+    dispatcher = Dispatcher(
+        coordinator,
+        handlers,
+        LeaseRegistry(),
+        lease_grace_seconds=5,
+        clock=FrozenClock(),
+        **{"concurrency": 1, **dispatcher_options},
+    )
+    dispatcher.submit(list(rows))
+    dispatcher.start()
+    try:
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        dispatcher.stop()
+    return coordinator
+
+
 def make_dispatcher(
     func: Any, coordinator: FakeCoordinator | None = None, **handler_options: Any
 ) -> tuple[Dispatcher, FakeCoordinator, LeaseRegistry, FrozenClock]:

@@ -476,6 +476,17 @@ class Fleet:
     def alive(self) -> list[Pump]:
         return [p for p in self.pumps if p.alive()]
 
+    def running(self, candidates: list[Pump] | None = None) -> Pump | None:
+        """A live pump (of ``candidates``, else of the fleet) whose handler runs now (an
+        execution logged and not finished), or None."""
+        for pump in candidates or self.alive():
+            if self.db.scalar(
+                "SELECT count(*) FROM fx_execution WHERE pid = %s AND finished_at IS NULL",
+                [pump.pid],
+            ):
+                return pump
+        return None
+
     def stop_all(self, timeout: float = 60) -> dict[int, int]:
         """SIGTERM every live pump and wait; return pid -> exit code."""
         live = self.alive()

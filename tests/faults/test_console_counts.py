@@ -33,16 +33,7 @@ def test_the_console_counters_equal_the_rows_after_a_kill(db, make_fleet):
         backlog.produce(1, **({"bad_error": "surrogate"} if step % 3 == 1 else {}))
     fleet.start(3, "--concurrency", "3")
 
-    def busy() -> harness.Pump | None:
-        for pump in fleet.alive():
-            if db.scalar(
-                "SELECT count(*) FROM fx_execution WHERE pid = %s AND finished_at IS NULL",
-                [pump.pid],
-            ):
-                return pump
-        return None
-
-    victim = wait_for(busy, 60, "an instance running handlers")
+    victim = wait_for(fleet.running, 60, "an instance running handlers")
     victim_pid = victim.pid
     victim.kill9()
     wait_for(lambda: db.undone() == 0, 180, "the backlog to drain")

@@ -64,17 +64,11 @@ def kill_rounds(
             pause.wait(rng.uniform(0, kill_spread))
             candidates = None
 
-        def busy_pump(candidates: list[harness.Pump] | None = candidates) -> harness.Pump | None:
-            for pump in candidates or fleet.alive():
-                running = db.scalar(
-                    "SELECT count(*) FROM fx_execution WHERE pid = %s AND finished_at IS NULL",
-                    [pump.pid],
-                )
-                if running:
-                    return pump
-            return None
-
-        victim = wait_for(busy_pump, 60, "an instance running handlers")
+        victim = wait_for(
+            lambda candidates=candidates: fleet.running(candidates),
+            60,
+            "an instance running handlers",
+        )
         instance = victim.instance_id
         registered_at = db.scalar(
             "SELECT started_at FROM workpump_service_instance WHERE instance_id = %s", [instance]

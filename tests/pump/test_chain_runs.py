@@ -14,11 +14,8 @@ import threading
 from typing import Any
 
 from django_workpump import Work
-from django_workpump.clock import FrozenClock
-from django_workpump.pump.dispatch import Dispatcher
-from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.registry import Handler, Registry
-from tests.fakes import WAIT, FakeCoordinator, make_row
+from tests.fakes import WAIT, FakeCoordinator, drain_rows, make_row
 
 
 def chain_rows(count: int, topic: str = "step") -> list[Any]:
@@ -29,27 +26,11 @@ def chain_rows(count: int, topic: str = "step") -> list[Any]:
     return rows
 
 
-def run(
-    rows: list[Any], handlers: Registry, concurrency: int = 4
-) -> tuple[FakeCoordinator, threading.Event]:
-    coordinator = FakeCoordinator()
+def run(rows: list[Any], handlers: Registry) -> tuple[FakeCoordinator, threading.Event]:
+    """Run ``rows`` on four threads; the Event is set when a run says its stream or chain
+    may go on."""
     ready = threading.Event()
-    dispatcher = Dispatcher(
-        coordinator,
-        handlers,
-        LeaseRegistry(),
-        concurrency=concurrency,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        on_stream_ready=ready.set,
-    )
-    dispatcher.submit(rows)
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
-    return coordinator, ready
+    return drain_rows(rows, handlers, concurrency=4, on_stream_ready=ready.set), ready
 
 
 def registry_with(*handlers: Handler) -> Registry:

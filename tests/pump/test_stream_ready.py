@@ -17,12 +17,9 @@ from django.test import override_settings
 
 import django_workpump as workpump
 from django_workpump import Work
-from django_workpump.clock import FrozenClock
 from django_workpump.pump import dispatch
-from django_workpump.pump.dispatch import Dispatcher
-from django_workpump.pump.lease import LeaseRegistry
 from django_workpump.registry import Handler, Registry, registry
-from tests.fakes import WAIT, FakeCoordinator, make_row
+from tests.fakes import WAIT, FakeCoordinator, drain_rows, make_row
 from tests.helpers import FAST_PUMP, wait_until
 
 
@@ -46,22 +43,7 @@ class Ready:
 def run(rows: list[Any], handlers: Registry, **kwargs: Any) -> tuple[FakeCoordinator, Ready]:
     coordinator = FakeCoordinator()
     ready = Ready(coordinator)
-    dispatcher = Dispatcher(
-        coordinator,
-        handlers,
-        LeaseRegistry(),
-        concurrency=1,
-        lease_grace_seconds=5,
-        clock=FrozenClock(),
-        on_stream_ready=ready,
-        **kwargs,
-    )
-    dispatcher.submit(rows)
-    dispatcher.start()
-    try:
-        assert dispatcher.wait_idle(WAIT)
-    finally:
-        dispatcher.stop()
+    drain_rows(rows, handlers, coordinator, on_stream_ready=ready, **kwargs)
     return coordinator, ready
 
 
