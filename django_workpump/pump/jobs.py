@@ -69,7 +69,7 @@ class Run:
     """
 
     jobs: list[Job]
-    # Rows of a chain that may not run here (Dispatcher._run_key): released unstarted.
+    # Rows of a chain that may not run here (ClaimRuns.key): released unstarted.
     unchained: bool = False
     slot_freed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -86,7 +86,7 @@ class Run:
 
 @dataclass(frozen=True)
 class Unchained:
-    """The key of a run of chain rows that may not run here (Dispatcher._run_key)."""
+    """The key of a run of chain rows that may not run here (ClaimRuns.key)."""
 
     after_id: uuid.UUID
 

@@ -2437,7 +2437,8 @@ DECLARE
     v_alias text;
     -- leases a row locked as t (one attempt more, a new token), or parks it as dead when
     -- its attempts are used up; an expired lease taken over is stamped as an attempt that
-    -- ended without an outcome
+    -- ended without an outcome. A row leased while it waits for its dependency (a
+    -- chain's run) keeps waiting: its lease alone never makes it due.
     v_lease_set text := $lease$attempts = t.attempts + (t.attempts < t.max_attempts)::integer,
             instance_id = CASE WHEN t.attempts < t.max_attempts THEN p_instance_id END,
             lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
@@ -2445,7 +2446,7 @@ DECLARE
             claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
             dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
             lease_renewals = 0,
-            scheduled_for = NULL,
+            scheduled_for = CASE WHEN t.scheduled_for = 'infinity' THEN t.scheduled_for END,
             failure_reason = CASE
                 WHEN t.attempts >= t.max_attempts THEN 'max_attempts'
                 WHEN t.instance_id IS NOT NULL THEN 'lease_expired'
@@ -2827,30 +2828,28 @@ $template$;
             ) l ON true
             WHERE c.depth > 0
         ),
+        -- followers: each chain's run, its leasable rows from the head down (the first
+        -- that is not ends it); due now, when it may run
         followers AS (
-            SELECT r.ctid, r.after_id, r.head_id, r.depth
+            SELECT r.ctid, r.after_id, r.head_id, r.depth, v_now AS due_at
             FROM (SELECT l.*, bool_and(l.leasable)
                                   OVER (PARTITION BY l.head_id ORDER BY l.depth) AS in_run
                   FROM locked l) r
             WHERE r.in_run
         ),
-        -- claimed_chains: each follower leased (one attempt more, a new token). It keeps
-        -- waiting (scheduled_for 'infinity'), so a lease that runs out does not make it
-        -- claimable before its dependency ends.
+        -- claimed_chains: each follower leased as the heads are; it keeps waiting
+        -- (scheduled_for 'infinity'), so a lease that runs out does not make it
+        -- claimable before its dependency ends
         claimed_chains AS (
             UPDATE workpump_outbox t SET
-                attempts = t.attempts + 1, instance_id = p_instance_id,
-                lease_expiry = v_lease_expiry, lease_token = gen_random_uuid(),
-                claimed_at = v_now, lease_renewals = 0
-            FROM followers f WHERE t.ctid = f.ctid
-            RETURNING t.work_id, t.topic, t.payload, t.attempts, t.max_attempts,
-                      t.lease_expiry, t.priority, t.claimed_at, t.lease_token, t.headers,
-                      t.created_at, t.checkpoint, f.after_id, f.head_id, f.depth
+                {lease_set}
+            FROM followers c WHERE t.ctid = c.ctid
+            RETURNING {leased_columns}, c.after_id, c.head_id, c.depth
         )
-        -- each chain's rows in chain order, after every head (due: now, when it may run)
-        SELECT 'outbox'::text, c.work_id, c.topic, c.payload, NULL::text, c.attempts,
-               c.max_attempts, c.lease_expiry, NULL::uuid, NULL::text, c.priority::integer,
-               c.claimed_at, c.lease_token, c.headers, c.created_at, v_now, NULL::text,
+        -- each chain's rows in chain order, after every head
+        SELECT 'outbox'::text, c.work_id, c.topic, c.payload, c.stream, c.attempts,
+               c.max_attempts, c.lease_expiry, c.event_id, NULL::text, c.priority::integer,
+               c.claimed_at, c.lease_token, c.headers, c.created_at, c.due_at, NULL::text,
                c.checkpoint, c.after_id
         FROM claimed_chains c
         ORDER BY array_position(v_chain_heads, c.head_id), c.depth;
@@ -3154,13 +3153,14 @@ $template$;
 BEGIN
     -- flow control (docs/flow-control.md): its probe and its pass, built alike
     v_claim := v_claim || v_flow_ready || v_flow_claim;
+    -- chains (send(after=...)) are of the outbox alone; their statement's placeholders
+    -- are filled with the rest
+    v_claim := replace(v_claim, '{chain_runs}',
+        CASE WHEN p_category = 'outbox' THEN v_chain_runs ELSE '' END);
     v_claim := replace(v_claim, '{lease_set}', v_lease_set);
     v_claim := replace(v_claim, '{flow_ready}', v_flow_ready_probe);
     v_claim := replace(v_claim, '{flow_due}', v_flow_due);
     v_claim := replace(v_claim, '{leased_columns}', v_leased_columns);
-    -- chains (send(after=...)) are of the outbox alone
-    v_claim := replace(v_claim, '{chain_runs}',
-        CASE WHEN p_category = 'outbox' THEN v_chain_runs ELSE '' END);
     v_claim := replace(v_claim, '{t.chains}', CASE WHEN p_category = 'outbox'
         THEN '(t.has_dependents AND t.stream IS NULL)' ELSE 'false' END);
     FOREACH v_alias IN ARRAY ARRAY['c', 'r'] LOOP
