@@ -69,6 +69,9 @@ class WorkRow(models.Model):
     lease_expiry = models.DateTimeField(null=True, blank=True, editable=False)
     lease_renewals = models.IntegerField(db_default=0, editable=False)
     claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # When the row became claimable for the claim that holds it (or last held it): the
+    # pickup latency of that attempt, counted by the console when the attempt ends.
+    claim_due_at = models.DateTimeField(null=True, blank=True, editable=False)
     # Issued afresh by every claim; every later write about the row must name it, so an
     # older attempt's outcome cannot land on a newer attempt of the same instance.
     lease_token = models.UUIDField(null=True, blank=True, editable=False)

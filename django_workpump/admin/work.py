@@ -6,6 +6,7 @@ state's default order in ``work_filters``.
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 from typing import Any, Literal, cast
 
 from django.contrib import admin, messages
@@ -409,7 +410,13 @@ class WorkAdmin(BulkActionsAdmin, WorkActionsAdmin):
 
     @admin.display(description="claimed")
     def claimed(self, obj: Any) -> str:
-        return display.when(obj.claimed_at)
+        text = display.when(obj.claimed_at)
+        due = getattr(obj, "claim_due_at", None)
+        if isinstance(obj.claimed_at, datetime) and isinstance(due, datetime):
+            waited = max((obj.claimed_at - due).total_seconds(), 0.0)
+            after = f"{waited * 1000:.0f} ms" if waited < 1 else display.duration(waited)
+            text += f" ({after} after it was due)"
+        return text
 
     @admin.display(description="dead-lettered")
     def dead_lettered(self, obj: Any) -> str:

@@ -27,6 +27,7 @@ def work_fields(*own):
         ('lease_expiry', models.DateTimeField(blank=True, editable=False, null=True)),
         ('lease_renewals', models.IntegerField(db_default=0, editable=False)),
         ('claimed_at', models.DateTimeField(blank=True, editable=False, null=True)),
+        ('claim_due_at', models.DateTimeField(blank=True, editable=False, null=True)),
         ('lease_token', models.UUIDField(blank=True, editable=False, null=True)),
         ('last_error', models.TextField(blank=True, null=True)),
         ('failure_reason', models.CharField(blank=True, max_length=40, null=True)),

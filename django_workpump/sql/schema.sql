@@ -2444,6 +2444,7 @@ DECLARE
             lease_expiry = CASE WHEN t.attempts < t.max_attempts THEN v_lease_expiry END,
             lease_token = CASE WHEN t.attempts < t.max_attempts THEN gen_random_uuid() END,
             claimed_at = CASE WHEN t.attempts < t.max_attempts THEN v_now END,
+            claim_due_at = CASE WHEN t.attempts < t.max_attempts THEN c.due_at END,
             dead_lettered_at = CASE WHEN t.attempts >= t.max_attempts THEN v_now END,
             lease_renewals = 0,
             scheduled_for = CASE WHEN t.scheduled_for = 'infinity' THEN t.scheduled_for END,
@@ -5457,29 +5458,39 @@ LANGUAGE sql STABLE PARALLEL SAFE
 RETURN CASE WHEN isfinite(p_at) THEN p_at ELSE now() END;
 
 -- The statement trigger of each work table (TG_ARGV[0]: its category): count what the
--- statement did, from the rows before (console_old) and after (console_new) it. A claim
--- is a new lease token; its latency runs from the row's due time (lease expiry,
--- scheduled time or creation, as claim_work's due_at) to claimed_at. Claims, done,
--- dead, cancelled and discarded count at the row's own timestamp; the rest at now().
--- Which outcome a change is follows from the columns the outcome functions set: a
--- failed attempt (fail_work) clears claimed_at, an evicted or operator-released one
--- keeps it open, a released or snoozed one gives its attempt back. Static SQL (the four
--- tables name their columns alike): each session plans it once per table.
+-- statement did, from the rows before (console_old) and after (console_new) it. Which
+-- outcome a change is follows from the columns the outcome functions set: a failed
+-- attempt (fail_work) clears claimed_at, an evicted or operator-released one keeps it
+-- open, a released or snoozed one gives its attempt back. Done, dead, cancelled and
+-- discarded count at the row's own timestamp; the rest at now().
+--
+-- A claim is counted when its attempt ends (whatever ended it: an outcome, an eviction,
+-- another claim taking an expired lease over), with the instance that held it, at the
+-- minute of claimed_at, and with its pickup latency: claimed_at - claim_due_at (the
+-- lease set stores when the row became claimable). So a claim statement of rows nobody
+-- held counts nothing and leaves at the first check: the pickup path does not pay for
+-- the console. An attempt that ends in a later 10-minute bucket than its claim (which
+-- the sampler may have folded) counts its claim at that bucket's first minute instead.
+-- Static SQL (the four tables name their columns alike): each session plans it once
+-- per table.
 CREATE FUNCTION workpump.console_count_changes() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM console_new) THEN
+    -- nothing ends an attempt here and nothing became done or dead (a claim of free
+    -- rows, a change of rows nobody held): nothing to count
+    IF NOT EXISTS (SELECT 1 FROM console_old o WHERE o.instance_id IS NOT NULL)
+       AND NOT EXISTS (SELECT 1 FROM console_new n
+                       WHERE n.done_at IS NOT NULL OR n.dead_lettered_at IS NOT NULL) THEN
         RETURN NULL;
     END IF;
     -- each changed row gives up to two events: what became of the attempt it had (if
-    -- anything did) and a claim (a new lease token). Two plain scans of the rows, not a
-    -- lateral VALUES list per row, which cost several times as much per row, paid by
-    -- every claim and flush on the pickup path.
+    -- anything did), and that attempt's claim when it ended. Two plain scans of the
+    -- rows, not a lateral VALUES list per row, which cost several times as much per row.
     WITH changed AS (
         SELECT coalesce(n.topic, '') AS topic,
-               o.instance_id AS old_instance, n.instance_id AS new_instance,
+               coalesce(o.instance_id, '00000000-0000-0000-0000-000000000000') AS instance_id,
                CASE
                    WHEN o.done_at IS NULL AND n.done_at IS NOT NULL THEN coalesce(n.end_state, 'done')
                    WHEN o.dead_lettered_at IS NULL AND n.dead_lettered_at IS NOT NULL THEN 'dead'
@@ -5492,29 +5503,35 @@ BEGIN
                    WHEN n.lease_token = o.lease_token AND n.lease_renewals > o.lease_renewals
                        THEN 'renewed'
                END AS ended,  -- NULL: nothing ended
-               n.done_at, n.dead_lettered_at, n.claimed_at,
-               n.instance_id IS NOT NULL AND n.lease_token IS NOT NULL
-                   AND n.lease_token IS DISTINCT FROM o.lease_token AS claimed,
-               coalesce(o.lease_expiry, o.scheduled_for, o.created_at) AS due_at
+               n.done_at, n.dead_lettered_at,
+               -- the attempt held before the statement ended in it
+               o.instance_id IS NOT NULL
+                   AND (n.instance_id IS NULL OR n.lease_token IS DISTINCT FROM o.lease_token
+                        OR n.done_at IS NOT NULL OR n.dead_lettered_at IS NOT NULL)
+                   AS attempt_ended,
+               o.claimed_at, o.claim_due_at
         FROM console_old o
         JOIN console_new n ON n.seq = o.seq
+    ), timed AS (
+        SELECT c.*, workpump.console_finite(CASE
+                   WHEN c.ended = 'dead' THEN c.dead_lettered_at
+                   WHEN c.ended IN ('done', 'cancelled', 'discarded') THEN c.done_at END) AS at
+        FROM changed c
     ), events AS (
-        SELECT c.topic, coalesce(c.old_instance, '00000000-0000-0000-0000-000000000000') AS instance_id,
-               c.ended AS outcome,
-               CASE WHEN c.ended = 'dead' THEN c.dead_lettered_at
-                    WHEN c.ended IN ('done', 'cancelled', 'discarded') THEN c.done_at END AS at,
-               NULL::integer AS b
-        FROM changed c WHERE c.ended IS NOT NULL
+        SELECT t.topic, t.instance_id, t.ended AS outcome, t.at, NULL::integer AS b
+        FROM timed t WHERE t.ended IS NOT NULL
         UNION ALL
-        SELECT c.topic, c.new_instance, 'claimed', c.claimed_at,
-               width_bucket(CASE WHEN isfinite(c.due_at) THEN greatest(extract(epoch FROM
-                   workpump.console_finite(c.claimed_at) - c.due_at), 0) END,
+        SELECT t.topic, t.instance_id, 'claimed',
+               greatest(workpump.console_finite(t.claimed_at),
+                        date_bin('10 minutes', t.at, '2000-01-01 00:00:00+00')),
+               width_bucket(CASE WHEN isfinite(t.claim_due_at) AND isfinite(t.claimed_at)
+                   THEN greatest(extract(epoch FROM t.claimed_at - t.claim_due_at), 0) END,
                    workpump.console_latency_bounds()) + 1
-        FROM changed c WHERE c.claimed
+        FROM timed t WHERE t.attempt_ended
     ), grouped AS (
         -- the statement's counts per minute, topic, outcome and instance; a claim's
         -- bucket b holds [bounds[b - 1], bounds[b]): 1 to 10 for the 9 bounds
-        SELECT date_trunc('minute', workpump.console_finite(e.at)) AS minute,
+        SELECT date_trunc('minute', e.at) AS minute,
                e.topic, e.outcome, e.instance_id,
                count(*) AS n,
                CASE WHEN e.outcome = 'claimed' THEN ARRAY[

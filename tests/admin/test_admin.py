@@ -1141,3 +1141,16 @@ def test_the_admin_reads_and_acts_on_the_database_the_pump_uses(admin_client: Cl
     # Back on the default database, its own row is the only one shown.
     html = admin_client.get(OUTBOX_URL).content.decode()
     assert len(listed_keys(html)) == 1
+
+
+def test_a_rows_page_says_how_long_its_claim_waited_after_it_was_due(
+    admin_client: Client, now: datetime
+) -> None:
+    row = factories.OutboxFactory(
+        claimed_at=now - secs(30), claim_due_at=now - secs(42.5), attempts=1
+    )
+    quick = factories.OutboxFactory(claimed_at=now, claim_due_at=now - secs(0.004), attempts=1)
+    html = admin_client.get(f"{OUTBOX_URL}{row.pk}/change/").content.decode()
+    assert "(12s after it was due)" in html
+    html = admin_client.get(f"{OUTBOX_URL}{quick.pk}/change/").content.decode()
+    assert "(4 ms after it was due)" in html

@@ -87,9 +87,11 @@ def test_counters_equal_what_the_claims_and_outcomes_did_per_instance():
     assert counts() == {"claimed": 8, "done": 3, "failed": 3, "dead": 1, "released": 1}
     assert counts(instance_id=A) == {"claimed": 5, "done": 2, "failed": 3}
     assert counts(instance_id=B) == {"claimed": 3, "done": 1, "dead": 1, "released": 1}
-    # claims and completions count at the row's own time (p_now here), failures at now()
-    assert counts(minute=T0) == {"claimed": 5, "done": 2}
-    assert counts(minute=T0 + timedelta(minutes=1))["claimed"] == 3
+    # completions count at the row's own time (p_now here), failures and releases at
+    # now(); a claim counts when its attempt ends, at claimed_at, unless the attempt
+    # ended in a later 10-minute bucket (now() is long after T0): then at that bucket
+    assert counts(minute=T0) == {"claimed": 2, "done": 2}
+    assert counts(minute=T0 + timedelta(minutes=1)) == {"claimed": 2, "done": 1, "dead": 1}
     # the first claims waited 10 s from creation; bucket i holds [bounds[i-1], bounds[i])
     bounds = scalar("SELECT workpump.console_latency_bounds()")
     (histogram,) = [
@@ -101,7 +103,59 @@ def test_counters_equal_what_the_claims_and_outcomes_did_per_instance():
         )
     ]
     assert len(histogram) == len(bounds) + 1
-    assert histogram[bounds.index(10) + 1] == 5 and sum(histogram) == 5  # [10, 30)
+    assert histogram[bounds.index(10) + 1] == 2 and sum(histogram) == 2  # [10, 30)
+
+
+def test_a_claim_counts_when_its_attempt_ends_with_its_holder_and_pickup_latency():
+    make(2)  # due 10 s before the claim
+    claimed = claim(A, T0)
+    # the claim statement itself counts nothing: the pickup path pays no counting
+    assert scalar("SELECT count(*) FROM workpump_console_count") == 0
+    complete(A, claimed[:1], T0 + timedelta(seconds=3))
+    assert counts() == {"claimed": 1, "done": 1}
+    (histogram,) = [
+        r["latency"]
+        for r in run_sql(
+            "SELECT latency FROM workpump_console_count WHERE outcome = 'claimed' AND minute = %s",
+            [T0],
+        )
+    ]
+    bounds = scalar("SELECT workpump.console_latency_bounds()")
+    assert histogram[bounds.index(10) + 1] == 1 and sum(histogram) == 1  # waited [10, 30) s
+    # the row keeps when its last claim's wait began, beside claimed_at
+    (row,) = run_sql(
+        "SELECT claimed_at, claim_due_at FROM workpump_outbox WHERE work_id = %s", [claimed[1]]
+    )
+    assert row["claimed_at"] - row["claim_due_at"] == timedelta(seconds=10)
+
+
+def test_a_lease_taken_over_counts_the_old_attempts_claim_with_its_expiry():
+    make(1)
+    claim(A, T0)
+    assert claim(B, T0 + timedelta(hours=1))  # A's 300 s lease ran out long ago
+    assert counts(instance_id=A) == {"claimed": 1, "expired": 1}
+    assert counts(instance_id=B) == {}  # B's attempt is still running
+
+
+def test_an_attempt_ending_in_a_later_bucket_counts_its_claim_in_that_bucket():
+    make(2)
+    claimed = claim(A, T0 + timedelta(minutes=9))
+    complete(A, claimed[:1], T0 + timedelta(minutes=9, seconds=10))
+    # the sampler folds 12:00-12:10 while the second attempt still runs
+    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=12)])
+    assert scalar("SELECT folded_until FROM workpump_console_sample") == T0 + timedelta(minutes=10)
+    complete(A, claimed[1:], T0 + timedelta(minutes=13))
+    claims = {
+        r["minute"]: r["n"]
+        for r in run_sql(
+            "SELECT minute, n FROM workpump_console_count WHERE outcome = 'claimed' ORDER BY 1"
+        )
+    }
+    # the first claim at its own minute (folded), the second at the first unfolded one
+    assert claims == {T0 + timedelta(minutes=9): 1, T0 + timedelta(minutes=10): 1}
+    by_bucket = binned(10, T0, T0 + timedelta(minutes=19))
+    assert by_bucket[T0, TOPIC, "claimed"] == 1
+    assert by_bucket[T0 + timedelta(minutes=10), TOPIC, "claimed"] == 1
 
 
 def summed(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
@@ -117,6 +171,10 @@ def summed(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
     return sums
 
 
+def stored_counts() -> list[dict[str, Any]]:
+    return run_sql("SELECT minute, outcome, instance_id, n, latency FROM workpump_console_count")
+
+
 def test_the_totals_are_the_counts_summed_over_topics_histograms_too():
     make(3)
     make(2, topic="console.sms")
@@ -125,9 +183,7 @@ def test_the_totals_are_the_counts_summed_over_topics_histograms_too():
     complete(A, claimed[:4], T0 + timedelta(seconds=1))
     fail(A, claimed[4:], T0 + timedelta(seconds=1))
     complete(B, claim(B, T0 + timedelta(seconds=61)), T0 + timedelta(seconds=62))
-    per_topic = summed(
-        run_sql("SELECT minute, outcome, instance_id, n, latency FROM workpump_console_count")
-    )
+    per_topic = summed(stored_counts())
 
     def totals() -> dict[tuple[Any, ...], dict[str, Any]]:
         return summed(run_sql("SELECT * FROM workpump.console_totals('-infinity', 'infinity')"))
@@ -141,14 +197,16 @@ def test_the_totals_are_the_counts_summed_over_topics_histograms_too():
     folded = {k: v for k, v in per_topic.items() if k[0] < T0 + timedelta(minutes=10)}
     assert summed(stored) == folded and len(stored) == len(folded) == 4
     assert totals() == per_topic  # the folded totals, and the counters after them
-    assert {(k[1], k[2]): v["n"] for k, v in per_topic.items()} == {
+    # over every minute (the claims of A's failed attempts count at their failure's bucket)
+    overall = summed([{**r, "minute": None} for r in stored_counts()])
+    assert {(k[1], k[2]): v["n"] for k, v in overall.items()} == {
         ("claimed", A): 6,
         ("done", A): 4,
         ("failed", A): 2,
         ("claimed", B): 2,
         ("done", B): 2,
     }
-    (claims_of_a,) = [v["latency"] for k, v in per_topic.items() if k[1:] == ("claimed", A)]
+    (claims_of_a,) = [v["latency"] for k, v in overall.items() if k[1:] == ("claimed", A)]
     assert sum(claims_of_a) == 6 and claims_of_a[-2] == 1  # one waited [60, 300) s
     # an instance's totals alone
     mine = run_sql("SELECT * FROM workpump.console_totals('-infinity', 'infinity', %s)", [B])
