@@ -5513,17 +5513,20 @@ BEGIN
         FROM console_old o
         JOIN console_new n ON n.seq = o.seq
     ), timed AS (
-        SELECT c.*, workpump.console_finite(CASE
-                   WHEN c.ended = 'dead' THEN c.dead_lettered_at
-                   WHEN c.ended IN ('done', 'cancelled', 'discarded') THEN c.done_at END) AS at
+        -- referenced twice, so computed once; console_finite is inlined only on a column
+        SELECT c.*, CASE WHEN c.ended = 'dead' THEN c.dead_lettered_at
+                         WHEN c.ended IN ('done', 'cancelled', 'discarded') THEN c.done_at
+                    END AS stamped_at
         FROM changed c
     ), events AS (
-        SELECT t.topic, t.instance_id, t.ended AS outcome, t.at, NULL::integer AS b
+        SELECT t.topic, t.instance_id, t.ended AS outcome,
+               workpump.console_finite(t.stamped_at) AS at, NULL::integer AS b
         FROM timed t WHERE t.ended IS NOT NULL
         UNION ALL
         SELECT t.topic, t.instance_id, 'claimed',
                greatest(workpump.console_finite(t.claimed_at),
-                        date_bin('10 minutes', t.at, '2000-01-01 00:00:00+00')),
+                        date_bin('10 minutes', workpump.console_finite(t.stamped_at),
+                                 '2000-01-01 00:00:00+00')),
                width_bucket(CASE WHEN isfinite(t.claim_due_at) AND isfinite(t.claimed_at)
                    THEN greatest(extract(epoch FROM t.claimed_at - t.claim_due_at), 0) END,
                    workpump.console_latency_bounds()) + 1

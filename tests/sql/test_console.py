@@ -158,6 +158,27 @@ def test_an_attempt_ending_in_a_later_bucket_counts_its_claim_in_that_bucket():
     assert by_bucket[T0 + timedelta(minutes=10), TOPIC, "claimed"] == 1
 
 
+def test_counting_a_flush_calls_no_function_per_row():
+    # console_finite is inlined where it is given a column; given an expression it was
+    # called once per row, which cost 1.7 ms of a 100-row completion
+    make(20)
+    claimed = claim(A, T0)
+    run_sql("SET LOCAL track_functions = 'all'")
+    complete(A, claimed, T0 + timedelta(seconds=1))
+    assert counts() == {"claimed": 20, "done": 20}
+    calls = {
+        r["funcname"]: r["calls"]
+        for r in run_sql(
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions"
+            " WHERE schemaname = 'workpump' AND funcname LIKE 'console%%'"
+        )
+    }
+    # the trigger once for the statement; the bounds, a constant, once per plan
+    assert calls.get("console_count_changes") == 1
+    assert calls.get("console_finite", 0) == 0
+    assert calls.get("console_latency_bounds", 0) <= 1
+
+
 def summed(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
     """Counter rows summed per (minute, outcome, instance), histograms bucket by bucket."""
     sums: dict[tuple[Any, ...], dict[str, Any]] = {}
