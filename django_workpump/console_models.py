@@ -70,7 +70,14 @@ class ConsoleRollup(models.Model):
         db_table = "workpump_console_rollup"
         # a topic's buckets in a window: the console's per-topic lines and topic page
         indexes = [
-            models.Index(fields=["category", "topic", "minute"], name="wp_console_rollup_topic")
+            models.Index(fields=["category", "topic", "minute"], name="wp_console_rollup_topic"),
+            # the busiest topics of a window, summed from the index alone: the day's sum
+            # over 200 topics read 86,000 rows from the heap, 81 ms of the day overview
+            models.Index(
+                fields=["minute"],
+                include=["category", "topic", "outcome", "n"],
+                name="wp_console_rollup_sums",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -91,6 +98,15 @@ class ConsoleBacklog(models.Model):
 
     class Meta:
         db_table = "workpump_console_backlog"
+        # a bin's last sample summed over topics from the index alone: a day's chart
+        # read one heap page a topic and bin, 28,800 pages (57 ms of the day overview)
+        indexes = [
+            models.Index(
+                fields=["minute"],
+                include=["pending", "scheduled", "leased", "oldest_pending_seconds"],
+                name="wp_console_backlog_sums",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"{self.minute} {self.category} {self.topic}: {self.pending} pending"

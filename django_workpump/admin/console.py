@@ -201,9 +201,8 @@ def overview(request: HttpRequest) -> dict[str, Any]:
         charts.append(line_chart(f"topics-{outcome}", f"{title} (per minute)", g.points, lines))
     charts.append(_latency_chart("latency", g))
     charts.extend(_backlog_charts(g))
-    totals, instances = data.instances(
-        series.console_instances(g.since, g.until, using=using), g, setting("STALE_AFTER_SECONDS")
-    )
+    samples = series.console_instances(g.since, g.until, step=g.step, using=using)
+    totals, instances = data.instances(samples, g, setting("STALE_AFTER_SECONDS"))
     charts.append(
         line_chart(
             "instances",

@@ -147,10 +147,13 @@ def console_instances(
     since: datetime,
     until: datetime,
     *,
+    step: int = 1,
     instance_id: UUID | None = None,
     using: str | None = None,
 ) -> list[dict[str, Any]]:
-    params = {"since": since, "until": until, "instance_id": instance_id}
+    """Instance samples (minute, instance, heartbeat age, rows in flight): each
+    instance's last sample in each bin of ``step`` minutes."""
+    params = {"since": since, "until": until, "step": step, "instance_id": instance_id}
     # finite minutes by its own filter: no slow loader
     return fetch_sql(
         named_queries(QUERIES)["console_instances"], params, using=using, readable_times=False

@@ -353,6 +353,7 @@ class Migration(migrations.Migration):
             ],
             options={
                 'db_table': 'workpump_console_backlog',
+                'indexes': [models.Index(fields=['minute'], include=('pending', 'scheduled', 'leased', 'oldest_pending_seconds'), name='wp_console_backlog_sums')],
             },
         ),
         migrations.CreateModel(
@@ -384,7 +385,7 @@ class Migration(migrations.Migration):
             ],
             options={
                 'db_table': 'workpump_console_rollup',
-                'indexes': [models.Index(fields=['category', 'topic', 'minute'], name='wp_console_rollup_topic')],
+                'indexes': [models.Index(fields=['category', 'topic', 'minute'], name='wp_console_rollup_topic'), models.Index(fields=['minute'], include=('category', 'topic', 'outcome', 'n'), name='wp_console_rollup_sums')],
             },
         ),
         migrations.CreateModel(

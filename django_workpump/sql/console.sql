@@ -122,12 +122,21 @@ GROUP BY 1
 ORDER BY 1
 
 -- name: console_instances
--- Sampled instances per minute in [since, until]: heartbeat age and rows in flight.
-SELECT i.minute, i.instance_id, i.service_name, i.host_name, i.process_id,
-       i.heartbeat_age_seconds, i.in_flight
-FROM workpump_console_instance i
-WHERE i.minute >= %(since)s AND i.minute <= %(until)s AND isfinite(i.minute)
-  AND (%(instance_id)s::uuid IS NULL OR i.instance_id = %(instance_id)s)
+-- Sampled instances in [since, until]: heartbeat age and rows in flight, each instance's
+-- last sample in each bin of %(step)s minutes (every sample with a step of 1). A chart
+-- draws a bin from its last sample, so the rest stay here: a day of minutes for a few
+-- instances was thousands of rows to load and sort in Python.
+SELECT s.minute, s.instance_id, s.service_name, s.host_name, s.process_id,
+       s.heartbeat_age_seconds, s.in_flight
+FROM (
+    SELECT i.*, row_number() OVER (
+               PARTITION BY date_bin(make_interval(mins => %(step)s), i.minute,
+                                     '2000-01-01 00:00:00+00'), i.instance_id
+               ORDER BY i.minute DESC) AS nth
+    FROM workpump_console_instance i
+    WHERE i.minute >= %(since)s AND i.minute <= %(until)s AND isfinite(i.minute)
+      AND (%(instance_id)s::uuid IS NULL OR i.instance_id = %(instance_id)s)) s
+WHERE s.nth = 1
 ORDER BY 1, 2
 
 -- name: console_failures

@@ -16,6 +16,7 @@ import pytest
 from django.db import transaction
 
 from django_workpump.db import console as series
+from django_workpump.sql import named_queries
 from tests.factories import OutboxFactory
 from tests.helpers import T0, current_tokens, enroll, run_sql, scalar
 
@@ -510,3 +511,66 @@ def test_a_topics_lines_read_its_own_buckets_by_the_topic_index():
         ("console.t42", "done"): 144 * 43,
         ("console.t42", "failed"): 144 * 43,
     }
+
+
+def test_a_days_busiest_topics_and_backlog_are_summed_from_covering_indexes():
+    # two days of folded buckets and sampled minutes for 60 topics: the overview's sums
+    # read the indexes alone, not a heap page per topic and minute
+    run_sql(
+        "INSERT INTO workpump_console_rollup (minute, category, topic, outcome, n)"
+        " SELECT %s + make_interval(mins => 10 * b), 'outbox', 'console.t' || t, o, t"
+        " FROM generate_series(0, 287) b, generate_series(1, 60) t,"
+        " unnest(ARRAY['claimed', 'done', 'failed']) o",
+        [T0],
+    )
+    run_sql(
+        "INSERT INTO workpump_console_backlog"
+        " SELECT %s + make_interval(mins => m), 'outbox', 'console.t' || t, t, 0, 1, 2.0"
+        " FROM generate_series(0, 2879) m, generate_series(1, 60) t",
+        [T0],
+    )
+    until = T0 + timedelta(days=2)
+    run_sql(
+        "INSERT INTO workpump_console_sample (minute, taken_at, folded_until) VALUES (%s, %s, %s)",
+        [until, until, until],
+    )
+    run_sql("ANALYZE workpump_console_rollup")
+    run_sql("ANALYZE workpump_console_backlog")
+    day = {"since": until - timedelta(days=1), "until": until - timedelta(minutes=1), "step": 10}
+    queries = {
+        "wp_console_rollup_sums": (series.counts_sql("console_topics", 10), {**day, "limit": 50}),
+        "wp_console_backlog_sums": (
+            named_queries(series.QUERIES)["console_backlog"],
+            {**day, "category": None, "topic": None},
+        ),
+    }
+    for index, (sql, params) in queries.items():
+        with transaction.atomic():
+            run_sql("SET LOCAL max_parallel_workers_per_gather = 0")
+            (plan,) = scalar("EXPLAIN (FORMAT JSON) " + sql, params)
+        assert f"'Index Name': '{index}'" in str(plan), plan
+
+    busiest = series.console_topics(day["since"], day["until"], step=10, limit=2)
+    assert [(r["topic"], r["done"]) for r in busiest] == [
+        ("console.t60", 144 * 60),
+        ("console.t59", 144 * 59),
+    ]
+    backlog = series.console_backlog(day["since"], day["until"], step=10)
+    assert len(backlog) == 144 and {r["pending"] for r in backlog} == {sum(range(1, 61))}
+
+
+def test_instances_in_bins_are_each_instances_last_sample_of_the_bin():
+    # A sampled at 12:00-12:19, B at 12:00-12:05 only (it stopped)
+    for minute, instance in [(m, A) for m in range(20)] + [(m, B) for m in range(6)]:
+        run_sql(
+            "INSERT INTO workpump_console_instance VALUES (%s, %s, 's', 'h', 1, %s, %s)",
+            [T0 + timedelta(minutes=minute), instance, float(minute), minute],
+        )
+    until = T0 + timedelta(minutes=19)
+    binned = series.console_instances(T0, until, step=10)
+    assert [(r["minute"], r["instance_id"], r["in_flight"]) for r in binned] == [
+        (T0 + timedelta(minutes=5), B, 5),
+        (T0 + timedelta(minutes=9), A, 9),
+        (T0 + timedelta(minutes=19), A, 19),
+    ]
+    assert len(series.console_instances(T0, until)) == 26  # a minute at a time: all
