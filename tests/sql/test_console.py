@@ -471,21 +471,30 @@ def test_a_topics_failure_reasons_are_read_by_the_failing_rows_index():
     ]
 
 
-def test_a_topics_lines_read_its_own_buckets_by_the_topic_index():
-    # a day of folded buckets for 60 topics: each topic's line probes its own key
+def folded_days(days: int, n: str) -> Any:
+    """Fold ``days`` days of 10-minute buckets from T0 for 60 topics (console.t1 to t60,
+    claimed, done and failed, each ``n``: an SQL expression of the topic number t), and
+    mark them folded; returns where the fold stopped."""
     run_sql(
         "INSERT INTO workpump_console_rollup (minute, category, topic, outcome, n)"
-        " SELECT %s + make_interval(mins => 10 * b), 'outbox', 'console.t' || t, o, t + 1"
-        " FROM generate_series(0, 143) b, generate_series(1, 60) t,"
+        " SELECT %s + make_interval(mins => 10 * b), 'outbox', 'console.t' || t, o, "
+        + n
+        + " FROM generate_series(0, %s) b, generate_series(1, 60) t,"
         " unnest(ARRAY['claimed', 'done', 'failed']) o",
-        [T0],
+        [T0, days * 144 - 1],
     )
-    until = T0 + timedelta(days=1)
+    until = T0 + timedelta(days=days)
     run_sql(
         "INSERT INTO workpump_console_sample (minute, taken_at, folded_until) VALUES (%s, %s, %s)",
         [until, until, until],
     )
     run_sql("ANALYZE workpump_console_rollup")
+    return until
+
+
+def test_a_topics_lines_read_its_own_buckets_by_the_topic_index():
+    # a day of folded buckets for 60 topics: each topic's line probes its own key
+    until = folded_days(1, "t + 1")
     asked = [("outbox", "console.t7"), ("outbox", "console.t42")]
     params = {
         "since": T0,
@@ -517,25 +526,13 @@ def test_a_days_busiest_topics_and_backlog_are_summed_from_covering_indexes():
     # two days of folded buckets and sampled minutes for 60 topics: the overview's sums
     # read the indexes alone, not a heap page per topic and minute
     run_sql(
-        "INSERT INTO workpump_console_rollup (minute, category, topic, outcome, n)"
-        " SELECT %s + make_interval(mins => 10 * b), 'outbox', 'console.t' || t, o, t"
-        " FROM generate_series(0, 287) b, generate_series(1, 60) t,"
-        " unnest(ARRAY['claimed', 'done', 'failed']) o",
-        [T0],
-    )
-    run_sql(
         "INSERT INTO workpump_console_backlog"
         " SELECT %s + make_interval(mins => m), 'outbox', 'console.t' || t, t, 0, 1, 2.0"
         " FROM generate_series(0, 2879) m, generate_series(1, 60) t",
         [T0],
     )
-    until = T0 + timedelta(days=2)
-    run_sql(
-        "INSERT INTO workpump_console_sample (minute, taken_at, folded_until) VALUES (%s, %s, %s)",
-        [until, until, until],
-    )
-    run_sql("ANALYZE workpump_console_rollup")
     run_sql("ANALYZE workpump_console_backlog")
+    until = folded_days(2, "t")
     day = {"since": until - timedelta(days=1), "until": until - timedelta(minutes=1), "step": 10}
     queries = {
         "wp_console_rollup_sums": (series.counts_sql("console_topics", 10), {**day, "limit": 50}),
