@@ -882,6 +882,37 @@ def test_an_alive_lock_keeps_a_stale_peer_live_until_the_definitive_dead_cutoff(
     assert ids(got) == [mine if live else earliest]
 
 
+def give_back(rows: list[uuid.UUID]) -> None:
+    """A releases the outbox rows it claimed (their attempts given back)."""
+    run_sql(
+        "SELECT * FROM workpump.release_work(%s, 'outbox', %s::uuid[], %s::uuid[], %s)",
+        [A, rows, current_tokens("outbox", rows), T0],
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_peer_that_lost_its_lock_counts_until_the_probe_sees_it_and_no_lock_table_is_read(
+    raw_connect,
+):
+    heartbeat(B, at(-60))  # past the stale cutoff: only its alive-lock keeps it live
+    peer = raw_connect()
+    assert peer.execute("SELECT workpump.take_alive_lock(%s) AS ok", [B]).fetchone()["ok"]
+    earliest, mine = rank_probe_rows()
+    with transaction.atomic(), counted() as delta:
+        got = claim(A, T0, p_max_rows=1, p_stale_after_seconds=30)
+    assert "claim_work" in delta["calls"]
+    assert "held_alive_lock_keys" not in delta["calls"]
+    assert ids(got) == [mine]  # B live, by the last probe's view
+    give_back(ids(got))
+
+    peer.close()  # B's session ends: its lock with it, unseen until a probe
+    got = claim(A, T0, p_max_rows=1, p_stale_after_seconds=30)
+    assert ids(got) == [mine]
+    give_back(ids(got))
+    run_sql("SELECT workpump.observe_alive_locks(%s)", [T0])
+    assert ids(claim(A, T0, p_max_rows=1, p_stale_after_seconds=30)) == [earliest]
+
+
 # --- 12. stream ownership ledger ------------------------------------------------------------
 
 
