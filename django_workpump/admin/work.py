@@ -411,7 +411,7 @@ class WorkAdmin(BulkActionsAdmin, WorkActionsAdmin):
     @admin.display(description="claimed")
     def claimed(self, obj: Any) -> str:
         text = display.when(obj.claimed_at)
-        due = getattr(obj, "claim_due_at", None)
+        due = obj.claim_due_at
         if isinstance(obj.claimed_at, datetime) and isinstance(due, datetime):
             waited = max((obj.claimed_at - due).total_seconds(), 0.0)
             after = f"{waited * 1000:.0f} ms" if waited < 1 else display.duration(waited)

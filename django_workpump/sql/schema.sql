@@ -3385,10 +3385,8 @@ BEGIN
         FROM workpump_service_instance si
         WHERE si.instance_id = p_instance_id
            OR si.last_heartbeat_at >= v_now - make_interval(secs => p_stale_after_seconds)
-           -- a peer that beats slowly because it holds its alive-lock: held as the last
-           -- probe saw it (observe_alive_locks, every few seconds on every instance),
-           -- not read from pg_locks here, which cost 0.4 ms of every claim while such a
-           -- peer's heartbeat was past the stale cutoff, half of its slow interval
+           -- a lock-holding peer beating slowly: the lock as the last probe saw it
+           -- (reading pg_locks here cost 0.4 ms a claim; docs/design-decisions.md)
            OR (si.last_heartbeat_at >= v_now - make_interval(secs => p_definitively_dead_after_seconds)
                AND si.alive_lock_pid IS NOT NULL AND si.alive_lock_lost_at IS NULL)
     ) live;
@@ -5512,12 +5510,7 @@ BEGIN
                    WHEN n.lease_token = o.lease_token AND n.lease_renewals > o.lease_renewals
                        THEN 'renewed'
                END AS ended,  -- NULL: nothing ended
-               n.done_at, n.dead_lettered_at,
-               -- the attempt held before the statement ended in it
-               o.instance_id IS NOT NULL
-                   AND (n.instance_id IS NULL OR n.lease_token IS DISTINCT FROM o.lease_token
-                        OR n.done_at IS NOT NULL OR n.dead_lettered_at IS NOT NULL)
-                   AS attempt_ended,
+               n.done_at, n.dead_lettered_at, o.instance_id IS NOT NULL AS held,
                o.claimed_at, o.claim_due_at
         FROM console_old o
         JOIN console_new n ON n.seq = o.seq
@@ -5539,7 +5532,7 @@ BEGIN
                width_bucket(CASE WHEN isfinite(t.claim_due_at) AND isfinite(t.claimed_at)
                    THEN greatest(extract(epoch FROM t.claimed_at - t.claim_due_at), 0) END,
                    workpump.console_latency_bounds()) + 1
-        FROM timed t WHERE t.attempt_ended
+        FROM timed t WHERE t.held AND t.ended <> 'renewed'  -- the held attempt ended
     ), grouped AS (
         -- the statement's counts per minute, topic, outcome and instance; a claim's
         -- bucket b holds [bounds[b - 1], bounds[b]): 1 to 10 for the 9 bounds
