@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as h
-from bench import throughput
+from bench import latency, throughput
 
 # At least this many pairs of drains: one ratio is at the mercy of a noisy machine.
 REPS = 4  # even: which of a pair goes first is balanced against any drift
@@ -107,21 +107,8 @@ def latency_pairs(server: h.Server, database: str, workdir: Path) -> dict[str, A
         "workpump", server, database, marks=marks, log_path=workdir / "console-lat.log"
     )
 
-    def starts() -> dict[int, int]:
-        return {int(m[1]): int(m[2]) for m in h.read_marks(marks) if m[0] == "lat"}
-
     def block(offset: int, n: int, gap_ms: float) -> list[float]:
-        produced = h.produce(
-            "workpump",
-            server,
-            database,
-            ["latency", "--n", str(n), "--gap-ms", str(gap_ms), "--offset", str(offset)],
-        )
-        keys = range(offset, offset + n)
-        if not h.wait_for(lambda: all(k in starts() for k in keys), 60, 0.1):
-            raise RuntimeError(f"latency jobs not handled:\n{worker.output()[-2000:]}")
-        got = starts()
-        return [(got[int(k)] - v) / 1e6 for k, v in produced["commits"].items()]
+        return latency.block("workpump", server, database, worker, marks, n, gap_ms, offset)
 
     by_rep: list[float] = []
     p50: dict[bool, list[float]] = {True: [], False: []}
@@ -146,6 +133,7 @@ def latency_pairs(server: h.Server, database: str, workdir: Path) -> dict[str, A
     return {
         "n": LATENCY_N,
         "gap_ms": LATENCY_GAP_MS,
+        "warmup": WARMUP_N,
         "p50_on_ms": p50[True],
         "p50_off_ms": p50[False],
         "by_rep": by_rep,

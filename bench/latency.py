@@ -28,32 +28,14 @@ def run(
         system, server, database, marks=marks, log_path=workdir / f"lat-{system}-r{rep}.log"
     )
 
-    def seen(keys: range) -> bool:
-        got = {int(m[1]) for m in h.read_marks(marks) if m[0] == "lat"}
-        return all(k in got for k in keys)
-
     try:
         time.sleep(2.0)
-        h.produce(
-            system,
-            server,
-            database,
-            ["latency", "--n", str(WARMUP), "--gap-ms", "50", "--offset", str(WARMUP_OFFSET)],
-        )
-        if not h.wait_for(lambda: seen(range(WARMUP_OFFSET, WARMUP_OFFSET + WARMUP)), 60, 0.1):
-            raise RuntimeError(f"{system}: warm-up jobs not handled:\n{worker.output()[-2000:]}")
+        block(system, server, database, worker, marks, WARMUP, 50.0, WARMUP_OFFSET)
         time.sleep(1.0)
         idle_rss = worker.rss()
-        produced = h.produce(
-            system, server, database, ["latency", "--n", str(n), "--gap-ms", str(gap_ms)]
-        )
-        if not h.wait_for(lambda: seen(range(n)), 60, 0.1):
-            raise RuntimeError(f"{system}: not all latency jobs handled")
+        lat_ms = block(system, server, database, worker, marks, n, gap_ms, 0)
     finally:
         h.stop_worker(worker)
-    starts = {int(m[1]): int(m[2]) for m in h.read_marks(marks) if m[0] == "lat"}
-    commits = {int(k): v for k, v in produced["commits"].items()}
-    lat_ms = [(starts[i] - commits[i]) / 1e6 for i in range(n)]
     return {
         "system": system,
         "rep": rep,
@@ -67,6 +49,34 @@ def run(
         "min": min(lat_ms),
         "idle_rss_mb": idle_rss / 2**20,
     }
+
+
+def block(
+    system: str,
+    server: h.Server,
+    database: str,
+    worker: h.Worker,
+    marks: Path,
+    n: int,
+    gap_ms: float,
+    offset: int,
+) -> list[float]:
+    """Enqueue ``n`` jobs numbered from ``offset``, ``gap_ms`` apart, to a running
+    ``worker`` that marks its starts in ``marks``; each one's latency in ms."""
+    produced = h.produce(
+        system,
+        server,
+        database,
+        ["latency", "--n", str(n), "--gap-ms", str(gap_ms), "--offset", str(offset)],
+    )
+
+    def starts() -> dict[int, int]:
+        return {int(m[1]): int(m[2]) for m in h.read_marks(marks) if m[0] == "lat"}
+
+    if not h.wait_for(lambda: all(k in starts() for k in range(offset, offset + n)), 60, 0.1):
+        raise RuntimeError(f"{system}: latency jobs not handled:\n{worker.output()[-2000:]}")
+    got = starts()
+    return [(got[int(k)] - v) / 1e6 for k, v in produced["commits"].items()]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

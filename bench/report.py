@@ -1043,7 +1043,8 @@ def _console_latency(lat: dict[str, Any] | None) -> list[str]:
         f"{', '.join(_f(v, 2, ' ms') for v in lat.get('p50_off_ms', []))}; ratio off / on per "
         f"pair {', '.join(_f(r, 3) for r in lat.get('by_rep', []))}, median "
         f"{_f(lat.get('ratio'), 3)} ({lat.get('n')} single enqueues {lat.get('gap_ms')} ms "
-        "apart per block, after 10 uncounted; every block to one idle listening worker).\n",
+        f"apart per block, after {lat.get('warmup')} uncounted; every block to one idle "
+        "listening worker).\n",
     ]
 
 
