@@ -122,6 +122,8 @@ class ConsoleInstance(models.Model):
     host_name = models.TextField(null=True)
     process_id = models.IntegerField(null=True)
     heartbeat_age_seconds = models.FloatField(null=True)
+    # alive by the liveness rule when sampled (a held alive-lock keeps a slow beater alive)
+    alive = models.BooleanField(db_default=False)
     in_flight = models.BigIntegerField()
 
     class Meta:

@@ -3,7 +3,8 @@ last hour or day, a page per topic and per instance, each refreshing itself.
 
 Every page reads the console's per-minute series (``db.console``; written by the work
 tables' counting trigger and the maintenance worker's sample) plus, on the topic and
-instance pages, a bounded read of the work tables (failure reasons, rows in flight).
+instance pages, a bounded read of the work tables (failure reasons, rows in flight) and,
+on the topic page, the flow rules that hold the topic back (its own, its category's).
 A page asked for with ``?fragment=1`` returns its live part alone: the page's small
 inline script fetches that every few seconds and swaps it in, so the charts move
 without a reload, with no third-party script and nothing fetched from elsewhere.
@@ -30,8 +31,8 @@ from django_workpump.admin import display
 from django_workpump.admin.base import pump_database
 from django_workpump.admin.console_charts import OUTCOME_COLOURS, Line, line_chart
 from django_workpump.admin.perms import can_view_summary
-from django_workpump.conf import setting
 from django_workpump.db import console as series
+from django_workpump.models import FlowRule
 from django_workpump.storable import error_headline
 
 # How often a page fetches its live part again.
@@ -57,6 +58,10 @@ def console_urls(model_admin: admin.ModelAdmin) -> list[URLPattern]:
             context["opts"] = model_admin.model._meta
             context["app_label"] = model_admin.model._meta.app_label
             context["refresh_seconds"] = REFRESH_SECONDS
+            rules_admin = site._registry.get(FlowRule)
+            context["can_view_rules"] = bool(
+                rules_admin and rules_admin.has_view_permission(request)
+            )
             template = (
                 context["live_template"]
                 if request.GET.get("fragment")
@@ -186,23 +191,38 @@ def overview(request: HttpRequest) -> dict[str, Any]:
         t["url"] = topic_url(t["category"], t["topic"], window)
         t["rows_url"] = rows_url(t["category"], topic=t["topic"])
     busiest = topics[:MAX_LINES]
+    # the dead chart draws the topics with the most dead rows, busy or not
+    dying = sorted((t for t in topics if t["dead"]), key=lambda t: -t["dead"])[:MAX_LINES]
+    drawn = {(t["category"], t["topic"]): t for t in (*busiest, *dying)}
     per_topic = series.console_topic_outcomes(
-        g.since, g.until, [(t["category"], t["topic"]) for t in busiest], step=g.step, using=using
+        g.since, g.until, list(drawn), step=g.step, using=using
     )
     of_topic: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in per_topic:
         of_topic.setdefault((r["category"], r["topic"]), []).append(r)
-    for outcome, title in (("done", "Done per topic"), ("failed", "Failed (to retry) per topic")):
+    for outcome, title, shown_topics in (
+        ("done", "Done per topic", busiest),
+        ("failed", "Failed (to retry) per topic", busiest),
+        ("dead", "Dead per topic", dying),
+    ):
         lines = []
-        for t in busiest:
+        for t in shown_topics:
             rows = of_topic.get((t["category"], t["topic"]), [])
             rate = data.rates(rows, g, keys=(outcome,))[outcome]
             lines.append(Line(f"{t['topic']} ({t['category']})", rate, href=t["url"]))
-        charts.append(line_chart(f"topics-{outcome}", f"{title} (per minute)", g.points, lines))
+        charts.append(
+            line_chart(
+                f"topics-{outcome}",
+                f"{title} (per minute)",
+                g.points,
+                lines,
+                empty=f"No topic has {outcome} rows in the last {window}.",
+            )
+        )
     charts.append(_latency_chart("latency", g))
     charts.extend(_backlog_charts(g))
     samples = series.console_instances(g.since, g.until, step=g.step, using=using)
-    totals, instances = data.instances(samples, g, setting("STALE_AFTER_SECONDS"))
+    totals, instances = data.instances(samples, g)
     charts.append(
         line_chart(
             "instances",
@@ -254,6 +274,10 @@ def topic_page(request: HttpRequest) -> dict[str, Any]:
     failures = series.console_failures(category, topic, using=using)
     for f in failures:
         f["headline"] = error_headline(f["last_error"])
+    flow_rules = db.flow_rule_status(category=category, topic=topic, using=using)
+    held_back = db.flow_reason(
+        category=category, topic=topic, concurrency_key="", fairness_key="", using=using
+    )
     window_totals = data.totals(rows)
     minutes = g.minutes
     return {
@@ -268,6 +292,12 @@ def topic_page(request: HttpRequest) -> dict[str, Any]:
             for o in (*outcomes, "released", "orphaned", "expired", "cancelled", "discarded")
         ],
         "failures": failures,
+        "flow_rules": [
+            {"rule": r, "url": reverse("admin:workpump_flowrule_change", args=[r.id])}
+            for r in flow_rules
+        ],
+        "held_back": held_back,
+        "flow_rules_url": reverse("admin:workpump_flowrule_changelist"),
         "rows_url": rows_url(category, topic=topic),
         "waiting_url": rows_url(category, topic=topic, state="pending"),
         "dead_url": rows_url(category, topic=topic, state="dead"),
@@ -290,7 +320,7 @@ def instance_page(request: HttpRequest, instance_id: UUID) -> dict[str, Any]:
     ]
     label = str(instance_id)
     if samples:
-        _, each = data.instances(samples, g, setting("STALE_AFTER_SECONDS"))
+        _, each = data.instances(samples, g)
         label = each[0].label
         charts.append(
             line_chart(
@@ -321,7 +351,12 @@ def instance_page(request: HttpRequest, instance_id: UUID) -> dict[str, Any]:
         ],
         "in_flight": in_flight,
         "heartbeats": [
-            {"minute": s["minute"], "age": s["heartbeat_age_seconds"], "in_flight": s["in_flight"]}
+            {
+                "minute": s["minute"],
+                "age": s["heartbeat_age_seconds"],
+                "alive": s["alive"],
+                "in_flight": s["in_flight"],
+            }
             for s in samples[-15:]
         ],
         "owner_url": {c: rows_url(c, owner=str(instance_id)) for c in categories.NAMES},

@@ -110,8 +110,10 @@ def line_chart(
     lines: Sequence[Line],
     *,
     unit: str = "",
+    empty: str = "",
 ) -> SafeString:
-    """A ``<figure>``: the SVG chart of ``lines`` over ``minutes`` and its legend."""
+    """A ``<figure>``: the SVG chart of ``lines`` over ``minutes`` and its legend (or, with
+    no line, the ``empty`` note)."""
     count = len(minutes)
     peak = max((v for line in lines for v in line.values if v is not None), default=0.0)
     top = nice_ceiling(peak)
@@ -201,6 +203,8 @@ def line_chart(
             for n, line in enumerate(lines)
         ),
     )
+    if not lines and empty:
+        legend = format_html('<li class="wp-empty">{}</li>', empty)
     return format_html(
         '<figure class="wp-chart" id="wp-chart-{}" data-chart="{}" data-lines="{}" '
         'data-points="{}" data-peak="{}"><figcaption>{}</figcaption>{}<ul class="wp-legend">'

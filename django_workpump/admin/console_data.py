@@ -136,16 +136,18 @@ class InstanceSeries:
     in_flight: list[float | None]
     heartbeat_age: list[float | None]
     latest_age: float | None = None
+    latest_alive: bool | None = None
     latest_in_flight: int | None = None
     url: str = ""  # its console page (set by the view)
     age: str = ""  # latest_age for people
 
 
 def instances(
-    rows: Iterable[dict[str, Any]], g: Grid, stale_after_seconds: float
+    rows: Iterable[dict[str, Any]], g: Grid
 ) -> tuple[dict[str, list[float | None]], list[InstanceSeries]]:
-    """Per point: instances with a fresh heartbeat ("alive") and rows in flight ("in
-    flight"), from the point's last sampled minute; and each instance's own series."""
+    """Per point: instances alive by the liveness rule when sampled ("alive": a fresh
+    heartbeat, or a held alive-lock) and rows in flight ("in flight"), from the point's
+    last sampled minute; and each instance's own series."""
     by_minute: dict[datetime, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         by_minute[row["minute"]].append(row)
@@ -158,14 +160,7 @@ def instances(
         i = g.index(minute)  # None: the minute still running (its sample is the latest)
         sampled = by_minute[minute]
         if i is not None:
-            totals["alive"][i] = float(
-                sum(
-                    1
-                    for r in sampled
-                    if r["heartbeat_age_seconds"] is not None
-                    and r["heartbeat_age_seconds"] <= stale_after_seconds
-                )
-            )
+            totals["alive"][i] = float(sum(1 for r in sampled if r["alive"]))
             totals["in flight"][i] = float(sum(r["in_flight"] for r in sampled))
         for r in sampled:
             series = each.get(r["instance_id"])
@@ -180,6 +175,7 @@ def instances(
                 series.in_flight[i] = float(r["in_flight"])
                 series.heartbeat_age[i] = r["heartbeat_age_seconds"]
             series.latest_age = r["heartbeat_age_seconds"]
+            series.latest_alive = bool(r["alive"])
             series.latest_in_flight = int(r["in_flight"])
     return totals, list(each.values())
 

@@ -38,9 +38,21 @@ def _one(name: str, params: dict[str, Any], using: str | None) -> Any:
     return value
 
 
-def console_sample(*, now: datetime | None = None, using: str | None = None) -> bool:
-    """Sample the current minute's backlog and instances, unless a peer already did."""
-    return bool(_one("console_sample", {"now": now}, using))
+def console_sample(
+    *,
+    stale_after_seconds: int,
+    definitively_dead_after_seconds: int,
+    now: datetime | None = None,
+    using: str | None = None,
+) -> bool:
+    """Sample the current minute's backlog and instances (alive by the liveness rule at
+    these cutoffs), unless a peer already did."""
+    params = {
+        "stale_after_seconds": stale_after_seconds,
+        "definitively_dead_after_seconds": definitively_dead_after_seconds,
+        "now": now,
+    }
+    return bool(_one("console_sample", params, using))
 
 
 def purge_console(*, retention_seconds: int, batch: int, using: str | None = None) -> int:

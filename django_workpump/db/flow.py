@@ -74,9 +74,17 @@ class FlowRuleStatus(FromRow):
 
 
 def flow_rule_status(
-    *, waiting_cap: int = 10_000, now: datetime | None = None, using: str | None = None
+    *,
+    waiting_cap: int = 10_000,
+    category: str | None = None,
+    topic: str | None = None,
+    now: datetime | None = None,
+    using: str | None = None,
 ) -> list[FlowRuleStatus]:
-    rows = _fetch("flow_rule_status", {"waiting_cap": waiting_cap, "now": now}, using)
+    """Every rule as it stands; with ``category`` and ``topic``, the rules holding that
+    topic back (its own and its category's)."""
+    params = {"waiting_cap": waiting_cap, "category": category, "topic": topic, "now": now}
+    rows = _fetch("flow_rule_status", params, using)
     return [FlowRuleStatus.from_row(row) for row in rows]
 
 

@@ -412,6 +412,7 @@ class Migration(migrations.Migration):
                 ('host_name', models.TextField(null=True)),
                 ('process_id', models.IntegerField(null=True)),
                 ('heartbeat_age_seconds', models.FloatField(null=True)),
+                ('alive', models.BooleanField(db_default=False)),
                 ('in_flight', models.BigIntegerField()),
             ],
             options={

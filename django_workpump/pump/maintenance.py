@@ -302,7 +302,11 @@ class MaintenanceWorker(LoopService):
 
     def sample_once(self) -> bool:
         """Sample the console's gauges of this minute, unless a peer already did."""
-        return db.console_sample(using=self.alias)
+        return db.console_sample(
+            stale_after_seconds=self.stale_after_seconds,
+            definitively_dead_after_seconds=self.definitively_dead_after_seconds,
+            using=self.alias,
+        )
 
     def run(self) -> None:
         next_pass = monotonic() + self.interval_seconds

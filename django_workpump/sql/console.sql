@@ -4,7 +4,10 @@
 -- Every filter parameter may be NULL: that filter is off.
 
 -- name: console_sample
-SELECT workpump.console_sample(%(now)s) AS sampled
+SELECT workpump.console_sample(
+    p_stale_after_seconds => %(stale_after_seconds)s,
+    p_definitively_dead_after_seconds => %(definitively_dead_after_seconds)s,
+    p_now => %(now)s) AS sampled
 
 -- name: purge_console
 SELECT workpump.purge_console(
@@ -122,12 +125,12 @@ GROUP BY 1
 ORDER BY 1
 
 -- name: console_instances
--- Sampled instances in [since, until]: heartbeat age and rows in flight, each instance's
+-- Sampled instances in [since, until]: heartbeat age, alive, rows in flight, each instance's
 -- last sample in each bin of %(step)s minutes (every sample with a step of 1). A chart
 -- draws a bin from its last sample, so the rest stay here: a day of minutes for a few
 -- instances was thousands of rows to load and sort in Python.
 SELECT s.minute, s.instance_id, s.service_name, s.host_name, s.process_id,
-       s.heartbeat_age_seconds, s.in_flight
+       s.heartbeat_age_seconds, s.alive, s.in_flight
 FROM (
     SELECT i.*, row_number() OVER (
                PARTITION BY date_bin(make_interval(mins => %(step)s), i.minute,

@@ -671,7 +671,10 @@ SELECT workpump.set_flow_rule(
 SELECT workpump.sync_flow_rules(p_rules => %(rules)s::jsonb, p_now => %(now)s)
 
 -- name: flow_rule_status
-SELECT * FROM workpump.flow_rule_status(p_waiting_cap => %(waiting_cap)s, p_now => %(now)s)
+SELECT * FROM workpump.flow_rule_status(
+    p_waiting_cap => %(waiting_cap)s, p_category => %(category)s, p_topic => %(topic)s,
+    p_now => %(now)s
+)
 
 -- name: flag_flow_stragglers
 SELECT workpump.flag_flow_stragglers(%(batch)s)

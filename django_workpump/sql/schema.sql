@@ -803,9 +803,12 @@ $$;
 -- effective limits, its rows held now (a topic's in its table, a concurrency key's in
 -- every table; NULL for a category), its whole tokens left (NULL: no rate), and its
 -- heads waiting unleased (a topic's, flagged or not; a key's), counted up to
--- p_waiting_cap + 1.
+-- p_waiting_cap + 1. With p_category and p_topic, only the rules that hold that topic
+-- back: its own and its category's (the console's topic page).
 CREATE FUNCTION workpump.flow_rule_status(
     p_waiting_cap integer DEFAULT 10000,
+    p_category text DEFAULT NULL,
+    p_topic text DEFAULT NULL,
     p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (
     id bigint, kind text, category text, name text, concurrency integer,
@@ -824,6 +827,9 @@ DECLARE
     v_count bigint;
 BEGIN
     FOR v_rule IN SELECT * FROM workpump.flow_rule_effective() r
+                  WHERE p_topic IS NULL
+                     OR (r.category = p_category
+                         AND (r.kind = 'category' OR (r.kind = 'topic' AND r.name = p_topic)))
                   ORDER BY r.kind, r.category, r.name LOOP
         id := v_rule.id; kind := v_rule.kind; category := v_rule.category;
         name := v_rule.name; concurrency := v_rule.cap; key_concurrency := v_rule.key_cap;
@@ -5712,13 +5718,19 @@ END;
 
 -- Sample the gauges of the minute of p_now, once: per topic the rows waiting (pending,
 -- scheduled), leased, and the age of the oldest pending row; per registered instance
--- its heartbeat age and the rows it holds under an unexpired lease; and fold the
+-- its heartbeat age, whether it is alive by the liveness rule (live_instances: a fresh
+-- heartbeat, or a held alive-lock, with which it beats only every slow interval), and
+-- the rows it holds under an unexpired lease; and fold the
 -- counters of complete buckets (console_fold). The first call of a
 -- minute takes it (its workpump_console_sample row is the high-water mark: a peer's
 -- call waits for it to commit, then finds it), so no minute is sampled twice. Returns
 -- whether this call sampled. Reads every undone row once: a minute's cost grows with
 -- the backlog.
-CREATE FUNCTION workpump.console_sample(p_now timestamptz DEFAULT NULL) RETURNS boolean
+CREATE FUNCTION workpump.console_sample(
+    p_stale_after_seconds integer DEFAULT 30,
+    p_definitively_dead_after_seconds integer DEFAULT 300,
+    p_now timestamptz DEFAULT NULL
+) RETURNS boolean
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
@@ -5759,10 +5771,13 @@ BEGIN
     END LOOP;
     INSERT INTO workpump_console_instance
         (minute, instance_id, service_name, host_name, process_id, heartbeat_age_seconds,
-         in_flight)
+         alive, in_flight)
     SELECT v_minute, i.instance_id, i.service_name, i.host_name, i.process_id,
            CASE WHEN isfinite(i.last_heartbeat_at)
                 THEN greatest(extract(epoch FROM v_now - i.last_heartbeat_at), 0) END,
+           i.instance_id IN (SELECT workpump.live_instances(
+               v_now - make_interval(secs => p_stale_after_seconds),
+               v_now - make_interval(secs => p_definitively_dead_after_seconds))),
            (SELECT count(*) FROM (
                 SELECT 1 FROM workpump_outbox t
                 WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now

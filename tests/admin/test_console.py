@@ -17,6 +17,7 @@ from django.contrib.auth.models import Permission, User
 from django.contrib.contenttypes.models import ContentType
 from django.test import Client
 
+import django_workpump as workpump
 from django_workpump import models
 from django_workpump.admin import console_data
 from django_workpump.admin.console_charts import Line, line_chart, nice_ceiling
@@ -104,6 +105,7 @@ def test_the_overview_draws_its_charts_for_a_viewer_and_refuses_others() -> None
         "throughput-day",
         "topics-done",
         "topics-failed",
+        "topics-dead",
         "latency",
         "backlog",
         "oldest",
@@ -127,6 +129,29 @@ def test_the_overview_draws_its_charts_for_a_viewer_and_refuses_others() -> None
     assert partial.get(f"{TOPIC_URL}?category=outbox&topic={TOPIC}").status_code == 403
     anonymous = Client().get(CONSOLE_URL)
     assert anonymous.status_code == 302 and anonymous["Location"].startswith("/admin/login/")
+
+
+def test_the_dead_chart_draws_the_topics_with_dead_rows_busy_or_not() -> None:
+    client = viewer()
+    make(2)
+    complete(claim())
+    html = client.get(CONSOLE_URL).content.decode()
+    dead = re.search(r'<figure[^>]*data-chart="topics-dead".*?</figure>', html, re.S)
+    assert dead and 'data-lines="0"' in dead.group(0)
+    assert "No topic has dead rows in the last hour." in dead.group(0)
+
+    # a quiet topic whose one row died (its only attempt failed), beside the busy topic
+    # that has none
+    factories.OutboxFactory(
+        topic="console.quiet", max_attempts=1, created_at=scalar("SELECT now()")
+    )
+    fail(claim(), "ValueError: bad invoice")
+    html = client.get(CONSOLE_URL).content.decode()
+    dead = re.search(r'<figure[^>]*data-chart="topics-dead".*?</figure>', html, re.S)
+    assert dead and 'data-lines="1"' in dead.group(0)
+    assert 'data-series="console.quiet (outbox)"' in dead.group(0)
+    assert "console.quiet (outbox)</a>" in dead.group(0)  # linked to its topic page
+    assert TOPIC not in dead.group(0)
 
 
 def test_the_live_fragment_reflects_newly_completed_work() -> None:
@@ -228,3 +253,41 @@ def test_a_chart_breaks_its_line_at_gaps_and_escapes_names() -> None:
     assert "<b>x</b>" not in svg and "&lt;b&gt;x&lt;/b&gt;" in svg
     assert 'href="/x?a=1&amp;b=2"' in svg
     assert nice_ceiling(7) == 10 and nice_ceiling(0) == 1 and nice_ceiling(230) == 250
+
+
+def flow_rows(html: str) -> dict[str, str]:
+    rows = re.findall(r'<tr class="wp-flow-rule" data-kind="(\w+)".*?</tr>', html, re.S)
+    whole = re.findall(r'<tr class="wp-flow-rule".*?</tr>', html, re.S)
+    return dict(zip(rows, whole, strict=True))
+
+
+def test_the_topic_page_shows_the_limits_and_pauses_that_hold_it_back() -> None:
+    page = f"{TOPIC_URL}?category=outbox&topic={TOPIC}"
+    client = viewer()
+    html = client.get(page).content.decode()
+    assert "No flow rule names this topic or its category" in html
+    assert 'Now: <span class="wp-held-back">nothing holds its rows back</span>' in html
+
+    workpump.set_limit(topic=TOPIC, category="outbox", concurrency=2, rate="50/s")
+    workpump.set_limit(topic="console.other", category="outbox", concurrency=1)
+    make(5)
+    assert len(claim()) == 2
+    html = client.get(page).content.decode()
+    rules = flow_rows(html)
+    assert list(rules) == ["topic"]  # not the other topic's rule
+    cells = re.findall(r"<td>([^<]*)</td>", rules["topic"])
+    # paused, concurrency, in flight, cap per key, rate, burst, tokens left, waiting
+    assert cells == ["no", "2", "2", "-", "50", "50", "48", "3"]
+    assert f"waiting: concurrency cap {TOPIC} 2/2" in html
+    # a console viewer without the rules' view permission sees no link to them
+    assert "/admin/workpump/flowrule/" not in html
+
+    workpump.pause(category="outbox")
+    html = viewer("rules_viewer", [*VIEWABLE, models.FlowRule]).get(page).content.decode()
+    rules = flow_rows(html)
+    assert sorted(rules) == ["category", "topic"]
+    assert 'data-paused="yes"' in rules["category"]
+    # a category rule has no limits of its own: every cell is there, dashed
+    assert re.findall(r"<td>([^<]*)</td>", rules["category"]) == ["paused", *["-"] * 7]
+    assert "waiting: category outbox paused" in html
+    assert 'href="/admin/workpump/flowrule/"' in html

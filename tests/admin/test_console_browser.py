@@ -24,6 +24,7 @@ import pytest
 from django.contrib.auth.models import User
 from pytest_django.live_server_helper import LiveServer
 
+import django_workpump as workpump
 from tests import factories
 from tests.admin.test_admin_browser import _require_browser, admin_server, browser  # noqa: F401
 from tests.helpers import ROOT, current_tokens, enroll, run_sql, scalar
@@ -37,8 +38,11 @@ INSTANCES = [uuid.UUID(f"00000000-0000-0000-0000-0000000000e{i}") for i in range
 SEED_COUNTS = """
 INSERT INTO workpump_console_count (minute, category, topic, outcome, instance_id, n, latency)
 SELECT m.minute, t.category, t.topic, o.outcome, i.id,
-       greatest(0, round(t.rate * o.share * (1.2 + sin(m.k / 45.0 + t.phase))
-                         * (0.8 + random() * 0.4) / 3))::bigint,
+       CASE WHEN o.outcome = 'dead'
+            THEN ((m.k + t.phase::int * 7) %% 23 < 2)::int * (1 + floor(random() * 2))
+            ELSE greatest(0, round(t.rate * o.share * (1.2 + sin(m.k / 45.0 + t.phase))
+                                   * (0.8 + random() * 0.4) / 3))
+       END::bigint,
        CASE WHEN o.outcome = 'claimed' THEN ARRAY[
            round(t.rate * 4)::int, round(t.rate * 2 * (1.5 + sin(m.k / 30.0)))::int,
            round(t.rate)::int, round(t.rate / 2)::int,
@@ -50,7 +54,7 @@ CROSS JOIN (VALUES ('outbox', 'emails.welcome', 40.0, 0.0),
                    ('inbox', 'billing.stripe_webhook', 25.0, 2.0),
                    ('perspective_event', 'orders.summary', 12.0, 4.0))
     AS t(category, topic, rate, phase)
-CROSS JOIN (VALUES ('claimed', 1.06), ('done', 1.0), ('failed', 0.05), ('dead', 0.004),
+CROSS JOIN (VALUES ('claimed', 1.06), ('done', 1.0), ('failed', 0.05), ('dead', 0.0),
                    ('renewed', 0.3)) o(outcome, share)
 CROSS JOIN unnest(%(instances)s::uuid[]) i(id)
 """
@@ -64,9 +68,10 @@ FROM generate_series(1, 1439) k
 """
 SEED_INSTANCES = """
 INSERT INTO workpump_console_instance
-    (minute, instance_id, service_name, host_name, process_id, heartbeat_age_seconds, in_flight)
+    (minute, instance_id, service_name, host_name, process_id, heartbeat_age_seconds, alive,
+     in_flight)
 SELECT date_trunc('minute', now()) - make_interval(mins => k), i.id, 'shop', 'web-' || i.n,
-       4000 + i.n, CASE WHEN i.n = 2 AND k < 20 THEN 4 + (20 - k) ELSE random() * 5 END,
+       4000 + i.n, CASE WHEN i.n = 2 AND k < 20 THEN 4 + (20 - k) ELSE random() * 5 END, true,
        round(6 + 3 * sin(k / 15.0 + i.n) + random() * 2)
 FROM generate_series(1, 1439) k
 CROSS JOIN unnest(%(instances)s::uuid[]) WITH ORDINALITY i(id, n)
@@ -141,6 +146,7 @@ def test_the_overview_draws_its_charts_and_its_refresh_shows_new_completions(
         last_error="KeyError: 'first_name'\nTraceback (most recent call last): ...",
     )
     complete_new_work(2)
+    workpump.set_limit(topic="emails.welcome", category="outbox", concurrency=5, rate="20/s")
 
     browser.set_window_size(1500, 2300)
     # the page's refresh replaces its parts: an element read as it does is tried again
@@ -201,6 +207,8 @@ def test_the_overview_draws_its_charts_and_its_refresh_shows_new_completions(
     assert set(reasons) == {"handler_error", "max_attempts"}
     assert "KeyError: 'first_name'" in reasons["max_attempts"]
     assert browser.find_elements(By.CSS_SELECTOR, "#wp-chart-outcomes svg polyline")
+    (rule,) = browser.find_elements(By.CSS_SELECTOR, "tr.wp-flow-rule")
+    assert rule.get_attribute("data-kind") == "topic" and "outbox emails.welcome" in rule.text
     save(browser, tmp_path, "console-topic.png")
 
 

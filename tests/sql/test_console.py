@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -17,7 +17,7 @@ from django.db import transaction
 
 from django_workpump.db import console as series
 from django_workpump.sql import named_queries
-from tests.factories import OutboxFactory
+from tests.factories import OutboxFactory, ServiceInstanceFactory
 from tests.helpers import T0, current_tokens, enroll, run_sql, scalar
 
 pytestmark = pytest.mark.django_db
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.django_db
 TOPIC = "console.mail"
 A = uuid.UUID("00000000-0000-0000-0000-00000000000a")
 B = uuid.UUID("00000000-0000-0000-0000-00000000000b")
+C = uuid.UUID("00000000-0000-0000-0000-00000000000c")
 
 
 def claim(instance: uuid.UUID, now, limit: int = 50) -> list[uuid.UUID]:
@@ -143,7 +144,7 @@ def test_an_attempt_ending_in_a_later_bucket_counts_its_claim_in_that_bucket():
     claimed = claim(A, T0 + timedelta(minutes=9))
     complete(A, claimed[:1], T0 + timedelta(minutes=9, seconds=10))
     # the sampler folds 12:00-12:10 while the second attempt still runs
-    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=12)])
+    assert scalar("SELECT workpump.console_sample(p_now => %s)", [T0 + timedelta(minutes=12)])
     assert scalar("SELECT folded_until FROM workpump_console_sample") == T0 + timedelta(minutes=10)
     complete(A, claimed[1:], T0 + timedelta(minutes=13))
     claims = {
@@ -218,7 +219,7 @@ def test_the_totals_are_the_counts_summed_over_topics_histograms_too():
     # buckets (12:00 to 12:10 here: failures count at the database's own minute, later)
     assert totals() == per_topic
     assert scalar("SELECT count(*) FROM workpump_console_total") == 0
-    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=20)])
+    assert scalar("SELECT workpump.console_sample(p_now => %s)", [T0 + timedelta(minutes=20)])
     stored = run_sql("SELECT minute, outcome, instance_id, n, latency FROM workpump_console_total")
     folded = {k: v for k, v in per_topic.items() if k[0] < T0 + timedelta(minutes=10)}
     assert summed(stored) == folded and len(stored) == len(folded) == 4
@@ -303,8 +304,11 @@ def test_the_sampler_takes_each_minute_once_with_backlog_and_instances():
     leased = claim(A, T0 - timedelta(seconds=4), limit=1)
     assert len(leased) == 1
     now = T0 + timedelta(seconds=20)
-    assert scalar("SELECT workpump.console_sample(%s)", [now]) is True
-    assert scalar("SELECT workpump.console_sample(%s)", [now + timedelta(seconds=30)]) is False
+    assert scalar("SELECT workpump.console_sample(p_now => %s)", [now]) is True
+    assert (
+        scalar("SELECT workpump.console_sample(p_now => %s)", [now + timedelta(seconds=30)])
+        is False
+    )
     (backlog,) = run_sql(
         "SELECT * FROM workpump_console_backlog WHERE topic = %s AND minute = %s", [TOPIC, T0]
     )
@@ -316,7 +320,47 @@ def test_the_sampler_takes_each_minute_once_with_backlog_and_instances():
     )
     assert instance["in_flight"] == 1
     assert instance["heartbeat_age_seconds"] == pytest.approx(24)
-    assert scalar("SELECT workpump.console_sample(%s)", [now + timedelta(seconds=60)]) is True
+    assert (
+        scalar("SELECT workpump.console_sample(p_now => %s)", [now + timedelta(seconds=60)]) is True
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sampler_counts_a_slow_beater_holding_its_alive_lock_as_alive(raw_connect):
+    # A beat 90 s ago but holds its alive-lock (it beats only every slow interval), B beat
+    # 90 s ago with no lock, C beat 5 s ago: by the liveness rule A and C are alive
+    now = T0 + timedelta(minutes=1)
+    ServiceInstanceFactory(instance_id=A, last_heartbeat_at=now - timedelta(seconds=90))
+    ServiceInstanceFactory(instance_id=B, last_heartbeat_at=now - timedelta(seconds=90))
+    ServiceInstanceFactory(instance_id=C, last_heartbeat_at=now - timedelta(seconds=5))
+    holder = raw_connect()
+    assert holder.execute("SELECT workpump.take_alive_lock(%s) AS ok", [A]).fetchone()["ok"]
+
+    assert scalar(
+        "SELECT workpump.console_sample(p_stale_after_seconds => 30,"
+        " p_definitively_dead_after_seconds => 300, p_now => %s)",
+        [now],
+    )
+    sampled = run_sql("SELECT instance_id, alive FROM workpump_console_instance")
+    assert {r["instance_id"]: r["alive"] for r in sampled} == {A: True, B: False, C: True}
+    # past the definitive cutoff a held lock no longer keeps it alive
+    later = now + timedelta(minutes=5)
+    run_sql("UPDATE workpump_service_instance SET last_heartbeat_at = %s WHERE instance_id = %s",
+            [later - timedelta(seconds=5), C])  # fmt: skip
+    assert scalar(
+        "SELECT workpump.console_sample(p_stale_after_seconds => 30,"
+        " p_definitively_dead_after_seconds => 300, p_now => %s)",
+        [later],
+    )
+    sampled = run_sql(
+        "SELECT instance_id, alive FROM workpump_console_instance WHERE minute = %s",
+        [date_trunc_minute(later)],
+    )
+    assert {r["instance_id"]: r["alive"] for r in sampled} == {A: False, B: False, C: True}
+
+
+def date_trunc_minute(at: datetime) -> datetime:
+    return at.replace(second=0, microsecond=0)
 
 
 def counter(minute, outcome: str, instance: uuid.UUID, n: int, topic: str = TOPIC) -> None:
@@ -348,7 +392,7 @@ def test_the_sample_folds_whole_buckets_into_the_rollup_and_the_reads_join_it_to
     before = binned(10, T0, T0 + timedelta(minutes=30))
 
     # at 12:21 the bucket 12:10 ended only a minute ago (a grace of 2): 12:00 is folded
-    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=21)])
+    assert scalar("SELECT workpump.console_sample(p_now => %s)", [T0 + timedelta(minutes=21)])
     folded = scalar("SELECT folded_until FROM workpump_console_sample")
     assert folded == T0 + timedelta(minutes=10)
     rollup = run_sql(
@@ -366,8 +410,8 @@ def test_the_sample_folds_whole_buckets_into_the_rollup_and_the_reads_join_it_to
     assert before[T0 + timedelta(minutes=20), TOPIC, "done"] == 8
 
     # a minute later no bucket more is whole; at 12:23 the 12:10 bucket is folded too
-    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=22)])
-    assert scalar("SELECT workpump.console_sample(%s)", [T0 + timedelta(minutes=23)])
+    assert scalar("SELECT workpump.console_sample(p_now => %s)", [T0 + timedelta(minutes=22)])
+    assert scalar("SELECT workpump.console_sample(p_now => %s)", [T0 + timedelta(minutes=23)])
     assert scalar(
         "SELECT folded_until FROM workpump_console_sample ORDER BY minute DESC LIMIT 1"
     ) == T0 + timedelta(minutes=20)
@@ -413,9 +457,9 @@ def test_a_long_gap_is_folded_a_few_hours_a_sample_and_a_stored_infinity_is_skip
         [TOPIC, A],
     )
     later = T0 + timedelta(hours=11)
-    assert scalar("SELECT workpump.console_sample(%s)", [later])
+    assert scalar("SELECT workpump.console_sample(p_now => %s)", [later])
     assert scalar("SELECT folded_until FROM workpump_console_sample") == T0 + timedelta(hours=6)
-    assert scalar("SELECT workpump.console_sample(%s)", [later + timedelta(minutes=1)])
+    assert scalar("SELECT workpump.console_sample(p_now => %s)", [later + timedelta(minutes=1)])
     assert scalar(
         "SELECT folded_until FROM workpump_console_sample ORDER BY minute DESC LIMIT 1"
     ) == T0 + timedelta(hours=10, minutes=50)
@@ -435,7 +479,7 @@ def test_the_purge_removes_minutes_before_the_cutoff_in_batches():
             "INSERT INTO workpump_console_rollup VALUES (%s, 'outbox', %s, 'done', 1, NULL)",
             [minute, TOPIC],
         )
-        run_sql("SELECT workpump.console_sample(%s)", [minute])
+        run_sql("SELECT workpump.console_sample(p_now => %s)", [minute])
     cutoff = T0 - timedelta(days=7)
     assert scalar("SELECT workpump.purge_console(%s, 1)", [cutoff]) >= 2
     while scalar("SELECT workpump.purge_console(%s, 1)", [cutoff]):
@@ -564,7 +608,9 @@ def test_instances_in_bins_are_each_instances_last_sample_of_the_bin():
     # A sampled at 12:00-12:19, B at 12:00-12:05 only (it stopped)
     for minute, instance in [(m, A) for m in range(20)] + [(m, B) for m in range(6)]:
         run_sql(
-            "INSERT INTO workpump_console_instance VALUES (%s, %s, 's', 'h', 1, %s, %s)",
+            "INSERT INTO workpump_console_instance (minute, instance_id, service_name,"
+            " host_name, process_id, heartbeat_age_seconds, in_flight)"
+            " VALUES (%s, %s, 's', 'h', 1, %s, %s)",
             [T0 + timedelta(minutes=minute), instance, float(minute), minute],
         )
     until = T0 + timedelta(minutes=19)
