@@ -28,7 +28,8 @@ from django_workpump.conf import log_level, setting
 from django_workpump.storable import storable_text
 
 # Per attempt: at most this many records and this many bytes of message text (UTF-8);
-# past either, records are counted and a closing note says how many were not kept.
+# past either, this record and every later one are counted, not kept (the log stays the
+# attempt's first records, with no hole), and a closing note says how many.
 MAX_RECORDS = 50
 MAX_BYTES = 16_384
 # One record's message (with its traceback) is cut to this many characters.
@@ -73,7 +74,7 @@ class AttemptLog:
         message = _text(record)
         size = len(message.encode("utf-8"))
         with self._lock:
-            if len(self.records) >= MAX_RECORDS or self.size + size > MAX_BYTES:
+            if self.dropped or len(self.records) >= MAX_RECORDS or self.size + size > MAX_BYTES:
                 self.dropped += 1
                 return
             self.size += size

@@ -178,7 +178,8 @@ class BulkActionsAdmin:
             f"{action.label}: went through {rows}; changed {tally['changed']:,}, left "
             f"{tally['seen'] - tally['changed']:,} as they were (only {action.changes} change"
             + (
-                f"; {tally['running']:,} running on a live instance were left alone"
+                f"; {tally['running']:,} running on a live instance "
+                f"{'was' if tally['running'] == 1 else 'were'} left alone"
                 if tally["running"]
                 else ""
             )
@@ -201,20 +202,20 @@ class BulkActionsAdmin:
         admin: Any = self
         settings = get_settings()
         with transaction.atomic(using=pump_database()):
-            batch = list(
-                selected.filter(seq__gt=cursor)
-                .order_by("seq")
-                .values_list("seq", "work_id", "instance_id", "wp_holder")[:size]
+            seqs = list(
+                selected.filter(seq__gt=cursor).order_by("seq").values_list("seq", flat=True)[:size]
             )
-            if not batch:
+            if not seqs:
                 return 0, 0, 0, cursor
-            # Lock them: a claim skips them, a holder's outcome waits for this commit.
-            seqs = [row[0] for row in batch]
-            list(
-                admin.model._default_manager.using(pump_database())
-                .filter(seq__in=seqs)
-                .select_for_update()
-                .values_list("seq", flat=True)
+            # Lock them, then read who holds them: a claim skips a locked row and a holder's
+            # outcome waits for this commit, so what is read here stays true until then. A
+            # row claimed since the first read shows its holder; one that left the search
+            # since (e.g. done) drops out.
+            batch = list(
+                selected.filter(seq__in=seqs)
+                .order_by("seq")
+                .select_for_update(of=("self",))
+                .values_list("seq", "work_id", "instance_id", "wp_holder")
             )
             ids = [row[1] for row in batch]
             held_live = {row[1] for row in batch if row[2] is not None and row[3] == HOLDER_LIVE}
@@ -243,4 +244,4 @@ class BulkActionsAdmin:
                     by=f"{user!r} in the admin (bulk)",
                     using=settings["DATABASE_ALIAS"],
                 )
-        return len(batch), len(changed), skipped, seqs[-1]
+        return len(seqs), len(changed), skipped, seqs[-1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -15,7 +16,7 @@ from asgiref.sync import sync_to_async
 from django.test import override_settings
 
 import django_workpump as workpump
-from django_workpump.attempt_logs import MAX_RECORDS, NOTE_LEVEL
+from django_workpump.attempt_logs import MAX_BYTES, MAX_MESSAGE_CHARS, MAX_RECORDS, NOTE_LEVEL
 from django_workpump.pump.supervisor import EXIT_OK
 from tests.helpers import FAST_PUMP, drain, run_sql
 
@@ -116,6 +117,80 @@ def test_records_are_bounded_and_cleaned_and_a_note_says_what_was_cut(outbox_han
     note = rows[-1]
     assert note["level"] == NOTE_LEVEL and note["logger"] == "django_workpump"
     assert note["message"].startswith("31 more records not kept")
+
+
+@override_settings(WORKPUMP=FAST_PUMP)
+def test_a_message_over_the_character_cap_is_cut_on_characters_with_a_note(outbox_handler, pump):
+    # 'é' is two bytes: a cut on bytes would keep only half the characters
+    long = "é" * (MAX_MESSAGE_CHARS + 250)
+    head = "x" * (MAX_MESSAGE_CHARS - 10)
+
+    def verbose(work: Any) -> None:
+        app_log.warning(long)
+        try:
+            raise KeyError("deep")
+        except KeyError:
+            app_log.exception(head)  # the traceback counts toward the cap
+
+    outbox_handler("al.verbose", verbose)
+    work_id = workpump.send("al.verbose", {})
+    assert drain(pump(drain=True)) == EXIT_OK
+
+    first, second = (r["message"] for r in logs_of(work_id))  # nothing dropped: no note
+    assert first == "é" * MAX_MESSAGE_CHARS + " [workpump: 250 more characters cut]"
+    kept, note = second.split(" [workpump: ")
+    assert kept.startswith(head + "\nTraceback") and len(kept) == MAX_MESSAGE_CHARS
+    assert re.fullmatch(r"\d+ more characters cut\]", note)
+    assert "KeyError: 'deep'" not in second  # the traceback's tail was cut
+
+
+@override_settings(WORKPUMP=FAST_PUMP)
+def test_records_past_the_byte_cap_are_not_kept_counting_utf8_bytes_not_characters(
+    outbox_handler, pump
+):
+    big = "€" * 1365  # 1,365 characters, 4,095 bytes: four are 16,380 bytes
+    fill = "abcd"  # brings the total to exactly MAX_BYTES, which is still kept
+    assert 4 * len(big.encode()) + len(fill) == MAX_BYTES
+
+    def wordy(work: Any) -> None:
+        for _ in range(4):
+            app_log.warning(big)
+        app_log.warning(fill)
+        app_log.warning("x")  # one byte over the cap
+        app_log.warning(big)
+
+    outbox_handler("al.wordy", wordy)
+    work_id = workpump.send("al.wordy", {})
+    assert drain(pump(drain=True)) == EXIT_OK
+
+    *records, note = logs_of(work_id)
+    # counted on characters, all seven (9,565 characters) would have fitted
+    assert [r["message"] for r in records] == [big] * 4 + [fill]
+    assert sum(len(r["message"].encode("utf-8")) for r in records) == MAX_BYTES
+    assert (note["level"], note["logger"]) == (NOTE_LEVEL, "django_workpump")
+    assert note["message"] == (
+        f"2 more records not kept: an attempt keeps at most {MAX_RECORDS} records and "
+        f"{MAX_BYTES} bytes of messages"
+    )
+
+
+@override_settings(WORKPUMP=FAST_PUMP)
+def test_once_a_record_is_not_kept_no_later_one_is_so_the_log_has_no_hole(outbox_handler, pump):
+    big = "€" * 1365  # 4,095 bytes
+
+    def wordy(work: Any) -> None:
+        for _ in range(4):
+            app_log.warning(big)  # 16,380 bytes
+        app_log.warning("too long for the 4 bytes left")
+        app_log.warning("ok")  # 2 bytes would fit, but after a gap it would mislead
+
+    outbox_handler("al.gap", wordy)
+    work_id = workpump.send("al.gap", {})
+    assert drain(pump(drain=True)) == EXIT_OK
+
+    *records, note = logs_of(work_id)
+    assert [r["message"] for r in records] == [big] * 4
+    assert note["message"].startswith("2 more records not kept")
 
 
 @override_settings(WORKPUMP=FAST_PUMP)

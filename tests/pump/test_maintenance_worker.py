@@ -5,17 +5,19 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
+from django.db import connections
 from django.test import override_settings
 from django.utils import timezone
 
 import django_workpump as workpump
 from django_workpump import models
+from django_workpump.pump.maintenance import CONSOLE_RETENTION_SECONDS
 from django_workpump.pump.supervisor import EXIT_SERVICE_DIED, PumpOptions, Supervisor
 from tests.factories import EvictionFactory, OutboxFactory, ServiceInstanceFactory
-from tests.helpers import enroll, maintenance_worker, run_sql, scalar
+from tests.helpers import enroll, maintenance_worker, run_sql, scalar, wait_until
 
 
 @pytest.mark.django_db
@@ -94,6 +96,98 @@ def test_idle_stream_ownership_rows_are_dropped():
 
     assert maintenance_worker().run_once().purged["active_stream"] == 1
     assert scalar("SELECT count(*) FROM workpump_active_stream") == 0
+
+
+def this_minute() -> tuple[datetime, datetime]:
+    """The database clock (the transaction's now(), which a pass reads) and its minute."""
+    now = scalar("SELECT now()")
+    return now, scalar("SELECT date_trunc('minute', now())")
+
+
+@pytest.mark.django_db
+def test_a_pass_samples_the_consoles_backlog_and_instances_of_its_minute_once():
+    now, minute = this_minute()
+    topic = "mw.console"
+    for _ in range(2):
+        OutboxFactory(topic=topic, created_at=now - timedelta(seconds=30))
+    OutboxFactory(topic=topic, created_at=now, scheduled_for=now + timedelta(hours=1))
+    holder = ServiceInstanceFactory(last_heartbeat_at=now - timedelta(seconds=5))
+    OutboxFactory(
+        topic=topic,
+        created_at=now,
+        instance_id=holder.instance_id,
+        lease_expiry=now + timedelta(minutes=1),
+        claimed_at=now - timedelta(seconds=5),
+        attempts=1,
+    )
+    OutboxFactory(topic=topic, created_at=now, done_at=now)  # ended: not in the backlog
+
+    assert maintenance_worker().run_once().sampled is True
+
+    backlog = models.ConsoleBacklog.objects.get(minute=minute, category="outbox", topic=topic)
+    assert (backlog.pending, backlog.scheduled, backlog.leased) == (2, 1, 1)
+    assert backlog.oldest_pending_seconds == pytest.approx(30)
+    instance = models.ConsoleInstance.objects.get(minute=minute, instance_id=holder.instance_id)
+    assert instance.in_flight == 1
+    assert instance.heartbeat_age_seconds == pytest.approx(5)
+
+    # a second pass in the same minute (a peer's, or this one's next) takes no sample:
+    # the minute's backlog stays as first sampled
+    OutboxFactory(topic=topic, created_at=now)
+    assert maintenance_worker().run_once().sampled is False
+    assert models.ConsoleSample.objects.filter(minute=minute).count() == 1
+    assert models.ConsoleBacklog.objects.get(minute=minute, topic=topic).pending == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_between_passes_the_loop_samples_the_console_without_running_a_pass():
+    worker = maintenance_worker(interval_seconds=300, console_sample_seconds=0.05)
+    worker.supervise(on_thread_exit=connections.close_all)
+    worker.start()
+    try:
+        assert wait_until(models.ConsoleSample.objects.exists, timeout=10)
+    finally:
+        worker.stop(timeout=10)
+    assert worker.passes == 0  # the pass is 300 s away: the sample did not wait for it
+
+
+@pytest.mark.django_db
+def test_a_pass_purges_console_rows_older_than_the_retention_and_keeps_newer_ones():
+    now, minute = this_minute()
+    cutoff = now - timedelta(seconds=CONSOLE_RETENTION_SECONDS)
+    # three old minutes (more than a batch of two) and one inside the retention
+    old = [minute - timedelta(seconds=CONSOLE_RETENTION_SECONDS, minutes=m) for m in (1, 2, 3)]
+    newer = minute - timedelta(seconds=CONSOLE_RETENTION_SECONDS, minutes=-2)
+    instance = uuid.uuid4()
+    for at in [*old, newer]:
+        models.ConsoleCount.objects.create(
+            minute=at, category="outbox", topic="mw.t", outcome="done", instance_id=instance, n=1
+        )
+        models.ConsoleBacklog.objects.create(
+            minute=at, category="outbox", topic="mw.t", pending=1, scheduled=0, leased=0
+        )
+        models.ConsoleInstance.objects.create(minute=at, instance_id=instance, in_flight=0)
+        models.ConsoleSample.objects.create(minute=at, taken_at=at)
+
+    result = maintenance_worker().run_once()
+
+    # every console table, including what this pass's own sample folded from the old
+    # counters, holds nothing before the cutoff
+    tables = [
+        models.ConsoleCount,
+        models.ConsoleTotal,
+        models.ConsoleRollup,
+        models.ConsoleBacklog,
+        models.ConsoleInstance,
+        models.ConsoleSample,
+    ]
+    for table in tables:
+        assert not table.objects.filter(minute__lt=cutoff).exists(), table.__name__
+    assert result.purged["console"] >= 4 * len(old)
+    for table in (models.ConsoleCount, models.ConsoleBacklog, models.ConsoleInstance):
+        assert list(table.objects.values_list("minute", flat=True)) == [newer]
+    # kept: the minute inside the retention, and the one this pass sampled
+    assert set(models.ConsoleSample.objects.values_list("minute", flat=True)) == {newer, minute}
 
 
 @pytest.mark.django_db(transaction=True)
