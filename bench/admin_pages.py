@@ -13,6 +13,10 @@ times; the median is reported, and each size's median divided by the smallest si
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/workpump_adminbench \\
         python bench/admin_pages.py --sizes 10000 1000000
 
+With ``--record`` the figures become the admin pages section of bench/results/full.json
+(keys ``admin_console_overview_ms`` and, with a 10,000,000-row size,
+``admin_console_overview_10m_ms``) and docs/benchmark-results.md is rendered from it.
+
 The database named by DATABASE_URL is created if missing and its workpump tables are
 emptied: never point it at a database whose rows matter.
 """
@@ -21,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import statistics
 import sys
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -311,7 +317,14 @@ def main() -> None:
         action="store_true",
         help="after each size, time the payload searches again with the opt-in GIN index",
     )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="record the figures as the admin pages section of bench/results/full.json and"
+        " render docs/benchmark-results.md from it",
+    )
     args = parser.parse_args()
+    began, began_at = time.monotonic(), datetime.now(UTC).isoformat(timespec="seconds")
 
     import django
     from django.core.management import call_command
@@ -331,16 +344,19 @@ def main() -> None:
 
     start = time.perf_counter()
     rows = build_series()
+    series_seconds = time.perf_counter() - start
     print(
         f"# console series: {SERIES_DAYS} days x {SERIES_TOPICS} topics x 2 instances,"
-        f" {rows:,} counter rows, built and folded in {time.perf_counter() - start:.1f} s",
+        f" {rows:,} counter rows, built and folded in {series_seconds:.1f} s",
         flush=True,
     )
     table: dict[int, dict[str, float]] = {}
+    built: dict[int, float] = {}
     for size in args.sizes:
         start = time.perf_counter()
         made = build(size)
-        print(f"# built {size:,} rows in {time.perf_counter() - start:.1f} s: {made}", flush=True)
+        built[size] = time.perf_counter() - start
+        print(f"# built {size:,} rows in {built[size]:.1f} s: {made}", flush=True)
         table[size] = measure(args.repeat)
         if args.payload_index:
             start = time.perf_counter()
@@ -362,6 +378,54 @@ def main() -> None:
             f"{table[s].get(page, float('nan')) / table[base][page]:.2f}x" for s in args.sizes[1:]
         ]
         print("| " + " | ".join(cells) + " |")
+    if args.record:
+        data = {
+            "sizes": args.sizes,
+            "repeat": args.repeat,
+            "series": {"days": SERIES_DAYS, "topics": SERIES_TOPICS, "counter_rows": rows},
+            "series_seconds": series_seconds,
+            "build_seconds": {str(size): built[size] for size in args.sizes},
+            "pages": {
+                page: {str(size): table[size].get(page) for size in args.sizes}
+                for page in table[base]
+            },
+        }
+        record(data, began, began_at, sys.argv[1:])
+
+
+def record(data: dict[str, Any], began: float, began_at: str, argv: list[str]) -> None:
+    """Replace the admin pages section of bench/results/full.json and render the page."""
+    from bench import report, suite
+    from bench.harness import RESULTS, save_json
+
+    path = RESULTS / "full.json"
+    results = json.loads(path.read_text()) if path.exists() else {"mode": "full"}
+    command = "python bench/admin_pages.py " + " ".join(a for a in argv if a != "--record")
+    meta = {
+        "started": began_at,
+        "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+        "seconds": time.monotonic() - began,
+        "revision": suite.revision(),
+        "command": command.rstrip(),
+        "mode": "full",
+        "versions": {
+            "django-workpump": f"git {suite.revision()}",
+            "PostgreSQL (machine)": _server_version(),
+            "CPU cores": os.cpu_count(),
+            "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        },
+    }
+    report.record(results, "admin_pages", data, meta)
+    save_json("full", results)
+    suite.render("full")
+
+
+def _server_version() -> str:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        return str(cursor.fetchone()[0])
 
 
 if __name__ == "__main__":

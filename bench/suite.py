@@ -127,7 +127,7 @@ TUNED = {"CLAIM_PREFETCH": 100}
 TUNED_CONN_MAX_AGE = None
 
 
-def _revision() -> str:
+def revision() -> str:
     """HEAD of the working tree the workers import, flagged when django_workpump is edited."""
     import subprocess
 
@@ -150,7 +150,7 @@ def versions(server: h.Server) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             return "-"
 
-    rev = _revision()
+    rev = revision()
     return {
         "django-workpump": f"{v('django-workpump')} (git {rev})",
         "Django": v("Django"),
@@ -480,7 +480,7 @@ def main(*, quick: bool, only: list[str] | None, write_doc: bool, argv: list[str
                     "started": started_at,
                     "finished": datetime.now(UTC).isoformat(timespec="seconds"),
                     "seconds": time.monotonic() - t0,
-                    "revision": _revision(),
+                    "revision": revision(),
                     "command": command.rstrip(),
                     "mode": cfg.mode,
                     "config": config,
