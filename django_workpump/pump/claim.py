@@ -195,9 +195,9 @@ class ClaimWorker(LoopService):
         self._last_gate_state: bool | None = None
         self._gate_lost_at: float | None = None
         # The last claim reached rows of fairness keys (docs/flow-control.md): the next
-        # takes the free slots only, since rows claimed ahead would sit in the local
-        # queue, and a quiet key's row stored meanwhile would wait for them all to start
-        # before a claim could take it.
+        # takes the free slots plus the prefetch, not a batch sized by the start rate,
+        # since rows claimed ahead would sit in the local queue, and a quiet key's row
+        # stored meanwhile would wait for them all to start before a claim could take it.
         self.fair = False
 
     # -- signals -------------------------------------------------------------------

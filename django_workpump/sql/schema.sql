@@ -2776,9 +2776,9 @@ BEGIN
     IF v_wait_ms IS NOT NULL THEN
         RAISE NOTICE 'workpump.flow_wait_ms=%', greatest(v_wait_ms, 10);
     END IF;
-    -- rows of fairness keys were in reach: the pump claims them for its free slots only
-    -- (NOTICE workpump.flow_fair), so another key's row stored meanwhile waits for the
-    -- next claim, not behind a queue of this one's
+    -- rows of fairness keys were in reach: the pump's next claim is for its free slots
+    -- plus the prefetch only (NOTICE workpump.flow_fair), so another key's row stored
+    -- meanwhile waits for the next claim, not behind a queue of this one's
     IF EXISTS (SELECT 1 FROM unnest(v_groups) g WHERE g.fkey <> '') THEN
         RAISE NOTICE 'workpump.flow_fair';
     END IF;

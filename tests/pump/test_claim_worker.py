@@ -507,7 +507,7 @@ class FairClaims(FakeCoordinator):
         return self.fair
 
 
-def test_after_a_claim_that_reached_fairness_keys_the_batch_is_the_free_slots_only():
+def test_after_a_claim_that_reached_fairness_keys_the_batch_is_free_slots_plus_prefetch():
     # 10,000 rows/s would claim max_rows ahead: rows a quiet key stores meanwhile would
     # wait for them all to start before a claim could take them
     clock = FrozenClock()
