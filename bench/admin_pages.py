@@ -401,15 +401,16 @@ def record(data: dict[str, Any], began: float, began_at: str, argv: list[str]) -
     path = RESULTS / "full.json"
     results = json.loads(path.read_text()) if path.exists() else {"mode": "full"}
     command = "python bench/admin_pages.py " + " ".join(a for a in argv if a != "--record")
+    revision = suite.revision()
     meta = {
         "started": began_at,
         "finished": datetime.now(UTC).isoformat(timespec="seconds"),
         "seconds": time.monotonic() - began,
-        "revision": suite.revision(),
+        "revision": revision,
         "command": command.rstrip(),
         "mode": "full",
         "versions": {
-            "django-workpump": f"git {suite.revision()}",
+            "django-workpump": f"git {revision}",
             "PostgreSQL (machine)": _server_version(),
             "CPU cores": os.cpu_count(),
             "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),

@@ -181,8 +181,8 @@ def section_headline(name: str, data: dict[str, Any]) -> dict[str, Any]:
         return flow.headline(data)
     if name == "admin_pages" and "pages" in data:
         return {
-            "admin_console_overview_ms": _round(_overview_ms(data, min(data["sizes"])), 1),
-            "admin_console_overview_10m_ms": _round(_overview_ms(data, TEN_MILLION), 1),
+            "admin_console_overview_ms": _round(_slowest(data, min(data["sizes"]), OVERVIEWS), 1),
+            "admin_console_overview_10m_ms": _round(_slowest(data, TEN_MILLION, OVERVIEWS), 1),
         }
     return {}
 
@@ -196,10 +196,6 @@ def _slowest(data: dict[str, Any], size: int, pages: tuple[str, ...]) -> float |
     """The slowest of ``pages`` at ``size`` rows (None: not measured)."""
     times = [data["pages"].get(p, {}).get(str(size)) for p in pages]
     return None if None in times or not times else max(times)
-
-
-def _overview_ms(data: dict[str, Any], size: int) -> float | None:
-    return _slowest(data, size, OVERVIEWS)
 
 
 Row = tuple[str, str, str, str]

@@ -71,6 +71,10 @@ class AttemptLog:
     def add(self, record: logging.LogRecord) -> None:
         if record.levelno < self.level:
             return
+        if self.dropped:  # past a bound already: not kept, so not formatted either
+            with self._lock:
+                self.dropped += 1
+            return
         message = _text(record)
         size = len(message.encode("utf-8"))
         with self._lock:

@@ -193,10 +193,8 @@ def overview(request: HttpRequest) -> dict[str, Any]:
     busiest = topics[:MAX_LINES]
     # the dead chart draws the topics with the most dead rows, busy or not
     dying = sorted((t for t in topics if t["dead"]), key=lambda t: -t["dead"])[:MAX_LINES]
-    drawn = {(t["category"], t["topic"]): t for t in (*busiest, *dying)}
-    per_topic = series.console_topic_outcomes(
-        g.since, g.until, list(drawn), step=g.step, using=using
-    )
+    drawn = list(dict.fromkeys((t["category"], t["topic"]) for t in (*busiest, *dying)))
+    per_topic = series.console_topic_outcomes(g.since, g.until, drawn, step=g.step, using=using)
     of_topic: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in per_topic:
         of_topic.setdefault((r["category"], r["topic"]), []).append(r)

@@ -304,8 +304,8 @@ def test_a_row_claimed_while_a_batch_waits_for_its_lock_is_seen_as_running(raw_c
     assert wait_until(
         lambda: (
             watcher.execute(
-                "SELECT count(*) AS n FROM pg_stat_activity"
-                " WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND query LIKE %s",
                 ["%FOR UPDATE%"],
             ).fetchone()["n"]
             == 1
