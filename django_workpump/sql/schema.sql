@@ -2580,6 +2580,7 @@ DECLARE
     v_keys text[];
     v_wait_ms integer;
     v_one_group boolean;
+    v_limited boolean;  -- a rule caps or rates these groups
 BEGIN
     -- the groups with a due head, one descent of _flow each (a loose index scan)
     WITH RECURSIVE g AS (
@@ -2617,6 +2618,8 @@ BEGIN
                        r.declared_key_concurrency) > 0
     ORDER BY r.id
     FOR UPDATE OF r;
+    -- none does: no bucket to pay or wait for below (two statements a claim spared)
+    v_limited := FOUND;
 
     WITH
     grp AS MATERIALIZED (
@@ -2746,7 +2749,7 @@ BEGIN
     INTO v_rows, v_topics, v_keys
     FROM claimed c{c.event_join};
 
-    IF v_topics IS NOT NULL THEN
+    IF v_limited AND v_topics IS NOT NULL THEN
         -- the token buckets pay for the rows started (their rules are locked above)
         UPDATE workpump_flow_rule r
         SET tokens = workpump.flow_tokens(e.tokens, e.tokens_at, e.rate, e.burst, v_now)
@@ -2763,16 +2766,19 @@ BEGIN
     END IF;
     -- when a rate held a group back, say when its bucket holds a token again: the pump
     -- polls then (NOTICE workpump.flow_wait_ms), not after its idle backoff
-    SELECT ceil(min((1 - workpump.flow_tokens(e.tokens, e.tokens_at, e.rate, e.burst, v_now))
-                    / e.rate) * 1000)
-    INTO v_wait_ms
-    FROM workpump.flow_rule_effective() e
-    WHERE e.rate > 0
-      AND ((e.kind = 'topic' AND e.category = '{category}'
-            AND e.name IN (SELECT g.topic FROM unnest(v_groups) g))
-           OR (e.kind = 'key'
-               AND e.name IN (SELECT g.ckey FROM unnest(v_groups) g WHERE g.ckey <> '')))
-      AND workpump.flow_tokens(e.tokens, e.tokens_at, e.rate, e.burst, v_now) < 1;
+    IF v_limited THEN
+        SELECT ceil(min((1 - workpump.flow_tokens(e.tokens, e.tokens_at, e.rate, e.burst,
+                                                  v_now))
+                        / e.rate) * 1000)
+        INTO v_wait_ms
+        FROM workpump.flow_rule_effective() e
+        WHERE e.rate > 0
+          AND ((e.kind = 'topic' AND e.category = '{category}'
+                AND e.name IN (SELECT g.topic FROM unnest(v_groups) g))
+               OR (e.kind = 'key'
+                   AND e.name IN (SELECT g.ckey FROM unnest(v_groups) g WHERE g.ckey <> '')))
+          AND workpump.flow_tokens(e.tokens, e.tokens_at, e.rate, e.burst, v_now) < 1;
+    END IF;
     IF v_wait_ms IS NOT NULL THEN
         RAISE NOTICE 'workpump.flow_wait_ms=%', greatest(v_wait_ms, 10);
     END IF;
@@ -2910,112 +2916,119 @@ BEGIN
     END IF;
 
     -- The heads: locked and leased (or parked as dead) in one statement; what is
-    -- returned, and what their runs need, is kept in arrays.
-    WITH
-    -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
-    -- longest due first (the table's _timer index); a row of a chain's run keeps
-    -- waiting for its dependency even when its lease ran out
-    timers AS MATERIALIZED (
-        SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
-               t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-               {t.scope} AS run_scope,
-               coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-        FROM {table} t
-        WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-          AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
-          AND NOT t.flow_controlled
-          AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
-          AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)
-          AND (p_topics IS NULL OR t.topic = ANY (p_topics)
-               OR t.topic ^@ ANY (p_topic_prefixes))
-          AND (p_paused_topics IS NULL OR t.topic <> ALL (p_paused_topics))
-        ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
-        LIMIT v_limit
-        FOR UPDATE OF t SKIP LOCKED
-    ),
-    -- own_share: with live peers, ready stream heads of this instance's partitions
-    -- (partition_number mod live count = rank), in the budget the timers left
-    own_share AS MATERIALIZED (
-        SELECT * FROM (
-            SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
+    -- returned, and what their runs need, is kept in arrays. The flow pass may
+    -- have taken the whole budget: then no statement (an UPDATE fires the table's
+    -- statement triggers even when it changes no row).
+    IF v_limit > 0 THEN
+        WITH
+        -- timers: stream heads whose lease expired or whose retry or deferral fell due, the
+        -- longest due first (the table's _timer index); a row of a chain's run keeps
+        -- waiting for its dependency even when its lease ran out
+        timers AS MATERIALIZED (
+            SELECT t.seq, t.ctid, 1 AS pass, t.attempts < t.max_attempts AS leasable,
                    t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
                    {t.scope} AS run_scope,
                    coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
             FROM {table} t
             WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
-              AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
+              AND (t.instance_id IS NOT NULL OR t.scheduled_for IS NOT NULL)
+              AND NOT t.flow_controlled
+              AND coalesce(t.lease_expiry, t.scheduled_for) <= v_now
+              AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)
               AND (p_topics IS NULL OR t.topic = ANY (p_topics)
                    OR t.topic ^@ ANY (p_topic_prefixes))
               AND (p_paused_topics IS NULL OR t.topic <> ALL (p_paused_topics))
-            ORDER BY t.priority DESC, t.seq
-            LIMIT v_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+            ORDER BY coalesce(t.lease_expiry, t.scheduled_for)
+            LIMIT v_limit
             FOR UPDATE OF t SKIP LOCKED
-        ) share
-        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
-    ),
-    -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
-    -- no row waits on a busy peer (the table's _ready index)
-    any_share AS MATERIALIZED (
-        SELECT * FROM (
-            SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
-                   t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
-                   {t.scope} AS run_scope,
-                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM {table} t
-            WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-              AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
-              AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
-              AND (p_topics IS NULL OR t.topic = ANY (p_topics)
-                   OR t.topic ^@ ANY (p_topic_prefixes))
-              AND (p_paused_topics IS NULL OR t.topic <> ALL (p_paused_topics))
-            ORDER BY t.priority DESC, t.seq
-            LIMIT v_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
-                          - (SELECT count(*) FROM own_share WHERE own_share.leasable)
-            FOR UPDATE OF t SKIP LOCKED
-        ) share
-        LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
-    ),
-    -- candidates: every head locked above, once (the three passes are disjoint)
-    candidates AS (
-        SELECT * FROM timers
-        UNION ALL SELECT * FROM own_share
-        UNION ALL SELECT * FROM any_share
-    ),
-    -- claimed_heads: each head leased (one attempt more, a new token) or, with its
-    -- attempts used up, parked as dead; an expired lease taken over is stamped as an
-    -- attempt that ended without an outcome. Rows are found by the ctid of the version
-    -- locked above: a TID lookup, never a scan, whatever the table's statistics say
-    claimed_heads AS (
-        UPDATE {table} t SET
-            {lease_set}
-        FROM candidates c WHERE t.ctid = c.ctid
-        RETURNING {leased_columns}, c.pass, t.last_error, {t.chains} AS chains
-    )
-    SELECT coalesce(array_agg(ROW(
-               '{category}'::text, c.work_id, c.topic, {c.payload}, c.stream,
-               c.attempts, c.max_attempts, c.lease_expiry, c.event_id, {c.event_type},
-               c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
-               c.due_at, NULL::text, c.checkpoint, NULL::uuid
-               )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead), '{}'),
-           coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead), '{}'),
-           array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
-           array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
-           array_agg(ROW(
-               '{category}'::text, c.work_id, c.topic, NULL::jsonb, c.stream,
-               c.attempts, c.max_attempts, NULL::timestamptz, c.event_id, {c.event_type},
-               c.priority::integer, NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at,
-               c.due_at, c.last_error, NULL::jsonb, NULL::uuid
-               )::workpump.leased_work ORDER BY c.seq)
-               FILTER (WHERE c.dead),
-           array_agg(c.work_id ORDER BY c.pass, c.priority DESC, c.seq)
-               FILTER (WHERE NOT c.dead AND c.chains)
-    INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked, v_chain_heads
-    FROM claimed_heads c{c.event_join};
+        ),
+        -- own_share: with live peers, ready stream heads of this instance's partitions
+        -- (partition_number mod live count = rank), in the budget the timers left
+        own_share AS MATERIALIZED (
+            SELECT * FROM (
+                SELECT t.seq, t.ctid, 2 AS pass, t.attempts < t.max_attempts AS leasable,
+                       t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                       {t.scope} AS run_scope,
+                       coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
+                FROM {table} t
+                WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
+                  AND p_live_count > 1 AND t.partition_number % p_live_count = p_rank
+                  AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+                       OR t.topic ^@ ANY (p_topic_prefixes))
+                  AND (p_paused_topics IS NULL OR t.topic <> ALL (p_paused_topics))
+                ORDER BY t.priority DESC, t.seq
+                LIMIT v_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+                FOR UPDATE OF t SKIP LOCKED
+            ) share
+            LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+        ),
+        -- any_share: ready stream heads of anyone's partitions, in the budget still left, so
+        -- no row waits on a busy peer (the table's _ready index)
+        any_share AS MATERIALIZED (
+            SELECT * FROM (
+                SELECT t.seq, t.ctid, 3 AS pass, t.attempts < t.max_attempts AS leasable,
+                       t.seq AS run_seq, t.priority AS run_priority, t.stream AS run_stream,
+                       {t.scope} AS run_scope,
+                       coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
+                FROM {table} t
+                WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+                  AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
+                  AND t.seq NOT IN (SELECT own_share.seq FROM own_share)
+                  AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+                       OR t.topic ^@ ANY (p_topic_prefixes))
+                  AND (p_paused_topics IS NULL OR t.topic <> ALL (p_paused_topics))
+                ORDER BY t.priority DESC, t.seq
+                LIMIT v_limit - (SELECT count(*) FROM timers WHERE timers.leasable)
+                              - (SELECT count(*) FROM own_share WHERE own_share.leasable)
+                FOR UPDATE OF t SKIP LOCKED
+            ) share
+            LIMIT p_limit  -- cuts nothing: gives the planner a row estimate
+        ),
+        -- candidates: every head locked above, once (the three passes are disjoint)
+        candidates AS (
+            SELECT * FROM timers
+            UNION ALL SELECT * FROM own_share
+            UNION ALL SELECT * FROM any_share
+        ),
+        -- claimed_heads: each head leased (one attempt more, a new token) or, with its
+        -- attempts used up, parked as dead; an expired lease taken over is stamped as an
+        -- attempt that ended without an outcome. Rows are found by the ctid of the version
+        -- locked above: a TID lookup, never a scan, whatever the table's statistics say
+        claimed_heads AS (
+            UPDATE {table} t SET
+                {lease_set}
+            FROM candidates c WHERE t.ctid = c.ctid
+            RETURNING {leased_columns}, c.pass, t.last_error, {t.chains} AS chains
+        )
+        SELECT coalesce(array_agg(ROW(
+                   '{category}'::text, c.work_id, c.topic, {c.payload}, c.stream,
+                   c.attempts, c.max_attempts, c.lease_expiry, c.event_id, {c.event_type},
+                   c.priority::integer, c.claimed_at, c.lease_token, c.headers, c.created_at,
+                   c.due_at, NULL::text, c.checkpoint, NULL::uuid
+                   )::workpump.leased_work ORDER BY c.pass, c.priority DESC, c.seq)
+                   FILTER (WHERE NOT c.dead), '{}'),
+               coalesce(array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+                   FILTER (WHERE NOT c.dead), '{}'),
+               array_agg(c.seq ORDER BY c.pass, c.priority DESC, c.seq)
+                   FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+               array_agg(c.pass ORDER BY c.pass, c.priority DESC, c.seq)
+                   FILTER (WHERE NOT c.dead AND c.stream IS NOT NULL),
+               array_agg(ROW(
+                   '{category}'::text, c.work_id, c.topic, NULL::jsonb, c.stream,
+                   c.attempts, c.max_attempts, NULL::timestamptz, c.event_id, {c.event_type},
+                   c.priority::integer, NULL::timestamptz, NULL::uuid, NULL::jsonb, c.created_at,
+                   c.due_at, c.last_error, NULL::jsonb, NULL::uuid
+                   )::workpump.leased_work ORDER BY c.seq)
+                   FILTER (WHERE c.dead),
+               array_agg(c.work_id ORDER BY c.pass, c.priority DESC, c.seq)
+                   FILTER (WHERE NOT c.dead AND c.chains)
+        INTO v_heads, v_head_seqs, v_stream_seqs, v_stream_passes, v_parked, v_chain_heads
+        FROM claimed_heads c{c.event_join};
+    ELSE
+        v_heads := '{}';
+        v_head_seqs := '{}';
+    END IF;
     -- Parked rows come first, without a lease token and with the last_error they were
     -- parked with: claim_work passes them on to a caller that asks, to log them. Then
     -- the flow pass's leased rows (heads of runs of one), then the others.
