@@ -199,11 +199,17 @@ class ClaimWorker(LoopService):
         # since rows claimed ahead would sit in the local queue, and a quiet key's row
         # stored meanwhile would wait for them all to start before a claim could take it.
         self.fair = False
+        # Work was stored since the last claim (a NOTIFY): after a fair claim, the next
+        # may take a prefetch of rows with no slot free (_fair_extra).
+        self._new_work = False
 
     # -- signals -------------------------------------------------------------------
-    def request_immediate_poll(self) -> None:
-        """Wake the loop now; requests between two polls coalesce into one."""
+    def request_immediate_poll(self, new_work: bool = False) -> None:
+        """Wake the loop now; requests between two polls coalesce into one.
+        ``new_work``: the wake says work was stored (a NOTIFY of a category claimed here)."""
         self.wake_requests += 1
+        if new_work:
+            self._new_work = True
         self._wake.set()
 
     def slot_freed(self) -> None:
@@ -266,10 +272,14 @@ class ClaimWorker(LoopService):
         if self.refused is not None:
             return ClaimResult(claimed=0, has_more=False, refused=True)
         free = self.sink.free_slots()
-        if free <= 0:
-            # Nothing could run now; the dispatcher wakes us when a slot frees.
-            return ClaimResult(claimed=0, has_more=False, skipped_busy=True)
-        max_rows = self._batch_size(free)
+        if free > 0:
+            max_rows = self._batch_size(free)
+        else:
+            max_rows = self._fair_extra()
+            if max_rows <= 0:
+                # Nothing could run now; the dispatcher wakes us when a slot frees.
+                return ClaimResult(claimed=0, has_more=False, skipped_busy=True)
+        self._new_work = False
         self.polls += 1
         poll_number = self.polls
         starved = getattr(self.sink, "in_flight", None) == 0
@@ -447,6 +457,24 @@ class ClaimWorker(LoopService):
                 ahead = min(max(QUEUE_SECONDS, round_trips), MAX_QUEUE_SECONDS)
                 size = max(size, round(self.start_rate * ahead))
         return min(size, self.policy.max_rows)
+
+    def _fair_extra(self) -> int:
+        """Rows to claim with no slot free: none, unless the last claim reached rows of
+        fairness keys and work was stored since. Then up to the prefetch, while the rows
+        queued beyond the slots stay within twice the prefetch.
+
+        A noisy key keeps every slot busy, so a claim waiting for a free one would make a
+        quiet key's new row wait for the noisy rows running now as well as for the claim
+        in progress; the claim's round-robin puts the new row among the first it takes.
+        """
+        if not (self.fair and self._new_work):
+            return 0
+        in_flight = getattr(self.sink, "in_flight", None)
+        concurrency = getattr(self.sink, "concurrency", None)
+        if in_flight is None or concurrency is None:
+            return 0
+        prefetch = self.policy.prefetch
+        return max(min(prefetch, concurrency + 2 * prefetch - in_flight), 0)
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> None:

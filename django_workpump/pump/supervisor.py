@@ -300,7 +300,9 @@ class Supervisor:
         self.leases.cancel_all(CancelReason.LOST)
 
     def _signal(self, signal: str) -> None:
-        if signal in self.options.categories or signal == "orphan":
+        if signal in self.options.categories:
+            self.claim.request_immediate_poll(new_work=True)
+        elif signal == "orphan":
             self.claim.request_immediate_poll()
 
     def _gate_changed(self, available: bool) -> None:

@@ -523,6 +523,44 @@ def test_after_a_claim_that_reached_fairness_keys_the_batch_is_free_slots_plus_p
     assert coordinator.claims == [6, 6, 6, 1000]
 
 
+class BusySink(FakeSink):
+    """A dispatcher with every slot taken: ``in_flight`` rows queued or running."""
+
+    def __init__(self, in_flight: int, concurrency: int = 4) -> None:
+        super().__init__(free=max(concurrency - in_flight, 0))
+        self.in_flight = in_flight
+        self.concurrency = concurrency
+
+
+def test_after_a_fair_claim_new_work_is_claimed_with_no_slot_free_up_to_twice_the_prefetch():
+    # every slot busy with a noisy key's rows and a prefetch of them queued: a row another
+    # key stores now (its NOTIFY) is claimed at once, not after a noisy row finishes
+    sink = BusySink(in_flight=6)
+    coordinator = FairClaims(True, claims=[[make_row()], [make_row()], [], []])
+    worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2))
+    worker.fair = True
+
+    assert worker.run_once().skipped_busy  # no new work: the claim waits for a slot
+    worker.request_immediate_poll(new_work=True)
+    assert worker.run_once().claimed == 1
+    assert coordinator.claims == [2]  # the prefetch: 6 + 2 queued is 4 + twice the prefetch
+    assert worker.run_once().skipped_busy  # that wake is spent
+
+    sink.in_flight = 7  # one of the two is queued still
+    worker.request_immediate_poll(new_work=True)
+    worker.run_once()
+    assert coordinator.claims == [2, 1]
+    sink.in_flight = 8
+    worker.request_immediate_poll(new_work=True)
+    assert worker.run_once().skipped_busy  # twice the prefetch queued: no more
+
+    sink.in_flight = 6
+    worker.fair = False  # the last claim reached no fairness key: wait for a slot
+    worker.request_immediate_poll(new_work=True)
+    assert worker.run_once().skipped_busy
+    assert coordinator.claims == [2, 1]
+
+
 class SlowClaims(FakeCoordinator):
     """Claims that take ``seconds`` of the injected clock: the round trip to the database."""
 
