@@ -65,7 +65,8 @@ QUICK = Config(
     latency_gap_ms=25,  # still idle between two sends: a pickup takes a few ms
     # a renewal round of the in-flight instances (one every ~20 s) falls in the window
     writes_window=30,
-    writes_warmup=10,
+    # past the console's first sample, 30 s after start (startup, not idling)
+    writes_warmup=35,
     claim_sizes=(
         ("1k", "wp_bench_claim_1k", 1_000, 0),
         ("100k+500k", "wp_bench_claim_100k", 100_000, 500_000),
@@ -98,7 +99,7 @@ FULL = Config(
     latency_n=200,
     latency_gap_ms=50,
     writes_window=120,
-    writes_warmup=20,
+    writes_warmup=35,  # as in quick
     claim_sizes=(
         ("1k", "wp_bench_claim_1k", 1_000, 0),
         ("1M+5M", "wp_bench_claim_1m", 1_000_000, 5_000_000),

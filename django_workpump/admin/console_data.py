@@ -147,7 +147,13 @@ def instances(
 ) -> tuple[dict[str, list[float | None]], list[InstanceSeries]]:
     """Per point: instances alive by the liveness rule when sampled ("alive": a fresh
     heartbeat, or a held alive-lock) and rows in flight ("in flight"), from the point's
-    last sampled minute; and each instance's own series."""
+    last sampled minute; and each instance's own series.
+
+    An idle pump samples nothing (``console_sample``): a point no sample falls in carries
+    the last sample before it forward, for each of its instances whose heartbeat row
+    shows a beat since the point began (``beat_until``), with no heartbeat age (none was
+    taken). An instance gone from the table is carried no further than its last sample.
+    """
     by_minute: dict[datetime, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         by_minute[row["minute"]].append(row)
@@ -156,12 +162,17 @@ def instances(
         "in flight": [None] * len(g.points),
     }
     each: dict[Any, InstanceSeries] = {}
+    # per point, the last sample in it (its rows); before the window, the last sample
+    last_in: dict[int | None, list[dict[str, Any]]] = {}
     for minute in sorted(by_minute):
-        i = g.index(minute)  # None: the minute still running (its sample is the latest)
+        i = g.index(minute)  # None: before the window, or the minute still running
         sampled = by_minute[minute]
         if i is not None:
+            last_in[i] = sampled
             totals["alive"][i] = float(sum(1 for r in sampled if r["alive"]))
             totals["in flight"][i] = float(sum(r["in_flight"] for r in sampled))
+        elif minute < g.since:
+            last_in[None] = sampled
         for r in sampled:
             series = each.get(r["instance_id"])
             if series is None:
@@ -177,7 +188,38 @@ def instances(
             series.latest_age = r["heartbeat_age_seconds"]
             series.latest_alive = bool(r["alive"])
             series.latest_in_flight = int(r["in_flight"])
+    _carry_forward(last_in, each, totals, g)
     return totals, list(each.values())
+
+
+def _carry_forward(
+    last_in: dict[int | None, list[dict[str, Any]]],
+    each: dict[Any, InstanceSeries],
+    totals: dict[str, list[float | None]],
+    g: Grid,
+) -> None:
+    """Fill the points no sample fell in from the last sample before them (``instances``)."""
+    current = last_in.get(None, [])
+    carried_to: dict[Any, datetime] = {}
+    for i, start in enumerate(g.points):
+        if i in last_in:
+            current = last_in[i]
+            continue
+        beating = [
+            r for r in current if r.get("beat_until") is not None and r["beat_until"] >= start
+        ]
+        if not beating:
+            continue
+        totals["alive"][i] = float(sum(1 for r in beating if r["alive"]))
+        totals["in flight"][i] = float(sum(r["in_flight"] for r in beating))
+        for r in beating:
+            each[r["instance_id"]].in_flight[i] = float(r["in_flight"])
+            carried_to[r["instance_id"]] = r["beat_until"]
+    for instance_id, beat in carried_to.items():
+        # its last sample is older than the window's last points: its age is its beat's
+        series = each[instance_id]
+        if series.in_flight[-1] is not None and series.heartbeat_age[-1] is None:
+            series.latest_age = max((g.until - beat).total_seconds(), 0.0)
 
 
 def totals(rows: Iterable[dict[str, Any]], key: str = "outcome") -> dict[str, int]:

@@ -13,7 +13,8 @@ attempts. Handler threads never purge.
 
 Between passes, every CONSOLE_SAMPLE_SECONDS, it samples the console's gauges of the
 current minute (backlog, instances: ``db.console_sample``); the first sample of a minute,
-from any instance, is the one kept, so peers and restarts sample no minute twice.
+from any instance, is the one kept, so peers and restarts sample no minute twice, and an
+idle pump, whose sample would repeat the last one, writes none.
 """
 
 from __future__ import annotations

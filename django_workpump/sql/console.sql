@@ -128,17 +128,25 @@ ORDER BY 1
 -- Sampled instances in [since, until]: heartbeat age, alive, rows in flight, each instance's
 -- last sample in each bin of %(step)s minutes (every sample with a step of 1). A chart
 -- draws a bin from its last sample, so the rest stay here: a day of minutes for a few
--- instances was thousands of rows to load and sort in Python.
+-- instances was thousands of rows to load and sort in Python. An idle pump samples
+-- nothing (console_sample), so the window starts at the last sampled minute before it,
+-- and each row says until when its instance's heartbeat row shows it beat (beat_until,
+-- NULL once it is gone): a chart carries a sample forward until then.
 SELECT s.minute, s.instance_id, s.service_name, s.host_name, s.process_id,
-       s.heartbeat_age_seconds, s.alive, s.in_flight
+       s.heartbeat_age_seconds, s.alive, s.in_flight,
+       CASE WHEN isfinite(si.last_heartbeat_at) THEN si.last_heartbeat_at END AS beat_until
 FROM (
     SELECT i.*, row_number() OVER (
                PARTITION BY date_bin(make_interval(mins => %(step)s), i.minute,
                                      '2000-01-01 00:00:00+00'), i.instance_id
                ORDER BY i.minute DESC) AS nth
     FROM workpump_console_instance i
-    WHERE i.minute >= %(since)s AND i.minute <= %(until)s AND isfinite(i.minute)
+    WHERE i.minute >= coalesce((SELECT max(p.minute) FROM workpump_console_sample p
+                                WHERE p.minute <= %(since)s AND isfinite(p.minute)),
+                               %(since)s)
+      AND i.minute <= %(until)s AND isfinite(i.minute)
       AND (%(instance_id)s::uuid IS NULL OR i.instance_id = %(instance_id)s)) s
+LEFT JOIN workpump_service_instance si ON si.instance_id = s.instance_id
 WHERE s.nth = 1
 ORDER BY 1, 2
 

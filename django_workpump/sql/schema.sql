@@ -5733,12 +5733,18 @@ END;
 -- scheduled), leased, and the age of the oldest pending row; per registered instance
 -- its heartbeat age, whether it is alive by the liveness rule (live_instances: a fresh
 -- heartbeat, or a held alive-lock, with which it beats only every slow interval), and
--- the rows it holds under an unexpired lease; and fold the
--- counters of complete buckets (console_fold). The first call of a
--- minute takes it (its workpump_console_sample row is the high-water mark: a peer's
--- call waits for it to commit, then finds it), so no minute is sampled twice. Returns
--- whether this call sampled. Reads every undone row once: a minute's cost grows with
--- the backlog.
+-- the rows it holds under an unexpired lease; and fold the counters of complete buckets
+-- (console_fold). The first call of a minute takes it (its workpump_console_sample row
+-- is the high-water mark: a peer's call waits for it to commit, then finds it), so no
+-- minute is sampled twice. Returns whether this call sampled. Reads every undone row
+-- once: a minute's cost grows with the backlog.
+--
+-- An idle pump writes nothing: when no row is undone, the last sample had no backlog
+-- either, nothing was counted since the last fold, and the instances are those of the
+-- last sample, alive or not as it has them (with no row undone, none holds one), the
+-- last sample still says it all. The readers carry it forward (console_instances: while
+-- each instance's heartbeat row shows it beat), so an idle instance's only write stays
+-- its heartbeat.
 CREATE FUNCTION workpump.console_sample(
     p_stale_after_seconds integer DEFAULT 30,
     p_definitively_dead_after_seconds integer DEFAULT 300,
@@ -5750,9 +5756,68 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
     v_minute timestamptz := date_trunc('minute', coalesce(p_now, now()));
+    v_last timestamptz;  -- the last minute sampled before this one
+    v_instances workpump_console_instance[];
     v_category text;
     v_meta record;
 BEGIN
+    IF EXISTS (SELECT 1 FROM workpump_console_sample s WHERE s.minute = v_minute) THEN
+        RETURN false;  -- a peer took this minute
+    END IF;
+    v_instances := ARRAY(
+        SELECT ROW(v_minute, i.instance_id, i.service_name, i.host_name, i.process_id,
+                   CASE WHEN isfinite(i.last_heartbeat_at)
+                        THEN greatest(extract(epoch FROM v_now - i.last_heartbeat_at), 0) END,
+                   i.instance_id IN (SELECT workpump.live_instances(
+                       v_now - make_interval(secs => p_stale_after_seconds),
+                       v_now - make_interval(secs => p_definitively_dead_after_seconds))),
+                   (SELECT count(*) FROM (
+                        SELECT 1 FROM workpump_outbox t
+                        WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now
+                        UNION ALL
+                        SELECT 1 FROM workpump_inbox t
+                        WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now
+                        UNION ALL
+                        SELECT 1 FROM workpump_perspective_event t
+                        WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now
+                        UNION ALL
+                        SELECT 1 FROM workpump_receptor_processing t
+                        WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now) held)
+               )::workpump_console_instance
+        FROM workpump_service_instance i);
+    SELECT max(s.minute) INTO v_last
+    FROM workpump_console_sample s
+    WHERE s.minute < v_minute AND isfinite(s.minute);
+    IF v_last IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM workpump_console_backlog b WHERE b.minute = v_last)
+       AND NOT EXISTS (SELECT 1 FROM workpump_console_count c
+                       WHERE c.minute >= workpump.console_folded_until())
+       AND NOT EXISTS (SELECT 1 FROM workpump_outbox t
+                       WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL)
+       AND NOT EXISTS (SELECT 1 FROM workpump_inbox t
+                       WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL)
+       AND NOT EXISTS (SELECT 1 FROM workpump_perspective_event t
+                       WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL)
+       AND NOT EXISTS (SELECT 1 FROM workpump_receptor_processing t
+                       WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL)
+       AND NOT EXISTS (
+           (SELECT n.instance_id, n.service_name, n.host_name, n.process_id, n.alive,
+                   n.in_flight
+            FROM unnest(v_instances) n
+            EXCEPT
+            SELECT l.instance_id, l.service_name, l.host_name, l.process_id, l.alive,
+                   l.in_flight
+            FROM workpump_console_instance l WHERE l.minute = v_last)
+           UNION ALL
+           (SELECT l.instance_id, l.service_name, l.host_name, l.process_id, l.alive,
+                   l.in_flight
+            FROM workpump_console_instance l WHERE l.minute = v_last
+            EXCEPT
+            SELECT n.instance_id, n.service_name, n.host_name, n.process_id, n.alive,
+                   n.in_flight
+            FROM unnest(v_instances) n)) THEN
+        RETURN false;
+    END IF;
     INSERT INTO workpump_console_sample (minute, taken_at) VALUES (v_minute, v_now)
     ON CONFLICT (minute) DO NOTHING;
     IF NOT FOUND THEN
@@ -5783,27 +5848,7 @@ BEGIN
         USING v_minute, v_category, v_now;
     END LOOP;
     INSERT INTO workpump_console_instance
-        (minute, instance_id, service_name, host_name, process_id, heartbeat_age_seconds,
-         alive, in_flight)
-    SELECT v_minute, i.instance_id, i.service_name, i.host_name, i.process_id,
-           CASE WHEN isfinite(i.last_heartbeat_at)
-                THEN greatest(extract(epoch FROM v_now - i.last_heartbeat_at), 0) END,
-           i.instance_id IN (SELECT workpump.live_instances(
-               v_now - make_interval(secs => p_stale_after_seconds),
-               v_now - make_interval(secs => p_definitively_dead_after_seconds))),
-           (SELECT count(*) FROM (
-                SELECT 1 FROM workpump_outbox t
-                WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now
-                UNION ALL
-                SELECT 1 FROM workpump_inbox t
-                WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now
-                UNION ALL
-                SELECT 1 FROM workpump_perspective_event t
-                WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now
-                UNION ALL
-                SELECT 1 FROM workpump_receptor_processing t
-                WHERE t.instance_id = i.instance_id AND t.lease_expiry > v_now) held)
-    FROM workpump_service_instance i;
+    SELECT n.* FROM unnest(v_instances) n;
     RETURN true;
 END
 $$;

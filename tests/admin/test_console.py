@@ -242,6 +242,44 @@ def test_a_grid_places_minutes_and_rates_are_per_minute() -> None:
     assert console_data.rates(rows, day)["done"][143] == 5.0  # 50 in 10 minutes
 
 
+def test_an_idle_stretch_carries_the_last_sample_while_the_heartbeat_shows_a_beat() -> None:
+    # an hour window to 12:59; samples at 11:30 (before it) and 12:10; the pump idled in
+    # between and after (console_sample wrote nothing); B's heartbeat row stops at 12:40
+    now = datetime(2026, 1, 1, 13, 0, tzinfo=UTC)
+    hour = console_data.grid("hour", now)
+    b = uuid.UUID("00000000-0000-0000-0000-0000000000c2")
+
+    def row(minute: datetime, instance: uuid.UUID, alive: bool, beat: datetime | None) -> dict:
+        return {
+            "minute": minute, "instance_id": instance, "service_name": "s", "host_name": "h",
+            "process_id": 1, "heartbeat_age_seconds": 3.0, "alive": alive, "in_flight": 0,
+            "beat_until": beat,
+        }  # fmt: skip
+
+    at_1130, at_1210 = now - timedelta(minutes=90), now - timedelta(minutes=50)
+    rows = [
+        row(at_1130, A, True, now - timedelta(seconds=20)),
+        row(at_1210, A, True, now - timedelta(seconds=20)),
+        row(at_1210, b, True, now - timedelta(minutes=20)),
+    ]
+    totals, each = console_data.instances(rows, hour)
+
+    alive = totals["alive"]
+    assert alive[:10] == [1.0] * 10  # 12:00-12:09: the 11:30 sample, A only
+    assert alive[10] == 2.0  # sampled
+    assert alive[11:41] == [2.0] * 30  # 12:11-12:40: B's heartbeat row shows a beat
+    assert alive[41:] == [1.0] * 19  # then A alone
+    series = {s.instance_id: s for s in each}
+    assert series[A].heartbeat_age[10] == 3.0 and series[A].heartbeat_age[11] is None
+    assert series[b].in_flight[40] == 0.0 and series[b].in_flight[41] is None
+    assert series[A].latest_age == 20.0  # from its beat to the current minute
+
+    # an instance gone from the table is carried no further than its last sample
+    gone = [row(at_1210, A, True, None)]
+    totals, _ = console_data.instances(gone, hour)
+    assert totals["alive"][10] == 1.0 and totals["alive"][11] is None
+
+
 def test_a_chart_breaks_its_line_at_gaps_and_escapes_names() -> None:
     minutes = [datetime(2026, 1, 1, 12, i, tzinfo=UTC) for i in range(5)]
     svg = str(

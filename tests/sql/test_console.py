@@ -325,6 +325,54 @@ def test_the_sampler_takes_each_minute_once_with_backlog_and_instances():
     )
 
 
+def test_an_idle_pump_samples_nothing_until_something_changes():
+    def sample(minutes: int, beating: bool = True) -> bool:
+        at = T0 + timedelta(minutes=minutes)
+        if beating:  # the instances beat 5 s before
+            run_sql(
+                "UPDATE workpump_service_instance SET last_heartbeat_at = %s",
+                [at - timedelta(seconds=5)],
+            )
+        return scalar("SELECT workpump.console_sample(p_now => %s)", [at])
+
+    def written() -> int:
+        return scalar(
+            "SELECT (SELECT count(*) FROM workpump_console_sample)"
+            " + (SELECT count(*) FROM workpump_console_instance)"
+            " + (SELECT count(*) FROM workpump_console_backlog)"
+        )
+
+    ServiceInstanceFactory(instance_id=A, last_heartbeat_at=T0)
+    assert sample(0)  # the first sample
+    before = written()
+    # an hour on: no row undone, nothing counted, the same instance alive: no write
+    assert not sample(60)
+    assert written() == before
+
+    # each change is sampled: a new instance, a row waiting, then its backlog gone
+    ServiceInstanceFactory(instance_id=B, last_heartbeat_at=T0)
+    assert sample(61)
+    assert not sample(62)
+    (row,) = make(1, created_at=T0 + timedelta(minutes=62))
+    assert sample(63)
+    run_sql("UPDATE workpump_outbox SET done_at = %s WHERE work_id = %s", [T0, row])
+    assert sample(64)  # its last sample had a backlog
+    assert not sample(65)
+    # the instances stopped beating: no longer alive, sampled once
+    assert sample(66, beating=False)
+    alive = run_sql(
+        "SELECT instance_id, alive FROM workpump_console_instance WHERE minute = %s",
+        [T0 + timedelta(minutes=66)],
+    )
+    assert {r["instance_id"]: r["alive"] for r in alive} == {A: False, B: False}
+    assert not sample(67, beating=False)
+    # counters not folded yet: sampled (the fold must run) until they are
+    counter(T0 + timedelta(minutes=67), "done", A, 1)
+    assert sample(68)
+    assert sample(79)  # folds 12:60-12:70
+    assert not sample(80)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_sampler_counts_a_slow_beater_holding_its_alive_lock_as_alive(raw_connect):
     # A beat 90 s ago but holds its alive-lock (it beats only every slow interval), B beat
@@ -621,3 +669,25 @@ def test_instances_in_bins_are_each_instances_last_sample_of_the_bin():
         (T0 + timedelta(minutes=19), A, 19),
     ]
     assert len(series.console_instances(T0, until)) == 26  # a minute at a time: all
+
+
+def test_instances_start_at_the_last_sample_before_the_window_with_each_ones_last_beat():
+    # an idle pump sampled last at 11:40 (console_sample writes nothing while idle)
+    ServiceInstanceFactory(instance_id=A, last_heartbeat_at=T0 + timedelta(minutes=30))
+    for minute, instance in [(-30, A), (-20, A), (-20, B)]:
+        run_sql(
+            "INSERT INTO workpump_console_sample (minute, taken_at) VALUES (%s, %s)"
+            " ON CONFLICT DO NOTHING",
+            [T0 + timedelta(minutes=minute)] * 2,
+        )
+        run_sql(
+            "INSERT INTO workpump_console_instance (minute, instance_id, service_name,"
+            " host_name, process_id, heartbeat_age_seconds, alive, in_flight)"
+            " VALUES (%s, %s, 's', 'h', 1, 2, true, 0)",
+            [T0 + timedelta(minutes=minute), instance],
+        )
+    rows = series.console_instances(T0, T0 + timedelta(minutes=59))
+    assert [(r["minute"], r["instance_id"], r["beat_until"]) for r in rows] == [
+        (T0 - timedelta(minutes=20), A, T0 + timedelta(minutes=30)),
+        (T0 - timedelta(minutes=20), B, None),  # gone from the table
+    ]
