@@ -200,10 +200,10 @@ def _carry_forward(
 ) -> None:
     """Fill the points no sample fell in from the last sample before them (``instances``)."""
     current = last_in.get(None, [])
-    carried_to: dict[Any, datetime] = {}
+    beating: list[dict[str, Any]] = []
     for i, start in enumerate(g.points):
         if i in last_in:
-            current = last_in[i]
+            current, beating = last_in[i], []
             continue
         beating = [
             r for r in current if r.get("beat_until") is not None and r["beat_until"] >= start
@@ -214,12 +214,10 @@ def _carry_forward(
         totals["in flight"][i] = float(sum(r["in_flight"] for r in beating))
         for r in beating:
             each[r["instance_id"]].in_flight[i] = float(r["in_flight"])
-            carried_to[r["instance_id"]] = r["beat_until"]
-    for instance_id, beat in carried_to.items():
-        # its last sample is older than the window's last points: its age is its beat's
-        series = each[instance_id]
-        if series.in_flight[-1] is not None and series.heartbeat_age[-1] is None:
-            series.latest_age = max((g.until - beat).total_seconds(), 0.0)
+    # the window ends on carried points: their instances' age is their beat's, not the
+    # age their old sample took
+    for r in beating:
+        each[r["instance_id"]].latest_age = max((g.until - r["beat_until"]).total_seconds(), 0.0)
 
 
 def totals(rows: Iterable[dict[str, Any]], key: str = "outcome") -> dict[str, int]:
