@@ -3286,6 +3286,9 @@ CREATE FUNCTION workpump.claim_work(
 )
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+-- its statements' plans are kept: left to choose, the planner kept planning them anew,
+-- about 0.15 ms of every claim
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
