@@ -2469,7 +2469,8 @@ DECLARE
           AND t.flow_controlled
           AND (t.instance_id IS NULL OR t.lease_expiry <= v_now)
           AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)$due$;
-    -- whether a flow-controlled head of these topics may be leased at v_now; ordered by
+    -- whether a flow-controlled head of these topics may be leased at v_now (the claim's
+    -- guard of its flow pass, and claimable_<category>'s probe of it); ordered by
     -- the _flow index's key, which keeps the planner on that index (an EXISTS was
     -- planned as a scan of the whole table). Named topics are looked up one by one,
     -- each a descent of the index: filtered in one walk, a claimer of other topics read
@@ -2495,9 +2496,9 @@ DECLARE
                   t.created_at, c.due_at, t.checkpoint$columns$;
     -- whether claim_<category>'s fast passes would find anything: a ready row or a due
     -- timer, not flow-controlled, of the topics chosen; with p_flow, or a due flow-
-    -- controlled head (flow_ready_<category>, which alone answers for the flow pass).
-    -- The ORDER BY of each probe is its index's order: it keeps the planner on the
-    -- partial index (an EXISTS may be planned as a scan of the whole table).
+    -- controlled head (inline: a function of its own cost more to call than the probe
+    -- to run). The ORDER BY of each probe is its index's order: it keeps the planner on
+    -- the partial index (an EXISTS may be planned as a scan of the whole table).
     v_probe text := $template$
 CREATE OR REPLACE FUNCTION workpump.claimable_{category}(
     p_topics text[],
@@ -2509,8 +2510,10 @@ LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 SET plan_cache_mode = force_generic_plan
 AS $$
+DECLARE
+    v_now timestamptz := p_now;
 BEGIN
-    RETURN (p_flow AND workpump.flow_ready_{category}(p_topics, p_topic_prefixes, p_now))
+    RETURN (p_flow AND {flow_ready})
         OR (SELECT 1 FROM {table} t
             WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
               AND t.instance_id IS NULL AND t.scheduled_for IS NULL AND NOT t.flow_controlled
@@ -2526,25 +2529,6 @@ BEGIN
               AND (p_topics IS NULL OR t.topic = ANY (p_topics)
                    OR t.topic ^@ ANY (p_topic_prefixes))
             ORDER BY coalesce(t.lease_expiry, t.scheduled_for) LIMIT 1) IS NOT NULL;
-END
-$$;
-$template$;
-    -- whether a flow-controlled head of these topics is due: claim_work's probe of a
-    -- category's flow rows, and the claim's guard of its flow pass (the _flow index).
-    -- PL/pgSQL, so its plan is kept: it runs in every claim, and a SQL function of its
-    -- own would be planned anew each time.
-    v_flow_ready text := $template$
-CREATE OR REPLACE FUNCTION workpump.flow_ready_{category}(
-    p_topics text[], p_topic_prefixes text[], p_now timestamptz
-) RETURNS boolean
-LANGUAGE plpgsql STABLE
-SET search_path FROM CURRENT
-SET plan_cache_mode = force_generic_plan
-AS $$
-DECLARE
-    v_now timestamptz := p_now;
-BEGIN
-    RETURN {flow_ready};
 END
 $$;
 $template$;
@@ -2904,7 +2888,7 @@ BEGIN
     -- The flow pass first (flow_claim_{category}), when a flow-controlled head of these
     -- topics is due: it takes rows within their limits, and half the budget at most
     -- while the fast passes have work too, so neither kind starves the other.
-    IF {flow_ready} THEN  -- flow_ready_{category}, inline: no call per claim
+    IF {flow_ready} THEN
         IF p_limit > 1
            AND workpump.claimable_{category}(p_topics, p_topic_prefixes, false, v_now) THEN
             v_limit := ceil(p_limit / 2.0)::integer;
@@ -3171,8 +3155,8 @@ BEGIN
 $$;
 $template$;
 BEGIN
-    -- flow control (docs/flow-control.md): its probe and its pass, built alike
-    v_claim := v_claim || v_flow_ready || v_flow_claim;
+    -- flow control (docs/flow-control.md): its pass, built alike, and claim_work's probes
+    v_claim := v_claim || v_flow_claim || v_probe;
     -- chains (send(after=...)) are of the outbox alone; their statement's placeholders
     -- are filled with the rest
     v_claim := replace(v_claim, '{chain_runs}',
@@ -3203,7 +3187,6 @@ BEGIN
         THEN 'n.' || quote_ident(v_meta.scope_col) || ' = c.run_scope AND ' ELSE '' END);
     v_claim := replace(v_claim, '{n.scope_order}', CASE WHEN v_from_event
         THEN 'n.' || quote_ident(v_meta.scope_col) || ', ' ELSE '' END);
-    v_claim := v_claim || v_probe;
     v_claim := replace(v_claim, '{table}', quote_ident(v_meta.tbl));
     v_claim := replace(v_claim, '{category}', p_category);
     IF v_claim ~ '\{[a-z_.]+\}' THEN

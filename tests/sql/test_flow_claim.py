@@ -212,7 +212,8 @@ def test_a_claimer_of_other_topics_does_not_read_a_flow_controlled_backlog():
         " FROM generate_series(1, 2000) g",
         [TOPIC],
     )
-    ready = "SELECT workpump.flow_ready_outbox(%s, %s, %s)"
+    # every row is flow-controlled: claim_work's probe answers by the _flow index alone
+    ready = "SELECT workpump.claimable_outbox(%s, %s, true, %s)"
     before = flow_index_reads()
     assert scalar(ready, [["other.a", "other.b"], None, T0]) is False
     # each named topic is one descent of the index, not a walk past the backlog
