@@ -227,18 +227,23 @@ def _claim_statement() -> PreparedQuery:
 
 
 def _claimed(row: Row) -> ClaimedWork:
-    headers, headers_error = _headers(row.get("headers"))
-    row = {**row, "headers": headers, "headers_error": headers_error}
-    row["checkpoint"] = _checkpoint(row)
+    # one copy of the row, its JSON texts replaced by what they decode to (a claim
+    # builds one per row)
+    values = dict(row)
+    values["headers"], values["headers_error"] = _headers(row.get("headers"))
+    values["checkpoint"] = _checkpoint(row)
+    values.pop("last_error", None)  # why a parked row was parked: not a field of work
     text: str = row["payload"]  # the payload's JSON text
     try:
         payload = decode(text)
     except UndecodablePayload as exc:
-        return ClaimedWork.from_row({**row, "payload": {}, "payload_error": str(exc)})
-    if not isinstance(payload, dict):  # the producers store objects only
-        error = f"it is a JSON {type(payload).__name__}, not an object"
-        return ClaimedWork.from_row({**row, "payload": {}, "payload_error": error})
-    return ClaimedWork.from_row({**row, "payload": payload})
+        payload, values["payload_error"] = {}, str(exc)
+    else:
+        if not isinstance(payload, dict):  # the producers store objects only
+            values["payload_error"] = f"it is a JSON {type(payload).__name__}, not an object"
+            payload = {}
+    values["payload"] = payload
+    return ClaimedWork.from_row(values)
 
 
 def _checkpoint(row: Row) -> Any:
