@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
+from functools import lru_cache
+from types import TracebackType
 
 from django_workpump.conf import log_level, setting
 from django_workpump.storable import storable_text
@@ -93,6 +93,8 @@ class AttemptLog:
 
     def json(self) -> str | None:
         """The records as the JSON array ``p_logs`` takes, or None when none was kept."""
+        if not self.records and not self.dropped:
+            return None  # most attempts log nothing: no lock, no copy
         with self._lock:
             records = list(self.records)
             dropped = self.dropped
@@ -132,35 +134,57 @@ _install_lock = threading.Lock()
 def install() -> None:
     """Put the capturing handler on the root logger, once (it does nothing outside an
     attempt: one context variable read per record)."""
-    root = logging.getLogger()
-    if _handler in root.handlers:
+    if _handler in logging.root.handlers:
         return
     with _install_lock:
-        if _handler not in root.handlers:
-            root.addHandler(_handler)
+        if _handler not in logging.root.handlers:
+            logging.root.addHandler(_handler)
 
 
 def configured_level() -> int | None:
     """``ATTEMPT_LOG_LEVEL`` as a number; None: attempts keep no records."""
-    return log_level(setting("ATTEMPT_LOG_LEVEL"))
-
-
-@contextmanager
-def capturing(level: int | None = None) -> Iterator[AttemptLog | None]:
-    """Bind a new ``AttemptLog`` to this context while the block runs (the setting's
-    level unless ``level`` is given); yields None when the setting turns capture off."""
-    if level is None:
-        level = configured_level()
-    if level is None:
-        yield None
-        return
-    install()
-    log = AttemptLog(level)
-    token = _current.set(log)
+    value = setting("ATTEMPT_LOG_LEVEL")
     try:
-        yield log
-    finally:
-        _current.reset(token)
+        return _level(value)
+    except TypeError:  # unhashable: not a level, and log_level says so
+        return log_level(value)
+
+
+@lru_cache(maxsize=8)
+def _level(value: str | int | None) -> int | None:
+    return log_level(value)  # read once per value: every attempt asks
+
+
+class capturing:  # a context manager: named as contextlib names its own
+    """Bind a new ``AttemptLog`` to this context while the block runs (the setting's
+    level unless ``level`` is given); ``as`` gives None when the setting turns capture
+    off. A class, not a generator: the dispatcher enters one per attempt."""
+
+    __slots__ = ("_token", "level", "log")
+
+    def __init__(self, level: int | None = None) -> None:
+        self.level = level
+        self.log: AttemptLog | None = None
+        self._token: Token[AttemptLog | None] | None = None
+
+    def __enter__(self) -> AttemptLog | None:
+        level = configured_level() if self.level is None else self.level
+        if level is None:
+            return None
+        install()
+        self.log = AttemptLog(level)
+        self._token = _current.set(self.log)
+        return self.log
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
 
 
 def current_json() -> str | None:

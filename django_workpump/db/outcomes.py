@@ -27,7 +27,12 @@ class Outcome(FromRow):
 
     def __post_init__(self) -> None:
         # The SQL returns plain text: hold the member (ValueError for an unknown word).
-        object.__setattr__(self, "status", OutcomeStatus(self.status))
+        # A dict lookup first: an enum call costs a microsecond, and every row has one.
+        status = _STATUSES.get(self.status) or OutcomeStatus(self.status)
+        object.__setattr__(self, "status", status)
+
+
+_STATUSES: dict[object, OutcomeStatus] = {status.value: status for status in OutcomeStatus}
 
 
 def log_param(logs: Sequence[str | None] | None) -> list[str | None] | None:

@@ -68,6 +68,7 @@ class HandlerRunner:
         self._stopping = stopping
         self._instance_id = instance_id
         self._local = threading.local()
+        self._checkpointer = partial(store_checkpoint, alias)  # one for every Work
 
     # -- one row, one batch --------------------------------------------------------
     def run(self, handler: Handler | None, job: Job, traced: bool | None = None) -> HandlerResult:
@@ -166,7 +167,7 @@ class HandlerRunner:
             job.handle,
             self._instance_id(),
             stopping=self._stopping,
-            checkpointer=partial(store_checkpoint, self.alias),
+            checkpointer=self._checkpointer,
         )
 
     def call(self, handler: Handler, job: Job, traced: bool | None = None) -> str | None:

@@ -16,7 +16,14 @@ from asgiref.sync import sync_to_async
 from django.test import override_settings
 
 import django_workpump as workpump
-from django_workpump.attempt_logs import MAX_BYTES, MAX_MESSAGE_CHARS, MAX_RECORDS, NOTE_LEVEL
+from django_workpump.attempt_logs import (
+    MAX_BYTES,
+    MAX_MESSAGE_CHARS,
+    MAX_RECORDS,
+    NOTE_LEVEL,
+    capturing,
+    configured_level,
+)
 from django_workpump.pump.supervisor import EXIT_OK
 from tests.helpers import FAST_PUMP, drain, run_sql
 
@@ -217,3 +224,27 @@ def test_a_not_retryable_failure_keeps_its_records_with_the_dead_row(outbox_hand
     assert [r["message"] for r in logs_of(work_id)] == [f"giving up on {work_id}"]
     (row,) = run_sql("SELECT dead_lettered_at FROM workpump_outbox WHERE work_id = %s", [work_id])
     assert row["dead_lettered_at"] is not None
+
+
+def test_each_attempt_reads_the_level_the_setting_has_then():
+    with override_settings(WORKPUMP={**FAST_PUMP, "ATTEMPT_LOG_LEVEL": "ERROR"}):
+        with capturing() as log:
+            app_log.warning("below ERROR")
+        assert log is not None and log.json() is None
+    with override_settings(WORKPUMP={**FAST_PUMP, "ATTEMPT_LOG_LEVEL": "WARNING"}):
+        with capturing() as log:
+            app_log.warning("at WARNING")
+        assert log is not None and "at WARNING" in (log.json() or "")
+    with override_settings(WORKPUMP={**FAST_PUMP, "ATTEMPT_LOG_LEVEL": None}):
+        with capturing() as log:
+            app_log.error("none kept")
+        assert log is None
+
+
+def test_a_level_that_is_no_level_is_refused_by_name_even_when_unhashable():
+    unhashable = {**FAST_PUMP, "ATTEMPT_LOG_LEVEL": ["WARNING"]}
+    with (
+        override_settings(WORKPUMP=unhashable),
+        pytest.raises(ValueError, match=r"ATTEMPT_LOG_LEVEL.*must be a level name"),
+    ):
+        configured_level()
