@@ -224,6 +224,33 @@ def test_a_claimer_of_other_topics_does_not_read_a_flow_controlled_backlog():
     assert scalar(ready, [[], ["other."], T0]) is False
 
 
+def test_the_flow_probe_reads_from_the_newest_end_past_a_drained_oldest_end():
+    """A group drains from its oldest rows, and their index entries stay until VACUUM:
+    a probe from that end would step over every one of them, in every claim."""
+    run_sql(
+        "SELECT workpump.send_many(%s, array_agg(jsonb_build_object('n', g)),"
+        " p_fairness_key => 'tenant:a') FROM generate_series(1, 600) g",
+        [TOPIC],
+    )
+    rows = claim(max_rows=500)
+    assert len(rows) == 500
+    done = run_sql(
+        "SELECT status FROM workpump.complete_work(%s, 'outbox', %s::uuid[], %s::uuid[],"
+        " p_now => %s)",
+        [A, [r["work_id"] for r in rows], [r["lease_token"] for r in rows], T0],
+    )
+    assert {r["status"] for r in done} == {"done"}
+
+    ready = "SELECT workpump.claimable_outbox(%s, %s, true, %s)"
+    before = flow_index_reads()
+    assert scalar(ready, [None, None, T0]) is True
+    assert scalar(ready, [[TOPIC], None, T0]) is True
+    assert scalar(ready, [[], [TOPIC[:3]], T0]) is True
+    # 1,000 entries of ended versions lie at the oldest end (each row's first and its
+    # leased one): each probe reads its answer at the other end
+    assert flow_index_reads() - before <= 6
+
+
 def test_the_claim_takes_fairness_keys_round_robin_with_priority_inside_a_key():
     noisy = send(n=50, fairness_key="tenant:noisy")
     quiet_low = send(fairness_key="tenant:quiet")
