@@ -160,11 +160,10 @@ class capturing:  # a context manager: named as contextlib names its own
     level unless ``level`` is given); ``as`` gives None when the setting turns capture
     off. A class, not a generator: the dispatcher enters one per attempt."""
 
-    __slots__ = ("_token", "level", "log")
+    __slots__ = ("_token", "level")
 
     def __init__(self, level: int | None = None) -> None:
         self.level = level
-        self.log: AttemptLog | None = None
         self._token: Token[AttemptLog | None] | None = None
 
     def __enter__(self) -> AttemptLog | None:
@@ -172,9 +171,9 @@ class capturing:  # a context manager: named as contextlib names its own
         if level is None:
             return None
         install()
-        self.log = AttemptLog(level)
-        self._token = _current.set(self.log)
-        return self.log
+        log = AttemptLog(level)
+        self._token = _current.set(log)
+        return log
 
     def __exit__(
         self,

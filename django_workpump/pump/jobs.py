@@ -119,11 +119,6 @@ class ClaimRuns:
 
     def join(self, row: ClaimedWork) -> Run:
         """The run ``row`` joins (before its job is added to it)."""
-        if row.stream is None and row.after_id is None:
-            # A lone row (most are): its own run, found by its own id.
-            key = self.run_of[row.work_id] = row.work_id
-            run = self.runs[key] = Run([])
-            return run
         key = self.run_of[row.work_id] = self.key(row)
         return self.runs.setdefault(key, Run([], unchained=isinstance(key, Unchained)))
 
