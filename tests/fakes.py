@@ -89,6 +89,7 @@ class FakeCoordinator:
         self.identity = InstanceIdentity(host_name="test-host", process_id=4242)
         self.calls: list[str] = []  # method names, in call order
         self.claims: list[int] = []  # max_rows of each claim call
+        self.underserved_only: list[bool] = []  # each claim call's underserved_only
         self.heartbeats: list[dict[str, Any]] = []
         self.renewals: list[tuple[str, list[uuid.UUID]]] = []
         self.renewal_tokens: list[uuid.UUID] = []  # every token sent to renew, in order
@@ -147,9 +148,10 @@ class FakeCoordinator:
         self._record("schema_ready")
         return True
 
-    def claim(self, max_rows: int) -> list[ClaimedWork]:
+    def claim(self, max_rows: int, underserved_only: bool = False) -> list[ClaimedWork]:
         with self._cond:
             self.claims.append(max_rows)
+            self.underserved_only.append(underserved_only)
             self.calls.append("claim")
             step = self._claim_script.popleft() if self._claim_script else []
             self._cond.notify_all()
@@ -282,12 +284,14 @@ class FakeSink:
     def __init__(self, free: int = 4) -> None:
         self.free = free
         self.batches: list[list[ClaimedWork]] = []
+        self.fronts: list[bool] = []  # each batch's ``front``
 
     def free_slots(self) -> int:
         return self.free
 
-    def submit(self, rows: list[ClaimedWork]) -> None:
+    def submit(self, rows: list[ClaimedWork], front: bool = False) -> None:
         self.batches.append(list(rows))
+        self.fronts.append(front)
 
 
 class FakeGate:

@@ -83,6 +83,7 @@ def claim_work(
     topic_prefixes: Mapping[str, Sequence[str]] | None = None,
     stream_run_max: int = 1,
     synchronous_commit: bool = True,
+    underserved_only: bool = False,
 ) -> list[ClaimedWork]:
     """Lease rows of ``topics`` (``{category: [topic, ...]}``; None: every topic) and of
     the topics starting with one of ``topic_prefixes`` (same shape; None: none).
@@ -104,6 +105,11 @@ def claim_work(
     as dead by the claim instead of leased: it is not returned, and is logged here, once,
     as every dead-lettered row is (``dead_letters.log_dead_lettered``). The log comes when
     the claim returns, also inside a caller's transaction (``run_pending`` in a test).
+
+    ``underserved_only``: lease only flow-controlled rows of the groups (topic, concurrency
+    key, fairness key) that hold fewer rows now than the group that holds the most, one
+    round of each: the claim of a pump whose slots are full when new work was stored
+    (docs/flow-control.md).
     """
     params = {
         "instance_id": instance_id,
@@ -121,6 +127,7 @@ def claim_work(
         "definitively_dead_after_seconds": definitively_dead_after_seconds,
         "now": now,
         "stream_run_max": stream_run_max,
+        "underserved_only": underserved_only,
         "synchronous_commit": None if synchronous_commit or _in_transaction(using) else "off",
     }
     try:
@@ -222,6 +229,7 @@ def _claim_statement() -> PreparedQuery:
             "topics": "jsonb",
             "topic_prefixes": "jsonb",
             "stream_run_max": "integer",
+            "underserved_only": "boolean",
         },
     )
 

@@ -180,7 +180,9 @@ class DatabaseCoordinator:
     def schema_ready(self) -> bool:
         return self._call(db.schema_functions_present, REQUIRED_FUNCTIONS, using=self.alias)
 
-    def claim(self, max_rows: int) -> list[ClaimedWork]:
+    def claim(self, max_rows: int, underserved_only: bool = False) -> list[ClaimedWork]:
+        """Lease up to ``max_rows`` rows; ``underserved_only``: only rows of the flow groups
+        that hold fewer than the one holding most (db.claim_work)."""
         return self._call(
             db.claim_work,
             instance_id=self.identity.instance_id,
@@ -194,6 +196,7 @@ class DatabaseCoordinator:
             definitively_dead_after_seconds=self.dead_after_seconds,
             stream_run_max=self.settings["STREAM_RUN_MAX"],
             synchronous_commit=self.settings["CLAIM_SYNCHRONOUS_COMMIT"],
+            underserved_only=underserved_only,
             using=self.alias,
         )
 

@@ -37,7 +37,6 @@ import contextlib
 import itertools
 import logging
 import math
-import queue
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -52,7 +51,7 @@ from django_workpump.metrics import NullRecorder, recorder
 from django_workpump.middleware import Middleware
 from django_workpump.pump.coordinator import Coordinator
 from django_workpump.pump.handler_connections import PERSISTENT, between_jobs
-from django_workpump.pump.jobs import ClaimRuns, DispatchStats, Job, Run, queue_wait
+from django_workpump.pump.jobs import ClaimRuns, DispatchStats, Job, Run, RunQueue, queue_wait
 from django_workpump.pump.lease import LeaseHandle, LeaseRegistry
 from django_workpump.pump.naming import application_name, name_thread_connections
 from django_workpump.pump.outcomes import (
@@ -118,9 +117,8 @@ class Dispatcher:
         self.on_fatal = on_fatal
         self.on_stream_ready = on_stream_ready
         self.stats = DispatchStats()
-        # Runs for the handler threads. SimpleQueue hands over in C: a woken pump's row
-        # reaches its handler thread some microseconds sooner than through Queue's locks.
-        self._queue: queue.SimpleQueue[Run | None] = queue.SimpleQueue()
+        # Runs for the handler threads (RunQueue: in C, with a front lane).
+        self._queue = RunQueue()
         self._jobs: dict[tuple[str, uuid.UUID], Job] = {}
         self._in_flight = 0  # queued + running, not abandoned
         self._lock = threading.Lock()
@@ -173,9 +171,10 @@ class Dispatcher:
     def pending_outcomes(self) -> int:
         return self.outcomes.pending
 
-    def submit(self, rows: list[ClaimedWork]) -> None:
+    def submit(self, rows: list[ClaimedWork], front: bool = False) -> None:
         """Take claimed rows: one lease handle each, queued for the workers by run
-        (``ClaimRuns``: a stream's or a chain's rows together, in the claim's order)."""
+        (``ClaimRuns``: a stream's or a chain's rows together, in the claim's order);
+        ``front``: before the runs queued now (RunQueue)."""
         received_at = self.clock.monotonic()
         runs = ClaimRuns(self.handlers)
         # One look at the rows in flight here for the whole claim (each row is looked up
@@ -228,7 +227,7 @@ class Dispatcher:
             self.metrics.held(category, count)
         for run in runs:
             if not run.unchained:
-                self._queue.put(run)
+                self._queue.put(run, front)
                 continue
             self._release_rest(run, 0)  # never run here: given back, to wait as before
             self._free_slot(run)
@@ -787,7 +786,7 @@ class Dispatcher:
         self.leases.cancel_all(CancelReason.SHUTDOWN)
         if first:
             for _ in self._threads:
-                self._queue.put(None)
+                self._queue.stop_one()
         self.outcomes.stop(timeout)
 
     def join(self, timeout: float | None = None) -> bool:

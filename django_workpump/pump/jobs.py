@@ -1,13 +1,15 @@
 """The dispatcher's bookkeeping: a claimed row in flight (``Job``), the rows of one
-stream or chain that a claim leased together (``Run``, grouped by ``ClaimRuns``), and
-the dispatcher's counters."""
+stream or chain that a claim leased together (``Run``, grouped by ``ClaimRuns``), the
+queue of runs for the handler threads (``RunQueue``), and the dispatcher's counters."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ __all__ = [
     "LeaseLost",
     "Run",
     "RunKey",
+    "RunQueue",
     "Unchained",
     "stream_run_key",
 ]
@@ -82,6 +85,38 @@ class Run:
     def ordered(self) -> bool:
         """Whether a row after its last waits on it: a stream's run, or a chain's."""
         return self.jobs[0].row.stream is not None or self.jobs[-1].row.after_id is not None
+
+
+class RunQueue:
+    """Runs for the handler threads, first in first out, with a front lane.
+
+    A run put at the front (rows of underserved fairness groups, claimed with every slot
+    busy: docs/flow-control.md) starts before every run queued behind it. The threads
+    block on a SimpleQueue of tickets, one per run, which hands over in C: each run is in
+    a lane before its ticket is put, so a ticket always finds one (not always its own).
+    """
+
+    def __init__(self) -> None:
+        self._tickets: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._lanes: tuple[deque[Run], deque[Run]] = (deque(), deque())  # front, back
+
+    def put(self, run: Run, front: bool = False) -> None:
+        self._lanes[0 if front else 1].append(run)
+        self._tickets.put(True)
+
+    def stop_one(self) -> None:
+        """Make one thread's get() return None (its signal to end)."""
+        self._tickets.put(False)
+
+    def get(self) -> Run | None:
+        """The next run, front lane first; None for a thread told to end."""
+        if not self._tickets.get():
+            return None
+        front, back = self._lanes
+        try:  # deque pops are atomic: no lock
+            return front.popleft()
+        except IndexError:
+            return back.popleft()
 
 
 @dataclass(frozen=True)

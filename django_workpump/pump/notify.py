@@ -51,6 +51,9 @@ CHANNELS = {
 }
 # cancel_work's channel: the payload names the holder, the category and the attempts.
 CANCEL_CHANNEL = "workpump_cancel"
+# A category channel's payload when flow-controlled rows ended (room under a cap), not
+# when work was stored: the signal is then "<category>:ended".
+ENDED_PAYLOAD = "ended"
 # PostgreSQL refuses NOTIFY payloads of 8000 bytes or more.
 MAX_PAYLOAD_CHARS = 8000
 # {"instance": ..., "category": ..., "work": [[id, token], ...]}: three levels, and
@@ -346,6 +349,8 @@ class NotifyGate(LoopService):
             if signal is None:
                 return
             self.signals_received += 1
+            if payload == ENDED_PAYLOAD and signal != "orphan":
+                signal = f"{signal}:{ENDED_PAYLOAD}"
             self.on_signal(signal)
         except Exception as exc:  # noqa: BLE001 - one notification never ends the loop
             self._reject(

@@ -302,7 +302,9 @@ class Supervisor:
     def _signal(self, signal: str) -> None:
         if signal in self.options.categories:
             self.claim.request_immediate_poll(new_work=True)
-        elif signal == "orphan":
+        elif signal == "orphan" or signal.removesuffix(":ended") in self.options.categories:
+            # rows were released, or flow-controlled rows ended (room under a cap): a
+            # claim for free slots, not new work
             self.claim.request_immediate_poll()
 
     def _gate_changed(self, available: bool) -> None:

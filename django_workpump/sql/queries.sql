@@ -141,7 +141,8 @@ CROSS JOIN workpump.claim_work(
     p_topics => %(topics)s::jsonb,
     p_topic_prefixes => %(topic_prefixes)s::jsonb,
     p_stream_run_max => %(stream_run_max)s,
-    p_return_dead_lettered => true) AS c
+    p_return_dead_lettered => true,
+    p_underserved_only => %(underserved_only)s) AS c
 
 -- name: renew_leases
 SELECT work_id, lease_expiry, status

@@ -2539,9 +2539,11 @@ $$;
 $template$;
     -- The flow pass: leases up to p_limit flow-controlled heads, each group (topic,
     -- concurrency key, fairness key) within what its rules allow now, the groups taken
-    -- round-robin (a fairness key's weight is its rows per round), priority then FIFO
-    -- within a group. Exact across claimers: the rules that limit what it takes are
-    -- locked (in id order) before it counts, so claimers of one limited group take turns.
+    -- round-robin (a fairness key's weight is its rows per round; a group's rounds start
+    -- after the rows it holds), priority then FIFO within a group. Exact across
+    -- claimers: the rules that limit what it takes are locked (in id order) before it
+    -- counts, so claimers of one limited group take turns. p_underserved_only: only the
+    -- groups that hold fewer rows than the one holding most, one round each (claim_work).
     v_flow_claim text := $template$
 CREATE OR REPLACE FUNCTION workpump.flow_claim_{category}(
     p_instance_id uuid,
@@ -2549,6 +2551,7 @@ CREATE OR REPLACE FUNCTION workpump.flow_claim_{category}(
     p_lease_expiry timestamptz,
     p_topics text[] DEFAULT NULL,
     p_topic_prefixes text[] DEFAULT NULL,
+    p_underserved_only boolean DEFAULT false,
     p_now timestamptz DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
@@ -2658,22 +2661,42 @@ BEGIN
         JOIN topic_allow ta ON ta.topic = d.topic
         WHERE ta.key_cap IS NOT NULL
     ),
+    -- the rows each group holds now, on every instance: a group's rounds count them, so
+    -- a group that holds rows takes its turn after those that hold fewer, also in a
+    -- claim smaller than the number of groups (one group: no turns to order)
+    held AS MATERIALIZED (
+        SELECT h.topic, h.concurrency_key AS ckey, h.fairness_key AS fkey, count(*) AS n
+        FROM {table} h
+        WHERE (NOT v_one_group OR p_underserved_only)
+          AND h.done_at IS NULL AND h.instance_id IS NOT NULL AND h.flow_controlled
+          AND h.lease_expiry > v_now
+          AND (h.concurrency_key, h.topic) IN (SELECT grp.ckey, grp.topic FROM grp)
+        GROUP BY h.topic, h.concurrency_key, h.fairness_key
+    ),
+    -- p_underserved_only: only the groups that hold fewer rows than the group that holds
+    -- the most, one round each
     group_allow AS MATERIALIZED (
         SELECT g.topic, g.ckey, g.fkey, coalesce(f.weight, 1) AS weight,
+               coalesce(hd.n, 0) AS held,
                ta.allow AS topic_allow, ka.allow AS key_allow, tk.allow AS topic_key_allow,
-               least(p_limit, ta.allow, ka.allow, tk.allow)::bigint AS allow
+               least(p_limit, ta.allow, ka.allow, tk.allow,
+                     CASE WHEN p_underserved_only THEN coalesce(f.weight, 1) END)::bigint AS allow
         FROM grp g
         JOIN topic_allow ta ON ta.topic = g.topic
         LEFT JOIN key_allow ka ON ka.ckey = g.ckey
         LEFT JOIN topic_key_allow tk ON tk.topic = g.topic AND tk.ckey = g.ckey
+        LEFT JOIN held hd ON hd.topic = g.topic AND hd.ckey = g.ckey AND hd.fkey = g.fkey
         LEFT JOIN rules f ON f.kind = 'key' AND f.name = g.fkey AND g.fkey <> ''
         WHERE NOT coalesce(f.paused, false)
+          AND NOT (p_underserved_only
+                   AND coalesce(hd.n, 0) >= coalesce((SELECT max(m.n) FROM held m), 0))
     ),
-    -- each group's first rows, as many as it may start, numbered into rounds
+    -- each group's first rows, as many as it may start, numbered into rounds after the
+    -- rows it holds
     picks AS MATERIALIZED (
         SELECT p.*, a.topic_allow, a.key_allow, a.topic_key_allow,
-               ceil(row_number() OVER (PARTITION BY a.topic, a.ckey, a.fkey
-                                       ORDER BY p.priority DESC, p.seq)::numeric
+               ceil((a.held + row_number() OVER (PARTITION BY a.topic, a.ckey, a.fkey
+                                                 ORDER BY p.priority DESC, p.seq))::numeric
                     / a.weight) AS round
         FROM group_allow a
         CROSS JOIN LATERAL (
@@ -2870,6 +2893,7 @@ CREATE OR REPLACE FUNCTION workpump.claim_{category}(
     p_topic_prefixes text[] DEFAULT NULL,
     p_run_max integer DEFAULT 1,
     p_paused_topics text[] DEFAULT NULL,
+    p_underserved_only boolean DEFAULT false,
     p_now timestamptz DEFAULT NULL
 ) RETURNS SETOF workpump.leased_work
 LANGUAGE plpgsql
@@ -2896,14 +2920,18 @@ BEGIN
     -- topics is due: it takes rows within their limits, and half the budget at most
     -- while the fast passes have work too, so neither kind starves the other.
     IF {flow_ready} THEN
-        IF p_limit > 1
+        IF p_limit > 1 AND NOT p_underserved_only
            AND workpump.claimable_{category}(p_topics, p_topic_prefixes, false, v_now) THEN
             v_limit := ceil(p_limit / 2.0)::integer;
         END IF;
         v_flow := ARRAY(SELECT f FROM workpump.flow_claim_{category}(
-            p_instance_id, v_limit, v_lease_expiry, p_topics, p_topic_prefixes, v_now) f);
+            p_instance_id, v_limit, v_lease_expiry, p_topics, p_topic_prefixes,
+            p_underserved_only, v_now) f);
         v_limit := p_limit - (SELECT count(*) FROM unnest(v_flow) f
                               WHERE f.lease_token IS NOT NULL)::integer;
+    END IF;
+    IF p_underserved_only THEN
+        v_limit := 0;  -- the other passes' rows are no group's turn
     END IF;
 
     -- The heads: locked and leased (or parked as dead) in one statement; what is
@@ -3239,6 +3267,11 @@ FROM unnest(ARRAY['outbox', 'inbox', 'perspective_event', 'receptor']) category;
 -- claimed after theirs (never more than p_max_rows rows are leased). last_error is NULL
 -- on every leased row. checkpoint is what the row's last attempt stored
 -- (checkpoint_work; NULL when none): the new attempt resumes from it.
+-- p_underserved_only: lease only flow-controlled rows of the groups (topic, concurrency key,
+-- fairness key) that hold fewer rows now, on every instance, than the group in reach
+-- that holds the most, one round of each (its weight): the claim a pump makes with its
+-- slots full when new work was stored, so a quiet tenant's row need not wait for a noisy
+-- tenant's queue. A row counts as held until its outcome is written.
 CREATE FUNCTION workpump.claim_work(
     p_instance_id uuid,
     p_max_rows integer DEFAULT 100,
@@ -3251,6 +3284,7 @@ CREATE FUNCTION workpump.claim_work(
     p_topic_prefixes jsonb DEFAULT NULL,
     p_stream_run_max integer DEFAULT 1,
     p_return_dead_lettered boolean DEFAULT false,
+    p_underserved_only boolean DEFAULT false,
     p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (
     category text,
@@ -3473,25 +3507,25 @@ BEGIN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_outbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
                     v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
-                    v_choice.paused, v_now) w
+                    v_choice.paused, p_underserved_only, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_choice.category = 'inbox' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_inbox(p_instance_id, v_quota, p_lease_seconds, v_rank,
                     v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
-                    v_choice.paused, v_now) w
+                    v_choice.paused, p_underserved_only, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSIF v_choice.category = 'perspective_event' THEN
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_perspective_event(p_instance_id, v_quota, p_lease_seconds,
                     v_rank, v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
-                    v_choice.paused, v_now) w
+                    v_choice.paused, p_underserved_only, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             ELSE
                 RETURN QUERY SELECT w.*, count(w.lease_token) OVER () >= v_quota
                 FROM workpump.claim_receptor(p_instance_id, v_quota, p_lease_seconds, v_rank,
                     v_live_count, v_choice.topics, v_choice.prefixes, p_stream_run_max,
-                    v_choice.paused, v_now) w
+                    v_choice.paused, p_underserved_only, v_now) w
                 WHERE w.lease_token IS NOT NULL OR p_return_dead_lettered;
             END IF;
             GET DIAGNOSTICS v_count = ROW_COUNT;
@@ -3857,8 +3891,9 @@ BEGIN
     END CASE;
     PERFORM workpump.notify_ended(v_ended_ids);
     IF v_flow_ended THEN
-        -- a flow-controlled row ended: a capped row may start now, on any instance
-        PERFORM pg_notify('workpump_' || p_category, p_category);
+        -- a flow-controlled row ended: a capped row may start now, on any instance (a
+        -- claim for free slots: 'ended', not new work)
+        PERFORM pg_notify('workpump_' || p_category, 'ended');
     END IF;
 
     IF EXISTS (SELECT 1 FROM unnest(v_streams) s WHERE s IS NOT NULL) THEN

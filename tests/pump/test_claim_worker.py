@@ -15,6 +15,8 @@ import pytest
 from django_workpump.clock import FrozenClock
 from django_workpump.db import InstanceRefused
 from django_workpump.pump.claim import (
+    FAIR_BATCH_ROWS,
+    FAIR_QUEUE_ROWS,
     FREE_FRUITLESS_WAKES,
     WAKE_FLOOD_QUIET_SECONDS,
     ClaimPolicy,
@@ -507,20 +509,21 @@ class FairClaims(FakeCoordinator):
         return self.fair
 
 
-def test_after_a_claim_that_reached_fairness_keys_the_batch_is_free_slots_plus_prefetch():
-    # 10,000 rows/s would claim max_rows ahead: rows a quiet key stores meanwhile would
-    # wait for them all to start before a claim could take them
+def test_after_a_claim_that_reached_fairness_keys_the_batch_is_capped_short():
+    # 10,000 rows/s would claim max_rows ahead, a claim of some 20 ms: a quiet key's row
+    # stored meanwhile would wait for its end
     clock = FrozenClock()
     sink = CountingSink(free=4)
-    coordinator = FairClaims(True, claims=[[]] * 4)
+    coordinator = FairClaims(True, claims=[[]] * 5)
     worker = make_worker(coordinator, sink, ClaimPolicy(max_rows=1000, prefetch=2), clock=clock)
-    for fair in (True, True, False, False):
+    for fair in (False, True, True, False, False):
         coordinator.fair = fair
         worker.run_once()
         clock.advance(0.1)
         sink.started_total += 1000
-    # the third claim follows the second's answer (fair); the fourth the third's (not)
-    assert coordinator.claims == [6, 6, 6, 1000]
+    # each claim follows the previous one's answer: the rate is measured all along
+    assert coordinator.claims == [6, 1000, 4 + FAIR_BATCH_ROWS, 4 + FAIR_BATCH_ROWS, 1000]
+    assert coordinator.underserved_only == [False] * 5
 
 
 class BusySink(FakeSink):
@@ -532,33 +535,36 @@ class BusySink(FakeSink):
         self.concurrency = concurrency
 
 
-def test_after_a_fair_claim_new_work_is_claimed_with_no_slot_free_up_to_twice_the_prefetch():
-    # every slot busy with a noisy key's rows and a prefetch of them queued: a row another
-    # key stores now (its NOTIFY) is claimed at once, not after a noisy row finishes
-    sink = BusySink(in_flight=6)
-    coordinator = FairClaims(True, claims=[[make_row()], [make_row()], [], []])
+def test_after_a_fair_claim_new_work_of_underserved_groups_is_claimed_with_no_slot_free():
+    # every slot busy with a noisy key's rows and more of them queued: a row another key
+    # stores now (its NOTIFY) is claimed at once, by a claim of the groups holding none,
+    # and handed over to start before the queued rows
+    sink = BusySink(in_flight=10)
+    quiet = make_row()
+    coordinator = FairClaims(True, claims=[[quiet], [], []])
     worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2))
     worker.fair = True
 
     assert worker.run_once().skipped_busy  # no new work: the claim waits for a slot
     worker.request_immediate_poll(new_work=True)
     assert worker.run_once().claimed == 1
-    assert coordinator.claims == [2]  # the prefetch: 6 + 2 queued is 4 + twice the prefetch
+    assert (coordinator.claims, coordinator.underserved_only) == ([4], [True])  # a slot's worth
+    assert sink.batches == [[quiet]] and sink.fronts == [True]
     assert worker.run_once().skipped_busy  # that wake is spent
 
-    sink.in_flight = 7  # one of the two is queued still
+    sink.in_flight = 4 + FAIR_QUEUE_ROWS - 1
     worker.request_immediate_poll(new_work=True)
     worker.run_once()
-    assert coordinator.claims == [2, 1]
-    sink.in_flight = 8
+    assert coordinator.claims == [4, 1]  # room for one more queued row
+    sink.in_flight = 4 + FAIR_QUEUE_ROWS
     worker.request_immediate_poll(new_work=True)
-    assert worker.run_once().skipped_busy  # twice the prefetch queued: no more
+    assert worker.run_once().skipped_busy  # the queue is full: no more
 
     sink.in_flight = 6
     worker.fair = False  # the last claim reached no fairness key: wait for a slot
     worker.request_immediate_poll(new_work=True)
     assert worker.run_once().skipped_busy
-    assert coordinator.claims == [2, 1]
+    assert coordinator.claims == [4, 1]
 
 
 class SlowClaims(FakeCoordinator):
@@ -569,9 +575,9 @@ class SlowClaims(FakeCoordinator):
         self.clock = clock
         self.seconds = seconds
 
-    def claim(self, max_rows: int):
+    def claim(self, max_rows: int, underserved_only: bool = False):
         self.clock.advance(self.seconds)
-        return super().claim(max_rows)
+        return super().claim(max_rows, underserved_only)
 
 
 def claim_one_slot(in_flight: int, rounds: int = 3):

@@ -267,3 +267,38 @@ def test_a_graceful_stop_tells_running_handlers_releases_queued_rows_and_fails_s
     assert coordinator.completed == []  # the late outcome was dropped
     assert dispatcher.stats.started == 1
     assert len(leases) == 0
+
+
+def test_rows_handed_over_at_the_front_start_before_the_rows_queued_earlier():
+    # an underserved fairness group's row (claimed with every slot busy) starts next
+    order: list[str] = []
+    started, gate = threading.Event(), threading.Event()
+    handlers = Registry()
+
+    def handler(work: Work) -> None:
+        order.append(work.payload["name"])
+        started.set()
+        assert gate.wait(WAIT)
+
+    handlers.register(Handler("outbox", TOPIC, handler))
+    coordinator = FakeCoordinator()
+    dispatcher = Dispatcher(
+        coordinator, handlers, LeaseRegistry(), concurrency=1, clock=FrozenClock()
+    )
+    dispatcher.start()
+    try:
+
+        def row(name: str) -> Any:
+            return dataclasses.replace(make_row(), payload={"name": name})
+
+        dispatcher.submit([row("running")])
+        assert started.wait(WAIT)  # the one slot is busy
+        dispatcher.submit([row("noisy 1"), row("noisy 2")])
+        dispatcher.submit([row("quiet 1"), row("quiet 2")], front=True)
+        dispatcher.submit([row("noisy 3")])
+        gate.set()
+        assert dispatcher.wait_idle(WAIT)
+    finally:
+        gate.set()
+        dispatcher.stop()
+    assert order == ["running", "quiet 1", "quiet 2", "noisy 1", "noisy 2", "noisy 3"]

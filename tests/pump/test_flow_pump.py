@@ -139,3 +139,16 @@ def test_producers_store_the_keys_and_refuse_bad_ones():
         workpump.send("x", {}, concurrency_key="a" * 201)
     with pytest.raises(InvalidWork, match="The fairness_key of outbox message to 'x' must be"):
         workpump.send("x", {}, fairness_key=42)  # type: ignore[arg-type]
+
+
+def test_rows_of_flow_control_ending_wake_the_claim_as_room_not_as_new_work():
+    # with every slot busy, new work makes a fair pump claim the underserved groups' rows;
+    # a NOTIFY that flow-controlled rows ended must not: it would find nothing, each time
+    from django_workpump.pump.supervisor import PumpOptions, Supervisor
+
+    supervisor = Supervisor(PumpOptions(listen=False))  # not started: its wiring only
+    claim = supervisor.claim
+    supervisor._signal("outbox:ended")
+    assert claim.wake_requests == 1 and not claim._new_work
+    supervisor._signal("outbox")
+    assert claim.wake_requests == 2 and claim._new_work

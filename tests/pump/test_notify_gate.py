@@ -190,6 +190,18 @@ def test_signal_comes_from_the_channel_not_the_payload(raw_connect):
         assert recorder.next_signal() == "inbox"
 
 
+def test_rows_of_flow_control_ending_wake_a_claim_for_free_slots_not_new_work(raw_connect):
+    # complete_work's NOTIFY when flow-controlled rows ended (room under a cap): the
+    # claimer claims for its free slots, and makes no claim of underserved groups for it
+    producer = raw_connect()
+
+    with listening() as (_gate, recorder):
+        notify(producer, "workpump_outbox", "ended")
+        notify(producer, "workpump_orphan", "ended")
+        assert recorder.next_signal() == "outbox:ended"
+        assert recorder.next_signal() == "orphan"
+
+
 def test_notification_on_an_unrelated_channel_is_ignored(raw_connect):
     producer = raw_connect()
 

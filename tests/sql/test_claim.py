@@ -259,11 +259,12 @@ def test_claim_work_has_the_documented_parameters_all_defaulted_but_the_instance
         assert name in names
     assert names[0] == "p_instance_id"
     # p_now goes last, as in every function of the schema
-    assert names[-5:] == [
+    assert names[-6:] == [
         "p_topics",
         "p_topic_prefixes",
         "p_stream_run_max",
         "p_return_dead_lettered",
+        "p_underserved_only",
         "p_now",
     ]
     assert args[0] == "p_instance_id uuid"

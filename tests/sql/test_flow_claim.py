@@ -267,6 +267,50 @@ def test_a_fairness_weight_is_its_rows_per_round():
     assert rows == [big[0], big[1], big[2], small[0], big[3], big[4], big[5], small[1]]
 
 
+def test_a_key_that_holds_rows_takes_its_turn_after_one_that_holds_none():
+    """A claim smaller than the number of keys: the flooding key's head is the oldest, yet
+    the key with nothing held (on any instance) comes first; a turn counts held rows."""
+    b = uuid.UUID("00000000-0000-0000-0000-00000000000b")
+    enroll(b)
+    noisy = send(n=10, fairness_key="tenant:noisy")
+    held = run_sql(
+        "SELECT work_id FROM workpump.claim_work(%s, 3, p_categories => %s, p_now => %s)",
+        [b, ["outbox"], T0],
+    )
+    assert [r["work_id"] for r in held] == noisy[:3]
+    quiet = send(n=2, fairness_key="tenant:quiet")
+    assert [r["work_id"] for r in claim(1)] == [quiet[0]]
+    # quiet holds 1 now, noisy 3: quiet's second row, then the two keys in turn
+    assert [r["work_id"] for r in claim(4)] == [quiet[1], noisy[3], noisy[4], noisy[5]]
+
+
+def test_an_underserved_only_claim_takes_a_round_of_each_group_holding_fewer_than_most():
+    b = uuid.UUID("00000000-0000-0000-0000-00000000000b")
+    enroll(b)
+    rule("key", "", "tenant:big", weight=2)
+    noisy = send(n=10, fairness_key="tenant:noisy")
+    run_sql("SELECT 1 FROM workpump.claim_work(%s, 3, p_now => %s)", [b, T0])
+    quiet = send(n=3, fairness_key="tenant:quiet")
+    big = send(n=3, fairness_key="tenant:big")
+    send("plain.topic", n=5)
+    # noisy holds 3: one round of quiet and of big (its weight: 2), no plain row
+    rows = claim(10, underserved_only=True)
+    assert [r["work_id"] for r in rows] == [quiet[0], big[0], big[1]]
+    # quiet holds 1, big 2: one more round each; then both hold 3, as many as noisy
+    assert [r["work_id"] for r in claim(10, underserved_only=True)] == [quiet[1], big[2]]
+    assert [r["work_id"] for r in claim(10, underserved_only=True)] == [quiet[2]]
+    assert claim(10, underserved_only=True) == []
+    # a plain claim goes on from there: noisy's next row among them
+    assert noisy[3] in {r["work_id"] for r in claim(10)}
+
+
+def test_an_underserved_only_claim_takes_nothing_when_no_group_holds_a_row():
+    send(n=3, fairness_key="tenant:a")
+    send(n=3, fairness_key="tenant:b")
+    assert claim(10, underserved_only=True) == []
+    assert len(claim(10)) == 6
+
+
 def test_fairness_rows_and_plain_rows_share_the_budget():
     send(n=20, fairness_key="tenant:a")
     plain = send("plain.topic", n=20)
