@@ -447,9 +447,9 @@ class ClaimWorker(LoopService):
         at ``CONCURRENCY`` 1 every claim is such a wait, and the claims (one commit each)
         would outnumber the work.
 
-        After a claim that reached rows of fairness keys, the free slots plus the prefetch
-        only: the claim's round-robin is fair between the rows it takes at once, and a
-        batch sized ahead would make a quiet key's new row wait behind it.
+        After a claim that reached rows of fairness keys, no more than FAIR_BATCH_ROWS (or
+        the prefetch) beyond the free slots: a quiet key's row stored during a claim waits
+        for its end, and a batch sized ahead is a long claim.
         """
         size = free + self.policy.prefetch
         started = getattr(self.sink, "started_total", None)
