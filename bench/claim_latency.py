@@ -84,6 +84,7 @@ def measure(
         "topics": named,
         "topic_prefixes": prefixes,  # ignored by a schema before version 11's query
         "stream_run_max": 100,  # the default; ignored by a schema before version 15's query
+        "underserved_only": False,  # the default; ignored by a query that does not name it
         "synchronous_commit": "off",  # as the pump claims (CLAIM_SYNCHRONOUS_COMMIT False)
     }
     query = named_queries()["claim_work"]

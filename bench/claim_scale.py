@@ -93,6 +93,7 @@ def claim_params(instance: uuid.UUID, batch: int) -> dict[str, Any]:
         "topics": None,
         "topic_prefixes": None,
         "stream_run_max": 100,
+        "underserved_only": False,
         "synchronous_commit": "off",  # as the pump claims (CLAIM_SYNCHRONOUS_COMMIT False)
     }
 

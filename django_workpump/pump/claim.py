@@ -489,8 +489,8 @@ class ClaimWorker(LoopService):
             return 0
         in_flight = getattr(self.sink, "in_flight", None)
         concurrency = getattr(self.sink, "concurrency", None)
-        if in_flight is None or concurrency is None:
-            return 0
+        if in_flight is None or concurrency is None or in_flight < concurrency:
+            return 0  # no slot free for another reason: the dispatcher takes no more rows
         return max(min(concurrency, concurrency + FAIR_QUEUE_ROWS - in_flight), 0)
 
     # -- the loop ------------------------------------------------------------------

@@ -560,6 +560,10 @@ def test_after_a_fair_claim_new_work_of_underserved_groups_is_claimed_with_no_sl
     worker.request_immediate_poll(new_work=True)
     assert worker.run_once().skipped_busy  # the queue is full: no more
 
+    sink.in_flight = 2  # no slot free with two rows in flight: the pump is stopping
+    worker.request_immediate_poll(new_work=True)
+    assert worker.run_once().skipped_busy
+
     sink.in_flight = 6
     worker.fair = False  # the last claim reached no fairness key: wait for a slot
     worker.request_immediate_poll(new_work=True)
