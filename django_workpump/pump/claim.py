@@ -293,10 +293,7 @@ class ClaimWorker(LoopService):
         starved = getattr(self.sink, "in_flight", None) == 0
         claim_started = self.clock.monotonic()
         try:
-            if underserved:
-                rows = self.coordinator.claim(max_rows, underserved_only=True)
-            else:
-                rows = self.coordinator.claim(max_rows)
+            rows = self.coordinator.claim(max_rows, underserved_only=underserved)
         except InstanceRefused as exc:
             self.last_poll = (poll_number, None)
             self._refuse(str(exc))
@@ -332,11 +329,9 @@ class ClaimWorker(LoopService):
             self.claimed_total += len(rows)
             warn_unreadable_headers(rows)
             runnable = [row for row in rows if row.payload_error is None]
-            if runnable and underserved:
-                # the first rows of their groups: they start before the queued rows
-                self.sink.submit(runnable, front=True)
-            elif runnable:
-                self.sink.submit(runnable)
+            if runnable:
+                # an underserved claim's rows start before the rows queued for a slot
+                self.sink.submit(runnable, front=underserved)
             if len(runnable) < len(rows):
                 self._dead_letter_undecodable([row for row in rows if row.payload_error])
         else:

@@ -783,7 +783,7 @@ def test_a_freed_slot_wakes_a_loop_that_left_rows_for_want_of_slots():
     sink = FakeSink(free=4)
     gate = FakeGate(available=True)
     worker = make_worker(coordinator, sink=sink, policy=MINUTE, gate=gate)
-    sink.submit = lambda rows: setattr(sink, "free", 0)  # the rows fill every slot
+    sink.submit = lambda rows, front=False: setattr(sink, "free", 0)  # the rows fill every slot
 
     with running(worker):
         assert coordinator.wait_for_claims(1)
