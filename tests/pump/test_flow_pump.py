@@ -152,3 +152,45 @@ def test_rows_of_flow_control_ending_wake_the_claim_as_room_not_as_new_work():
     assert claim.wake_requests == 1 and not claim._new_work
     supervisor._signal("outbox")
     assert claim.wake_requests == 2 and claim._new_work
+
+
+def test_workpump_status_and_the_metrics_show_each_rule_as_it_stands():
+    # in flight of the cap, tokens left of the rate, heads waiting, and a paused key
+    from django_workpump import metrics
+    from tests.helpers import enroll
+
+    holder = uuid.uuid4()
+    enroll(holder)
+    # a token a minute: none comes back while the test runs
+    workpump.set_limit(topic="flow.shown", category="outbox", concurrency=2, rate="1/m", burst=5)
+    workpump.pause(key="tenant:held")
+    for _ in range(5):
+        workpump.send("flow.shown", {})
+    claimed = run_sql(
+        "SELECT work_id FROM workpump.claim_work(%s, 10, p_categories => '{outbox}')", [holder]
+    )
+    assert len(claimed) == 2  # the cap
+
+    out = io.StringIO()
+    call_command("workpump_status", stdout=out)
+    text = out.getvalue()
+    assert "flow rules: 2" in text
+    topic_line = next(line for line in text.splitlines() if "outbox flow.shown" in line)
+    # rule, paused, in flight, concurrency, rate, tokens, waiting
+    assert topic_line.split() == [
+        *["outbox", "flow.shown", "no", "2", "2", "0.0166667/s", "(burst", "5)"],
+        *["3", "3"],  # tokens left, heads waiting
+    ]
+    key_line = next(line for line in text.splitlines() if "key tenant:held" in line)
+    assert key_line.split()[2] == "yes"
+
+    families = {f.name: f for f in metrics.DatabaseCollector(cache_seconds=0).collect()}
+    values = {
+        (s.labels["kind"], s.labels["name"], s.labels["value"]): s.value
+        for s in families["workpump_flow"].samples
+    }
+    assert values[("topic", "flow.shown", "in_flight")] == 2
+    assert values[("topic", "flow.shown", "tokens")] == 3
+    assert values[("topic", "flow.shown", "waiting")] == 3
+    assert values[("topic", "flow.shown", "paused")] == 0
+    assert values[("key", "tenant:held", "paused")] == 1
