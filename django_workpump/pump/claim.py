@@ -209,6 +209,10 @@ class ClaimWorker(LoopService):
         # Work was stored since the last claim (a NOTIFY): after a fair claim, the next
         # may take the rows of underserved groups with no slot free (_underserved_rows).
         self._new_work = False
+        # The last claim for free slots left rows waiting (has_more). A claim of
+        # underserved groups takes a few rows of some groups only, so it says nothing of
+        # the rest: the loop goes on waiting for a slot (not for the next poll) after it.
+        self._more_waiting = False
 
     # -- signals -------------------------------------------------------------------
     def request_immediate_poll(self, new_work: bool = False) -> None:
@@ -336,12 +340,17 @@ class ClaimWorker(LoopService):
                 self._dead_letter_undecodable([row for row in rows if row.payload_error])
         else:
             self.empty_polls += 1
+        has_more = any(row.has_more for row in rows)
+        if underserved:
+            has_more = has_more or self._more_waiting
+        else:
+            self._more_waiting = has_more
         flow_wait = getattr(self.coordinator, "flow_wait_ms", None)
         flow_fair = getattr(self.coordinator, "flow_fair", None)
         self.fair = bool(flow_fair()) if flow_fair is not None else False
         return ClaimResult(
             claimed=len(rows),
-            has_more=any(row.has_more for row in rows),
+            has_more=has_more,
             flow_wait_ms=flow_wait() if flow_wait is not None else None,
         )
 

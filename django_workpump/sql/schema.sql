@@ -3762,7 +3762,8 @@ $$;
 -- p_instance_id holds under p_lease_tokens[i] as p_outcome ('done': p_values[i] is the
 -- result; 'discarded': the reason, kept as last_error), release their leases and store
 -- their attempt logs; return the ids and tokens ended, their ordering scopes and
--- streams, and whether a flow-controlled row was among them.
+-- streams, and whether a row under a concurrency cap (its topic's, or its concurrency
+-- key's) was among them: its end may let a capped row start, on any instance.
 CREATE FUNCTION workpump.define_end_held(p_category text) RETURNS void
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -3779,7 +3780,7 @@ CREATE OR REPLACE FUNCTION workpump.end_held_{category}(
     p_logs jsonb[],
     p_now timestamptz,
     OUT ended_ids uuid[], OUT ended_tokens uuid[], OUT scopes text[], OUT streams text[],
-    OUT flow_ended boolean
+    OUT capped_ended boolean
 )
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -3812,12 +3813,23 @@ BEGIN
         WHERE t.work_id = i.id AND t.lease_token = i.token
           AND t.instance_id IS NOT DISTINCT FROM p_instance_id AND t.done_at IS NULL
         RETURNING t.work_id AS id, i.token, t.stream, {t.scope} AS scope, t.attempts, i.logs,
-                  t.flow_controlled
+                  t.flow_controlled, t.topic, t.concurrency_key
     ){logged}
     SELECT coalesce(array_agg(e.id), '{}'), coalesce(array_agg(e.token), '{}'),
            coalesce(array_agg(e.scope), '{}'), coalesce(array_agg(e.stream), '{}'),
-           coalesce(bool_or(e.flow_controlled), false)
-    INTO ended_ids, ended_tokens, scopes, streams, flow_ended
+           -- rows of fairness keys or rates alone free nothing another claim waits for:
+           -- a wake at each of their flushes made every claimer's loop turn for nothing
+           EXISTS (SELECT 1 FROM ended c JOIN workpump_flow_rule r
+                       ON (r.kind = 'topic' AND r.category = '{category}' AND r.name = c.topic
+                           AND coalesce(r.override_concurrency, r.declared_concurrency,
+                                        r.override_key_concurrency,
+                                        r.declared_key_concurrency) IS NOT NULL)
+                       OR (r.kind = 'key' AND c.concurrency_key <> ''
+                           AND r.name = c.concurrency_key
+                           AND coalesce(r.override_concurrency,
+                                        r.declared_concurrency) IS NOT NULL)
+                   WHERE c.flow_controlled)
+    INTO ended_ids, ended_tokens, scopes, streams, capped_ended
     FROM ended e;
 END
 $$;
@@ -3862,7 +3874,7 @@ DECLARE
     v_ended_tokens uuid[];
     v_scopes text[];
     v_streams text[];
-    v_flow_ended boolean;
+    v_capped_ended boolean;
 BEGIN
     PERFORM workpump.check_category(p_category);
     IF p_outcome IS NULL OR p_outcome NOT IN ('done', 'discarded') THEN
@@ -3873,26 +3885,26 @@ BEGIN
     -- its plan is kept: built with EXECUTE format it was planned anew on every flush
     CASE p_category
         WHEN 'outbox' THEN
-            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
+            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_capped_ended
             FROM workpump.end_held_outbox(p_outcome, p_instance_id, p_ids, p_lease_tokens,
                                           p_values, p_logs, v_now);
         WHEN 'inbox' THEN
-            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
+            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_capped_ended
             FROM workpump.end_held_inbox(p_outcome, p_instance_id, p_ids, p_lease_tokens,
                                          p_values, p_logs, v_now);
         WHEN 'perspective_event' THEN
-            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
+            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_capped_ended
             FROM workpump.end_held_perspective_event(p_outcome, p_instance_id, p_ids,
                                                      p_lease_tokens, p_values, p_logs, v_now);
         ELSE
-            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_flow_ended
+            SELECT * INTO v_ended_ids, v_ended_tokens, v_scopes, v_streams, v_capped_ended
             FROM workpump.end_held_receptor(p_outcome, p_instance_id, p_ids, p_lease_tokens,
                                             p_values, p_logs, v_now);
     END CASE;
     PERFORM workpump.notify_ended(v_ended_ids);
-    IF v_flow_ended THEN
-        -- a flow-controlled row ended: a capped row may start now, on any instance (a
-        -- claim for free slots: 'ended', not new work)
+    IF v_capped_ended THEN
+        -- a row under a concurrency cap ended: a capped row may start now, on any
+        -- instance (a claim for free slots: 'ended', not new work)
         PERFORM pg_notify('workpump_' || p_category, 'ended');
     END IF;
 

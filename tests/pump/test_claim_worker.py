@@ -571,6 +571,31 @@ def test_after_a_fair_claim_new_work_of_underserved_groups_is_claimed_with_no_sl
     assert coordinator.claims == [4, 1]
 
 
+def test_a_claim_of_underserved_groups_leaves_the_loop_waiting_for_a_slot_if_rows_wait():
+    # A quiet key's row claimed with no slot free is not the end of the flood: the loop
+    # goes on waiting for a slot (has_more), which a freed slot wakes. Waiting for the
+    # next poll or NOTIFY instead left the dispatcher idle for up to 20 ms at a time.
+    sink = BusySink(in_flight=0)
+    coordinator = FairClaims(
+        True,
+        claims=[[make_row(), make_row(has_more=True)], [make_row()], [make_row()], [make_row()]],
+    )
+    worker = make_worker(coordinator, sink, ClaimPolicy(prefetch=2))
+    assert worker.run_once().has_more  # the flood: more than the claim took
+
+    sink.free, sink.in_flight = 0, 12
+    worker.request_immediate_poll(new_work=True)
+    underserved = worker.run_once()
+    assert (underserved.claimed, coordinator.underserved_only[-1]) == (1, True)
+    assert underserved.has_more  # the flood's rows still wait for a slot
+
+    sink.free, sink.in_flight = 4, 0
+    assert worker.run_once().has_more is False  # a claim for free slots took the last
+    sink.free, sink.in_flight = 0, 12
+    worker.request_immediate_poll(new_work=True)
+    assert worker.run_once().has_more is False  # and nothing else waits
+
+
 class SlowClaims(FakeCoordinator):
     """Claims that take ``seconds`` of the injected clock: the round trip to the database."""
 

@@ -397,12 +397,57 @@ def test_a_paused_key_and_a_paused_category():
     assert [r["work_id"] for r in claim()] == plain
 
 
-def test_pausing_and_resuming_notifies_the_claimers():
+def wakes(listener: Any) -> list[str]:
+    """The payloads of the NOTIFYs on workpump_outbox delivered to ``listener`` so far."""
+    listener.execute("SELECT 1")  # a round trip: notifications sent before it are in
+    return [n.payload for n in listener.notifies(timeout=0.2) if n.channel == "workpump_outbox"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pausing_and_resuming_notifies_the_claimers(raw_connect):
     rule("topic", "outbox", TOPIC, paused=True)
-    with transaction.atomic():
-        rule("topic", "outbox", TOPIC, paused=False)
-        pending = run_sql("SELECT pg_notification_queue_usage() AS usage")
-    assert pending  # the NOTIFY is delivered at commit; sent here without an error
+    listener = raw_connect()
+    listener.execute("LISTEN workpump_outbox")
+    rule("topic", "outbox", TOPIC, paused=False)
+    assert wakes(listener) == ["outbox"]
+    rule("topic", "outbox", TOPIC, weight=2)  # not a change of paused: no wake
+    assert wakes(listener) == []
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("rules", "keys", "wakes_claimers"),
+    [
+        ([], {"fairness_key": "tenant:a"}, False),
+        ([("topic", "outbox", TOPIC, {"rate": 10})], {}, False),
+        ([("key", "", "tenant:a", {"weight": 3})], {"fairness_key": "tenant:a"}, False),
+        ([("key", "", "acme", {"rate": 10})], {"concurrency_key": "acme"}, False),
+        ([("topic", "outbox", TOPIC, {"concurrency": 5})], {}, True),
+        ([("topic", "outbox", TOPIC, {"key_concurrency": 2})], {"concurrency_key": "k1"}, True),
+        ([("key", "", "acme", {"concurrency": 5})], {"concurrency_key": "acme"}, True),
+    ],
+    ids=["fairness", "topic-rate", "weight", "key-rate", "topic-cap", "key-per-topic", "key-cap"],
+)
+def test_only_the_end_of_a_row_under_a_concurrency_cap_wakes_the_claimers(
+    raw_connect, rules, keys, wakes_claimers
+):
+    # Its end may let a capped row start on another instance. The end of a row limited
+    # by a rate or a fairness key alone frees nothing a claim waits for: a wake at each
+    # completion flush of a flood turned every claimer's loop for nothing.
+    for kind, category, name, settings in rules:
+        rule(kind, category, name, **settings)
+    send(n=2, **keys)
+    rows = claim()
+    assert len(rows) == 2
+    listener = raw_connect()
+    listener.execute("LISTEN workpump_outbox")
+    complete(rows[:1])
+    run_sql(
+        "SELECT workpump.discard_work(%s, 'outbox', %s::uuid[], %s::uuid[], %s::text[],"
+        " p_now => %s)",
+        [A, [rows[1]["work_id"]], [rows[1]["lease_token"]], ["no longer wanted"], T0],
+    )
+    assert wakes(listener) == (["ended", "ended"] if wakes_claimers else [])
 
 
 def test_declarations_and_overrides():
