@@ -3930,7 +3930,8 @@ $$;
 -- up, with reason 'max_attempts' unless the last attempt's own reason says why it
 -- could not succeed ('timeout', 'not_retryable', 'undecodable_payload'). Attempts are
 -- not bumped: the claim counted this attempt. p_logs are the attempts' log records, as
--- complete_work's. Returns every id with 'retry', 'dead' or 'lost'.
+-- complete_work's. A row under a concurrency cap that fails wakes the claimers (NOTIFY
+-- 'ended'), as one that completes. Returns every id with 'retry', 'dead' or 'lost'.
 CREATE FUNCTION workpump.fail_work(
     p_instance_id uuid,
     p_category text,
@@ -4015,7 +4016,8 @@ BEGIN
             WHERE t.%2$I = i.id AND t.lease_token = i.token AND t.instance_id = $4
               AND t.%3$I IS NULL
             RETURNING t.%2$I AS id, i.token, t.dead_lettered_at IS NOT NULL AS dead,
-                      t.scheduled_for, t.stream, %4$s AS scope, t.attempts, i.logs
+                      t.scheduled_for, t.stream, %4$s AS scope, t.attempts, i.logs,
+                      t.flow_controlled, t.topic, t.concurrency_key
         )%5$s, streams AS (
             -- the failed rows' streams are no longer worked on by the caller
             UPDATE workpump_active_stream s SET owner_instance_id = NULL, lease_expiry = NULL
@@ -4029,12 +4031,25 @@ BEGIN
         ), ended AS (
             -- rows dead now: wake their waiters (one row, always)
             SELECT workpump.notify_ended(array_agg(f.id)) FROM failed f WHERE f.dead
+        ), capped AS (
+            -- a row under a concurrency cap left it: a capped row may start now, on any
+            -- instance (a claim for free slots: 'ended', not new work)
+            SELECT pg_notify('workpump_' || $8, 'ended')
+            WHERE EXISTS (
+                SELECT 1 FROM failed c JOIN workpump_flow_rule r
+                    ON (r.kind = 'topic' AND r.category = $8 AND r.name = c.topic
+                        AND coalesce(r.override_concurrency, r.declared_concurrency,
+                                     r.override_key_concurrency,
+                                     r.declared_key_concurrency) IS NOT NULL)
+                    OR (r.kind = 'key' AND c.concurrency_key <> '' AND r.name = c.concurrency_key
+                        AND coalesce(r.override_concurrency, r.declared_concurrency) IS NOT NULL)
+                WHERE c.flow_controlled)
         )
         SELECT i.id,
                CASE WHEN f.id IS NULL THEN 'lost' WHEN f.dead THEN 'dead' ELSE 'retry' END,
                f.scheduled_for
         FROM input i LEFT JOIN failed f ON f.id = i.id AND f.token = i.token
-        LEFT JOIN ready_now ON true LEFT JOIN ended ON true
+        LEFT JOIN ready_now ON true LEFT JOIN ended ON true LEFT JOIN capped ON true
         ORDER BY i.n$q$,
         v_meta.tbl, v_meta.key_col, v_meta.done_col,
         CASE WHEN v_meta.scope_col IS NULL THEN ''''''

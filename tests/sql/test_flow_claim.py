@@ -423,7 +423,7 @@ def test_pausing_and_resuming_notifies_the_claimers(raw_connect):
         ([("key", "", "tenant:a", {"weight": 3})], {"fairness_key": "tenant:a"}, False),
         ([("key", "", "acme", {"rate": 10})], {"concurrency_key": "acme"}, False),
         ([("topic", "outbox", TOPIC, {"concurrency": 5})], {}, True),
-        ([("topic", "outbox", TOPIC, {"key_concurrency": 2})], {"concurrency_key": "k1"}, True),
+        ([("topic", "outbox", TOPIC, {"key_concurrency": 3})], {"concurrency_key": "k1"}, True),
         ([("key", "", "acme", {"concurrency": 5})], {"concurrency_key": "acme"}, True),
     ],
     ids=["fairness", "topic-rate", "weight", "key-rate", "topic-cap", "key-per-topic", "key-cap"],
@@ -436,9 +436,9 @@ def test_only_the_end_of_a_row_under_a_concurrency_cap_wakes_the_claimers(
     # completion flush of a flood turned every claimer's loop for nothing.
     for kind, category, name, settings in rules:
         rule(kind, category, name, **settings)
-    send(n=2, **keys)
+    send(n=3, **keys)
     rows = claim()
-    assert len(rows) == 2
+    assert len(rows) == 3
     listener = raw_connect()
     listener.execute("LISTEN workpump_outbox")
     complete(rows[:1])
@@ -447,7 +447,16 @@ def test_only_the_end_of_a_row_under_a_concurrency_cap_wakes_the_claimers(
         " p_now => %s)",
         [A, [rows[1]["work_id"]], [rows[1]["lease_token"]], ["no longer wanted"], T0],
     )
-    assert wakes(listener) == (["ended", "ended"] if wakes_claimers else [])
+    # a failure retried later leaves the cap too
+    run_sql(
+        "SELECT workpump.fail_work(%s, 'outbox', %s::uuid[], %s::uuid[], %s::text[], p_now => %s)",
+        [A, [rows[2]["work_id"]], [rows[2]["lease_token"]], ["partner down"], T0],
+    )
+    assert scalar(
+        "SELECT scheduled_for > %s FROM workpump_outbox WHERE work_id = %s",
+        [T0, rows[2]["work_id"]],
+    )
+    assert wakes(listener) == (["ended"] * 3 if wakes_claimers else [])
 
 
 def test_declarations_and_overrides():
