@@ -398,6 +398,28 @@ BEGIN
 END
 $$;
 
+-- Whether a row of these topics (of p_category) or of these concurrency keys is under a
+-- concurrency cap: its topic's concurrency or key_concurrency, or its key's concurrency.
+-- The end of such a row may let a capped row start, on any instance: complete_work,
+-- discard_work and fail_work then wake the claimers (NOTIFY 'ended'). Rows limited by a
+-- rate or a fairness key alone free nothing another claim waits for.
+CREATE FUNCTION workpump.flow_capped(p_category text, p_topics text[], p_keys text[])
+RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN EXISTS (
+        SELECT 1 FROM workpump_flow_rule r
+        WHERE (r.kind = 'topic' AND r.category = p_category AND r.name = ANY (p_topics)
+               AND coalesce(r.override_concurrency, r.declared_concurrency,
+                            r.override_key_concurrency, r.declared_key_concurrency)
+                   IS NOT NULL)
+           OR (r.kind = 'key' AND r.name = ANY (p_keys)
+               AND coalesce(r.override_concurrency, r.declared_concurrency) IS NOT NULL));
+END
+$$;
+
 -- A token bucket's tokens at p_now: refilled at p_rate per second since p_tokens_at, up
 -- to its burst (a full bucket when it was never used). NULL when there is no rate.
 CREATE FUNCTION workpump.flow_tokens(
@@ -3790,6 +3812,9 @@ SET plan_cache_mode = force_generic_plan
 -- always ends rows by their key
 SET enable_seqscan = off
 AS $$
+DECLARE
+    v_topics text[];  -- of the flow-controlled rows ended (NULL: none)
+    v_keys text[];
 BEGIN
     WITH ended AS (
         -- fenced: only undone rows the caller holds under the attempt's token
@@ -3817,20 +3842,15 @@ BEGIN
     ){logged}
     SELECT coalesce(array_agg(e.id), '{}'), coalesce(array_agg(e.token), '{}'),
            coalesce(array_agg(e.scope), '{}'), coalesce(array_agg(e.stream), '{}'),
-           -- rows of fairness keys or rates alone free nothing another claim waits for:
-           -- a wake at each of their flushes made every claimer's loop turn for nothing
-           EXISTS (SELECT 1 FROM ended c JOIN workpump_flow_rule r
-                       ON (r.kind = 'topic' AND r.category = '{category}' AND r.name = c.topic
-                           AND coalesce(r.override_concurrency, r.declared_concurrency,
-                                        r.override_key_concurrency,
-                                        r.declared_key_concurrency) IS NOT NULL)
-                       OR (r.kind = 'key' AND c.concurrency_key <> ''
-                           AND r.name = c.concurrency_key
-                           AND coalesce(r.override_concurrency,
-                                        r.declared_concurrency) IS NOT NULL)
-                   WHERE c.flow_controlled)
-    INTO ended_ids, ended_tokens, scopes, streams, capped_ended
+           array_agg(e.topic) FILTER (WHERE e.flow_controlled),
+           array_agg(e.concurrency_key)
+               FILTER (WHERE e.flow_controlled AND e.concurrency_key <> '')
+    INTO ended_ids, ended_tokens, scopes, streams, v_topics, v_keys
     FROM ended e;
+    -- rows of fairness keys or rates alone: no wake (a flood's every flush woke each
+    -- claimer's loop for nothing)
+    capped_ended := v_topics IS NOT NULL
+                    AND workpump.flow_capped('{category}', v_topics, v_keys);
 END
 $$;
 $template$;
@@ -4035,15 +4055,11 @@ BEGIN
             -- a row under a concurrency cap left it: a capped row may start now, on any
             -- instance (a claim for free slots: 'ended', not new work)
             SELECT pg_notify('workpump_' || $8, 'ended')
-            WHERE EXISTS (
-                SELECT 1 FROM failed c JOIN workpump_flow_rule r
-                    ON (r.kind = 'topic' AND r.category = $8 AND r.name = c.topic
-                        AND coalesce(r.override_concurrency, r.declared_concurrency,
-                                     r.override_key_concurrency,
-                                     r.declared_key_concurrency) IS NOT NULL)
-                    OR (r.kind = 'key' AND c.concurrency_key <> '' AND r.name = c.concurrency_key
-                        AND coalesce(r.override_concurrency, r.declared_concurrency) IS NOT NULL)
-                WHERE c.flow_controlled)
+            FROM (SELECT array_agg(f.topic) AS topics,
+                         array_agg(f.concurrency_key)
+                             FILTER (WHERE f.concurrency_key <> '') AS keys
+                  FROM failed f WHERE f.flow_controlled) c
+            WHERE c.topics IS NOT NULL AND workpump.flow_capped($8, c.topics, c.keys)
         )
         SELECT i.id,
                CASE WHEN f.id IS NULL THEN 'lost' WHEN f.dead THEN 'dead' ELSE 'retry' END,
