@@ -399,7 +399,7 @@ END
 $$;
 
 -- Whether a row of these topics (of p_category) or of these concurrency keys is under a
--- concurrency cap: its topic's concurrency or key_concurrency, or its key's concurrency.
+-- concurrency cap (flow_rule_effective's cap or key_cap of its topic, its key's cap).
 -- The end of such a row may let a capped row start, on any instance: complete_work,
 -- discard_work and fail_work then wake the claimers (NOTIFY 'ended'). Rows limited by a
 -- rate or a fairness key alone free nothing another claim waits for.
@@ -410,13 +410,10 @@ SET search_path FROM CURRENT
 AS $$
 BEGIN
     RETURN EXISTS (
-        SELECT 1 FROM workpump_flow_rule r
+        SELECT 1 FROM workpump.flow_rule_effective() r
         WHERE (r.kind = 'topic' AND r.category = p_category AND r.name = ANY (p_topics)
-               AND coalesce(r.override_concurrency, r.declared_concurrency,
-                            r.override_key_concurrency, r.declared_key_concurrency)
-                   IS NOT NULL)
-           OR (r.kind = 'key' AND r.name = ANY (p_keys)
-               AND coalesce(r.override_concurrency, r.declared_concurrency) IS NOT NULL));
+               AND (r.cap IS NOT NULL OR r.key_cap IS NOT NULL))
+           OR (r.kind = 'key' AND r.name = ANY (p_keys) AND r.cap IS NOT NULL));
 END
 $$;
 
