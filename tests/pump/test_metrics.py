@@ -114,6 +114,13 @@ def test_runworkpump_serves_metrics_on_its_port_while_it_runs(outbox_handler, pu
     outbox_handler("metrics.hold", hold)
     supervisor = pump(metrics_port=0)  # any free port
     url = f"http://127.0.0.1:{supervisor.metrics_server.port}/metrics"
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return samples(response.read().decode())
+
+    # the listener connects beside the first claim: a row could start before it is up
+    assert wait_until(lambda: value(scrape(), "workpump_notify_gate_up") == 1)
     for n in range(3):
         workpump.send("metrics.port", {"n": n})
     workpump.send("metrics.hold", {})
