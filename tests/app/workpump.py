@@ -18,7 +18,6 @@ _instances_met = threading.Event()  # _await_instances' condition held once
 
 
 def _record(work: Any) -> None:
-    _await_instances(work.payload.get("instances", 0))
     with connection.cursor() as cursor:
         cursor.execute(
             "INSERT INTO mp_execution (work_id, category, stream, n, pid, attempt, started_at) "
@@ -32,6 +31,7 @@ def _record(work: Any) -> None:
                 work.attempts,
             ],
         )
+    _await_instances(work.payload.get("instances", 0))
     _pause.wait(work.payload.get("seconds", 0))
     with connection.cursor() as cursor:
         cursor.execute(
@@ -42,22 +42,20 @@ def _record(work: Any) -> None:
 
 
 def _await_instances(wanted: int, timeout: float = 30.0) -> None:
-    """Hold the row until ``wanted`` pump instances have registered (or ``timeout``).
+    """Hold the row until ``wanted`` processes have started a row (or ``timeout``).
 
     A process that starts a moment after another (a busy machine) still finds a share of
-    the backlog: the first one's rows wait for it instead of draining everything. Once
-    met (or once another process has run a row, so it was there), never again: a peer
-    that drained its share and deregistered must not hold up every later row.
+    the backlog: the first one's rows wait for it instead of draining everything. The
+    condition is a started row, not a registered instance: a process can register and
+    then take seconds to claim on a loaded machine, long enough for its peer to drain
+    alone. Once met, never again: a peer that drained its share and deregistered must not
+    hold up every later row.
     """
     if not wanted or _instances_met.is_set():
         return
     for _ in range(int(timeout / 0.02)):
         with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT (SELECT count(*) FROM workpump_service_instance) >= %s"
-                " OR EXISTS (SELECT 1 FROM mp_execution WHERE pid <> %s)",
-                [wanted, os.getpid()],
-            )
+            cursor.execute("SELECT count(DISTINCT pid) >= %s FROM mp_execution", [wanted])
             if cursor.fetchone()[0]:
                 _instances_met.set()
                 return

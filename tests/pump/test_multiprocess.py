@@ -34,7 +34,8 @@ def spawn(pump_process: Callable[..., Any]) -> Callable[..., Any]:
 def produce_backlog(streams: int, per_stream: int, seconds: float = 0.0, instances: int = 0) -> int:
     """Rows of all four categories, ordered per stream; returns the number of work rows.
 
-    With ``instances`` a row starts only once that many pump instances have registered.
+    With ``instances`` a row's handler, once it has recorded its start, holds until that
+    many processes have started rows.
     """
     subscribers = json.dumps(
         [
