@@ -425,8 +425,33 @@ def test_pausing_and_resuming_notifies_the_claimers(raw_connect):
         ([("topic", "outbox", TOPIC, {"concurrency": 5})], {}, True),
         ([("topic", "outbox", TOPIC, {"key_concurrency": 3})], {"concurrency_key": "k1"}, True),
         ([("key", "", "acme", {"concurrency": 5})], {"concurrency_key": "acme"}, True),
+        # declared by the code (runworkpump's start), no operator override
+        ([("topic", "outbox", TOPIC, {"concurrency": 5, "declared": True})], {}, True),
+        (
+            [("topic", "outbox", TOPIC, {"key_concurrency": 3, "declared": True})],
+            {"concurrency_key": "k1"},
+            True,
+        ),
+        (
+            [("key", "", "acme", {"concurrency": 5, "declared": True})],
+            {"concurrency_key": "acme"},
+            True,
+        ),
+        ([("topic", "outbox", TOPIC, {"rate": 10, "declared": True})], {}, False),
     ],
-    ids=["fairness", "topic-rate", "weight", "key-rate", "topic-cap", "key-per-topic", "key-cap"],
+    ids=[
+        "fairness",
+        "topic-rate",
+        "weight",
+        "key-rate",
+        "topic-cap",
+        "key-per-topic",
+        "key-cap",
+        "declared-topic-cap",
+        "declared-key-per-topic",
+        "declared-key-cap",
+        "declared-topic-rate",
+    ],
 )
 def test_only_the_end_of_a_row_under_a_concurrency_cap_wakes_the_claimers(
     raw_connect, rules, keys, wakes_claimers
@@ -435,7 +460,11 @@ def test_only_the_end_of_a_row_under_a_concurrency_cap_wakes_the_claimers(
     # by a rate or a fairness key alone frees nothing a claim waits for: a wake at each
     # completion flush of a flood turned every claimer's loop for nothing.
     for kind, category, name, settings in rules:
-        rule(kind, category, name, **settings)
+        values = {key: value for key, value in settings.items() if key != "declared"}
+        run_sql(
+            "SELECT workpump.set_flow_rule(%s, %s, %s, %s::jsonb, %s, p_now => %s)",
+            [kind, category, name, json.dumps(values), settings.get("declared", False), T0],
+        )
     send(n=3, **keys)
     rows = claim()
     assert len(rows) == 3
