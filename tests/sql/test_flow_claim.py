@@ -31,10 +31,13 @@ def instance() -> None:
     enroll(A)
 
 
-def rule(kind: str, category: str, name: str, now: datetime = T0, **settings: Any) -> None:
+def rule(
+    kind: str, category: str, name: str, now: datetime = T0, declared: bool = False, **settings: Any
+) -> None:
+    """Set a rule as an operator does, or as runworkpump declares it (``declared``)."""
     run_sql(
-        "SELECT workpump.set_flow_rule(%s, %s, %s, %s::jsonb, p_now => %s)",
-        [kind, category, name, json.dumps(settings), now],
+        "SELECT workpump.set_flow_rule(%s, %s, %s, %s::jsonb, %s, p_now => %s)",
+        [kind, category, name, json.dumps(settings), declared, now],
     )
 
 
@@ -460,11 +463,7 @@ def test_only_the_end_of_a_row_under_a_concurrency_cap_wakes_the_claimers(
     # by a rate or a fairness key alone frees nothing a claim waits for: a wake at each
     # completion flush of a flood turned every claimer's loop for nothing.
     for kind, category, name, settings in rules:
-        values = {key: value for key, value in settings.items() if key != "declared"}
-        run_sql(
-            "SELECT workpump.set_flow_rule(%s, %s, %s, %s::jsonb, %s, p_now => %s)",
-            [kind, category, name, json.dumps(values), settings.get("declared", False), T0],
-        )
+        rule(kind, category, name, **settings)
     send(n=3, **keys)
     rows = claim()
     assert len(rows) == 3
