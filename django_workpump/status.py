@@ -1,4 +1,5 @@
-"""What the work pump is doing now: counts, blocked streams, dead rows, instances.
+"""What the work pump is doing now: counts, blocked streams, dead rows, instances, and
+whether VACUUM keeps up with the work tables.
 
 Plain functions over the named queries of ``sql/status.sql``, shared by
 ``manage.py workpump_status`` and the admin. States come from ``workpump.state_of`` and
@@ -34,6 +35,9 @@ DEAD_ROWS_LIMIT = 20
 TOMBSTONES_LIMIT = 20
 # Done rows are counted exactly up to here; past it their count is an estimate.
 EXACT_COUNT_LIMIT = 10_000
+# A work table with more dead row versions than live ones, and at least this many, is
+# reported as one VACUUM is behind on (TableVacuum.behind).
+VACUUM_BEHIND_MIN_DEAD = 10_000
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,52 @@ class PeriodicStatus:
 
 
 @dataclass(frozen=True)
+class TableVacuum:
+    """A work table's row versions as the statistics system last counted them, and
+    VACUUM's last pass over it (``pg_stat_user_tables``).
+
+    Every claim and every outcome updates a row, and a row done is deleted at the end of
+    its retention: each leaves a dead version behind, and its index entries, until VACUUM
+    removes them. A claim steps over the entries of done rows, so with VACUUM stopped
+    (autovacuum off, or an old snapshot holding it back) each claim costs more than the
+    one before it.
+    """
+
+    category: str
+    table_name: str
+    live_versions: int
+    dead_versions: int
+    vacuum_age_seconds: float | None  # since VACUUM last finished on it (None: never)
+    autovacuum: bool  # whether autovacuum may run on it (server setting and the table's)
+
+    @property
+    def behind(self) -> bool:
+        """More dead versions than live ones, and at least VACUUM_BEHIND_MIN_DEAD."""
+        return (
+            self.dead_versions >= VACUUM_BEHIND_MIN_DEAD and self.dead_versions > self.live_versions
+        )
+
+
+@dataclass(frozen=True)
+class OldestSnapshot:
+    """The session of the database that holds the oldest snapshot: VACUUM keeps every
+    row version it may still see, in every table. Role, application and state are None
+    when this role may not read that session's activity."""
+
+    pid: int
+    role_name: str | None
+    application_name: str | None
+    state: str | None
+    open_seconds: float | None  # since its transaction began
+
+
+@dataclass(frozen=True)
+class VacuumHealth:
+    tables: list[TableVacuum] = field(default_factory=list)
+    oldest_snapshot: OldestSnapshot | None = None
+
+
+@dataclass(frozen=True)
 class StatusReport:
     """Everything ``workpump_status`` shows."""
 
@@ -181,6 +231,7 @@ class StatusReport:
     periodic: list[PeriodicStatus] = field(default_factory=list)
     # flow rules (docs/flow-control.md): limits, rows held, tokens left, rows waiting
     flow_rules: list[db.FlowRuleStatus] = field(default_factory=list)
+    vacuum: VacuumHealth = field(default_factory=VacuumHealth)
     dead_counts: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -390,8 +441,31 @@ def flow_rules(*, now: datetime | None = None, using: str | None = None) -> list
     return db.flow_rule_status(waiting_cap=EXACT_COUNT_LIMIT, now=now, using=using)
 
 
+def vacuum_health(*, now: datetime | None = None, using: str | None = None) -> VacuumHealth:
+    """Each work table's live and dead row versions and VACUUM's last pass over it, and
+    the session that holds the oldest snapshot (TableVacuum, OldestSnapshot)."""
+    rows = db.fetch_named(
+        QUERIES, "vacuum_health", {"now": now, "categories": list(CATEGORIES)}, using=using
+    )
+    snapshot_fields = {
+        "pid": "oldest_snapshot_pid",
+        "role_name": "oldest_snapshot_role",
+        "application_name": "oldest_snapshot_application",
+        "state": "oldest_snapshot_state",
+        "open_seconds": "oldest_snapshot_open_seconds",
+    }
+    oldest = None
+    if rows and rows[0]["oldest_snapshot_pid"] is not None:
+        oldest = OldestSnapshot(**{k: rows[0][column] for k, column in snapshot_fields.items()})
+    tables = [
+        TableVacuum(**{k: v for k, v in row.items() if not k.startswith("oldest_snapshot_")})
+        for row in rows
+    ]
+    return VacuumHealth(tables=tables, oldest_snapshot=oldest)
+
+
 def collect(*, now: datetime | None = None, using: str | None = None) -> StatusReport:
-    """Gather the whole status report: eight queries in one transaction, without JIT."""
+    """Gather the whole status report: nine queries in one transaction, without JIT."""
     settings = get_settings()
     using = using or settings["DATABASE_ALIAS"]
     with db.without_jit(using=using):
@@ -415,6 +489,7 @@ def _collect(*, now: datetime | None, using: str) -> StatusReport:
         unhandled=_unhandled_topics(now=now, using=using),  # collect is without JIT
         periodic=periodic_schedules(using=using),
         flow_rules=flow_rules(now=now, using=using),
+        vacuum=vacuum_health(now=now, using=using),
     )
 
 
@@ -450,6 +525,14 @@ def as_json(report: StatusReport) -> dict[str, Any]:
         "no_live_handler": [_plain(asdict(u)) for u in report.unhandled],
         "periodic": [_plain(asdict(p)) for p in report.periodic],
         "flow_rules": [_plain(asdict(r)) for r in report.flow_rules],
+        "vacuum": {
+            "tables": [_plain(asdict(t)) | {"behind": t.behind} for t in report.vacuum.tables],
+            "oldest_snapshot": (
+                None
+                if report.vacuum.oldest_snapshot is None
+                else _plain(asdict(report.vacuum.oldest_snapshot))
+            ),
+        },
     }
 
 

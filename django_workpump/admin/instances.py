@@ -321,6 +321,24 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
             "instances_url": changelist_url(ServiceInstance),
             "streams_url": reverse("admin:workpump_activestream_changelist"),
             "tombstones_url": reverse("admin:workpump_eviction_changelist"),
+            "vacuum": [
+                {
+                    "table": table,
+                    "age": (
+                        "never"
+                        if table.vacuum_age_seconds is None
+                        else display.duration(table.vacuum_age_seconds)
+                    ),
+                }
+                for table in report.vacuum.tables
+            ],
+            "oldest_snapshot": report.vacuum.oldest_snapshot,
+            "oldest_snapshot_open": (
+                display.duration(report.vacuum.oldest_snapshot.open_seconds)
+                if report.vacuum.oldest_snapshot is not None
+                and report.vacuum.oldest_snapshot.open_seconds is not None
+                else display.DASH
+            ),
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/workpump/summary.html", context)

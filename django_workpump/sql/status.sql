@@ -409,3 +409,44 @@ SELECT s.name, s.cron, s.every_seconds, s.timezone, s.catch_up, s.paused, s.last
        s.next_fire_at, s.last_fired_at, s.last_message_id, s.registered_at
 FROM workpump_periodic_schedule s
 ORDER BY s.name
+
+-- name: vacuum_health
+-- Each work table's row versions as the statistics system last counted them: live, and
+-- dead (left by updates and deletes, and kept, with their index entries, until VACUUM
+-- removes them: a claim steps over the entries of done rows); when VACUUM last finished
+-- on it, by hand or by autovacuum; and whether autovacuum may run on it (the server's
+-- setting and the table's own). With each, the session of this database holding the
+-- oldest snapshot or transaction id, for which VACUUM keeps every row version it may see
+-- (none: NULLs; a session of another role shows only to a role that may read its
+-- activity).
+WITH clock AS (SELECT coalesce(%(now)s::timestamptz, now()) AS now),
+oldest AS (
+    SELECT a.pid, a.usename::text AS role_name, a.application_name, a.state,
+           (extract(epoch FROM c.now) - extract(epoch FROM a.xact_start))::double precision
+               AS open_seconds
+    FROM pg_stat_activity a CROSS JOIN clock c
+    WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+      AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+    ORDER BY greatest(age(a.backend_xmin), age(a.backend_xid)) DESC, a.pid
+    LIMIT 1
+)
+SELECT k.category, w.tbl AS table_name,
+       coalesce(s.n_live_tup, 0) AS live_versions,
+       coalesce(s.n_dead_tup, 0) AS dead_versions,
+       (extract(epoch FROM c.now)
+        - extract(epoch FROM greatest(s.last_vacuum, s.last_autovacuum)))::double precision
+           AS vacuum_age_seconds,
+       current_setting('autovacuum')::boolean
+           AND coalesce((SELECT o.option_value::boolean
+                         FROM pg_options_to_table(r.reloptions) o
+                         WHERE o.option_name = 'autovacuum_enabled'), true) AS autovacuum,
+       o.pid AS oldest_snapshot_pid, o.role_name AS oldest_snapshot_role,
+       o.application_name AS oldest_snapshot_application, o.state AS oldest_snapshot_state,
+       o.open_seconds AS oldest_snapshot_open_seconds
+FROM unnest(%(categories)s::text[]) WITH ORDINALITY AS k(category, n)
+CROSS JOIN LATERAL workpump.work_table(k.category) w
+CROSS JOIN clock c
+JOIN pg_class r ON r.oid = to_regclass(w.tbl)
+LEFT JOIN pg_stat_user_tables s ON s.relid = r.oid
+LEFT JOIN oldest o ON true
+ORDER BY k.n

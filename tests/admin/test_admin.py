@@ -73,7 +73,7 @@ OUTBOX_CHANGELIST_QUERIES = 7  # session, user, SET LOCAL jit, count, page, topi
 OPERATOR_EXTRA_QUERIES = 3  # user perms, group perms, per-model workpump perms (non-superuser)
 INSTANCES_CHANGELIST_QUERIES = 7  # session, user, SET LOCAL jit, count, page, service, host
 STREAMS_CHANGELIST_QUERIES = 6  # session, user, SET LOCAL jit, count, page, category filter
-SUMMARY_QUERIES = 11  # session, user, SET LOCAL jit and status.collect()'s eight
+SUMMARY_QUERIES = 12  # session, user, SET LOCAL jit and status.collect()'s nine
 DETAIL_QUERIES = 7  # session, user, SET LOCAL jit, row, neighbours before and after, logs
 
 
@@ -1078,6 +1078,20 @@ def test_summary_shows_the_same_numbers_as_workpump_status(
     assert headline("instances") == len(report["instances"]) == 2
     unhandled = sum(topic["rows"] for topic in report["no_live_handler"])
     assert headline("unhandled") == unhandled
+    vacuum = re.findall(
+        r'<tr class="wp-vacuum"><td>(\w+)</td><td>(\d+)</td><td>(\d+)</td>.*?<td>(on|<strong>off)',
+        html,
+    )
+    assert vacuum == [
+        (
+            t["table_name"],
+            str(t["live_versions"]),
+            str(t["dead_versions"]),
+            "on" if t["autovacuum"] else "<strong>off",
+        )
+        for t in report["vacuum"]["tables"]
+    ]
+    assert len(vacuum) == 4
 
 
 # -- formatting -----------------------------------------------------------------------------

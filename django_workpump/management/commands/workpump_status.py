@@ -282,7 +282,43 @@ def render_text(report: status.StatusReport) -> list[str]:
                 for r in report.flow_rules
             ],
         )
+
+    lines += ["", "vacuum (dead row versions and their index entries stay until VACUUM):"]
+    lines += _table(
+        ["table", "live", "dead", "last vacuum", "autovacuum"],
+        [
+            [
+                t.table_name,
+                str(t.live_versions),
+                str(t.dead_versions),
+                "never" if t.vacuum_age_seconds is None else f"{_age(t.vacuum_age_seconds)} ago",
+                "on" if t.autovacuum else "OFF",
+            ]
+            for t in report.vacuum.tables
+        ],
+    )
+    lines += [_vacuum_behind(t) for t in report.vacuum.tables if t.behind]
+    snapshot = report.vacuum.oldest_snapshot
+    if snapshot is not None:
+        lines.append(
+            f"oldest snapshot: pid {snapshot.pid} (role {snapshot.role_name or '?'}, "
+            f"application {snapshot.application_name or '?'!r}, {snapshot.state or '?'}), "
+            f"its transaction open for {_age(snapshot.open_seconds)}"
+        )
     return lines
+
+
+def _vacuum_behind(table: status.TableVacuum) -> str:
+    fix = (
+        f"autovacuum is off for it: run VACUUM (ANALYZE) {table.table_name}, or turn it on"
+        if not table.autovacuum
+        else "if the oldest snapshot below is old, it holds VACUUM back"
+    )
+    return (
+        f"VACUUM is behind on {table.table_name}: {table.dead_versions:,} dead row versions "
+        f"against {table.live_versions:,} live, and each claim steps over the index entries "
+        f"of done rows; {fix}."
+    )
 
 
 def _limit(concurrency: int | None, key_concurrency: int | None) -> str:
