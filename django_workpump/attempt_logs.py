@@ -117,7 +117,7 @@ class AttemptLog:
 class _Capture(logging.Handler):
     """Hands each record to the attempt bound to the context it was logged in."""
 
-    def handle(self, record: logging.LogRecord) -> bool:  # type: ignore[override]
+    def handle(self, record: logging.LogRecord) -> bool:
         log = _current.get()
         if log is not None:
             log.add(record)

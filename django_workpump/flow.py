@@ -174,11 +174,10 @@ def set_limit(
                 settings[name] = checked_count(settings[name], name, where)
         if "burst" in settings:
             settings["burst"] = checked_count(settings["burst"], "burst", where, minimum=1)
-        if "weight" in settings and (
-            checked_count(settings["weight"], "weight", where, minimum=1) is None
-            or settings["weight"] > MAX_WEIGHT
-        ):
-            raise ImproperlyConfigured(f"weight of {where} must be 1 to {MAX_WEIGHT}.")
+        if "weight" in settings:
+            checked_weight = checked_count(settings["weight"], "weight", where, minimum=1)
+            if checked_weight is None or checked_weight > MAX_WEIGHT:
+                raise ImproperlyConfigured(f"weight of {where} must be 1 to {MAX_WEIGHT}.")
     except ImproperlyConfigured as exc:
         raise ValueError(str(exc)) from None
     _set(subject, settings, using)

@@ -112,11 +112,11 @@ def parse(text: str) -> Search:
                     "customer.email=a@b.example."
                 )
             try:
-                value: Any = json.loads(raw)
+                wanted: Any = json.loads(raw)
             except ValueError:
-                value = raw
+                wanted = raw
             search.payload = search.payload or {}
-            _merge(search.payload, key, value)
+            _merge(search.payload, key, wanted)
         else:
             try:
                 search.ids.append(uuid.UUID(term))

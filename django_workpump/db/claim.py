@@ -194,12 +194,15 @@ def _claim_rows(params: dict[str, Any], using: str | None) -> list[dict[str, Any
     connection.validate_thread_sharing()
     connection.validate_no_broken_transaction()
     with connection.wrap_database_errors:
-        held = getattr(connection, "_workpump_claim_cursor", None)
+        held: tuple[Any, Any, list[str]] | None = getattr(
+            connection, "_workpump_claim_cursor", None
+        )
         if held is None or held[0] is not connection.connection or held[1].closed:
             cursor = connection.create_cursor()  # Django's: its time zone, its binding
             _claim_loaders(cursor.adapters)
             connection.connection.add_notice_handler(_note_flow_wait)
-            held = connection._workpump_claim_cursor = (connection.connection, cursor, [])
+            held = (connection.connection, cursor, [])
+            connection._workpump_claim_cursor = held  # type: ignore[attr-defined]
         cursor, columns = held[1], held[2]
         if setting("PREPARED_STATEMENTS"):
             _claim_statement().execute(cursor, params, own_transaction=connection.get_autocommit())

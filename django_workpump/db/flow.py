@@ -105,4 +105,4 @@ def flow_reason(
         "fairness_key": fairness_key,
         "now": now,
     }
-    return _scalar("flow_reason", params, using)  # type: ignore[no-any-return]
+    return _scalar("flow_reason", params, using)

@@ -16,7 +16,7 @@ class FromRow:
     @classmethod
     def from_row(cls, row: Row) -> Self:
         """The instance of ``row``; raise ValueError naming any field no column fills."""
-        names, fields, required = _field_names(cls)
+        names, fields, required = _field_names(cls)  # type: ignore[arg-type]  # a class hashes
         columns = row.keys()
         if not columns >= required:  # a set comparison: claims build one per row
             missing = [name for name in names if name in required and name not in row]
