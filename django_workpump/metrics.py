@@ -6,9 +6,10 @@ outcomes, and gauges of this process (rows in flight, the NOTIFY gate). Without
 ``prometheus_client`` it is a ``NullRecorder`` whose methods do nothing, so the
 instrumentation costs a method call and importing the package needs nothing more.
 
-The database-wide gauges (rows per state, the oldest waiting row, instances, flow rules)
-are read by ``DatabaseCollector`` with the three queries ``workpump_status`` uses for
-them, at most once per ``METRICS_CACHE_SECONDS``, however often Prometheus scrapes.
+The database-wide gauges (rows per state, the oldest waiting row, instances, flow rules,
+dead row versions and the oldest snapshot) are read by ``DatabaseCollector`` with the
+four queries ``workpump_status`` uses for them, at most once per
+``METRICS_CACHE_SECONDS``, however often Prometheus scrapes.
 
 Serve them with ``runworkpump --metrics-port PORT`` (or ``WORKPUMP["METRICS_PORT"]``; on
 127.0.0.1 unless ``--metrics-bind``) or route ``metrics_view`` in a project's URLconf. The
@@ -319,8 +320,9 @@ def recorder() -> NullRecorder:
 class DatabaseCollector:
     """The database-wide gauges, read with the status report's queries and cached.
 
-    ``collect()`` runs ``status.state_counts``, ``status.instances`` and
-    ``status.flow_rules`` (three queries) at most once per ``METRICS_CACHE_SECONDS``;
+    ``collect()`` runs ``status.state_counts``, ``status.instances``,
+    ``status.flow_rules`` and ``status.vacuum_health`` (four queries) at most once per
+    ``METRICS_CACHE_SECONDS``;
     scrapes in between get the cached families, and concurrent scrapes share one read.
     """
 
@@ -401,6 +403,19 @@ class DatabaseCollector:
                 "(waiting), paused (1/0). A value the rule has none of is left out.",
                 labels=("kind", "category", "name", "value"),
             ),
+            GaugeMetricFamily(
+                "workpump_dead_row_versions",
+                "Dead row versions per work table, which VACUUM has not removed yet (a "
+                "claim steps over the index entries of done rows), as PostgreSQL's "
+                "statistics last counted them.",
+                labels=("table",),
+            ),
+            GaugeMetricFamily(
+                "workpump_oldest_snapshot_age_seconds",
+                "How long the transaction of the session of this database holding the "
+                "oldest snapshot (which VACUUM keeps every row version for) has been "
+                "open; 0 when none holds one.",
+            ),
         ]
 
     def _read(self) -> list[Any]:
@@ -410,7 +425,8 @@ class DatabaseCollector:
         counts = status.state_counts(using=self.using)
         instances = status.instances(using=self.using)
         rules = status.flow_rules(using=self.using)
-        pending, ended, oldest, fleet, flow = self._empty()
+        vacuum = status.vacuum_health(using=self.using)
+        pending, ended, oldest, fleet, flow, dead_versions, snapshot_age = self._empty()
         for category in counts.categories:
             for state in PENDING_STATES:
                 pending.add_metric((category.category, state), category.counts.get(state, 0))
@@ -426,7 +442,11 @@ class DatabaseCollector:
             for value, number in {**values, "paused": int(rule.paused)}.items():
                 if number is not None:
                     flow.add_metric((*labels, value), float(number))
-        return [pending, ended, oldest, fleet, flow]
+        for table in vacuum.tables:
+            dead_versions.add_metric((table.table_name,), table.dead_versions)
+        held = vacuum.oldest_snapshot
+        snapshot_age.add_metric((), (held.open_seconds or 0.0) if held is not None else 0.0)
+        return [pending, ended, oldest, fleet, flow, dead_versions, snapshot_age]
 
 
 _collector: DatabaseCollector | None = None

@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 import django_workpump as workpump
-from django_workpump import db, metrics, models
+from django_workpump import db, metrics, models, status
 from django_workpump.clock import FrozenClock
 from django_workpump.db import Outcome
 from django_workpump.pump.claim import ClaimPolicy, ClaimWorker
@@ -161,13 +161,41 @@ def test_scrapes_within_the_cache_window_read_the_database_once():
     with CaptureQueriesContext(connection) as third:
         list(collector.collect())
 
-    assert len(first.captured_queries) == 3  # state counts, instances, flow rules
+    assert len(first.captured_queries) == 4  # state counts, instances, flow rules, vacuum
     assert len(second.captured_queries) == 0
-    assert len(third.captured_queries) == 3  # the window passed
+    assert len(third.captured_queries) == 4  # the window passed
     assert collector.reads == 2
     assert families.keys() == again.keys()
     pending = {tuple(s.labels.values()): s.value for s in families["workpump_pending"].samples}
     assert pending[("outbox", "pending")] == 1
+
+
+@pytest.mark.django_db(transaction=True)  # each read its own transaction: a fresh view
+def test_the_vacuum_gauges_report_dead_versions_per_table_and_the_oldest_snapshot(
+    raw_connect,
+):
+    tables = {t.table_name: t.dead_versions for t in status.vacuum_health().tables}
+    quiet = {f.name: f for f in metrics.DatabaseCollector(cache_seconds=0).collect()}
+    holder = raw_connect()
+    holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT 1")  # takes the snapshot
+    held = {f.name: f for f in metrics.DatabaseCollector(cache_seconds=0).collect()}
+
+    # (other tests' backends report their statistics when idle: the counts may move)
+    dead = {s.labels["table"]: s.value for s in held["workpump_dead_row_versions"].samples}
+    assert dead.keys() == tables.keys()
+    assert all(value >= 0 for value in dead.values())
+    assert set(dead) == {
+        "workpump_outbox",
+        "workpump_inbox",
+        "workpump_perspective_event",
+        "workpump_receptor_processing",
+    }
+    assert [s.value for s in quiet["workpump_oldest_snapshot_age_seconds"].samples] == [0.0]
+    (age,) = held["workpump_oldest_snapshot_age_seconds"].samples
+    snapshot = status.vacuum_health().oldest_snapshot
+    assert snapshot is not None and snapshot.pid == holder.info.backend_pid
+    assert 0 < age.value <= snapshot.open_seconds  # read before it
 
 
 @pytest.mark.django_db
@@ -208,7 +236,7 @@ def test_two_scrapes_of_the_view_within_the_window_issue_no_second_query():
         assert client.get("/metrics").status_code == 200
     with CaptureQueriesContext(connection) as second:
         assert client.get("/metrics").status_code == 200
-    assert len(first.captured_queries) == 3  # state counts, instances, flow rules
+    assert len(first.captured_queries) == 4  # state counts, instances, flow rules, vacuum
     assert second.captured_queries == []
 
 
