@@ -197,9 +197,9 @@ class TableVacuum:
 
 @dataclass(frozen=True)
 class OldestSnapshot:
-    """The session of the database that holds the oldest snapshot: VACUUM keeps every
-    row version it may still see, in every table. Role, application and state are None
-    when this role may not read that session's activity."""
+    """The session of the database that holds the oldest snapshot or transaction id:
+    VACUUM keeps every row version it may still see, in every table. A session of
+    another role is seen only by a role that may read its activity (pg_read_all_stats)."""
 
     pid: int
     role_name: str | None
