@@ -427,7 +427,8 @@ def test_the_grafana_dashboard_queries_only_series_the_package_exports():
     }
 
     assert used - exported == set()
-    # throughput, backlog age, failures, dead letters, instances, in flight, durations
+    # throughput, backlog age, failures, dead letters, instances, in flight, durations,
+    # VACUUM
     for series in (
         "workpump_done",
         "workpump_claimed",
@@ -437,6 +438,8 @@ def test_the_grafana_dashboard_queries_only_series_the_package_exports():
         "workpump_instances",
         "workpump_in_flight",
         "workpump_handler_duration_seconds",
+        "workpump_dead_row_versions",
+        "workpump_oldest_snapshot_age_seconds",
     ):
         assert series in used, series
     assert any("histogram_quantile(0.99" in expr for expr in expressions)
