@@ -19,6 +19,7 @@ from typing import Any
 from django_workpump import db
 from django_workpump.categories import NAMES as CATEGORIES
 from django_workpump.conf import get_settings
+from django_workpump.db.rows import FromRow
 from django_workpump.payloads import StoredJSON, decode_or_stored
 from django_workpump.periodic import ScheduleRegistry, schedules
 from django_workpump.registry import CONTROL_CATEGORIES
@@ -169,7 +170,7 @@ class PeriodicStatus:
 
 
 @dataclass(frozen=True)
-class TableVacuum:
+class TableVacuum(FromRow):
     """A work table's row versions as the statistics system last counted them, and
     VACUUM's last pass over it (``pg_stat_user_tables``).
 
@@ -196,7 +197,7 @@ class TableVacuum:
 
 
 @dataclass(frozen=True)
-class OldestSnapshot:
+class OldestSnapshot(FromRow):
     """The session of the database that holds the oldest snapshot or transaction id:
     VACUUM keeps every row version it may still see, in every table. A session of
     another role is seen only by a role that may read its activity (pg_read_all_stats)."""
@@ -447,21 +448,11 @@ def vacuum_health(*, now: datetime | None = None, using: str | None = None) -> V
     rows = db.fetch_named(
         QUERIES, "vacuum_health", {"now": now, "categories": list(CATEGORIES)}, using=using
     )
-    snapshot_fields = {
-        "pid": "oldest_snapshot_pid",
-        "role_name": "oldest_snapshot_role",
-        "application_name": "oldest_snapshot_application",
-        "state": "oldest_snapshot_state",
-        "open_seconds": "oldest_snapshot_open_seconds",
-    }
-    oldest = None
-    if rows and rows[0]["oldest_snapshot_pid"] is not None:
-        oldest = OldestSnapshot(**{k: rows[0][column] for k, column in snapshot_fields.items()})
-    tables = [
-        TableVacuum(**{k: v for k, v in row.items() if not k.startswith("oldest_snapshot_")})
-        for row in rows
-    ]
-    return VacuumHealth(tables=tables, oldest_snapshot=oldest)
+    held = rows and rows[0]["pid"] is not None  # every row carries the same session
+    return VacuumHealth(
+        tables=[TableVacuum.from_row(row) for row in rows],
+        oldest_snapshot=OldestSnapshot.from_row(rows[0]) if held else None,
+    )
 
 
 def collect(*, now: datetime | None = None, using: str | None = None) -> StatusReport:

@@ -259,6 +259,7 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
         if not can_view_summary(self.admin_site, request):
             raise PermissionDenied
         report = status.collect()  # without JIT, as every page (admin/base.py)
+        snapshot = report.vacuum.oldest_snapshot
         categories = []
         for category in report.categories:
             model = WORK_MODELS[category.category][0]
@@ -332,11 +333,10 @@ class ServiceInstanceAdmin(ReadOnlyAdmin):
                 }
                 for table in report.vacuum.tables
             ],
-            "oldest_snapshot": report.vacuum.oldest_snapshot,
+            "oldest_snapshot": snapshot,
             "oldest_snapshot_open": (
-                display.duration(report.vacuum.oldest_snapshot.open_seconds)
-                if report.vacuum.oldest_snapshot is not None
-                and report.vacuum.oldest_snapshot.open_seconds is not None
+                display.duration(snapshot.open_seconds)
+                if snapshot is not None and snapshot.open_seconds is not None
                 else display.DASH
             ),
         }

@@ -440,9 +440,8 @@ SELECT k.category, w.tbl AS table_name,
            AND coalesce((SELECT o.option_value::boolean
                          FROM pg_options_to_table(r.reloptions) o
                          WHERE o.option_name = 'autovacuum_enabled'), true) AS autovacuum,
-       o.pid AS oldest_snapshot_pid, o.role_name AS oldest_snapshot_role,
-       o.application_name AS oldest_snapshot_application, o.state AS oldest_snapshot_state,
-       o.open_seconds AS oldest_snapshot_open_seconds
+       -- the oldest snapshot's session, the same on every row
+       o.pid, o.role_name, o.application_name, o.state, o.open_seconds
 FROM unnest(%(categories)s::text[]) WITH ORDINALITY AS k(category, n)
 CROSS JOIN LATERAL workpump.work_table(k.category) w
 CROSS JOIN clock c
