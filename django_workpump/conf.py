@@ -232,6 +232,17 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=0,
         meaning="rows claimed beyond the free slots",
     ),
+    Setting(
+        "CLAIM_FAIR_PREFETCH",
+        8,
+        "int",
+        minimum=0,
+        meaning=(
+            "rows claimed beyond the free slots (CLAIM_PREFETCH when larger) after a claim "
+            "that reached rows of fairness keys; fewer: a quiet tenant's new row waits for a "
+            "shorter claim, and a flood of fast rows drains slower (flow-control.md)"
+        ),
+    ),
     # The lease renewal batcher.
     Setting(
         "RENEWAL_MAX_BATCH",

@@ -46,15 +46,11 @@ CLAIM_ROUND_TRIPS_PER_BATCH = 10
 # batches hoard rows that idle peers could run.
 MAX_QUEUE_SECONDS = 1.0
 RATE_SAMPLE_SECONDS = 0.1
-# While rows of fairness keys are in reach, a claim takes at most this many beyond the
-# free slots (or the prefetch): a quiet key's row stored during a claim waits for its
-# end, and for the handing over of its rows. In bench/flow.py's fair case, 8 drained the
-# flood twice as fast as the prefetch alone, the quiet key's p99 pickup within its spread
-# from run to run; 32 drained it faster still, and made that p99 a third longer.
-FAIR_BATCH_ROWS = 8
-# ... and the claims of underserved groups' rows (made with no slot free) stop while this
-# many rows queue beyond the slots.
-FAIR_QUEUE_ROWS = 2 * FAIR_BATCH_ROWS
+# While rows of fairness keys are in reach, a claim takes few rows beyond the free slots
+# (CLAIM_FAIR_PREFETCH): a quiet key's row stored during a claim waits for its end. The
+# claims of underserved groups' rows (made with no slot free) stop while that many and
+# this many more rows queue beyond the slots.
+UNDERSERVED_QUEUE_ROOM = 8
 
 
 class Gate(Protocol):
@@ -79,6 +75,7 @@ class ClaimPolicy:
     enable_safety_net_poll: bool = True
     max_rows: int = 1_000
     prefetch: int = 2
+    fair_prefetch: int = 8
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> ClaimPolicy:
@@ -89,7 +86,14 @@ class ClaimPolicy:
             enable_safety_net_poll=settings["ENABLE_SAFETY_NET_POLL"],
             max_rows=settings["MAX_STREAMS_PER_BATCH"],
             prefetch=settings["CLAIM_PREFETCH"],
+            fair_prefetch=settings["CLAIM_FAIR_PREFETCH"],
         )
+
+    @property
+    def fair_ahead(self) -> int:
+        """Rows a claim takes beyond the free slots after a claim that reached rows of
+        fairness keys."""
+        return max(self.prefetch, self.fair_prefetch)
 
 
 def warn_unreadable_headers(rows: list[ClaimedWork]) -> None:
@@ -204,7 +208,7 @@ class ClaimWorker(LoopService):
         self._last_gate_state: bool | None = None
         self._gate_lost_at: float | None = None
         # The last claim reached rows of fairness keys (docs/flow-control.md): the next
-        # takes at most FAIR_BATCH_ROWS beyond the free slots, so it ends soon.
+        # takes at most policy.fair_ahead rows beyond the free slots, so it ends soon.
         self.fair = False
         # Work was stored since the last claim (a NOTIFY): after a fair claim, the next
         # may take the rows of underserved groups with no slot free (_underserved_rows).
@@ -451,9 +455,10 @@ class ClaimWorker(LoopService):
         at ``CONCURRENCY`` 1 every claim is such a wait, and the claims (one commit each)
         would outnumber the work.
 
-        After a claim that reached rows of fairness keys, no more than FAIR_BATCH_ROWS (or
-        the prefetch) beyond the free slots: a quiet key's row stored during a claim waits
-        for its end, and a batch sized ahead is a long claim.
+        After a claim that reached rows of fairness keys, no more than
+        ``CLAIM_FAIR_PREFETCH`` (or the prefetch, when larger) beyond the free slots: a
+        quiet key's row stored during a claim waits for its end, and a batch sized ahead
+        is a long claim.
         """
         size = free + self.policy.prefetch
         started = getattr(self.sink, "started_total", None)
@@ -475,14 +480,15 @@ class ClaimWorker(LoopService):
                 ahead = min(max(QUEUE_SECONDS, round_trips), MAX_QUEUE_SECONDS)
                 size = max(size, round(self.start_rate * ahead))
         if self.fair:
-            size = min(size, free + max(self.policy.prefetch, FAIR_BATCH_ROWS))
+            size = min(size, free + self.policy.fair_ahead)
         return min(size, self.policy.max_rows)
 
     def _underserved_rows(self) -> int:
         """Rows to claim with no slot free: none, unless the last claim reached rows of
         fairness keys and work was stored since. Then a claim of the rows of the groups
         that hold fewer than the one holding most (``underserved_only``), up to the
-        concurrency, while fewer than FAIR_QUEUE_ROWS queue beyond the slots.
+        concurrency, while fewer than a fair claim's rows beyond the slots and
+        UNDERSERVED_QUEUE_ROOM more queue beyond them.
 
         A noisy key keeps every slot busy and the local queue full: a quiet key's new row
         would wait for a slot, then behind the queued rows. This claim takes it at once,
@@ -495,7 +501,8 @@ class ClaimWorker(LoopService):
         concurrency = getattr(self.sink, "concurrency", None)
         if in_flight is None or concurrency is None or in_flight < concurrency:
             return 0  # no slot free for another reason: the dispatcher takes no more rows
-        return max(min(concurrency, concurrency + FAIR_QUEUE_ROWS - in_flight), 0)
+        queue_rows = self.policy.fair_ahead + UNDERSERVED_QUEUE_ROOM
+        return max(min(concurrency, concurrency + queue_rows - in_flight), 0)
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> None:

@@ -15,9 +15,8 @@ import pytest
 from django_workpump.clock import FrozenClock
 from django_workpump.db import InstanceRefused
 from django_workpump.pump.claim import (
-    FAIR_BATCH_ROWS,
-    FAIR_QUEUE_ROWS,
     FREE_FRUITLESS_WAKES,
+    UNDERSERVED_QUEUE_ROOM,
     WAKE_FLOOD_QUIET_SECONDS,
     ClaimPolicy,
     ClaimResult,
@@ -509,21 +508,36 @@ class FairClaims(FakeCoordinator):
         return self.fair
 
 
-def test_after_a_claim_that_reached_fairness_keys_the_batch_is_capped_short():
+@pytest.mark.parametrize(
+    ("prefetch", "fair_prefetch", "ahead"),
+    [(2, 8, 8), (2, 0, 2), (2, 3, 3), (20, 8, 20)],  # the larger of the two
+)
+def test_after_a_claim_that_reached_fairness_keys_the_batch_is_capped_short(
+    prefetch, fair_prefetch, ahead
+):
     # 10,000 rows/s would claim max_rows ahead, a claim of some 20 ms: a quiet key's row
     # stored meanwhile would wait for its end
     clock = FrozenClock()
     sink = CountingSink(free=4)
     coordinator = FairClaims(True, claims=[[]] * 5)
-    worker = make_worker(coordinator, sink, ClaimPolicy(max_rows=1000, prefetch=2), clock=clock)
+    policy = ClaimPolicy(max_rows=1000, prefetch=prefetch, fair_prefetch=fair_prefetch)
+    worker = make_worker(coordinator, sink, policy, clock=clock)
     for fair in (False, True, True, False, False):
         coordinator.fair = fair
         worker.run_once()
         clock.advance(0.1)
         sink.started_total += 1000
     # each claim follows the previous one's answer: the rate is measured all along
-    assert coordinator.claims == [6, 1000, 4 + FAIR_BATCH_ROWS, 4 + FAIR_BATCH_ROWS, 1000]
+    assert coordinator.claims == [4 + prefetch, 1000, 4 + ahead, 4 + ahead, 1000]
     assert coordinator.underserved_only == [False] * 5
+
+
+def test_the_policy_reads_the_fair_prefetch_from_the_settings():
+    from django_workpump.conf import DEFAULTS
+
+    policy = ClaimPolicy.from_settings({**DEFAULTS, "CLAIM_FAIR_PREFETCH": 3})
+    assert (policy.prefetch, policy.fair_prefetch, policy.fair_ahead) == (2, 3, 3)
+    assert ClaimPolicy.from_settings(dict(DEFAULTS)).fair_ahead == 8
 
 
 class BusySink(FakeSink):
@@ -552,11 +566,12 @@ def test_after_a_fair_claim_new_work_of_underserved_groups_is_claimed_with_no_sl
     assert sink.batches == [[quiet]] and sink.fronts == [True]
     assert worker.run_once().skipped_busy  # that wake is spent
 
-    sink.in_flight = 4 + FAIR_QUEUE_ROWS - 1
+    queue_rows = 8 + UNDERSERVED_QUEUE_ROOM  # a fair claim's rows ahead, and the room
+    sink.in_flight = 4 + queue_rows - 1
     worker.request_immediate_poll(new_work=True)
     worker.run_once()
     assert coordinator.claims == [4, 1]  # room for one more queued row
-    sink.in_flight = 4 + FAIR_QUEUE_ROWS
+    sink.in_flight = 4 + queue_rows
     worker.request_immediate_poll(new_work=True)
     assert worker.run_once().skipped_busy  # the queue is full: no more
 
@@ -569,6 +584,22 @@ def test_after_a_fair_claim_new_work_of_underserved_groups_is_claimed_with_no_sl
     worker.request_immediate_poll(new_work=True)
     assert worker.run_once().skipped_busy
     assert coordinator.claims == [4, 1]
+
+
+def test_the_underserved_claims_leave_room_beyond_a_larger_fair_prefetch():
+    # a fair claim may queue 30 rows beyond the slots: a quiet key's row stored then is
+    # still claimed at once, until 30 and the room queue
+    policy = ClaimPolicy(prefetch=2, fair_prefetch=30)
+    sink = BusySink(in_flight=4 + 30 + UNDERSERVED_QUEUE_ROOM - 1)
+    coordinator = FairClaims(True, claims=[[make_row()], []])
+    worker = make_worker(coordinator, sink, policy)
+    worker.fair = True
+    worker.request_immediate_poll(new_work=True)
+    assert worker.run_once().claimed == 1
+    assert (coordinator.claims, coordinator.underserved_only) == ([1], [True])
+    sink.in_flight += 1
+    worker.request_immediate_poll(new_work=True)
+    assert worker.run_once().skipped_busy
 
 
 def test_a_claim_of_underserved_groups_leaves_the_loop_waiting_for_a_slot_if_rows_wait():
