@@ -418,7 +418,7 @@ ORDER BY s.name
 -- setting and the table's own). With each, the session of this database holding the
 -- oldest snapshot or transaction id, for which VACUUM keeps every row version it may see
 -- (none: NULLs; a session of another role shows only to a role that may read its
--- activity).
+-- activity). Autovacuum's own workers are left out: their snapshots hold no VACUUM back.
 WITH clock AS (SELECT coalesce(%(now)s::timestamptz, now()) AS now),
 oldest AS (
     SELECT a.pid, a.usename::text AS role_name, a.application_name, a.state,
@@ -426,6 +426,7 @@ oldest AS (
                AS open_seconds
     FROM pg_stat_activity a CROSS JOIN clock c
     WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+      AND a.backend_type <> 'autovacuum worker'
       AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
     ORDER BY greatest(age(a.backend_xmin), age(a.backend_xid)) DESC, a.pid
     LIMIT 1

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from django_workpump.clock import FrozenClock
+from django_workpump.conf import DEFAULTS as SETTING_DEFAULTS
 from django_workpump.db import InstanceRefused
 from django_workpump.pump.claim import (
     FREE_FRUITLESS_WAKES,
@@ -533,11 +534,9 @@ def test_after_a_claim_that_reached_fairness_keys_the_batch_is_capped_short(
 
 
 def test_the_policy_reads_the_fair_prefetch_from_the_settings():
-    from django_workpump.conf import DEFAULTS
-
-    policy = ClaimPolicy.from_settings({**DEFAULTS, "CLAIM_FAIR_PREFETCH": 3})
+    policy = ClaimPolicy.from_settings({**SETTING_DEFAULTS, "CLAIM_FAIR_PREFETCH": 3})
     assert (policy.prefetch, policy.fair_prefetch, policy.fair_ahead) == (2, 3, 3)
-    assert ClaimPolicy.from_settings(dict(DEFAULTS)).fair_ahead == 8
+    assert ClaimPolicy.from_settings(dict(SETTING_DEFAULTS)).fair_ahead == 8
 
 
 class BusySink(FakeSink):
