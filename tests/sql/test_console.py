@@ -325,6 +325,49 @@ def test_the_sampler_takes_each_minute_once_with_backlog_and_instances():
     )
 
 
+def test_the_sampler_counts_each_undone_row_once_without_reading_the_done_ones():
+    # a table keeps its done rows for days: the backlog is read from the partial indexes
+    # of its undone rows (a ready, a scheduled, a leased, a flow-controlled row, a stream's
+    # head and the rows behind it), never by reading every row of the table
+    enroll(A, T0)
+    make(1, topic="console.held")
+    assert len(claim(A, T0, limit=1)) == 1
+    make(2, topic="console.plain")
+    make(1, topic="console.plain", done_at=T0 - timedelta(seconds=5))
+    make(1, topic="console.plain", dead_lettered_at=T0 - timedelta(seconds=5))
+    make(1, topic="console.later", scheduled_for=T0 + timedelta(hours=1))
+    make(2, topic="console.fair", fairness_key="tenant:1")
+    make(3, topic="console.ordered", stream="order-7")
+    tables = (
+        "workpump_outbox",
+        "workpump_inbox",
+        "workpump_perspective_event",
+        "workpump_receptor_processing",
+    )
+
+    def seq_scans() -> int:
+        return scalar(
+            "SELECT sum(seq_scan) FROM pg_stat_xact_user_tables WHERE relname = ANY (%s)",
+            [list(tables)],
+        )
+
+    run_sql("SET LOCAL enable_seqscan = off")  # a scan it could avoid is counted below
+    before = seq_scans()
+    assert scalar("SELECT workpump.console_sample(p_now => %s)", [T0 + timedelta(seconds=1)])
+    assert seq_scans() == before
+    backlog = {
+        r["topic"]: (r["pending"], r["scheduled"], r["leased"])
+        for r in run_sql("SELECT * FROM workpump_console_backlog WHERE minute = %s", [T0])
+    }
+    assert backlog == {
+        "console.held": (0, 0, 1),
+        "console.plain": (2, 0, 0),
+        "console.later": (0, 1, 0),
+        "console.fair": (2, 0, 0),
+        "console.ordered": (3, 0, 0),
+    }
+
+
 def test_an_idle_pump_samples_nothing_until_something_changes():
     def sample(minutes: int, beating: bool = True) -> bool:
         at = T0 + timedelta(minutes=minutes)
