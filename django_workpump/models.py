@@ -154,8 +154,13 @@ def timer_condition() -> Q:
 
 
 def flow_condition() -> Q:
-    """Live stream heads under flow control (the flow pass's index), held or not."""
-    return _live_head() & Q(flow_controlled=True)
+    """Live stream heads under flow control that no lease holds (the flow pass's index)."""
+    return _live_head() & Q(flow_controlled=True, instance_id__isnull=True)
+
+
+def flow_timer_condition() -> Q:
+    """Live stream heads under flow control that a lease holds (expired or not)."""
+    return _live_head() & Q(flow_controlled=True, instance_id__isnull=False)
 
 
 def dead_condition() -> Q:
@@ -213,6 +218,14 @@ def _work_indexes(prefix: str, scope: tuple[str, ...] = ()) -> list[models.Index
             fields=["topic", "concurrency_key", "fairness_key", "-priority", "seq"],
             name=f"{prefix}_flow",
             condition=flow_condition(),
+        ),
+        # Leased flow-controlled heads by lease expiry: the flow pass takes over those
+        # whose lease expired. Kept out of _flow: a lease would add an entry to that wide
+        # index, which every claim of a flow-controlled row paid for.
+        models.Index(
+            fields=["lease_expiry"],
+            name=f"{prefix}_flowtimer",
+            condition=flow_timer_condition(),
         ),
         # Flow-controlled rows held now: the in-flight counts of topic and key caps.
         models.Index(

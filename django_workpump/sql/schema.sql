@@ -887,11 +887,18 @@ BEGIN
                 v_meta := workpump.work_table(v_category);
                 EXECUTE format(
                     'SELECT count(*) FROM (
-                        SELECT 1 FROM %1$I t WHERE t.%2$I IS NULL
-                          AND t.dead_lettered_at IS NULL AND t.stream_head
-                          AND t.flow_controlled
-                          AND (t.concurrency_key = $1 OR t.fairness_key = $1)
-                          AND (t.instance_id IS NULL OR t.lease_expiry <= $2)
+                        (SELECT 1 FROM %1$I t WHERE t.%2$I IS NULL
+                           AND t.dead_lettered_at IS NULL AND t.stream_head
+                           AND t.flow_controlled AND t.instance_id IS NULL
+                           AND (t.concurrency_key = $1 OR t.fairness_key = $1)
+                         LIMIT $3 + 1)
+                        UNION ALL
+                        (SELECT 1 FROM %1$I t WHERE t.%2$I IS NULL
+                           AND t.dead_lettered_at IS NULL AND t.stream_head
+                           AND t.flow_controlled AND t.instance_id IS NOT NULL
+                           AND t.lease_expiry <= $2
+                           AND (t.concurrency_key = $1 OR t.fairness_key = $1)
+                         LIMIT $3 + 1)
                         LIMIT $3 + 1) w',
                     v_meta.tbl, v_meta.done_col)
                 INTO v_count USING v_rule.name, v_now, p_waiting_cap;
@@ -2490,11 +2497,18 @@ DECLARE
                     'attempt ' || t.attempts || ' ended without a reported outcome: the lease'
                     || ' of instance ' || t.instance_id || ' expired at ' || t.lease_expiry
                 ELSE t.last_error END$lease$;
-    -- a flow-controlled stream head (of a row t) that may be leased at v_now (the _flow
-    -- index's predicate and more)
+    -- a flow-controlled stream head (of a row t) that no lease holds and that may be
+    -- leased at v_now (the _flow index's predicate and more). A leased head is not in
+    -- _flow: its lease would add a second entry of that wide index, which a claim pays
+    -- for per row; it is in the narrow _flowtimer, by lease_expiry, where v_flow_expired
+    -- finds it once its lease expired
     v_flow_due text := $due$t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
-          AND t.flow_controlled
-          AND (t.instance_id IS NULL OR t.lease_expiry <= v_now)
+          AND t.flow_controlled AND t.instance_id IS NULL
+          AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)$due$;
+    -- a flow-controlled stream head whose lease expired by v_now (the _flowtimer index's
+    -- predicate and more): it may be leased again
+    v_flow_expired text := $due$t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+          AND t.flow_controlled AND t.instance_id IS NOT NULL AND t.lease_expiry <= v_now
           AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)$due$;
     -- whether a flow-controlled head of these topics may be leased at v_now (the claim's
     -- guard of its flow pass, and claimable_<category>'s probe of it); ordered by
@@ -2518,7 +2532,12 @@ DECLARE
                   AND (SELECT 1 FROM {table} t
                        WHERE {flow_due} AND t.topic ^@ ANY (p_topic_prefixes)
                        ORDER BY t.topic DESC, t.concurrency_key DESC, t.fairness_key DESC
-                       LIMIT 1) IS NOT NULL) END)$probe$;
+                       LIMIT 1) IS NOT NULL) END
+         OR (SELECT 1 FROM {table} t
+             WHERE {flow_expired}
+               AND (p_topics IS NULL OR t.topic = ANY (p_topics)
+                    OR t.topic ^@ ANY (p_topic_prefixes))
+             ORDER BY t.lease_expiry LIMIT 1) IS NOT NULL)$probe$;
     -- what a leased row reports (then: its pass and last_error, or its run's head)
     v_leased_columns text := $columns$t.seq, t.work_id AS work_id, t.topic AS topic,
                   {t.payload} AS payload, t.stream, {t.scope} AS scope,
@@ -2600,7 +2619,10 @@ DECLARE
     v_wait_ms integer;
     v_one_group boolean;
     v_limited boolean;  -- a rule caps or rates these groups
+    v_expired boolean;  -- some flow-controlled head's lease expired
 BEGIN
+    -- whether any flow-controlled head's lease expired (one descent of _flowtimer)
+    v_expired := EXISTS (SELECT 1 FROM {table} t WHERE {flow_expired});
     -- the groups with a due head, one descent of _flow each (a loose index scan), from
     -- the newest end as the probe reads (a group's done rows are at its oldest end)
     WITH RECURSIVE g AS (
@@ -2621,7 +2643,11 @@ BEGIN
     SELECT array_agg(ROW(g.topic, g.ckey, g.fkey)::workpump.flow_group
                      ORDER BY g.topic, g.ckey, g.fkey)
     INTO v_groups
-    FROM g
+    FROM (SELECT g.topic, g.ckey, g.fkey FROM g
+          UNION
+          -- and those of a head whose lease expired (_flowtimer; in most claims none)
+          SELECT t.topic, t.concurrency_key, t.fairness_key
+          FROM {table} t WHERE v_expired AND {flow_expired}) g
     WHERE p_topics IS NULL OR g.topic = ANY (p_topics) OR g.topic ^@ ANY (p_topic_prefixes);
     IF v_groups IS NULL THEN
         RETURN;
@@ -2727,16 +2753,35 @@ BEGIN
                     / a.weight) AS round
         FROM group_allow a
         CROSS JOIN LATERAL (
-            SELECT t.seq, t.ctid, t.priority, t.topic AS topic,
-                   t.concurrency_key AS ckey, t.fairness_key AS fkey,
-                   coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-            FROM {table} t
-            WHERE {flow_due}
-              AND t.topic = a.topic AND t.concurrency_key = a.ckey
-              AND t.fairness_key = a.fkey
-            ORDER BY t.priority DESC, t.seq
+            SELECT u.* FROM (
+                SELECT t.seq, t.ctid, t.priority, t.topic AS topic,
+                       t.concurrency_key AS ckey, t.fairness_key AS fkey,
+                       coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
+                FROM {table} t
+                WHERE {flow_due}
+                  AND t.topic = a.topic AND t.concurrency_key = a.ckey
+                  AND t.fairness_key = a.fkey
+                ORDER BY t.priority DESC, t.seq
+                LIMIT a.allow
+                FOR UPDATE OF t SKIP LOCKED
+            ) u
+            UNION ALL
+            -- the group's heads whose lease expired, in the same order (a one-time
+            -- filter: read only when there are such heads)
+            SELECT x.* FROM (
+                SELECT t.seq, t.ctid, t.priority, t.topic AS topic,
+                       t.concurrency_key AS ckey, t.fairness_key AS fkey,
+                       coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
+                FROM {table} t
+                WHERE v_expired AND {flow_expired}
+                  AND t.topic = a.topic AND t.concurrency_key = a.ckey
+                  AND t.fairness_key = a.fkey
+                ORDER BY t.priority DESC, t.seq
+                LIMIT a.allow
+                FOR UPDATE OF t SKIP LOCKED
+            ) x
+            ORDER BY priority DESC, seq
             LIMIT a.allow
-            FOR UPDATE OF t SKIP LOCKED
         ) p
         WHERE a.allow > 0
     ),
@@ -3226,6 +3271,7 @@ BEGIN
     v_claim := replace(v_claim, '{lease_set}', v_lease_set);
     v_claim := replace(v_claim, '{flow_ready}', v_flow_ready_probe);
     v_claim := replace(v_claim, '{flow_due}', v_flow_due);
+    v_claim := replace(v_claim, '{flow_expired}', v_flow_expired);
     v_claim := replace(v_claim, '{leased_columns}', v_leased_columns);
     v_claim := replace(v_claim, '{t.chains}', CASE WHEN p_category = 'outbox'
         THEN '(t.has_dependents AND t.stream IS NULL)' ELSE 'false' END);
@@ -5806,12 +5852,12 @@ BEGIN ATOMIC
 END;
 
 -- The undone rows (neither done nor dead) of p_category's table, as the text of a query
--- (SELECT u.* ...) in four disjoint parts, each the predicate of a partial index (_stream,
--- _flow, _ready, _timer). "Undone" alone matches no index, and a table keeps its done
--- rows for RETENTION_SECONDS: read as one predicate, the console's sample read the whole
--- table every minute (0.17 s for 1.1 million rows, 10,000 undone; 0.02 s in parts). A
--- row outside a stream that is not its head is in no part: the producers store none, and
--- no claim takes one.
+-- (SELECT u.* ...) in five disjoint parts, each the predicate of a partial index
+-- (_stream, _flow, _flowtimer, _ready, _timer). "Undone" alone matches no index, and a
+-- table keeps its done rows for RETENTION_SECONDS: read as one predicate, the console's
+-- sample read the whole table every minute (0.17 s for 1.1 million rows, 10,000 undone;
+-- 0.02 s in parts). A row outside a stream that is not its head is in no part: the
+-- producers store none, and no claim takes one.
 CREATE FUNCTION workpump.undone_rows_sql(p_category text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
@@ -5825,6 +5871,10 @@ BEGIN
     RETURN v_undone || 'u.stream IS NOT NULL'
         || ' UNION ALL ' || v_undone
         || 'u.stream IS NULL AND u.stream_head AND u.flow_controlled'
+        || ' AND u.instance_id IS NULL'
+        || ' UNION ALL ' || v_undone
+        || 'u.stream IS NULL AND u.stream_head AND u.flow_controlled'
+        || ' AND u.instance_id IS NOT NULL'
         || ' UNION ALL ' || v_undone
         || 'u.stream IS NULL AND u.stream_head AND NOT u.flow_controlled'
         || ' AND u.instance_id IS NULL AND u.scheduled_for IS NULL'

@@ -126,6 +126,39 @@ def test_an_expired_lease_no_longer_counts_against_the_cap():
     assert [r["attempts"] for r in outbox(ids)] == [2, 0]
 
 
+def flow_timer_reads() -> int:
+    """Index entries of the outbox's _flowtimer index read in this transaction so far."""
+    return scalar("SELECT pg_stat_get_xact_tuples_returned('wp_outbox_flowtimer'::regclass)")
+
+
+def test_a_flow_head_whose_lease_expired_is_taken_over_first_by_a_claim_that_reads_no_table():
+    """A leased flow-controlled head is kept out of _flow (in _flowtimer): its group is
+    found, and its row taken over first, in its place, once its lease expired, also when
+    it is all its group has; and no claim or probe reads the table for it."""
+    lone = send("other.topic", fairness_key="t2")
+    ids = send(n=3, fairness_key="t1")
+    assert {r["work_id"] for r in claim(max_rows=2, lease_seconds=10)} == {lone[0], ids[0]}
+    ready = "SELECT workpump.claimable_outbox(%s, %s, true, %s)"
+    assert scalar(ready, [["other.topic"], None, at(5)]) is False
+    assert [r["work_id"] for r in claim(now=at(5), max_rows=1)] == [ids[1]]
+
+    before = seq_scans("workpump_outbox")
+    timer_reads = flow_timer_reads()
+    assert scalar(ready, [["other.topic"], None, at(11)]) is True
+    again = claim(now=at(11), lease_seconds=10)
+    taken = [r["work_id"] for r in again]
+    # the expired heads, each a new attempt, and in t1's turn before its newer row
+    assert sorted(taken) == sorted([lone[0], ids[0], ids[2]])
+    assert taken.index(ids[0]) < taken.index(ids[2])
+    assert [r["attempts"] for r in again if r["work_id"] in (lone[0], ids[0])] == [2, 2]
+    assert seq_scans("workpump_outbox") == before
+    assert flow_timer_reads() > timer_reads  # found through _flowtimer
+    reasons = run_sql(
+        "SELECT failure_reason FROM workpump_outbox WHERE work_id = ANY (%s)", [[lone[0], ids[0]]]
+    )
+    assert [r["failure_reason"] for r in reasons] == ["lease_expired", "lease_expired"]
+
+
 def test_a_concurrency_key_is_capped_across_topics_and_categories():
     rule("key", "", "partner:acme", concurrency=3)
     acme_out = send("a.topic", n=3, concurrency_key="partner:acme")
