@@ -2510,6 +2510,19 @@ DECLARE
     v_flow_expired text := $due$t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
           AND t.flow_controlled AND t.instance_id IS NOT NULL AND t.lease_expiry <= v_now
           AND (t.scheduled_for IS NULL OR t.scheduled_for <= v_now)$due$;
+    -- the first heads of a flow pass's group a that {heads} selects, in claim order, at
+    -- most what the group may start, locked (a row another claimer holds is skipped)
+    v_group_picks text := $picks$
+                SELECT t.seq, t.ctid, t.priority, t.topic AS topic,
+                       t.concurrency_key AS ckey, t.fairness_key AS fkey,
+                       coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
+                FROM {table} t
+                WHERE {heads}
+                  AND t.topic = a.topic AND t.concurrency_key = a.ckey
+                  AND t.fairness_key = a.fkey
+                ORDER BY t.priority DESC, t.seq
+                LIMIT a.allow
+                FOR UPDATE OF t SKIP LOCKED$picks$;
     -- whether a flow-controlled head of these topics may be leased at v_now (the claim's
     -- guard of its flow pass, and claimable_<category>'s probe of it); ordered by
     -- the _flow index's key, which keeps the planner on that index (an EXISTS was
@@ -2753,33 +2766,11 @@ BEGIN
                     / a.weight) AS round
         FROM group_allow a
         CROSS JOIN LATERAL (
-            SELECT u.* FROM (
-                SELECT t.seq, t.ctid, t.priority, t.topic AS topic,
-                       t.concurrency_key AS ckey, t.fairness_key AS fkey,
-                       coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-                FROM {table} t
-                WHERE {flow_due}
-                  AND t.topic = a.topic AND t.concurrency_key = a.ckey
-                  AND t.fairness_key = a.fkey
-                ORDER BY t.priority DESC, t.seq
-                LIMIT a.allow
-                FOR UPDATE OF t SKIP LOCKED
-            ) u
+            SELECT u.* FROM ({group_picks_due}) u
             UNION ALL
             -- the group's heads whose lease expired, in the same order (a one-time
             -- filter: read only when there are such heads)
-            SELECT x.* FROM (
-                SELECT t.seq, t.ctid, t.priority, t.topic AS topic,
-                       t.concurrency_key AS ckey, t.fairness_key AS fkey,
-                       coalesce(t.lease_expiry, t.scheduled_for, t.created_at) AS due_at
-                FROM {table} t
-                WHERE v_expired AND {flow_expired}
-                  AND t.topic = a.topic AND t.concurrency_key = a.ckey
-                  AND t.fairness_key = a.fkey
-                ORDER BY t.priority DESC, t.seq
-                LIMIT a.allow
-                FOR UPDATE OF t SKIP LOCKED
-            ) x
+            SELECT x.* FROM ({group_picks_expired}) x
             ORDER BY priority DESC, seq
             LIMIT a.allow
         ) p
@@ -3269,6 +3260,10 @@ BEGIN
     v_claim := replace(v_claim, '{chain_runs}',
         CASE WHEN p_category = 'outbox' THEN v_chain_runs ELSE '' END);
     v_claim := replace(v_claim, '{lease_set}', v_lease_set);
+    v_claim := replace(v_claim, '{group_picks_due}',
+                       replace(v_group_picks, '{heads}', '{flow_due}'));
+    v_claim := replace(v_claim, '{group_picks_expired}',
+                       replace(v_group_picks, '{heads}', 'v_expired AND {flow_expired}'));
     v_claim := replace(v_claim, '{flow_ready}', v_flow_ready_probe);
     v_claim := replace(v_claim, '{flow_due}', v_flow_due);
     v_claim := replace(v_claim, '{flow_expired}', v_flow_expired);

@@ -349,9 +349,9 @@ WITH clock AS (
     SELECT DISTINCT h.category FROM handled h WHERE h.topic IS NULL AND h.prefix IS NULL
 ), waiting AS (
     -- undone rows, not dead, that no unexpired lease holds: the first %(exact_limit)s + 1
-    -- of each partial index (_ready, _timer, _flow, _flowtimer, _stream), in claim order.
-    -- Rows no instance runs are never claimed, so they stay first; past the limit the
-    -- counts are of the rows read (estimated)
+    -- of each partial index (_ready, _flow and _flowtimer, _timer, _stream), in claim
+    -- order. Rows no instance runs are never claimed, so they stay first; past the limit
+    -- the counts are of the rows read (estimated)
     -- each category, joined by UNION ALL
     (SELECT '{category}' AS category, 'ready' AS arm, t.topic, t.created_at
      FROM {table} t, clock c
@@ -362,20 +362,18 @@ WITH clock AS (
        ORDER BY t.priority DESC, t.seq
      LIMIT %(exact_limit)s + 1)
     UNION ALL
-    (SELECT '{category}' AS category, 'flow' AS arm, t.topic, t.created_at
-     FROM {table} t, clock c
+    (SELECT '{category}' AS category, 'flow' AS arm, f.topic, f.created_at
+     FROM clock c CROSS JOIN LATERAL (
+         -- unleased heads (_flow), then leased ones whose lease expired (_flowtimer)
+         (SELECT t.topic, t.created_at FROM {table} t
+          WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+            AND t.flow_controlled AND t.instance_id IS NULL LIMIT %(exact_limit)s + 1)
+         UNION ALL
+         (SELECT t.topic, t.created_at FROM {table} t
+          WHERE t.done_at IS NULL AND t.dead_lettered_at IS NULL AND t.stream_head
+            AND t.flow_controlled AND t.instance_id IS NOT NULL AND t.lease_expiry <= c.now
+          ORDER BY t.lease_expiry LIMIT %(exact_limit)s + 1)) f
      WHERE '{category}' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND t.stream_head AND t.flow_controlled AND t.instance_id IS NULL
-     LIMIT %(exact_limit)s + 1)
-    UNION ALL
-    (SELECT '{category}' AS category, 'flowtimer' AS arm, t.topic, t.created_at
-     FROM {table} t, clock c
-     WHERE '{category}' NOT IN (SELECT e.category FROM everything e)
-       AND t.done_at IS NULL AND t.dead_lettered_at IS NULL
-       AND t.stream_head AND t.flow_controlled AND t.instance_id IS NOT NULL
-       AND t.lease_expiry <= c.now
-       ORDER BY t.lease_expiry
      LIMIT %(exact_limit)s + 1)
     UNION ALL
     (SELECT '{category}' AS category, 'timer' AS arm, t.topic, t.created_at

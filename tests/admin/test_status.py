@@ -549,6 +549,30 @@ def test_waiting_rows_whose_topic_no_live_instance_advertises_are_listed_by_topi
     ]
 
 
+def test_flow_controlled_rows_no_live_instance_runs_are_listed_unless_a_lease_holds_them():
+    """Flow-controlled heads are read from two indexes: the unleased (_flow) and the
+    leased ones whose lease expired (_flowtimer); one an unexpired lease holds is not
+    waiting."""
+    advertising({"outbox": []})
+    flow = {"flow_controlled": True, "fairness_key": "tenant"}
+    make("outbox", topic="partner.call", created_at=at(-40), **flow)
+    make(
+        "outbox",
+        topic="partner.call",
+        created_at=at(-50),
+        instance_id=HOLDER,
+        lease_expiry=at(30),  # expired at NOW
+        **flow,
+    )
+    make("outbox", topic="partner.held", instance_id=HOLDER, lease_expiry=FAR_FUTURE, **flow)
+
+    unhandled = status.unhandled_topics(now=NOW)
+
+    assert [(u.topic, u.rows, u.oldest_age_seconds) for u in unhandled] == [
+        ("partner.call", 2, 110.0)
+    ]
+
+
 def test_an_instance_that_advertises_no_topics_runs_every_topic_of_its_categories():
     advertising(None)
     make("outbox", topic="emails.new")
