@@ -126,9 +126,9 @@ def test_an_expired_lease_no_longer_counts_against_the_cap():
     assert [r["attempts"] for r in outbox(ids)] == [2, 0]
 
 
-def flow_timer_reads() -> int:
-    """Index entries of the outbox's _flowtimer index read in this transaction so far."""
-    return scalar("SELECT pg_stat_get_xact_tuples_returned('wp_outbox_flowtimer'::regclass)")
+def index_reads(index: str) -> int:
+    """Index entries of ``index`` read in this transaction so far."""
+    return scalar("SELECT pg_stat_get_xact_tuples_returned(%s::regclass)", [index])
 
 
 def test_a_flow_head_whose_lease_expired_is_taken_over_first_by_a_claim_that_reads_no_table():
@@ -143,7 +143,7 @@ def test_a_flow_head_whose_lease_expired_is_taken_over_first_by_a_claim_that_rea
     assert [r["work_id"] for r in claim(now=at(5), max_rows=1)] == [ids[1]]
 
     before = seq_scans("workpump_outbox")
-    timer_reads = flow_timer_reads()
+    timer_reads = index_reads("wp_outbox_flowtimer")
     assert scalar(ready, [["other.topic"], None, at(11)]) is True
     again = claim(now=at(11), lease_seconds=10)
     taken = [r["work_id"] for r in again]
@@ -152,7 +152,7 @@ def test_a_flow_head_whose_lease_expired_is_taken_over_first_by_a_claim_that_rea
     assert taken.index(ids[0]) < taken.index(ids[2])
     assert [r["attempts"] for r in again if r["work_id"] in (lone[0], ids[0])] == [2, 2]
     assert seq_scans("workpump_outbox") == before
-    assert flow_timer_reads() > timer_reads  # found through _flowtimer
+    assert index_reads("wp_outbox_flowtimer") > timer_reads  # found through _flowtimer
     reasons = run_sql(
         "SELECT failure_reason FROM workpump_outbox WHERE work_id = ANY (%s)", [[lone[0], ids[0]]]
     )
@@ -236,11 +236,6 @@ def test_a_claim_planned_on_a_near_empty_table_leases_rows_without_scanning_it(f
 # --- fairness -----------------------------------------------------------------------------
 
 
-def flow_index_reads() -> int:
-    """Index entries of the outbox's _flow index read in this transaction so far."""
-    return scalar("SELECT pg_stat_get_xact_tuples_returned('wp_outbox_flow'::regclass)")
-
-
 def test_a_claimer_of_other_topics_does_not_read_a_flow_controlled_backlog():
     rule("topic", "outbox", TOPIC, concurrency=100_000)
     run_sql(
@@ -250,10 +245,10 @@ def test_a_claimer_of_other_topics_does_not_read_a_flow_controlled_backlog():
     )
     # every row is flow-controlled: claim_work's probe answers by the _flow index alone
     ready = "SELECT workpump.claimable_outbox(%s, %s, true, %s)"
-    before = flow_index_reads()
+    before = index_reads("wp_outbox_flow")
     assert scalar(ready, [["other.a", "other.b"], None, T0]) is False
     # each named topic is one descent of the index, not a walk past the backlog
-    assert flow_index_reads() - before <= 4
+    assert index_reads("wp_outbox_flow") - before <= 4
     assert scalar(ready, [["other.a", TOPIC], None, T0]) is True
     assert scalar(ready, [None, None, T0]) is True
     assert scalar(ready, [[], [TOPIC[:3]], T0]) is True
@@ -278,13 +273,13 @@ def test_the_flow_probe_reads_from_the_newest_end_past_a_drained_oldest_end():
     assert {r["status"] for r in done} == {"done"}
 
     ready = "SELECT workpump.claimable_outbox(%s, %s, true, %s)"
-    before = flow_index_reads()
+    before = index_reads("wp_outbox_flow")
     assert scalar(ready, [None, None, T0]) is True
     assert scalar(ready, [[TOPIC], None, T0]) is True
     assert scalar(ready, [[], [TOPIC[:3]], T0]) is True
     # 1,000 entries of ended versions lie at the oldest end (each row's first and its
     # leased one): each probe reads its answer at the other end
-    assert flow_index_reads() - before <= 6
+    assert index_reads("wp_outbox_flow") - before <= 6
 
 
 def test_the_claim_takes_fairness_keys_round_robin_with_priority_inside_a_key():
