@@ -142,9 +142,13 @@ LEFT_SQL = {  # each probe ordered by its partial index's key, so no probe is a 
     "workpump": "SELECT EXISTS (SELECT 1 FROM workpump_outbox WHERE done_at IS NULL"
     " AND dead_lettered_at IS NULL AND stream_head AND instance_id IS NULL"
     " AND scheduled_for IS NULL AND NOT flow_controlled ORDER BY priority DESC, seq LIMIT 1)"
-    # flow-controlled rows (docs/flow-control.md): the _flow index
-    " OR EXISTS (SELECT 1 FROM workpump_outbox WHERE done_at IS NULL"
-    " AND dead_lettered_at IS NULL AND stream_head AND flow_controlled LIMIT 1)"
+    # unleased flow-controlled rows (docs/flow-control.md): the _flow index (leased ones
+    # are in _held, below), read from its newest end as the claim's probe reads it; not an
+    # EXISTS, whose ORDER BY the planner drops: it scanned the table, stepping over every
+    # row done so far, in each probe of a drain of such rows
+    " OR (SELECT 1 FROM workpump_outbox WHERE done_at IS NULL"
+    " AND dead_lettered_at IS NULL AND stream_head AND flow_controlled AND instance_id IS NULL"
+    " ORDER BY topic DESC, concurrency_key DESC, fairness_key DESC LIMIT 1) IS NOT NULL"
     " OR EXISTS (SELECT 1 FROM workpump_outbox WHERE instance_id IS NOT NULL"
     " ORDER BY instance_id LIMIT 1)",
     "pgqueuer": "SELECT EXISTS (SELECT 1 FROM pgqueuer WHERE status = 'queued'"
